@@ -1,0 +1,38 @@
+# Two entry points: `make demo` and `make test`. Both create or reuse .venv and install the
+# project with torch pinned in the same pip resolve, so pip never swaps in another torch build.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.lightning-gp-installed
+# The torch already importable (the venv's, else the system's), else the CPU build on this machine.
+TORCH_VERSION := $(shell $(PY) -c "import torch; print(torch.__version__)" 2>/dev/null || \
+                         $(PYTHON) -c "import torch; print(torch.__version__)" 2>/dev/null || \
+                         echo 2.13.0)
+PYTEST_ARGS ?=
+
+.PHONY: install test demo bench clean
+
+install: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "torch==$(TORCH_VERSION)" > $(VENV)/constraints.txt
+	@echo "installing lightning-gp into $(VENV) with torch==$(TORCH_VERSION) pinned"
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c $(VENV)/constraints.txt "torch==$(TORCH_VERSION)" -e ".[test]"
+	@# torchvision from the registry breaks `import lightning` on CPU; nothing may pull it in.
+	@if $(PY) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torchvision') is None)"; then \
+		echo "error: torchvision got installed into $(VENV); find what pulled it in (pip show torchvision)"; exit 1; fi
+	@touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(PY) -m lightning_gp.demo --output-dir demo_output
+
+bench: $(STAMP)
+	@echo "benchmarks live in benchmarks/; run one with: $(PY) benchmarks/<name>.py --help"
+
+clean:
+	rm -rf demo_output lightning_logs .pytest_cache
