@@ -1,0 +1,21 @@
+"""Pure gradient defenses: named per-layer gradients of one client in, shared gradients out.
+
+No Lightning imports here; :mod:`lightning_gp.callbacks` adapts these to a ``Trainer``.
+"""
+
+from lightning_gp.defenses.base import Defense, Gradients
+from lightning_gp.defenses.pruning import MagnitudePruning
+from lightning_gp.defenses.selection import count_for_rate, largest_magnitude_mask
+from lightning_gp.defenses.sparsification import SparsifyingDefense
+from lightning_gp.defenses.validation import NonFiniteGradientError, check_rate
+
+__all__ = [
+    "Defense",
+    "Gradients",
+    "MagnitudePruning",
+    "NonFiniteGradientError",
+    "SparsifyingDefense",
+    "check_rate",
+    "count_for_rate",
+    "largest_magnitude_mask",
+]

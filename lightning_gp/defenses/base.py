@@ -1,0 +1,224 @@
+"""The contract every defense implements: a transform of one client's named gradients.
+
+A defense maps the named per-layer gradients of one client to the gradients that client shares.
+It may keep per-client state (error-feedback residuals, masks) and draw randomness; both live in
+the defense, keyed by client id, are created lazily on the client's first round, and travel
+through ``state_dict``/``load_state_dict`` so a run resumes with every client's state intact.
+Defenses import nothing from Lightning: the callbacks in :mod:`lightning_gp.callbacks` adapt them.
+"""
+
+from __future__ import annotations
+
+import warnings
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from lightning_gp.defenses.validation import (
+    NONFINITE_POLICIES,
+    NonFiniteGradientError,
+    check_choice,
+    check_client_id,
+    check_gradients,
+    nonfinite_layers,
+)
+
+Gradients = dict[str, Tensor]
+
+
+class Defense(ABC):
+    """Base class of gradient defenses (pure tensor code, explicit per-client state).
+
+    Subclasses implement :meth:`transform` and, when they keep state, :meth:`init_client_state`.
+    Calling the defense validates the input, applies the non-finite policy, fetches (or creates)
+    the client's state and random generator, runs :meth:`transform` and stores the new state.
+
+    Args:
+        seed: seeds the per-client generators (client ``c`` draws from a stream seeded by
+            ``(seed, c)``, so results do not depend on the order clients are processed). ``None``
+            draws the seed from torch's global generator, so ``lightning.seed_everything`` fixes it.
+        nonfinite: what to do with NaN/inf gradients: ``"error"`` raises
+            :class:`NonFiniteGradientError`; ``"zero"`` replaces them with 0 and warns.
+    """
+
+    def __init__(self, *, seed: int | None = None, nonfinite: str = "error") -> None:
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, ()).item())
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be a non-negative int or None, got {seed!r}")
+        self.seed = seed
+        self.nonfinite = check_choice(nonfinite, "nonfinite", NONFINITE_POLICIES)
+        self.num_clients: int | None = None
+        self._states: dict[int, Gradients] = {}
+        self._generators: dict[int, torch.Generator] = {}
+        self._pending_generator_states: dict[int, Tensor] = {}
+        self._layer_shapes: dict[str, torch.Size] | None = None
+
+    # ---------------------------------------------------------------- subclass API
+    @abstractmethod
+    def transform(
+        self, gradients: Gradients, state: Gradients, generator: torch.Generator
+    ) -> tuple[Gradients, Gradients]:
+        """Return ``(shared_gradients, new_state)`` for one client. Must not modify its inputs."""
+
+    def init_client_state(self, gradients: Gradients) -> Gradients:
+        """The state of a client seen for the first time (empty for stateless defenses)."""
+        return {}
+
+    def config(self) -> dict[str, Any]:
+        """The hyperparameters that define the defense (checked when a checkpoint is restored)."""
+        return {}
+
+    # ---------------------------------------------------------------- public API
+    def __call__(self, gradients: Mapping[str, Tensor], client_id: int = 0) -> Gradients:
+        check_gradients(gradients)
+        client_id = check_client_id(client_id, self.num_clients)
+        gradients = self._apply_nonfinite_policy(dict(gradients), client_id)
+        self._check_layer_shapes({n: g.shape for n, g in gradients.items()}, f"the gradients of client {client_id}")
+        state = self._states.get(client_id)
+        if state is None:
+            state = self.init_client_state(gradients)
+        generator = self._generator(client_id, next(iter(gradients.values())).device)
+        shared, new_state = self.transform(gradients, state, generator)
+        if shared.keys() != gradients.keys():
+            raise RuntimeError(f"{type(self).__name__}.transform changed the set of layers")
+        self._states[client_id] = new_state
+        return shared
+
+    def set_num_clients(self, num_clients: int | None) -> None:
+        """Declare how many clients the run has; later calls reject ids outside ``0..n-1``."""
+        if num_clients is not None and (not isinstance(num_clients, int) or num_clients < 1):
+            raise ValueError(f"num_clients must be a positive int, got {num_clients!r}")
+        known = [c for c in self._states if num_clients is not None and c >= num_clients]
+        if known:
+            raise ValueError(
+                f"this defense holds state for client ids {known}, but the run has {num_clients} clients"
+            )
+        self.num_clients = num_clients
+
+    def client_state(self, client_id: int) -> Gradients:
+        """The stored state of one client (a KeyError if that client has not been seen)."""
+        client_id = check_client_id(client_id, self.num_clients)
+        if client_id not in self._states:
+            raise KeyError(f"no state for client {client_id}: it has not shared a gradient yet")
+        return self._states[client_id]
+
+    @property
+    def clients(self) -> list[int]:
+        return sorted(self._states)
+
+    def reset(self) -> None:
+        """Forget every client's state and generator."""
+        self._states.clear()
+        self._generators.clear()
+        self._pending_generator_states.clear()
+        self._layer_shapes = None
+
+    def check_layer_shapes(self, shapes: Mapping[str, torch.Size]) -> None:
+        """Raise if stored state was made for other layers than ``shapes`` (e.g. after a resume)."""
+        self._check_layer_shapes({n: torch.Size(s) for n, s in shapes.items()}, "the model")
+
+    def state_dict(self) -> dict[str, Any]:
+        generators = dict(self._pending_generator_states)
+        generators.update({c: g.get_state() for c, g in self._generators.items()})
+        return {
+            "defense": type(self).__qualname__,
+            "config": self.config(),
+            "seed": self.seed,
+            "num_clients": self.num_clients,
+            "layer_shapes": None if self._layer_shapes is None else {n: list(s) for n, s in self._layer_shapes.items()},
+            "client_states": {c: dict(s) for c, s in self._states.items()},
+            "generator_states": generators,
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        expected = {"defense", "config", "seed", "num_clients", "layer_shapes", "client_states", "generator_states"}
+        missing = expected - set(state_dict)
+        if missing:
+            raise ValueError(f"not a {type(self).__name__} state dict: missing keys {sorted(missing)}")
+        if state_dict["defense"] != type(self).__qualname__ or state_dict["config"] != self.config():
+            raise ValueError(
+                f"the checkpoint holds the state of {state_dict['defense']}({_fmt(state_dict['config'])}), "
+                f"but this defense is {self!r}; restore it into an identically configured defense"
+            )
+        saved_clients = state_dict["num_clients"]
+        if saved_clients is not None and self.num_clients is not None and saved_clients != self.num_clients:
+            raise ValueError(
+                f"the checkpoint holds defense state for a run of {saved_clients} clients, "
+                f"but this run has {self.num_clients}"
+            )
+        self.reset()
+        self.seed = int(state_dict["seed"])
+        self.num_clients = self.num_clients if self.num_clients is not None else saved_clients
+        shapes = state_dict["layer_shapes"]
+        self._layer_shapes = None if shapes is None else {n: torch.Size(s) for n, s in shapes.items()}
+        self._states = {int(c): dict(s) for c, s in state_dict["client_states"].items()}
+        self._pending_generator_states = {int(c): s for c, s in state_dict["generator_states"].items()}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({_fmt(self.config())})"
+
+    # ---------------------------------------------------------------- internals
+    def _generator(self, client_id: int, device: torch.device) -> torch.Generator:
+        generator = self._generators.get(client_id)
+        if generator is not None and generator.device.type == device.type:
+            return generator
+        generator = torch.Generator(device=device)
+        pending = self._pending_generator_states.pop(client_id, None)
+        if pending is not None:
+            try:
+                generator.set_state(pending)
+            except RuntimeError as err:
+                raise RuntimeError(
+                    f"cannot restore client {client_id}'s random state on {device}: it was saved on "
+                    "another device type; resume on the device the checkpoint was written on"
+                ) from err
+        else:
+            words = np.random.SeedSequence([self.seed, client_id]).generate_state(2, dtype=np.uint32)
+            generator.manual_seed(int(words[0]) << 32 | int(words[1]))
+        self._generators[client_id] = generator
+        return generator
+
+    def _apply_nonfinite_policy(self, gradients: Gradients, client_id: int) -> Gradients:
+        bad = nonfinite_layers(gradients)
+        if not bad:
+            return gradients
+        if self.nonfinite == "error":
+            raise NonFiniteGradientError(
+                f"client {client_id}'s gradient holds NaN or inf in {bad}; fix the training "
+                f"(learning rate, loss scaling) or pass nonfinite='zero' to {type(self).__name__}"
+            )
+        warnings.warn(
+            f"{type(self).__name__}: client {client_id}'s gradient holds NaN or inf in {bad}; "
+            "those entries are replaced by 0 (nonfinite='zero')",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return {n: torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0) if n in bad else g for n, g in gradients.items()}
+
+    def _check_layer_shapes(self, shapes: dict[str, torch.Size], where: str) -> None:
+        if self._layer_shapes is None:
+            self._layer_shapes = shapes
+            return
+        if shapes == self._layer_shapes:
+            return
+        missing = [n for n in self._layer_shapes if n not in shapes]
+        extra = [n for n in shapes if n not in self._layer_shapes]
+        changed = [
+            f"{n}: {tuple(self._layer_shapes[n])} -> {tuple(s)}"
+            for n, s in shapes.items()
+            if n in self._layer_shapes and s != self._layer_shapes[n]
+        ]
+        raise ValueError(
+            f"{type(self).__name__} holds state for other layers than {where} "
+            f"(missing: {missing}, unexpected: {extra}, shape changes: {changed}); "
+            "was the checkpoint written for another model?"
+        )
+
+
+def _fmt(config: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in config.items())

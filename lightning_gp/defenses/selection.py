@@ -1,0 +1,36 @@
+"""O(n) selection of gradient entries by magnitude (``torch.topk``, never a full sort)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def count_for_rate(rate: float, numel: int) -> int:
+    """The number of entries a fraction ``rate`` of ``numel`` stands for, rounded half up."""
+    return min(numel, max(0, int(rate * numel + 0.5)))
+
+
+def largest_magnitude_mask(values: Tensor, k: int) -> Tensor:
+    """Boolean mask (shape of ``values``) of exactly ``k`` entries with the largest ``|values|``.
+
+    Among tied magnitudes, which entries are taken is decided by ``torch.topk``. Runs ``topk`` on
+    the smaller side (``k`` or ``n - k`` entries), so the cost is linear in ``n`` for small sides.
+    """
+    n = values.numel()
+    if not 0 <= k <= n:
+        raise ValueError(f"k must be in [0, {n}] for a tensor of {n} entries, got {k}")
+    if k == 0:
+        return torch.zeros_like(values, dtype=torch.bool)
+    if k == n:
+        return torch.ones_like(values, dtype=torch.bool)
+    magnitude = values.detach().abs().flatten()
+    if magnitude.dtype in (torch.float16, torch.bfloat16):
+        magnitude = magnitude.float()
+    mask = torch.zeros(n, dtype=torch.bool, device=values.device)
+    if k <= n - k:
+        mask[magnitude.topk(k, largest=True, sorted=False).indices] = True
+    else:
+        mask.fill_(True)
+        mask[magnitude.topk(n - k, largest=False, sorted=False).indices] = False
+    return mask.view_as(values)

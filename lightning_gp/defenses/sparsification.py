@@ -1,0 +1,45 @@
+"""Defenses that share a subset of gradient entries, with optional error feedback."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+from lightning_gp.defenses.base import Defense, Gradients
+
+
+class SparsifyingDefense(Defense):
+    """Shares the entries a mask selects and zeros the rest, per client.
+
+    With ``error_feedback`` the client keeps what it did not send and adds it to its next
+    gradient (Stich et al. 2018; DGC, Lin et al. 2018; DGP Alg. 2):
+    ``P = g + e``, ``shared = P * mask(P)``, ``e' = P - shared``.
+    Subclasses implement :meth:`select`, which sees all layers so a mask may be global.
+    """
+
+    def __init__(self, *, error_feedback: bool = False, seed: int | None = None, nonfinite: str = "error") -> None:
+        super().__init__(seed=seed, nonfinite=nonfinite)
+        if not isinstance(error_feedback, bool):
+            raise TypeError(f"error_feedback must be a bool, got {error_feedback!r}")
+        self.error_feedback = error_feedback
+
+    @abstractmethod
+    def select(self, values: Mapping[str, Tensor], generator: torch.Generator) -> dict[str, Tensor]:
+        """Boolean keep-masks, one per layer, for the (error-compensated) values."""
+
+    def init_client_state(self, gradients: Gradients) -> Gradients:
+        if not self.error_feedback:
+            return {}
+        return {name: torch.zeros_like(grad) for name, grad in gradients.items()}
+
+    def transform(
+        self, gradients: Gradients, state: Gradients, generator: torch.Generator
+    ) -> tuple[Gradients, Gradients]:
+        values = {n: g + state[n] for n, g in gradients.items()} if self.error_feedback else gradients
+        masks = self.select(values, generator)
+        shared = {n: torch.where(masks[n], v, torch.zeros((), dtype=v.dtype, device=v.device)) for n, v in values.items()}
+        new_state = {n: values[n] - shared[n] for n in values} if self.error_feedback else {}
+        return shared, new_state

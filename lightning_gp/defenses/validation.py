@@ -1,0 +1,72 @@
+"""Argument and gradient checks shared by every defense (errors name the argument)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+NONFINITE_POLICIES = ("error", "zero")
+
+
+class NonFiniteGradientError(ValueError):
+    """A gradient holds NaN or inf and the defense's ``nonfinite`` policy is ``"error"``."""
+
+
+def check_rate(value: float, name: str) -> float:
+    """Return ``value`` as a float in [0, 1] or raise a ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number in [0, 1], got {type(value).__name__} {value!r}")
+    if not math.isfinite(value) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+    return float(value)
+
+
+def check_choice(value: str, name: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+    return value
+
+
+def check_client_id(client_id: int, num_clients: int | None) -> int:
+    """A client id is a non-negative int, below ``num_clients`` once the run declared that number."""
+    if isinstance(client_id, Tensor) and client_id.numel() == 1:
+        client_id = int(client_id.item())
+    if isinstance(client_id, bool) or not isinstance(client_id, int):
+        raise TypeError(f"client_id must be an int, got {type(client_id).__name__} {client_id!r}")
+    if client_id < 0:
+        raise ValueError(f"client_id must be >= 0, got {client_id}")
+    if num_clients is not None and client_id >= num_clients:
+        raise KeyError(
+            f"unknown client_id {client_id}: this run has {num_clients} clients (ids 0..{num_clients - 1})"
+        )
+    return client_id
+
+
+def check_gradients(gradients: Mapping[str, Tensor]) -> None:
+    """Named per-layer gradients: a non-empty mapping of str to dense floating tensors."""
+    if not isinstance(gradients, Mapping):
+        raise TypeError(
+            f"gradients must be a mapping of parameter name to tensor, got {type(gradients).__name__}"
+        )
+    if len(gradients) == 0:
+        raise ValueError("gradients is empty: the defense needs at least one named layer gradient")
+    for name, grad in gradients.items():
+        if not isinstance(name, str):
+            raise TypeError(f"gradients keys must be parameter names (str), got {name!r}")
+        if not isinstance(grad, Tensor):
+            raise TypeError(f"gradients[{name!r}] must be a torch.Tensor, got {type(grad).__name__}")
+        if grad.layout != torch.strided:
+            raise ValueError(f"gradients[{name!r}] is a {grad.layout} tensor; only dense gradients are supported")
+        if not grad.is_floating_point():
+            raise TypeError(f"gradients[{name!r}] must be a floating-point tensor, got dtype {grad.dtype}")
+
+
+def nonfinite_layers(gradients: Mapping[str, Tensor]) -> list[str]:
+    """Names of the layers holding NaN or inf (one device sync for the whole model)."""
+    names = list(gradients)
+    device = gradients[names[0]].device
+    finite = torch.stack([gradients[n].isfinite().all().to(device) for n in names]).tolist()
+    return [n for n, ok in zip(names, finite) if not ok]
