@@ -1,0 +1,26 @@
+"""Lightning callbacks: thin adapters that put defenses on the path of the shared gradient.
+
+Give them to a ``Trainer`` in the order the defenses should apply; observers (taps, meters)
+always see the gradient after every defense.
+"""
+
+from lightning_gp.callbacks.base import GradientDefense, SharedGradientCallback, SharedGradientObserver
+from lightning_gp.callbacks.communication import CommunicationMeter, dense_nbytes, encoded_nbytes
+from lightning_gp.callbacks.pipeline import SharedGradientPipeline
+from lightning_gp.callbacks.progress import ProgressPrinter
+from lightning_gp.callbacks.pruning import MagnitudePruning
+from lightning_gp.callbacks.tap import GradientTap, TappedGradient
+
+__all__ = [
+    "CommunicationMeter",
+    "GradientDefense",
+    "GradientTap",
+    "MagnitudePruning",
+    "ProgressPrinter",
+    "SharedGradientCallback",
+    "SharedGradientObserver",
+    "SharedGradientPipeline",
+    "TappedGradient",
+    "dense_nbytes",
+    "encoded_nbytes",
+]
