@@ -1,0 +1,28 @@
+"""Federated learning in one process: client partitions, per-round sampling, FedSGD/FedAvg."""
+
+from lightning_gp.federated.aggregation import weighted_mean
+from lightning_gp.federated.client_updates import client_gradients, client_local_updates, updates_running_stats
+from lightning_gp.federated.partition import (
+    dirichlet_partition,
+    iid_partition,
+    label_histogram,
+    partition,
+    shard_partition,
+)
+from lightning_gp.federated.rounds import ClientRounds, RoundSampler
+from lightning_gp.federated.simulation import FederatedSimulation
+
+__all__ = [
+    "ClientRounds",
+    "FederatedSimulation",
+    "RoundSampler",
+    "client_gradients",
+    "client_local_updates",
+    "dirichlet_partition",
+    "iid_partition",
+    "label_histogram",
+    "partition",
+    "shard_partition",
+    "updates_running_stats",
+    "weighted_mean",
+]

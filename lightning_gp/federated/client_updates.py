@@ -1,0 +1,139 @@
+"""Each sampled client's gradient (FedSGD) or local update (FedAvg), batched over clients.
+
+The vectorized path evaluates all clients at once with ``torch.func`` (``functional_call`` +
+``grad`` + ``vmap`` over the client dimension). BatchNorm running statistics cannot be updated
+under ``vmap``, so models that track them use the loop path: one ordinary autograd pass per
+client. Both paths compute the same per-client quantities.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, grad_and_value, vmap
+from torch.nn.modules.batchnorm import _BatchNorm
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
+
+
+def updates_running_stats(module: nn.Module) -> bool:
+    """True when a forward pass in training mode would update BatchNorm running statistics."""
+    return any(isinstance(m, _BatchNorm) and m.track_running_stats and m.training for m in module.modules())
+
+
+def trainable_parameters(module: nn.Module) -> dict[str, Tensor]:
+    return {n: p for n, p in module.named_parameters() if p.requires_grad}
+
+
+def _frozen_state(module: nn.Module) -> dict[str, Tensor]:
+    frozen = {n: p.detach() for n, p in module.named_parameters() if not p.requires_grad}
+    frozen.update(dict(module.named_buffers()))
+    return frozen
+
+
+def _loss_of(module: nn.Module, loss_fn: LossFn, frozen: dict[str, Tensor]) -> Callable[..., Tensor]:
+    def loss(params: dict[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
+        return loss_fn(functional_call(module, {**frozen, **params}, (x,)), y)
+
+    return loss
+
+
+def client_gradients(
+    module: nn.Module,
+    loss_fn: LossFn,
+    inputs: Tensor,
+    targets: Tensor,
+    *,
+    vectorize: bool,
+    chunk_size: int | None = None,
+) -> tuple[dict[str, Tensor], Tensor]:
+    """FedSGD: the gradient of every client's loss on its own batch.
+
+    Args:
+        inputs: ``[C, B, ...]``, one local batch per client; ``targets``: ``[C, B, ...]``.
+    Returns:
+        ``({name: [C, *param.shape]}, losses [C])`` for the trainable parameters.
+    """
+    params = {n: p.detach() for n, p in trainable_parameters(module).items()}
+    if vectorize:
+        step = grad_and_value(_loss_of(module, loss_fn, _frozen_state(module)))
+        grads, losses = vmap(step, in_dims=(None, 0, 0), randomness="different", chunk_size=chunk_size)(params, inputs, targets)
+        return grads, losses.detach()
+    live = trainable_parameters(module)
+    per_client, losses = [], []
+    for x, y in zip(inputs, targets):
+        with torch.enable_grad():
+            loss = loss_fn(module(x), y)
+            grads = torch.autograd.grad(loss, list(live.values()), allow_unused=True)
+        per_client.append([torch.zeros_like(p) if g is None else g for p, g in zip(live.values(), grads)])
+        losses.append(loss.detach())
+    stacked = {n: torch.stack([client[i] for client in per_client]) for i, n in enumerate(live)}
+    return stacked, torch.stack(losses)
+
+
+def client_local_updates(
+    module: nn.Module,
+    loss_fn: LossFn,
+    inputs: Tensor,
+    targets: Tensor,
+    *,
+    lr: float,
+    vectorize: bool,
+    chunk_size: int | None = None,
+) -> tuple[dict[str, Tensor], Tensor, dict[str, Tensor] | None]:
+    """FedAvg: every client runs ``S`` SGD steps from the global weights on its own batches.
+
+    Args:
+        inputs: ``[C, S, B, ...]``; ``targets``: ``[C, S, B, ...]``.
+    Returns:
+        ``(pseudo_gradients, losses, buffers)``: ``pseudo_gradients[name]`` is
+        ``[C, *shape]`` holding ``w_global - w_local`` (what the client shares: applying it with
+        SGD at lr 1 is McMahan et al.'s FedAvg), ``losses`` is ``[C]`` (mean over local steps),
+        and ``buffers`` the clients' mean BatchNorm statistics (loop path; ``None`` otherwise).
+    """
+    start = {n: p.detach() for n, p in trainable_parameters(module).items()}
+    if vectorize:
+        step = grad_and_value(_loss_of(module, loss_fn, _frozen_state(module)))
+
+        def local_training(params: dict[str, Tensor], xs: Tensor, ys: Tensor) -> tuple[dict[str, Tensor], Tensor]:
+            current, total = params, 0.0
+            for s in range(xs.shape[0]):
+                grads, loss = step(current, xs[s], ys[s])
+                current = {n: current[n] - lr * grads[n] for n in current}
+                total = total + loss
+            return {n: params[n] - current[n] for n in params}, total / xs.shape[0]
+
+        deltas, losses = vmap(local_training, in_dims=(None, 0, 0), randomness="different", chunk_size=chunk_size)(
+            start, inputs, targets
+        )
+        return deltas, losses.detach(), None
+    per_client, losses, buffers = [], [], []
+    for xs, ys in zip(inputs, targets):
+        local = copy.deepcopy(module)
+        live = trainable_parameters(local)
+        total = 0.0
+        for x, y in zip(xs, ys):
+            with torch.enable_grad():
+                loss = loss_fn(local(x), y)
+                grads = torch.autograd.grad(loss, list(live.values()), allow_unused=True)
+            with torch.no_grad():
+                for p, g in zip(live.values(), grads):
+                    if g is not None:
+                        p.sub_(lr * g)
+            total += loss.detach()
+        per_client.append({n: start[n] - p.detach() for n, p in live.items()})
+        losses.append(total / xs.shape[0])
+        buffers.append(dict(local.named_buffers()))
+    stacked = {n: torch.stack([client[n] for client in per_client]) for n in start}
+    return stacked, torch.stack(losses), _mean_buffers(buffers)
+
+
+def _mean_buffers(buffers: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    mean = {}
+    for name in buffers[0]:
+        stacked = torch.stack([b[name] for b in buffers])
+        mean[name] = stacked.float().mean(0).to(stacked.dtype) if stacked.is_floating_point() else stacked.max(0).values
+    return mean

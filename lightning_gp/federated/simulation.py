@@ -1,0 +1,328 @@
+"""In-process federated learning: many simulated clients, one LightningModule.
+
+One training step is one communication round:
+sample clients -> each computes its gradient (FedSGD) or local update (FedAvg) on its own data
+-> the trainer's defense callbacks rewrite it with that client's own state -> **shared update**
+(observers such as GradientTap see it here) -> the server averages and its optimizer steps.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+from lightning_gp.callbacks.pipeline import SharedGradientPipeline
+from lightning_gp.defenses.validation import check_choice
+from lightning_gp.federated.aggregation import weighted_mean
+from lightning_gp.federated.client_updates import (
+    client_gradients,
+    client_local_updates,
+    trainable_parameters,
+    updates_running_stats,
+)
+from lightning_gp.federated.partition import PARTITION_SCHEMES, partition
+from lightning_gp.federated.rounds import ClientRounds, RoundSampler
+
+Algorithm = Literal["fedsgd", "fedavg"]
+
+
+def _positive_int(value: int, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _positive_float(value: float, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+    return float(value)
+
+
+class FederatedSimulation(pl.LightningModule):
+    """Simulate FedSGD or FedAvg with ``num_clients`` clients around a user's model.
+
+    Each training step is one round: ``clients_per_round`` clients are drawn (a fixed function of
+    the seed and the round, so resumed runs see the same clients and data), every client works
+    on its own partition of the training set, the trainer's ``GradientDefense`` callbacks
+    transform what each client shares with that client's own state, and the server averages the
+    shared updates and steps its optimizer. Rounds are ``Trainer(max_steps=...)``.
+
+    Args:
+        module: the client model, an ``nn.Module`` or a ``LightningModule``; its ``forward(x)``
+            gives the outputs, and a LightningModule's ``configure_optimizers`` (if it defines
+            one) builds the server optimizer.
+        datamodule: where the data comes from: its ``train_dataset`` is split among the clients
+            and its val/test loaders evaluate the global model. Pass it here, not to ``fit``.
+        loss: the client loss (mean over the batch); default: ``module.loss_fn`` if present,
+            else cross-entropy.
+        algorithm: ``"fedsgd"`` (clients share one gradient of their local batch) or
+            ``"fedavg"`` (clients run ``local_steps`` SGD steps at ``local_lr`` and share
+            ``w_global - w_local``; the server's SGD at lr 1.0 is McMahan et al.'s FedAvg).
+        num_clients: total clients; ``clients_per_round``: clients sampled each round.
+        local_batch_size: samples in one local batch; ``local_steps``: local batches per round
+            (FedAvg only; FedSGD uses one).
+        partition: ``"iid"``, ``"dirichlet"`` (label skew with ``dirichlet_alpha``) or
+            ``"shards"`` (``shards_per_client`` label shards each).
+        rounds_per_epoch: rounds between validations; default one pass over the data.
+        server_optimizer, server_lr, server_momentum: the server optimizer when ``module`` does
+            not configure one.
+        vectorize: batch clients with ``torch.func.vmap`` (``None``: whenever the model does not
+            update BatchNorm running statistics, falling back to the loop if vmap fails).
+        client_chunk_size: clients per vmap chunk, to bound memory on large models.
+        weighting: ``"uniform"`` mean of shared updates, or ``"num_samples"`` weighted by each
+            client's partition size (McMahan et al. 2017).
+        seed: seeds the partition and the per-round sampling.
+    """
+
+    defends_per_client = True
+
+    def __init__(
+        self,
+        module: nn.Module,
+        datamodule: pl.LightningDataModule | None = None,
+        loss: nn.Module | None = None,
+        algorithm: Algorithm = "fedsgd",
+        num_clients: int = 10,
+        clients_per_round: int = 10,
+        local_batch_size: int = 8,
+        local_steps: int = 1,
+        local_lr: float = 0.1,
+        partition: Literal["iid", "dirichlet", "shards"] = "iid",
+        dirichlet_alpha: float = 0.5,
+        shards_per_client: int = 2,
+        rounds_per_epoch: int | None = None,
+        server_optimizer: Literal["sgd", "adam"] = "sgd",
+        server_lr: float = 0.1,
+        server_momentum: float = 0.0,
+        vectorize: bool | None = None,
+        client_chunk_size: int | None = None,
+        weighting: Literal["uniform", "num_samples"] = "uniform",
+        num_workers: int = 0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+        if datamodule is not None and not isinstance(datamodule, pl.LightningDataModule):
+            raise TypeError(f"datamodule must be a LightningDataModule, got {type(datamodule).__name__}")
+        self.algorithm = check_choice(algorithm, "algorithm", ("fedsgd", "fedavg"))
+        self.num_clients = _positive_int(num_clients, "num_clients")
+        self.clients_per_round = _positive_int(clients_per_round, "clients_per_round")
+        if clients_per_round > num_clients:
+            raise ValueError(f"clients_per_round ({clients_per_round}) cannot exceed num_clients ({num_clients})")
+        self.local_batch_size = _positive_int(local_batch_size, "local_batch_size")
+        self.local_steps = _positive_int(local_steps, "local_steps")
+        if algorithm == "fedsgd" and local_steps != 1:
+            raise ValueError("local_steps > 1 needs algorithm='fedavg' (a FedSGD client shares one gradient)")
+        self.local_lr = _positive_float(local_lr, "local_lr")
+        self.partition = check_choice(partition, "partition", PARTITION_SCHEMES)
+        self.dirichlet_alpha = _positive_float(dirichlet_alpha, "dirichlet_alpha")
+        self.shards_per_client = _positive_int(shards_per_client, "shards_per_client")
+        self.rounds_per_epoch = None if rounds_per_epoch is None else _positive_int(rounds_per_epoch, "rounds_per_epoch")
+        self.server_optimizer = check_choice(server_optimizer, "server_optimizer", ("sgd", "adam"))
+        self.server_lr = _positive_float(server_lr, "server_lr")
+        if not 0.0 <= server_momentum < 1.0:
+            raise ValueError(f"server_momentum must be in [0, 1), got {server_momentum!r}")
+        self.server_momentum = float(server_momentum)
+        if vectorize and updates_running_stats(module):
+            raise ValueError(
+                "vectorize=True cannot update BatchNorm running statistics under vmap; pass vectorize=None/False "
+                "or use a model with GroupNorm"
+            )
+        self.vectorize = vectorize
+        self.client_chunk_size = None if client_chunk_size is None else _positive_int(client_chunk_size, "client_chunk_size")
+        self.weighting = check_choice(weighting, "weighting", ("uniform", "num_samples"))
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        self.num_workers = num_workers
+        self.seed = seed
+        self.module = module
+        self.source_datamodule = datamodule
+        self.loss_fn = loss if loss is not None else getattr(module, "loss_fn", None) or nn.CrossEntropyLoss()
+        self.automatic_optimization = False
+        self.client_indices: list[Tensor] | None = None
+        self._rounds: ClientRounds | None = None
+        self.save_hyperparameters(ignore=["module", "datamodule", "loss"])
+
+    # ------------------------------------------------------------------ model
+    @property
+    def client_module(self) -> nn.Module:
+        return self.module
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.module(x)
+
+    def configure_optimizers(self) -> Any:
+        if isinstance(self.module, pl.LightningModule) and is_overridden("configure_optimizers", self.module, pl.LightningModule):
+            return self.module.configure_optimizers()
+        params = list(trainable_parameters(self.module).values())
+        if self.server_optimizer == "adam":
+            return torch.optim.Adam(params, lr=self.server_lr)
+        return torch.optim.SGD(params, lr=self.server_lr, momentum=self.server_momentum)
+
+    # ------------------------------------------------------------------ data
+    def prepare_data(self) -> None:
+        self._require_datamodule().prepare_data()
+
+    def setup(self, stage: str) -> None:
+        if self.trainer is not None and self.trainer.datamodule is not None:
+            raise ValueError(
+                "FederatedSimulation splits its own data among clients: pass the datamodule as "
+                "FederatedSimulation(datamodule=...), not to Trainer.fit/validate/test"
+            )
+        if self.trainer is not None and self.trainer.world_size > 1:
+            raise NotImplementedError(
+                "FederatedSimulation runs every client in one process; for one client per rank, train your "
+                "LightningModule under DDP directly (the defense callbacks then run in the DDP comm hook)"
+            )
+        datamodule = self._require_datamodule()
+        datamodule.setup(stage)
+        if stage == "fit":
+            self._build_clients(datamodule)
+
+    def _require_datamodule(self) -> pl.LightningDataModule:
+        if self.source_datamodule is None:
+            raise ValueError("FederatedSimulation needs data: pass datamodule=YourDataModule(...)")
+        return self.source_datamodule
+
+    def _build_clients(self, datamodule: pl.LightningDataModule) -> None:
+        dataset = getattr(datamodule, "train_dataset", None)
+        if dataset is None:
+            raise ValueError(f"{type(datamodule).__name__} has no train_dataset after setup('fit'); the simulation splits it among clients")
+        targets = getattr(dataset, "targets", None)
+        if targets is None and self.partition != "iid":
+            targets = torch.as_tensor([int(y) for _, y in dataset])
+        self.client_indices = partition(
+            self.partition,
+            self.num_clients,
+            num_samples=len(dataset),
+            targets=targets,
+            dirichlet_alpha=self.dirichlet_alpha,
+            shards_per_client=self.shards_per_client,
+            seed=self.seed,
+        )
+        self._rounds = ClientRounds(
+            dataset, self.client_indices, self.clients_per_round, self.local_batch_size, self.local_steps, seed=self.seed
+        )
+        small = [c for c, idx in enumerate(self.client_indices) if len(idx) < self.local_batch_size * self.local_steps]
+        if small:
+            warnings.warn(
+                f"clients {small[:10]}{'...' if len(small) > 10 else ''} hold fewer than local_batch_size * local_steps "
+                "samples and draw their local batches with replacement",
+                stacklevel=2,
+            )
+
+    def train_dataloader(self) -> DataLoader:
+        if self._rounds is None:
+            raise RuntimeError("train_dataloader() is only available after setup('fit')")
+        per_round = self.clients_per_round * self.local_batch_size * self.local_steps
+        rounds = self.rounds_per_epoch or max(1, math.ceil(len(self._rounds.dataset) / per_round))
+        # The sampler starts each epoch at the current step, so round r always gets data r.
+        sampler = RoundSampler(lambda: self.global_step, rounds)
+        return DataLoader(self._rounds, batch_size=None, sampler=sampler, num_workers=self.num_workers)
+
+    def val_dataloader(self) -> Any:
+        return self._require_datamodule().val_dataloader()
+
+    def test_dataloader(self) -> Any:
+        return self._require_datamodule().test_dataloader()
+
+    # ------------------------------------------------------------------ one round
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        round_idx = int(batch["round"])
+        client_ids: list[int] = batch["client_ids"].tolist()
+        inputs, targets = batch["inputs"], batch["targets"]
+        self.module.train()
+        updates, losses, buffers = self._client_updates(inputs, targets)
+
+        pipeline = SharedGradientPipeline.from_trainer(self.trainer)
+        meta = {
+            "path": "simulation",
+            "algorithm": self.algorithm,
+            "local_batch_size": self.local_batch_size,
+            "local_steps": self.local_steps,
+            "local_lr": self.local_lr,
+        }
+        shared = [
+            pipeline.process(
+                {name: update[i] for name, update in updates.items()},
+                client_id=client,
+                round=round_idx,
+                model=self.module,
+                batch=(inputs[i].flatten(0, 1), targets[i].flatten(0, 1)),
+                meta=meta,
+            )
+            for i, client in enumerate(client_ids)
+        ]
+        weights = None
+        if self.weighting == "num_samples":
+            weights = [len(self.client_indices[c]) for c in client_ids]
+        self._server_step(weighted_mean(shared, weights), buffers)
+
+        loss = losses.mean()
+        self.log("train_loss", loss, prog_bar=True, batch_size=len(client_ids))
+        return loss
+
+    def _client_updates(self, inputs: Tensor, targets: Tensor) -> tuple[dict[str, Tensor], Tensor, dict[str, Tensor] | None]:
+        vectorize = self.vectorize if self.vectorize is not None else not updates_running_stats(self.module)
+        try:
+            return self._compute_updates(inputs, targets, vectorize)
+        except RuntimeError as err:
+            if not vectorize or self.vectorize is not None:
+                raise
+            warnings.warn(f"vmap over clients failed ({err}); falling back to one pass per client", stacklevel=2)
+            self.vectorize = False
+            return self._compute_updates(inputs, targets, False)
+
+    def _compute_updates(self, inputs: Tensor, targets: Tensor, vectorize: bool) -> tuple[dict[str, Tensor], Tensor, dict[str, Tensor] | None]:
+        if self.algorithm == "fedsgd":
+            grads, losses = client_gradients(
+                self.module, self.loss_fn, inputs[:, 0], targets[:, 0], vectorize=vectorize, chunk_size=self.client_chunk_size
+            )
+            return grads, losses, None
+        return client_local_updates(
+            self.module, self.loss_fn, inputs, targets, lr=self.local_lr, vectorize=vectorize, chunk_size=self.client_chunk_size
+        )
+
+    @torch.no_grad()
+    def _server_step(self, update: dict[str, Tensor], buffers: dict[str, Tensor] | None) -> None:
+        optimizer = self.optimizers()
+        optimizer.zero_grad(set_to_none=True)
+        for name, param in trainable_parameters(self.module).items():
+            param.grad = update[name].to(param.dtype)
+        optimizer.step()
+        if buffers is not None:
+            for name, buffer in self.module.named_buffers():
+                buffer.copy_(buffers[name])
+        self._step_schedulers("step")
+
+    def on_train_epoch_end(self) -> None:
+        self._step_schedulers("epoch")
+
+    def _step_schedulers(self, interval: str) -> None:
+        for config in self.trainer.lr_scheduler_configs:
+            if config.interval == interval:
+                count = self.trainer.global_step if interval == "step" else self.trainer.current_epoch + 1
+                if count % config.frequency == 0:
+                    config.scheduler.step()
+
+    # ------------------------------------------------------------------ evaluation
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self._evaluate(batch, "val")
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self._evaluate(batch, "test")
+
+    def _evaluate(self, batch: Any, stage: str) -> None:
+        x, y = batch[0], batch[1]
+        logits = self.module(x)
+        self.log(f"{stage}_loss", self.loss_fn(logits, y), prog_bar=False, batch_size=len(y))
+        if logits.ndim == 2 and y.ndim == 1:
+            self.log(f"{stage}_acc", (logits.argmax(-1) == y).float().mean(), prog_bar=True, batch_size=len(y))
