@@ -1,0 +1,78 @@
+"""LightningModule for plain (non-federated) image classification with any model of this package."""
+
+from typing import Literal
+
+import lightning as L
+import torch
+from torch import nn
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class ImageClassifier(L.LightningModule):
+    """Cross-entropy training of ``model`` with SGD or Adam; logs loss and top-1 accuracy.
+
+    Every argument is type-hinted so LightningCLI can build it, e.g.
+    ``model: {class_path: lightning_gp.models.LeNetZhu, init_args: {num_classes: 10}}``.
+    ``momentum`` applies to SGD only.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float = 0.1,
+        optimizer: Literal["sgd", "adam"] = "sgd",
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not lr > 0:
+            raise ValueError(f"lr must be > 0, got {lr!r}")
+        if optimizer not in ("sgd", "adam"):
+            raise ValueError(f"optimizer must be 'sgd' or 'adam', got {optimizer!r}")
+        if not momentum >= 0:
+            raise ValueError(f"momentum must be >= 0, got {momentum!r}")
+        if optimizer == "adam" and momentum != 0:
+            raise ValueError("momentum is only used by optimizer='sgd'; leave it at 0 for 'adam'")
+        if not weight_decay >= 0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+        self.save_hyperparameters(ignore=["model"])
+        self.model = model
+        self.loss_fn = nn.CrossEntropyLoss()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+    def _loss_acc(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        images, targets = batch
+        logits = self(images)
+        loss = self.loss_fn(logits, targets)
+        acc = (logits.argmax(dim=1) == targets).float().mean()
+        return loss, acc
+
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        loss, _ = self._loss_acc(batch)
+        self.log("train_loss", loss, batch_size=batch[0].shape[0])
+        return loss
+
+    def validation_step(self, batch: Batch, batch_idx: int) -> None:
+        loss, acc = self._loss_acc(batch)
+        n = batch[0].shape[0]
+        self.log("val_loss", loss, batch_size=n)
+        self.log("val_acc", acc, prog_bar=True, batch_size=n)
+
+    def test_step(self, batch: Batch, batch_idx: int) -> None:
+        loss, acc = self._loss_acc(batch)
+        n = batch[0].shape[0]
+        self.log("test_loss", loss, batch_size=n)
+        self.log("test_acc", acc, batch_size=n)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        hp = self.hparams
+        if hp.optimizer == "adam":
+            return torch.optim.Adam(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
+        return torch.optim.SGD(
+            self.parameters(), lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay
+        )
