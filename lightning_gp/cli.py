@@ -1,0 +1,51 @@
+"""The ``lightning-gp`` command: LightningCLI over every model, datamodule and defense callback.
+
+    lightning-gp fit --config configs/fedsgd_magnitude_pruning.yaml
+    lightning-gp fit --config configs/fedsgd_magnitude_pruning.yaml --trainer.fast_dev_run=true
+    lightning-gp test --config configs/fedsgd_undefended.yaml --ckpt_path=path/to/last.ckpt
+
+Models, datamodules and callbacks are chosen by class path in the YAML (``class_path:
+lightning_gp.callbacks.MagnitudePruning``); any importable LightningModule or datamodule works.
+A ``FederatedSimulation`` carries its datamodule inside (``model.init_args.datamodule``), so
+federated configs have no top-level ``data`` section.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.cli import LightningCLI
+
+
+class LightningGPCLI(LightningCLI):
+    """LightningCLI with subclass mode for models and data, and config saving that overwrites."""
+
+    def __init__(self, args: Any = None, **kwargs: Any) -> None:
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        kwargs.setdefault("parser_kwargs", {"description": "lightning-gp: gradient-privacy defenses for Lightning"})
+        super().__init__(
+            model_class=None,
+            datamodule_class=None,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            args=args,
+            **kwargs,
+        )
+
+    def _dump_config(self) -> None:
+        # Lightning's hyperparameter instantiator for LightningDataModules reads the top-level
+        # `data` section and fails when it is null, which it is whenever a FederatedSimulation
+        # builds its own nested datamodule. Give it the nested section instead.
+        super()._dump_config()
+        if self.config_dump.get("data") is None:
+            model = self.config_dump.get("model") or {}
+            self.config_dump["data"] = (model.get("init_args") or {}).get("datamodule") or {}
+
+
+def main(args: Any = None) -> None:
+    """Console entry point (``lightning-gp``)."""
+    LightningGPCLI(args=args)
+
+
+if __name__ == "__main__":
+    main()
