@@ -80,6 +80,21 @@ class GradientDefense(SharedGradientCallback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.defense.load_state_dict(state_dict["defense"])
 
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        # Lightning silently skips saved callback state whose key matches no callback; for a
+        # defense that would drop every client's state, so a mismatch is an error.
+        saved = {
+            key: state["defense"]
+            for key, state in checkpoint.get("callbacks", {}).items()
+            if isinstance(state, dict) and isinstance(state.get("defense"), dict) and "client_states" in state["defense"]
+        }
+        if saved and self.state_key not in saved:
+            found = ", ".join(f"{s['defense']}({', '.join(f'{k}={v!r}' for k, v in s['config'].items())})" for s in saved.values())
+            raise ValueError(
+                f"the checkpoint holds defense state for {found}, but none for {self!r}; resume with the "
+                "defense callbacks (and settings) the run was started with"
+            )
+
     def __repr__(self) -> str:
         return repr(self.defense)
 

@@ -57,6 +57,7 @@ class Defense(ABC):
         self._generators: dict[int, torch.Generator] = {}
         self._pending_generator_states: dict[int, Tensor] = {}
         self._layer_shapes: dict[str, torch.Size] | None = None
+        self._restored_num_clients: int | None = None
 
     # ---------------------------------------------------------------- subclass API
     @abstractmethod
@@ -93,6 +94,12 @@ class Defense(ABC):
         """Declare how many clients the run has; later calls reject ids outside ``0..n-1``."""
         if num_clients is not None and (not isinstance(num_clients, int) or num_clients < 1):
             raise ValueError(f"num_clients must be a positive int, got {num_clients!r}")
+        restored = self._restored_num_clients
+        if restored is not None and num_clients is not None and restored != num_clients:
+            raise ValueError(
+                f"{type(self).__name__} was restored with state for a run of {restored} clients, but this run has "
+                f"{num_clients}; resume with the same number of clients"
+            )
         known = [c for c in self._states if num_clients is not None and c >= num_clients]
         if known:
             raise ValueError(
@@ -152,6 +159,7 @@ class Defense(ABC):
                 f"but this run has {self.num_clients}"
             )
         self.reset()
+        self._restored_num_clients = saved_clients
         self.seed = int(state_dict["seed"])
         self.num_clients = self.num_clients if self.num_clients is not None else saved_clients
         shapes = state_dict["layer_shapes"]

@@ -9,12 +9,13 @@ from lightning_gp.federated.partition import (
     partition,
     shard_partition,
 )
-from lightning_gp.federated.rounds import ClientRounds, RoundSampler
+from lightning_gp.federated.rounds import ClientRounds, RoundLoader, RoundSampler
 from lightning_gp.federated.simulation import FederatedSimulation
 
 __all__ = [
     "ClientRounds",
     "FederatedSimulation",
+    "RoundLoader",
     "RoundSampler",
     "client_gradients",
     "client_local_updates",

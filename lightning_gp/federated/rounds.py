@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 
 def _round_generator(seed: int, round_idx: int, stream: int) -> torch.Generator:
@@ -109,3 +109,15 @@ class RoundSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return self.rounds_per_epoch
+
+
+class RoundLoader(DataLoader):
+    """The loader of client rounds. Resumable by construction: the data of round ``r`` depends
+    on ``r`` alone and the sampler starts at the current step, so there is no state to restore;
+    the state methods tell Lightning so instead of warning about mid-epoch checkpoints."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass

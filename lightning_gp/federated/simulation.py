@@ -16,7 +16,6 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
-from torch.utils.data import DataLoader
 
 from lightning_gp.callbacks.pipeline import SharedGradientPipeline
 from lightning_gp.defenses.validation import check_choice
@@ -28,7 +27,7 @@ from lightning_gp.federated.client_updates import (
     updates_running_stats,
 )
 from lightning_gp.federated.partition import PARTITION_SCHEMES, partition
-from lightning_gp.federated.rounds import ClientRounds, RoundSampler
+from lightning_gp.federated.rounds import ClientRounds, RoundLoader, RoundSampler
 
 Algorithm = Literal["fedsgd", "fedavg"]
 
@@ -219,14 +218,14 @@ class FederatedSimulation(pl.LightningModule):
                 stacklevel=2,
             )
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> RoundLoader:
         if self._rounds is None:
             raise RuntimeError("train_dataloader() is only available after setup('fit')")
         per_round = self.clients_per_round * self.local_batch_size * self.local_steps
         rounds = self.rounds_per_epoch or max(1, math.ceil(len(self._rounds.dataset) / per_round))
         # The sampler starts each epoch at the current step, so round r always gets data r.
         sampler = RoundSampler(lambda: self.global_step, rounds)
-        return DataLoader(self._rounds, batch_size=None, sampler=sampler, num_workers=self.num_workers)
+        return RoundLoader(self._rounds, batch_size=None, sampler=sampler, num_workers=self.num_workers)
 
     def val_dataloader(self) -> Any:
         return self._require_datamodule().val_dataloader()

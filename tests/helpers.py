@@ -1,0 +1,96 @@
+"""Small real components the integration tests share (no mocks: real modules and data)."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_gp.defenses import Defense
+
+
+class LabelledTensorDataset(TensorDataset):
+    @property
+    def targets(self) -> torch.Tensor:
+        return self.tensors[1]
+
+
+class RandomImages(L.LightningDataModule):
+    """Seeded random images with labels, the datamodule protocol the simulation expects."""
+
+    def __init__(self, n_train: int = 240, n_val: int = 40, shape: tuple[int, ...] = (1, 12, 12), classes: int = 4) -> None:
+        super().__init__()
+        self.n_train, self.n_val, self.shape, self.classes = n_train, n_val, shape, classes
+
+    def setup(self, stage: str) -> None:
+        g = torch.Generator().manual_seed(123)
+        self.train_dataset = LabelledTensorDataset(
+            torch.randn(self.n_train, *self.shape, generator=g), torch.randint(0, self.classes, (self.n_train,), generator=g)
+        )
+        self.val_dataset = LabelledTensorDataset(
+            torch.randn(self.n_val, *self.shape, generator=g), torch.randint(0, self.classes, (self.n_val,), generator=g)
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_dataset, batch_size=20)
+
+    def test_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_dataset, batch_size=20)
+
+
+def small_cnn(classes: int = 4) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, stride=2), nn.Tanh(), nn.Flatten(), nn.Linear(4 * 5 * 5, classes)
+    )
+
+
+class AddConstant(Defense):
+    """A deterministic, non-commuting companion for MagnitudePruning in ordering tests."""
+
+    def __init__(self, value: float) -> None:
+        super().__init__(seed=0)
+        self.value = value
+
+    def config(self) -> dict:
+        return {"value": self.value}
+
+    def transform(self, gradients, state, generator):
+        return {n: g + self.value for n, g in gradients.items()}, state
+
+
+class CountingDefense(Defense):
+    """Identity that counts its calls (to prove when a path applies defenses)."""
+
+    def __init__(self) -> None:
+        super().__init__(seed=0)
+        self.calls = 0
+
+    def transform(self, gradients, state, generator):
+        self.calls += 1
+        return dict(gradients), state
+
+
+class GaussianJitter(Defense):
+    """Adds noise from the client's generator: exercises seeded, checkpointed randomness."""
+
+    def __init__(self, std: float = 0.01, seed: int = 0) -> None:
+        super().__init__(seed=seed)
+        self.std = std
+
+    def config(self) -> dict:
+        return {"std": self.std}
+
+    def transform(self, gradients, state, generator):
+        return {
+            n: g + self.std * torch.randn(g.shape, generator=generator, device=g.device, dtype=g.dtype)
+            for n, g in gradients.items()
+        }, state
+
+
+def quiet_trainer(**kwargs) -> L.Trainer:
+    defaults = dict(
+        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
+    )
+    defaults.update(kwargs)
+    return L.Trainer(**defaults)

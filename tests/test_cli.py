@@ -1,0 +1,65 @@
+"""The lightning-gp command and the demo, run the way a user runs them."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    result = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=cwd)
+    assert result.returncode == 0, f"{args} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result
+
+
+def test_configs_exist_for_an_undefended_and_a_defended_fedsgd_run():
+    names = {c.stem for c in CONFIGS}
+    assert {"fedsgd_undefended", "fedsgd_magnitude_pruning"} <= names
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.stem)
+def test_every_config_runs_a_fast_dev_run(config, tmp_path):
+    result = run([sys.executable, "-m", "lightning_gp.cli", "fit", "--config", str(config), "--trainer.fast_dev_run=true"], tmp_path)
+    assert "`Trainer.fit` stopped" in result.stdout + result.stderr
+
+
+def test_defended_config_puts_the_defense_on_the_trainer(tmp_path):
+    config = ROOT / "configs" / "fedsgd_magnitude_pruning.yaml"
+    result = run([sys.executable, "-m", "lightning_gp.cli", "fit", "--config", str(config), "--print_config"], tmp_path)
+    assert "lightning_gp.callbacks.MagnitudePruning" in result.stdout and "rate: 0.8" in result.stdout
+
+
+def test_console_script_is_installed():
+    script = Path(sys.executable).parent / "lightning-gp"
+    assert script.exists(), "pip install -e . should install the lightning-gp console script"
+    assert "fit" in subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120).stdout
+
+
+def test_bad_config_value_is_reported_by_name(tmp_path):
+    text = (ROOT / "configs" / "fedsgd_magnitude_pruning.yaml").read_text()
+    assert "rate: 0.8" in text
+    config = tmp_path / "bad.yaml"
+    config.write_text(text.replace("rate: 0.8", "rate: 1.5"))
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_gp.cli", "fit", "--config", str(config), "--trainer.fast_dev_run=true"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )
+    assert result.returncode != 0
+    assert "rate must be in [0, 1]" in result.stderr
+
+
+def test_demo_writes_a_report_with_accuracy_and_bytes(tmp_path):
+    run([sys.executable, "-m", "lightning_gp.demo", "--rounds", "4", "--output-dir", str(tmp_path / "out")], tmp_path)
+    results = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert [r["name"] for r in results] == ["undefended", "magnitude_pruning"]
+    undefended, pruned = results
+    assert 0.0 <= pruned["test_acc"] <= 1.0
+    assert undefended["upload_ratio"] == pytest.approx(1.0)
+    assert pruned["upload_ratio"] < 0.35
+    assert "| magnitude_pruning |" in (tmp_path / "out" / "report.md").read_text()
+    assert (tmp_path / "out" / "taps" / "magnitude_pruning" / "round0_client0.pt").exists()

@@ -1,0 +1,46 @@
+"""DDP, one rank = one client: the defense runs in the comm hook, before the all-reduce."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from scripts.ddp_worker import TinyNet
+
+from lightning_gp.defenses import MagnitudePruning
+
+WORKER = Path(__file__).parent / "scripts" / "ddp_worker.py"
+
+
+def raw_gradient(tapped: dict) -> dict[str, torch.Tensor]:
+    """Recompute the rank's undefended gradient from the weights and batch it tapped."""
+    model = TinyNet()
+    model.load_state_dict(tapped["model_state"])
+    x, y = tapped["batch"]
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    names = [n for n, _ in model.named_parameters()]
+    return dict(zip(names, torch.autograd.grad(loss, list(model.parameters()))))
+
+
+@pytest.mark.multiprocess
+def test_two_process_gloo_aggregate_is_the_mean_of_defended_rank_gradients(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(WORKER), str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert not torch.equal(ranks[0]["tapped"]["batch"][0], ranks[1]["tapped"]["batch"][0])
+
+    raw = [raw_gradient(r["tapped"]) for r in ranks]
+    defended = [r["tapped"]["gradients"] for r in ranks]
+    for rank in range(2):  # what left each rank is the defense applied to that rank's own gradient
+        expected = MagnitudePruning(0.7)(raw[rank])
+        for name in expected:
+            torch.testing.assert_close(defended[rank][name], expected[name])
+
+    aggregated = ranks[0]["aggregated"]
+    for name in aggregated:
+        torch.testing.assert_close(ranks[1]["aggregated"][name], aggregated[name])
+        torch.testing.assert_close(aggregated[name], (defended[0][name] + defended[1][name]) / 2)
+    assert any(not torch.allclose(aggregated[n], (raw[0][n] + raw[1][n]) / 2) for n in aggregated)
