@@ -380,14 +380,6 @@ def test_loading_adopts_the_saved_num_clients_when_none_was_declared():
         b(grads(), client_id=3)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: Defense.load_state_dict (lightning_gp/defenses/base.py:148-159) only compares the saved num_clients with the declared "
-        "one; a checkpoint with num_clients=None holding state for client 5 loads silently into a defense "
-        "that declared 4 clients, although set_num_clients(4) rejects exactly that situation"
-    ),
-)
 def test_loading_state_for_client_5_into_a_declared_4_client_run_is_a_value_error():
     a = MagnitudePruning(0.5, error_feedback=True)  # never told the number of clients
     a(grads(), client_id=5)

@@ -249,14 +249,6 @@ def test_count_for_rate_rounds_half_up_within_bounds(rate, numel, expected):
     assert count_for_rate(rate, numel) == expected
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: count_for_rate (lightning_gp/defenses/selection.py:11) computes int(rate * numel + 0.5) on the "
-        "binary float, so decimal rates whose product is an exact .5 round down (0.7*45 = 31.499999999999996 "
-        "-> 31, 0.29*50 -> 14), contradicting the documented 'round(rate * n), half up'"
-    ),
-)
 @pytest.mark.parametrize("rate, numel, expected", [(0.7, 45, 32), (0.29, 50, 15), (0.58, 25, 15), (0.145, 100, 15)])
 def test_count_for_rate_rounds_decimal_half_up_despite_float_error(rate, numel, expected):
     assert count_for_rate(rate, numel) == expected

@@ -126,6 +126,17 @@ def test_a_clients_local_data_does_not_depend_on_clients_per_round():
         assert torch.equal(a.sample_local_indices(8, client), b.sample_local_indices(8, client))
 
 
+def test_clients_of_equal_size_draw_independent_positions():
+    rounds = make_rounds()  # iid: 6 clients of 20 samples each
+    for r in range(3):
+        positions = []
+        for client in range(6):
+            owned = rounds.client_indices[client]
+            drawn = rounds.sample_local_indices(r, client)
+            positions.append(torch.searchsorted(owned, drawn))  # where in its own partition each draw sits
+        assert len({tuple(p.tolist()) for p in positions}) == 6
+
+
 def test_all_clients_per_round_samples_everyone():
     rounds = make_rounds(clients_per_round=6)
     assert rounds[0]["client_ids"].tolist() == list(range(6))
@@ -224,14 +235,6 @@ def test_weighted_mean_rejects_bad_weights(weights):
         weighted_mean(updates([1.0, 2.0], [3.0, 4.0]), weights)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: weighted_mean (lightning_gp/federated/aggregation.py:24) does not check that weights are "
-        "finite: NaN passes both (w < 0).any() and w.sum() <= 0, and inf makes w / w.sum() NaN, so the "
-        "aggregate is silently all-NaN instead of a ValueError"
-    ),
-)
 @pytest.mark.parametrize("weights", [[float("nan"), 1.0], [float("inf"), 1.0]])
 def test_weighted_mean_rejects_nonfinite_weights(weights):
     with pytest.raises(ValueError, match="weights"):

@@ -158,6 +158,12 @@ class Defense(ABC):
                 f"the checkpoint holds defense state for a run of {saved_clients} clients, "
                 f"but this run has {self.num_clients}"
             )
+        num_clients = self.num_clients if self.num_clients is not None else saved_clients
+        outside = sorted(int(c) for c in state_dict["client_states"] if num_clients is not None and int(c) >= num_clients)
+        if outside:
+            raise ValueError(
+                f"the checkpoint holds state for client ids {outside}, but this run has {num_clients} clients"
+            )
         self.reset()
         self._restored_num_clients = saved_clients
         self.seed = int(state_dict["seed"])

@@ -7,8 +7,12 @@ from torch import Tensor
 
 
 def count_for_rate(rate: float, numel: int) -> int:
-    """The number of entries a fraction ``rate`` of ``numel`` stands for, rounded half up."""
-    return min(numel, max(0, int(rate * numel + 0.5)))
+    """The number of entries a fraction ``rate`` of ``numel`` stands for, rounded half up.
+
+    The product is first rounded to 9 decimals so float error does not turn an exact half
+    down (``0.7 * 45`` is 31.499999999999996 in binary floating point, 31.5 in decimal).
+    """
+    return min(numel, max(0, int(round(rate * numel, 9) + 0.5)))
 
 
 def largest_magnitude_mask(values: Tensor, k: int) -> Tensor:

@@ -56,6 +56,10 @@ def client_gradients(
         inputs: ``[C, B, ...]``, one local batch per client; ``targets``: ``[C, B, ...]``.
     Returns:
         ``({name: [C, *param.shape]}, losses [C])`` for the trainable parameters.
+
+    On the loop path (BatchNorm models) each client's forward pass runs on ``module`` in
+    training mode, so its running statistics absorb every client's batch in turn, as if the
+    server had seen those batches in sequence; FedAvg instead averages the clients' statistics.
     """
     params = {n: p.detach() for n, p in trainable_parameters(module).items()}
     if vectorize:

@@ -1,0 +1,44 @@
+"""Shared output helpers for the benchmark scripts: a printed table plus CSV and Markdown files."""
+
+from __future__ import annotations
+
+import csv
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
+    columns = list(rows[0])
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r[c]) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_results(name: str, rows: Sequence[dict[str, Any]], preamble: str, output_dir: Path = RESULTS_DIR) -> Path:
+    """Write ``name.csv`` and ``name.md``; print the Markdown table."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    with open(output_dir / f"{name}.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    table = markdown_table(rows)
+    (output_dir / f"{name}.md").write_text(f"# {name}\n\n{preamble}\n\n{table}\n")
+    print(table)
+    return output_dir / f"{name}.md"
