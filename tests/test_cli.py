@@ -28,6 +28,14 @@ def test_every_config_runs_a_fast_dev_run(config, tmp_path):
     assert "`Trainer.fit` stopped" in result.stdout + result.stderr
 
 
+@pytest.mark.parametrize("subcommand", ["validate", "test"])
+def test_validate_and_test_subcommands_evaluate_the_simulated_model(subcommand, tmp_path):
+    config = ROOT / "configs" / "fedsgd_undefended.yaml"
+    result = run([sys.executable, "-m", "lightning_gp.cli", subcommand, "--config", str(config), "--trainer.limit_val_batches=1",
+                  "--trainer.limit_test_batches=1"], tmp_path)
+    assert f"{'val' if subcommand == 'validate' else 'test'}_acc" in result.stdout
+
+
 def test_defended_config_puts_the_defense_on_the_trainer(tmp_path):
     config = ROOT / "configs" / "fedsgd_magnitude_pruning.yaml"
     result = run([sys.executable, "-m", "lightning_gp.cli", "fit", "--config", str(config), "--print_config"], tmp_path)

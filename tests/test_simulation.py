@@ -162,3 +162,22 @@ def test_label_skew_partition_reaches_the_clients():
     labels = sim.source_datamodule.train_dataset.targets
     classes_per_client = [len(labels[idx].unique()) for idx in sim.client_indices]
     assert max(classes_per_client) <= 2  # one label-sorted shard spans at most a class boundary
+
+
+def test_wrapped_lightning_module_provides_the_server_optimizer_and_loss(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_gp.models import ImageClassifier
+
+    L.seed_everything(0)
+    classifier = ImageClassifier(small_cnn(), optimizer="adam", lr=0.01)
+    sim = simulation(module=classifier)
+    assert sim.loss_fn is classifier.loss_fn
+    trainer = quiet_trainer(max_steps=3, callbacks=[MagnitudePruning(rate=0.5), CommunicationMeter()],
+                            logger=CSVLogger(tmp_path, name="run"), log_every_n_steps=1,
+                            val_check_interval=3, check_val_every_n_epoch=None)
+    trainer.fit(sim)
+    assert isinstance(trainer.optimizers[0], torch.optim.Adam)
+    metrics = (tmp_path / "run" / "version_0" / "metrics.csv").read_text().splitlines()
+    header = metrics[0].split(",")
+    assert {"train_loss", "comm/upload_bytes", "comm/upload_ratio", "val_acc"} <= set(header)

@@ -37,8 +37,8 @@ class ProgressPrinter(Callback):
 
     def _print(self, trainer: pl.Trainer, what: str) -> None:
         total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else "?"
-        shown = " ".join(
-            f"{name} {float(trainer.callback_metrics[name]):.4f}" for name in self.metrics if name in trainer.callback_metrics
-        )
+        # train lines show training metrics only; validation lines show everything
+        names = [n for n in self.metrics if what == "val" or not n.startswith("val_")]
+        shown = " ".join(f"{n} {float(trainer.callback_metrics[n]):.4f}" for n in names if n in trainer.callback_metrics)
         elapsed = time.perf_counter() - self._start
         print(f"[{what}] step {trainer.global_step}/{total} epoch {trainer.current_epoch} {shown} ({elapsed:.1f}s)", flush=True)

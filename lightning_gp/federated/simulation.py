@@ -73,7 +73,10 @@ class FederatedSimulation(pl.LightningModule):
         server_optimizer, server_lr, server_momentum: the server optimizer when ``module`` does
             not configure one.
         vectorize: batch clients with ``torch.func.vmap`` (``None``: whenever the model does not
-            update BatchNorm running statistics, falling back to the loop if vmap fails).
+            update BatchNorm running statistics, falling back to the loop if vmap fails). Both
+            paths give the same updates; which is faster depends on the model and device (on
+            CPU, vmap wins for LeNetZhu and loses for ConvNet's max-pooling: see
+            ``benchmarks/simulation_throughput.py``).
         client_chunk_size: clients per vmap chunk, to bound memory on large models.
         weighting: ``"uniform"`` mean of shared updates, or ``"num_samples"`` weighted by each
             client's partition size (McMahan et al. 2017).
