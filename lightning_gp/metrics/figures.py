@@ -1,0 +1,164 @@
+"""PNG grids of originals over reconstructions.
+
+Drawn on matplotlib's Agg canvas directly (``Figure`` + ``FigureCanvasAgg``): no pyplot, no global
+backend switch, safe in headless runs and threads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from torch import Tensor
+
+from lightning_gp.metrics.report import ReconstructionReport
+
+# Inches per image cell (width, height: a little taller for the caption) and output resolution.
+CELL_WIDTH_IN = 1.2
+CELL_HEIGHT_IN = 1.45
+LABEL_WIDTH_IN = 1.3  # left margin of save_comparison_grid for run titles
+TOP_MARGIN_IN = 0.2  # room for the first row's captions
+DPI = 100
+
+
+def _as_images(images: Tensor, name: str) -> Tensor:
+    if not isinstance(images, Tensor) or images.ndim != 4 or images.shape[1] not in (1, 3):
+        raise ValueError(f"{name} must be a [B, C, H, W] tensor with 1 or 3 channels, got {getattr(images, 'shape', type(images))}")
+    return images.detach().float().cpu().clamp(0, 1)
+
+
+def _show(ax: Any, image: Tensor) -> None:
+    if image.shape[0] == 1:
+        ax.imshow(image[0].numpy(), cmap="gray", vmin=0.0, vmax=1.0, interpolation="nearest")
+    else:
+        ax.imshow(image.permute(1, 2, 0).numpy(), interpolation="nearest")
+    ax.set_xticks([])
+    ax.set_yticks([])
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+
+
+def _captions(scores: ReconstructionReport | Sequence[Mapping[str, float]] | None, count: int) -> list[str]:
+    if scores is None:
+        return [""] * count
+    rows = [{"psnr": r.psnr, "ssim": r.ssim} for r in scores.rows] if isinstance(scores, ReconstructionReport) else list(scores)
+    if len(rows) != count:
+        raise ValueError(f"scores has {len(rows)} entries for {count} reconstructions")
+    return [f"{_num(r.get('psnr'), '.1f')} dB, SSIM {_num(r.get('ssim'), '.2f')}" for r in rows]
+
+
+def _num(value: float | None, spec: str) -> str:
+    if value is None:
+        return "-"
+    return "inf" if math.isinf(value) else format(value, spec)
+
+
+def _check_pair(originals: Tensor, reconstructed: Tensor) -> tuple[Tensor, Tensor]:
+    originals, reconstructed = _as_images(originals, "originals"), _as_images(reconstructed, "reconstructed")
+    if originals.shape != reconstructed.shape:
+        raise ValueError(
+            f"originals {tuple(originals.shape)} and reconstructed {tuple(reconstructed.shape)} must have the same "
+            "shape (align them first, e.g. report.reconstructed_pixels)"
+        )
+    return originals, reconstructed
+
+
+def grid_size_inches(batch: int, columns: int | None = None, runs: int = 1, label_margin: bool = False) -> tuple[float, float]:
+    """Figure size of a grid of ``batch`` images in rows of ``columns``: (width, height) in inches."""
+    cols = min(batch, columns or batch)
+    blocks = math.ceil(batch / cols)
+    width = cols * CELL_WIDTH_IN + (LABEL_WIDTH_IN if label_margin else 0.0)
+    return width, blocks * (1 + runs) * CELL_HEIGHT_IN + TOP_MARGIN_IN
+
+
+def save_reconstruction_grid(
+    originals: Tensor,
+    reconstructed: Tensor,
+    path: str | Path,
+    scores: ReconstructionReport | Sequence[Mapping[str, float]] | None = None,
+    titles: Sequence[str] | None = None,
+    columns: int | None = None,
+) -> Path:
+    """Write a PNG: originals on top, each aligned reconstruction below, captioned "PSNR dB, SSIM".
+
+    Args:
+        originals, reconstructed: ``[B, C, H, W]`` pixel images in [0, 1], already aligned
+            (``report.original_pixels`` / ``report.reconstructed_pixels``). Grayscale uses cmap gray.
+        path: the PNG to write (folders are created).
+        scores: a :class:`ReconstructionReport` or one mapping with "psnr"/"ssim" per image.
+        titles: one caption per original (e.g. class names).
+        columns: images per row; longer batches wrap into several original/reconstruction blocks.
+    """
+    originals, reconstructed = _check_pair(originals, reconstructed)
+    return _save([("", originals, reconstructed, scores)], path, titles, columns, label_margin=False)
+
+
+def save_comparison_grid(
+    rows: Sequence[tuple[str, Tensor, Tensor, ReconstructionReport | Sequence[Mapping[str, float]] | None]],
+    path: str | Path,
+    titles: Sequence[str] | None = None,
+    columns: int | None = None,
+) -> Path:
+    """Write a PNG of several runs on one batch (e.g. undefended vs defended) stacked.
+
+    ``rows``: ``(title, originals, reconstructed, report)`` per run; all runs show the same
+    originals (the first run's are drawn once, on top), then one captioned reconstruction row
+    per run, labelled with its title on the left.
+    """
+    if not rows:
+        raise ValueError("rows must hold at least one (title, originals, reconstructed, report) run")
+    runs = []
+    for i, row in enumerate(rows):
+        if len(row) != 4:
+            raise ValueError(f"rows[{i}] must be (title, originals, reconstructed, report), got {len(row)} items")
+        title, originals, reconstructed, scores = row
+        originals, reconstructed = _check_pair(originals, reconstructed)
+        if runs and (originals.shape != runs[0][1].shape or not torch.allclose(originals, runs[0][1], atol=1e-4)):
+            raise ValueError(f"rows[{i}] shows other originals than rows[0]: a comparison grid compares runs on one batch")
+        runs.append((str(title), originals, reconstructed, scores))
+    return _save(runs, path, titles, columns, label_margin=True)
+
+
+def _save(runs: list[tuple[str, Tensor, Tensor, Any]], path: str | Path, titles: Sequence[str] | None, columns: int | None, label_margin: bool) -> Path:
+    originals = runs[0][1]
+    batch = originals.shape[0]
+    if columns is not None and columns < 1:
+        raise ValueError(f"columns must be >= 1, got {columns}")
+    if titles is not None and len(titles) != batch:
+        raise ValueError(f"titles has {len(titles)} entries for {batch} images")
+    cols = min(batch, columns or batch)
+    blocks = math.ceil(batch / cols)
+    rows_per_block = 1 + len(runs)
+    width, height = grid_size_inches(batch, columns, runs=len(runs), label_margin=label_margin)
+    fig = Figure(figsize=(width, height), dpi=DPI)
+    FigureCanvasAgg(fig)
+    left = (LABEL_WIDTH_IN / width) if label_margin else 0.01
+    fig.subplots_adjust(left=left, right=0.99, top=1 - TOP_MARGIN_IN / height, bottom=0.01, wspace=0.05, hspace=0.3)
+    axes = fig.subplots(blocks * rows_per_block, cols, squeeze=False)
+    captions = [_captions(scores, batch) for _, _, _, scores in runs]
+    for b in range(blocks):
+        for c in range(cols):
+            i = b * cols + c
+            for r in range(rows_per_block):
+                ax = axes[b * rows_per_block + r][c]
+                if i >= batch:
+                    ax.set_axis_off()
+                    continue
+                if r == 0:
+                    _show(ax, originals[i])
+                    ax.set_title(titles[i] if titles is not None else f"original {i}", fontsize=7)
+                else:
+                    _show(ax, runs[r - 1][2][i])
+                    ax.set_title(captions[r - 1][i] or f"reconstruction {i}", fontsize=7)
+                if c == 0 and label_margin:
+                    label = "original" if r == 0 else runs[r - 1][0]
+                    ax.set_ylabel(label, fontsize=8, rotation=0, ha="right", va="center", labelpad=6)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=DPI)
+    return path

@@ -1,0 +1,304 @@
+"""Score one reconstruction against the client's batch: per-image metrics, means, thresholds.
+
+Thresholds (Refiner, Sec. 5 "Privacy protection" and App. N): below PSNR 15, below SSIM 0.5 and
+above LPIPS 0.05 a human no longer sees the private image. A defense is "private" on a metric
+when the batch mean crosses that threshold in the private direction.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_gp.attacks.base import Reconstruction
+from lightning_gp.attacks.view import ServerView
+from lightning_gp.metrics.image_quality import mse, psnr, ssim
+from lightning_gp.metrics.matching import MATCH_METRICS, match_reconstructions
+from lightning_gp.metrics.nmi import nmi
+
+PRIVACY_THRESHOLDS: dict[str, float] = {"psnr": 15.0, "ssim": 0.5, "lpips": 0.05}
+# True: a higher value means more private (less similar to the original).
+HIGHER_IS_PRIVATE: dict[str, bool] = {"mse": True, "psnr": False, "ssim": False, "lpips": True, "nmi": False}
+METRICS = ("mse", "psnr", "ssim", "lpips", "nmi")
+
+
+@dataclass
+class ImageScores:
+    """Scores of one original and the reconstruction matched to it."""
+
+    index: int  # position in the client's batch
+    matched_index: int  # position in the attack's output
+    mse: float
+    psnr: float
+    ssim: float
+    lpips: float | None
+    nmi: float
+    true_label: int | None = None
+    predicted_label: int | None = None  # the matched reconstruction's label, if the attack gave labels
+
+
+@dataclass
+class ReconstructionReport:
+    """How much of a client's batch an attack recovered (after matching, see ``permutation``).
+
+    Attributes:
+        rows: one :class:`ImageScores` per original image.
+        means: batch mean of each metric (``None`` for LPIPS when it was skipped). A mean PSNR
+            is ``inf`` when any reconstruction is an exact copy (PSNR of identical images).
+        label_accuracy: fraction of the true labels recovered as a multiset,
+            ``|multiset(predicted) ∩ multiset(true)| / B``. Label recovery from a gradient says
+            which labels are in the batch, not which image has which, so this is order-free;
+            ``None`` when the attack returned no labels or no true labels were given.
+        matched_label_accuracy: fraction of originals whose matched reconstruction carries the
+            right label (meaningful for attacks that optimise one label per image, e.g. DLG).
+        private: per thresholded metric, whether the mean crosses the threshold in the private
+            direction (``None`` when the metric was not computed).
+        permutation: ``reconstruction.images[permutation]`` aligns with the originals.
+        original_pixels, reconstructed_pixels: the aligned images in [0, 1] (for figures; not
+            part of ``to_dict``).
+    """
+
+    attack: str
+    match_metric: str
+    rows: list[ImageScores]
+    means: dict[str, float | None]
+    label_accuracy: float | None
+    matched_label_accuracy: float | None
+    thresholds: dict[str, float]
+    private: dict[str, bool | None]
+    permutation: list[int]
+    original_pixels: Tensor | None = field(default=None, repr=False, compare=False)
+    reconstructed_pixels: Tensor | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows)
+
+    @property
+    def private_on_all(self) -> bool | None:
+        """Whether every computed thresholded metric is on the private side (None if none computed)."""
+        flags = [flag for flag in self.private.values() if flag is not None]
+        return all(flags) if flags else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe dict (``inf``/``nan`` written as the strings "inf", "-inf", "nan"); no images."""
+        data = {
+            "attack": self.attack,
+            "match_metric": self.match_metric,
+            "batch_size": self.batch_size,
+            "means": dict(self.means),
+            "label_accuracy": self.label_accuracy,
+            "matched_label_accuracy": self.matched_label_accuracy,
+            "thresholds": dict(self.thresholds),
+            "private": dict(self.private),
+            "private_on_all": self.private_on_all,
+            "permutation": list(self.permutation),
+            "rows": [asdict(row) for row in self.rows],
+        }
+        return _json_safe(data)
+
+    def to_markdown(self) -> str:
+        """A summary table (means, thresholds, verdicts) and a per-image table."""
+        lines = [
+            f"### Reconstruction report{f' ({self.attack})' if self.attack else ''}",
+            "",
+            f"Batch of {self.batch_size}, matched by {self.match_metric}.",
+            "",
+            "| metric | mean | threshold | private |",
+            "| --- | --- | --- | --- |",
+        ]
+        for name in METRICS:
+            threshold = self.thresholds.get(name)
+            side = "-" if threshold is None else ("> " if HIGHER_IS_PRIVATE[name] else "< ") + f"{threshold:g}"
+            flag = self.private.get(name)
+            verdict = "-" if flag is None else ("yes" if flag else "no")
+            lines.append(f"| {name} | {_fmt(self.means.get(name))} | {side} | {verdict} |")
+        lines.append("")
+        lines.append(f"Label accuracy (multiset): {_fmt(self.label_accuracy)}; per matched image: {_fmt(self.matched_label_accuracy)}")
+        lines += ["", "| # | matched | mse | psnr | ssim | lpips | nmi | label | predicted |", "| --- " * 9 + "|"]
+        for r in self.rows:
+            lines.append(
+                f"| {r.index} | {r.matched_index} | {_fmt(r.mse)} | {_fmt(r.psnr)} | {_fmt(r.ssim)} | "
+                f"{_fmt(r.lpips)} | {_fmt(r.nmi)} | {_fmt(r.true_label)} | {_fmt(r.predicted_label)} |"
+            )
+        return "\n".join(lines) + "\n"
+
+
+def _fmt(value: float | int | None) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, int):
+        return str(value)
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return f"{value:.4g}"
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, Mapping):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _denormalizer(view_or_mean_std: ServerView | tuple[Sequence[float], Sequence[float]], channels: int):
+    """A function mapping normalised ``[B, C, H, W]`` images to [0, 1] pixels (clamped)."""
+    if isinstance(view_or_mean_std, ServerView):
+        return view_or_mean_std.denormalize
+    try:
+        mean, std = view_or_mean_std
+        mean, std = [float(v) for v in mean], [float(v) for v in std]
+    except (TypeError, ValueError) as err:
+        raise TypeError(
+            f"view_or_mean_std must be a ServerView or a (mean, std) pair of per-channel sequences, got {view_or_mean_std!r}"
+        ) from err
+    mean, std = (mean * channels if len(mean) == 1 else mean), (std * channels if len(std) == 1 else std)
+    if len(mean) != channels or len(std) != channels:
+        raise ValueError(f"view_or_mean_std: mean/std need one value per channel ({channels}), got {mean} / {std}")
+    if any(s <= 0 for s in std):
+        raise ValueError(f"view_or_mean_std: std must be positive, got {std}")
+
+    def denormalize(images: Tensor) -> Tensor:
+        m = torch.tensor(mean, dtype=images.dtype, device=images.device).view(1, -1, 1, 1)
+        s = torch.tensor(std, dtype=images.dtype, device=images.device).view(1, -1, 1, 1)
+        return (images * s + m).clamp(0, 1)
+
+    return denormalize
+
+
+def _multiset_accuracy(predicted: Sequence[int], true: Sequence[int]) -> float:
+    overlap = Counter(predicted) & Counter(true)
+    return sum(overlap.values()) / len(true)
+
+
+def _check_thresholds(thresholds: Mapping[str, float]) -> dict[str, float]:
+    unknown = [name for name in thresholds if name not in HIGHER_IS_PRIVATE]
+    if unknown:
+        raise ValueError(f"thresholds: unknown metric(s) {unknown}; this report computes {list(HIGHER_IS_PRIVATE)}")
+    return {name: float(value) for name, value in thresholds.items()}
+
+
+def privacy_flags(means: Mapping[str, float | None], thresholds: Mapping[str, float]) -> dict[str, bool | None]:
+    """Per thresholded metric: is the mean on the private side (PSNR/SSIM/NMI below, LPIPS/MSE above)?"""
+    flags: dict[str, bool | None] = {}
+    for name, threshold in _check_thresholds(thresholds).items():
+        value = means.get(name)
+        if value is None or math.isnan(value):
+            flags[name] = None
+        else:
+            flags[name] = value > threshold if HIGHER_IS_PRIVATE[name] else value < threshold
+    return flags
+
+
+def reconstruction_report(
+    reconstruction: Reconstruction,
+    originals: Tensor,
+    view_or_mean_std: ServerView | tuple[Sequence[float], Sequence[float]],
+    true_labels: Tensor | None = None,
+    lpips: bool = True,
+    thresholds: Mapping[str, float] = PRIVACY_THRESHOLDS,
+    match_metric: str = "mse",
+    lpips_fn: torch.nn.Module | None = None,
+) -> ReconstructionReport:
+    """Score an attack's reconstruction against the client's (normalised) batch.
+
+    Both batches are denormalised to [0, 1] pixels (``ServerView.denormalize`` or the given
+    ``(mean, std)``), the reconstructions are matched to the originals
+    (:func:`~lightning_gp.metrics.matching.match_reconstructions` on ``match_metric``), and every
+    matched pair is scored with MSE, PSNR, SSIM, LPIPS-AlexNet (unless ``lpips=False``) and
+    PriPrune's NMI.
+
+    Args:
+        reconstruction: the attack's output (``images`` normalised, in the attack's order).
+        originals: the client's batch ``[B, C, H, W]``, normalised like the model's inputs.
+        view_or_mean_std: the round's :class:`ServerView`, or ``(mean, std)`` per channel.
+        true_labels: ``[B]`` labels of ``originals`` (for label accuracy), or ``None``.
+        lpips: compute LPIPS (needs the pretrained weights, see ``metrics.lpips``).
+        thresholds: metric -> threshold for the privacy verdicts (default Refiner's).
+        match_metric: similarity used to align the batches ("mse", "psnr", "ssim", "lpips").
+        lpips_fn: an LPIPS module to reuse (default: :class:`~lightning_gp.metrics.lpips.LPIPS`).
+    """
+    if not isinstance(reconstruction, Reconstruction):
+        raise TypeError(f"reconstruction must be a Reconstruction, got {type(reconstruction).__name__}")
+    if not isinstance(originals, Tensor) or originals.ndim != 4:
+        raise ValueError(f"originals must be a [B, C, H, W] tensor, got {getattr(originals, 'shape', type(originals))}")
+    images = reconstruction.images
+    if images.ndim != 4 or images.shape[1:] != originals.shape[1:]:
+        raise ValueError(
+            f"reconstruction.images {tuple(images.shape)} and originals {tuple(originals.shape)} must be "
+            "[B, C, H, W] batches of one image shape"
+        )
+    if match_metric not in MATCH_METRICS:
+        raise ValueError(f"match_metric must be one of {MATCH_METRICS}, got {match_metric!r}")
+    if match_metric == "lpips" and not lpips:
+        raise ValueError("match_metric='lpips' needs lpips=True")
+    thresholds = _check_thresholds(thresholds)
+    batch = originals.shape[0]
+    if true_labels is not None and tuple(true_labels.shape) != (batch,):
+        raise ValueError(f"true_labels must have shape ({batch},), got {tuple(true_labels.shape)}")
+
+    denormalize = _denormalizer(view_or_mean_std, originals.shape[1])
+    with torch.no_grad():
+        orig_px = denormalize(originals.detach().float().cpu()).cpu()
+        rec_px = denormalize(images.detach().float().cpu()).cpu()
+        if lpips and lpips_fn is None:
+            from lightning_gp.metrics.lpips import LPIPS
+
+            lpips_fn = LPIPS()
+        perm = match_reconstructions(rec_px, orig_px, match_metric, lpips_fn if lpips else None).cpu()
+        matched = rec_px[perm]
+        scores = {
+            "mse": mse(matched, orig_px),
+            "psnr": psnr(matched, orig_px),
+            "ssim": ssim(matched, orig_px),
+            "nmi": nmi(matched, orig_px),
+            "lpips": lpips_fn(matched, orig_px) if lpips else None,
+        }
+
+    true = None if true_labels is None else [int(v) for v in true_labels.detach().cpu().tolist()]
+    predicted_all = None if reconstruction.labels is None else [int(v) for v in reconstruction.labels.detach().cpu().flatten().tolist()]
+    if predicted_all is not None and len(predicted_all) != images.shape[0]:
+        raise ValueError(f"reconstruction.labels has {len(predicted_all)} entries for {images.shape[0]} images")
+    predicted = None if predicted_all is None else [predicted_all[j] for j in perm.tolist()]
+
+    rows = [
+        ImageScores(
+            index=i,
+            matched_index=int(perm[i]),
+            mse=float(scores["mse"][i]),
+            psnr=float(scores["psnr"][i]),
+            ssim=float(scores["ssim"][i]),
+            lpips=None if scores["lpips"] is None else float(scores["lpips"][i]),
+            nmi=float(scores["nmi"][i]),
+            true_label=None if true is None else true[i],
+            predicted_label=None if predicted is None else predicted[i],
+        )
+        for i in range(batch)
+    ]
+    means = {name: (None if scores[name] is None else float(scores[name].double().mean())) for name in METRICS}
+    label_accuracy = matched_accuracy = None
+    if true is not None and predicted is not None:
+        label_accuracy = _multiset_accuracy(predicted, true)
+        matched_accuracy = sum(p == t for p, t in zip(predicted, true)) / batch
+    return ReconstructionReport(
+        attack=reconstruction.attack,
+        match_metric=match_metric,
+        rows=rows,
+        means=means,
+        label_accuracy=label_accuracy,
+        matched_label_accuracy=matched_accuracy,
+        thresholds=thresholds,
+        private=privacy_flags(means, thresholds),
+        permutation=[int(v) for v in perm.tolist()],
+        original_pixels=orig_px,
+        reconstructed_pixels=matched,
+    )
