@@ -3,6 +3,7 @@
     lightning-gp fit --config configs/fedsgd_magnitude_pruning.yaml
     lightning-gp fit --config configs/fedsgd_magnitude_pruning.yaml --trainer.fast_dev_run=true
     lightning-gp test --config configs/fedsgd_undefended.yaml --ckpt_path=path/to/last.ckpt
+    lightning-gp attack --config configs/attack_inverting_gradients.yaml
 
 Models, datamodules and callbacks are chosen by class path in the YAML (``class_path:
 lightning_gp.callbacks.MagnitudePruning``); any importable LightningModule or datamodule works.
@@ -12,6 +13,7 @@ federated configs have no top-level ``data`` section.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from lightning.pytorch.cli import LightningCLI
@@ -43,7 +45,13 @@ class LightningGPCLI(LightningCLI):
 
 
 def main(args: Any = None) -> None:
-    """Console entry point (``lightning-gp``)."""
+    """Console entry point (``lightning-gp``): ``attack`` runs an audit, the rest is LightningCLI."""
+    argv = sys.argv[1:] if args is None else args
+    if isinstance(argv, list) and argv[:1] == ["attack"]:
+        from lightning_gp.attack_cli import main as attack_main
+
+        attack_main(argv[1:])
+        return
     LightningGPCLI(args=args)
 
 

@@ -52,7 +52,8 @@ class GradientAttack(ABC):
         """Recover the client's inputs (and labels) from the view alone."""
 
     def _prepare(self, view: ServerView) -> tuple[ServerView, torch.Generator]:
-        """The view on the attack's device, the model in eval mode, and a seeded generator there."""
+        """The view on the attack's device and a seeded generator there. The model keeps the mode
+        the client trained it in (BatchNorm layers use batch statistics, as in the client's pass)."""
         if self.device is not None and self.device != view.device:
             view = view.to(self.device)
         generator = torch.Generator(device=view.device).manual_seed(self.seed)

@@ -118,7 +118,8 @@ class DLG(GradientAttack):
                 self._report(iteration, self.iterations, loss)
                 if not math.isfinite(loss) or loss <= stop_below or (len(trace) > 3 and trace[-4] == loss):
                     break
-            final = trace[-1] if trace and math.isfinite(trace[-1]) else math.inf
+            final = float(closure().detach())  # the objective of the images returned, not of the last iterate
+            final = final if math.isfinite(final) else math.inf
             labels = fixed if fixed is not None else label_logits.detach().argmax(dim=-1)
             if best is None or final < best[0]:
                 best = (final, images.detach(), labels, trace)
@@ -153,7 +154,7 @@ def optimize_images(
     """
     images = init.clone().requires_grad_(True)
     optimizer = torch.optim.Adam([images], lr=lr)
-    milestones = [int(iterations * f) for f in (3 / 8, 5 / 8, 7 / 8)] if lr_decay else []
+    milestones = sorted({max(1, int(iterations * f)) for f in (3 / 8, 5 / 8, 7 / 8)}) if lr_decay else []
     scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=milestones, gamma=0.1)
     trace: list[float] = []
     for iteration in range(iterations):

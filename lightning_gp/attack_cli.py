@@ -1,0 +1,119 @@
+"""``lightning-gp attack --config configs/attack_<x>.yaml``: attack tapped FedSGD gradients.
+
+Runs FedSGD with the configured defense callbacks through round ``round``, taps the gradients
+``clients`` shared in it (or loads tapped files given with ``tap_files``), attacks each from the
+server's view, and writes ``report.json``, ``report.md`` and ``reconstructions.png`` to
+``output_dir``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from jsonargparse import ActionConfigFile, ArgumentParser
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+
+from lightning_gp.attacks import GradientAttack
+from lightning_gp.audit import AttackResult, attack_record, mean_scores, tap_fedsgd_round
+from lightning_gp.callbacks import TappedGradient
+from lightning_gp.data import ImageClassificationDataModule
+from lightning_gp.metrics import PRIVACY_THRESHOLDS, privacy_flags, save_reconstruction_grid
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="lightning-gp attack", description=__doc__, env_prefix="LIGHTNING_GP", default_env=False)
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML config (see configs/attack_*.yaml)")
+    parser.add_argument("--model", type=nn.Module, required=True, help="the client model (class_path + init_args)")
+    parser.add_argument("--data", type=ImageClassificationDataModule, required=True, help="the clients' data")
+    parser.add_argument("--attack", type=GradientAttack, required=True, help="the attack (class_path + init_args)")
+    parser.add_argument("--defenses", type=list[Callback], default=[], help="defense callbacks, applied in order")
+    parser.add_argument("--round", type=int, default=0, help="FedSGD round to attack (0: the initial model)")
+    parser.add_argument("--clients", type=list[int], default=[0], help="client ids whose shared gradients are attacked")
+    parser.add_argument("--num_clients", type=int, default=10)
+    parser.add_argument("--local_batch_size", type=int, default=1, help="images behind each client's gradient")
+    parser.add_argument("--labels_known", type=bool, default=False, help="threat model grants the server the labels")
+    parser.add_argument("--tap_files", type=list[str], default=[], help="attack these GradientTap files instead of simulating")
+    parser.add_argument("--lpips", type=bool, default=True, help="score LPIPS (needs the pretrained AlexNet weights)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output_dir", type=str, default="attack_output")
+    return parser
+
+
+def run(config: Any) -> list[AttackResult]:
+    datamodule: ImageClassificationDataModule = config.data
+    attack: GradientAttack = config.attack
+    if config.tap_files:
+        if hasattr(attack, "modify_model"):
+            raise ValueError(f"{type(attack).__name__} is an active attack: it needs a simulated round, not tap_files")
+        records = [TappedGradient.load(path) for path in config.tap_files]
+        model, secrets = config.model, {}
+    else:
+        records, model, secrets = tap_fedsgd_round(
+            config.model,
+            datamodule,
+            defenses=config.defenses,
+            attack=attack,
+            round=config.round,
+            clients=config.clients,
+            num_clients=config.num_clients,
+            local_batch_size=config.local_batch_size,
+            seed=config.seed,
+        )
+    results = []
+    for record in records:
+        print(f"attacking client {record.client_id}, round {record.round} with {type(attack).__name__}", flush=True)
+        results.append(
+            attack_record(
+                record, model, attack, num_classes=datamodule.num_classes, mean=datamodule.mean, std=datamodule.std,
+                server_secrets=secrets, labels_known=config.labels_known, lpips=config.lpips,
+            )
+        )
+    return results
+
+
+def write_outputs(results: list[AttackResult], output_dir: Path, attack: str, defenses: list[str]) -> Path:
+    output_dir.mkdir(parents=True, exist_ok=True)
+    means = mean_scores(results)
+    flags = privacy_flags(means, PRIVACY_THRESHOLDS)
+    payload = {
+        "attack": attack,
+        "defenses": defenses,
+        "mean": {k: (str(v) if isinstance(v, float) and v == float("inf") else v) for k, v in means.items()},
+        "private": flags,
+        "clients": [
+            {"client_id": r.record.client_id, "round": r.record.round, "seconds": r.seconds, **r.report.to_dict()} for r in results
+        ],
+    }
+    (output_dir / "report.json").write_text(json.dumps(payload, indent=2) + "\n")
+    lines = [f"# {attack} against {', '.join(defenses) or 'no defense'}", ""]
+    lines += ["| metric | mean | private? (threshold) |", "|---|---|---|"]
+    for metric in ("psnr", "ssim", "lpips", "mse", "nmi", "label_accuracy"):
+        value = means.get(metric)
+        verdict = flags.get(metric)
+        shown = "—" if value is None else f"{value:.4g}"
+        threshold = f"{'yes' if verdict else 'no'} ({PRIVACY_THRESHOLDS[metric]})" if verdict is not None else ""
+        lines.append(f"| {metric} | {shown} | {threshold} |")
+    for r in results:
+        lines += ["", f"## client {r.record.client_id}, round {r.record.round} ({r.seconds:.1f} s)", "", r.report.to_markdown()]
+    (output_dir / "report.md").write_text("\n".join(lines) + "\n")
+    originals = torch.cat([r.report.original_pixels for r in results])
+    reconstructed = torch.cat([r.report.reconstructed_pixels for r in results])
+    scores = [{"psnr": row.psnr, "ssim": row.ssim} for r in results for row in r.report.rows]
+    save_reconstruction_grid(originals, reconstructed, output_dir / "reconstructions.png", scores=scores)
+    return output_dir / "report.md"
+
+
+def main(argv: list[str] | None = None) -> list[AttackResult]:
+    parser = build_parser()
+    config = parser.instantiate_classes(parser.parse_args(argv))
+    results = run(config)
+    report = write_outputs(
+        results, Path(config.output_dir), type(config.attack).__name__, [repr(d) for d in config.defenses]
+    )
+    print(report.read_text())
+    print(f"written to {report.parent}/ (report.md, report.json, reconstructions.png)")
+    return results
