@@ -4,3 +4,26 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run as fast on one thread as on two, and one thread is immune to CPU
+    oversubscription (two spinning OpenMP threads slow down many-fold when cores are shared)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def data():
+    """The built-in Fashion-MNIST sample, set up for fitting."""
+    from lightning_gp.data import FashionMNISTSampleDataModule
+
+    datamodule = FashionMNISTSampleDataModule()
+    datamodule.setup("fit")
+    return datamodule

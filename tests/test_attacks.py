@@ -32,21 +32,7 @@ from lightning_gp.models import LeNetZhu
 SHAPE = (1, 28, 28)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These models are tiny: one thread is as fast as two, and immune to oversubscription
-    when other processes share the CPU (two spinning OpenMP threads slow down many-fold)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def data() -> FashionMNISTSampleDataModule:
-    dm = FashionMNISTSampleDataModule()
-    dm.setup("fit")
-    return dm
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

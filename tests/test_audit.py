@@ -14,23 +14,11 @@ import torch
 from lightning_gp.attacks import IDLG, Reconstruction, RobbingTheFed
 from lightning_gp.audit import AttackResult, attack_record, mean_scores, tap_fedsgd_round
 from lightning_gp.callbacks import MagnitudePruning
-from lightning_gp.data import FashionMNISTSampleDataModule
 from lightning_gp.metrics import reconstruction_report
 from lightning_gp.models import LeNetZhu
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one thread is as fast as two and immune to CPU oversubscription."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def data() -> FashionMNISTSampleDataModule:
-    return FashionMNISTSampleDataModule()
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def seeded_lenet(seed: int = 0) -> LeNetZhu:

@@ -27,13 +27,6 @@ NUM_BINS = 8 * BATCH
 
 
 @pytest.fixture(scope="module")
-def data() -> FashionMNISTSampleDataModule:
-    dm = FashionMNISTSampleDataModule()
-    dm.setup("fit")
-    return dm
-
-
-@pytest.fixture(scope="module")
 def public_data(data: FashionMNISTSampleDataModule) -> Tensor:
     """What the server holds: test-split images, disjoint from the clients' training batches."""
     return torch.stack([data.test_dataset[i][0] for i in range(1000)])
