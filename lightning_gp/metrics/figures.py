@@ -21,7 +21,8 @@ from lightning_gp.metrics.report import ReconstructionReport
 # Inches per image cell (width, height: a little taller for the caption) and output resolution.
 CELL_WIDTH_IN = 1.2
 CELL_HEIGHT_IN = 1.45
-LABEL_WIDTH_IN = 1.3  # left margin of save_comparison_grid for run titles
+LABEL_WIDTH_IN = 1.3  # least left margin of save_comparison_grid for run titles
+LABEL_CHAR_IN = 0.075  # width of one title character at fontsize 8
 TOP_MARGIN_IN = 0.2  # room for the first row's captions
 DPI = 100
 
@@ -68,11 +69,18 @@ def _check_pair(originals: Tensor, reconstructed: Tensor) -> tuple[Tensor, Tenso
     return originals, reconstructed
 
 
-def grid_size_inches(batch: int, columns: int | None = None, runs: int = 1, label_margin: bool = False) -> tuple[float, float]:
+def label_width_inches(labels: Sequence[str]) -> float:
+    """Left margin wide enough for the longest run title."""
+    return max(LABEL_WIDTH_IN, 0.3 + LABEL_CHAR_IN * max((len(label) for label in labels), default=0))
+
+
+def grid_size_inches(
+    batch: int, columns: int | None = None, runs: int = 1, label_margin: bool = False, label_width: float = LABEL_WIDTH_IN
+) -> tuple[float, float]:
     """Figure size of a grid of ``batch`` images in rows of ``columns``: (width, height) in inches."""
     cols = min(batch, columns or batch)
     blocks = math.ceil(batch / cols)
-    width = cols * CELL_WIDTH_IN + (LABEL_WIDTH_IN if label_margin else 0.0)
+    width = cols * CELL_WIDTH_IN + (label_width if label_margin else 0.0)
     return width, blocks * (1 + runs) * CELL_HEIGHT_IN + TOP_MARGIN_IN
 
 
@@ -134,10 +142,11 @@ def _save(runs: list[tuple[str, Tensor, Tensor, Any]], path: str | Path, titles:
     cols = min(batch, columns or batch)
     blocks = math.ceil(batch / cols)
     rows_per_block = 1 + len(runs)
-    width, height = grid_size_inches(batch, columns, runs=len(runs), label_margin=label_margin)
+    label_width = label_width_inches([run[0] for run in runs])
+    width, height = grid_size_inches(batch, columns, runs=len(runs), label_margin=label_margin, label_width=label_width)
     fig = Figure(figsize=(width, height), dpi=DPI)
     FigureCanvasAgg(fig)
-    left = (LABEL_WIDTH_IN / width) if label_margin else 0.01
+    left = (label_width / width) if label_margin else 0.01
     fig.subplots_adjust(left=left, right=0.99, top=1 - TOP_MARGIN_IN / height, bottom=0.01, wspace=0.05, hspace=0.3)
     axes = fig.subplots(blocks * rows_per_block, cols, squeeze=False)
     captions = [_captions(scores, batch) for _, _, _, scores in runs]
