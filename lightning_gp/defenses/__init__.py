@@ -4,18 +4,22 @@ No Lightning imports here; :mod:`lightning_gp.callbacks` adapts these to a ``Tra
 """
 
 from lightning_gp.defenses.base import Defense, Gradients
-from lightning_gp.defenses.pruning import MagnitudePruning
-from lightning_gp.defenses.selection import count_for_rate, largest_magnitude_mask
+from lightning_gp.defenses.pruning import DualGradientPruning, MagnitudePruning, RandomPruning, TopKPruning
+from lightning_gp.defenses.selection import count_for_rate, largest_magnitude_mask, magnitude_band_mask
 from lightning_gp.defenses.sparsification import SparsifyingDefense
 from lightning_gp.defenses.validation import NonFiniteGradientError, check_rate
 
 __all__ = [
     "Defense",
+    "DualGradientPruning",
     "Gradients",
     "MagnitudePruning",
     "NonFiniteGradientError",
+    "RandomPruning",
     "SparsifyingDefense",
+    "TopKPruning",
     "check_rate",
     "count_for_rate",
     "largest_magnitude_mask",
+    "magnitude_band_mask",
 ]

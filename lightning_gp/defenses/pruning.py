@@ -1,4 +1,8 @@
-"""Magnitude pruning of the shared gradient (the pruning defense of DLG, Zhu et al. 2019, Sec. 5)."""
+"""Pruning defenses: which entries of each layer's gradient a client shares.
+
+Magnitude pruning (DLG, Zhu et al. 2019, Sec. 5), Top-k with error feedback (DGC, Lin et al.
+2018), random pruning, and dual gradient pruning (DGP, Alg. 1-2 of the DGP paper).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_gp.defenses.selection import count_for_rate, largest_magnitude_mask
+from lightning_gp.defenses.selection import count_for_rate, largest_magnitude_mask, magnitude_band_mask
 from lightning_gp.defenses.sparsification import SparsifyingDefense
 from lightning_gp.defenses.validation import check_rate
 
@@ -40,3 +44,98 @@ class MagnitudePruning(SparsifyingDefense):
             name: largest_magnitude_mask(v, v.numel() - count_for_rate(self.rate, v.numel()))
             for name, v in values.items()
         }
+
+
+class TopKPruning(SparsifyingDefense):
+    """Share the ``k`` fraction of largest-magnitude entries of every layer (DGC, Lin et al. 2018).
+
+    ``max(1, round(k * n))`` entries of an ``n``-entry layer are sent (at least one, so no entry
+    accumulates forever); with error feedback (on by default, as in DGC) the rest is carried to
+    the client's next round. ``k = 0`` sends nothing.
+    """
+
+    def __init__(
+        self, k: float = 0.2, *, error_feedback: bool = True, seed: int | None = None, nonfinite: str = "error"
+    ) -> None:
+        super().__init__(error_feedback=error_feedback, seed=seed, nonfinite=nonfinite)
+        self.k = check_rate(k, "k")
+
+    def config(self) -> dict[str, Any]:
+        return {"k": self.k, "error_feedback": self.error_feedback}
+
+    def select(self, values: Mapping[str, Tensor], generator: torch.Generator) -> dict[str, Tensor]:
+        least = 1 if self.k > 0 else 0
+        return {name: largest_magnitude_mask(v, max(least, count_for_rate(self.k, v.numel()))) for name, v in values.items()}
+
+
+class RandomPruning(SparsifyingDefense):
+    """Zero a uniformly random ``rate`` fraction of every layer (from the client's seeded stream)."""
+
+    def __init__(
+        self, rate: float = 0.8, *, error_feedback: bool = True, seed: int | None = None, nonfinite: str = "error"
+    ) -> None:
+        super().__init__(error_feedback=error_feedback, seed=seed, nonfinite=nonfinite)
+        self.rate = check_rate(rate, "rate")
+
+    def config(self) -> dict[str, Any]:
+        return {"rate": self.rate, "error_feedback": self.error_feedback}
+
+    def select(self, values: Mapping[str, Tensor], generator: torch.Generator) -> dict[str, Tensor]:
+        masks = {}
+        for name, v in values.items():
+            n = v.numel()
+            mask = torch.ones(n, dtype=torch.bool, device=v.device)
+            mask[torch.randperm(n, generator=generator, device=v.device)[: count_for_rate(self.rate, n)]] = False
+            masks[name] = mask.view_as(v)
+        return masks
+
+
+class DualGradientPruning(SparsifyingDefense):
+    """Dual gradient pruning (DGP paper, Alg. 1): per layer, drop the top-``k1`` and the
+    bottom-``k2`` fractions by magnitude and share the band in between; with error feedback
+    (Alg. 2, on by default) ``P = g + e``, ``shared = DGP(P)``, ``e' = P - shared``.
+
+    Of an ``n``-entry layer, the ``round(k1 n)`` largest entries are dropped and the next
+    ``max(1, round((1 - k1 - k2) n))`` are sent; the rest is the bottom. Every layer sends at
+    least one entry, so a size-1 bias is always sent: with error feedback an entry that is never
+    sent would grow without bound. Defaults are the paper's: ``k1 = 5%``, ``k2 = 75%``, a send
+    rate of 20% and ``p = k1 / k2 = 1/15``.
+    """
+
+    def __init__(
+        self,
+        k1: float = 0.05,
+        k2: float = 0.75,
+        *,
+        error_feedback: bool = True,
+        seed: int | None = None,
+        nonfinite: str = "error",
+    ) -> None:
+        super().__init__(error_feedback=error_feedback, seed=seed, nonfinite=nonfinite)
+        self.k1 = check_rate(k1, "k1")
+        self.k2 = check_rate(k2, "k2")
+        if self.k1 + self.k2 >= 1:
+            raise ValueError(f"k1 + k2 must be < 1 so something is sent, got k1={k1} + k2={k2} = {k1 + k2}")
+
+    @classmethod
+    def from_send_rate(cls, send_rate: float = 0.2, p: float = 1 / 15, **kwargs: Any) -> DualGradientPruning:
+        """Build from the fraction sent, ``1 - k1 - k2``, and the paper's ``p = k1 / k2``."""
+        send_rate = check_rate(send_rate, "send_rate")
+        if send_rate == 0:
+            raise ValueError("send_rate must be > 0 so something is sent")
+        if not (isinstance(p, (int, float)) and p >= 0):
+            raise ValueError(f"p must be a non-negative number (k1 / k2), got {p!r}")
+        k2 = (1 - send_rate) / (1 + p)
+        return cls(k1=p * k2, k2=k2, **kwargs)
+
+    def config(self) -> dict[str, Any]:
+        return {"k1": self.k1, "k2": self.k2, "error_feedback": self.error_feedback}
+
+    def select(self, values: Mapping[str, Tensor], generator: torch.Generator) -> dict[str, Tensor]:
+        masks = {}
+        for name, v in values.items():
+            n = v.numel()
+            top = min(count_for_rate(self.k1, n), n - 1)
+            keep = min(max(1, count_for_rate(1 - self.k1 - self.k2, n)), n - top)
+            masks[name] = magnitude_band_mask(v, skip=top, keep=keep)
+        return masks

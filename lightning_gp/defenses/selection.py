@@ -38,3 +38,23 @@ def largest_magnitude_mask(values: Tensor, k: int) -> Tensor:
         mask.fill_(True)
         mask[magnitude.topk(n - k, largest=False, sorted=False).indices] = False
     return mask.view_as(values)
+
+
+def magnitude_band_mask(values: Tensor, skip: int, keep: int) -> Tensor:
+    """Boolean mask of the entries ranked ``skip .. skip + keep - 1`` by descending ``|values|``.
+
+    One ``topk`` of size ``skip + keep`` (sorted) decides both ends, so the dropped top and the
+    kept band never overlap, even among tied magnitudes; only that prefix is sorted.
+    """
+    n = values.numel()
+    if skip < 0 or keep < 0 or skip + keep > n:
+        raise ValueError(f"skip + keep must be within [0, {n}] for a tensor of {n} entries, got {skip} + {keep}")
+    mask = torch.zeros(n, dtype=torch.bool, device=values.device)
+    if keep == 0:
+        return mask.view_as(values)
+    magnitude = values.detach().abs().flatten()
+    if magnitude.dtype in (torch.float16, torch.bfloat16):
+        magnitude = magnitude.float()
+    ranked = magnitude.topk(skip + keep, largest=True, sorted=True).indices
+    mask[ranked[skip:]] = True
+    return mask.view_as(values)
