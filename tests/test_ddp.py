@@ -44,3 +44,27 @@ def test_two_process_gloo_aggregate_is_the_mean_of_defended_rank_gradients(tmp_p
         torch.testing.assert_close(ranks[1]["aggregated"][name], aggregated[name])
         torch.testing.assert_close(aggregated[name], (defended[0][name] + defended[1][name]) / 2)
     assert any(not torch.allclose(aggregated[n], (raw[0][n] + raw[1][n]) / 2) for n in aggregated)
+
+
+@pytest.mark.multiprocess
+def test_two_process_adgp_prunes_every_rank_with_one_broadcast_mask(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(WORKER), str(tmp_path), "adgp"], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert ranks[0]["provider"] == ranks[1]["provider"] in (0, 1)
+    assert [r["broadcasts"] for r in ranks] == [1, 1]  # one packed broadcast for the round
+    mask = ranks[0]["mask"]
+    for name in mask:
+        assert torch.equal(mask[name], ranks[1]["mask"][name])
+    for rank in ranks:
+        raw = raw_gradient(rank["tapped"])
+        for name, shared in rank["tapped"]["gradients"].items():
+            sent = shared != 0
+            assert not (sent & ~mask[name]).any()  # only mask positions travel
+            own_top = raw[name].abs().flatten().topk(max(0, min(round(0.05 * raw[name].numel()), raw[name].numel() - 1))).indices
+            assert not sent.flatten()[own_top].any()  # never the rank's own top-k1
+    aggregated = ranks[0]["aggregated"]
+    for name in aggregated:  # the server's update, what clients download, lies in the mask too
+        assert not ((aggregated[name] != 0) & ~mask[name]).any()

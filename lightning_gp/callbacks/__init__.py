@@ -8,10 +8,17 @@ from lightning_gp.callbacks.base import GradientDefense, SharedGradientCallback,
 from lightning_gp.callbacks.communication import CommunicationMeter, dense_nbytes, encoded_nbytes
 from lightning_gp.callbacks.pipeline import SharedGradientPipeline
 from lightning_gp.callbacks.progress import ProgressPrinter
-from lightning_gp.callbacks.pruning import DualGradientPruning, MagnitudePruning, RandomPruning, TopKPruning
+from lightning_gp.callbacks.pruning import (
+    AlignedDualGradientPruning,
+    DualGradientPruning,
+    MagnitudePruning,
+    RandomPruning,
+    TopKPruning,
+)
 from lightning_gp.callbacks.tap import GradientTap, TappedGradient
 
 __all__ = [
+    "AlignedDualGradientPruning",
     "CommunicationMeter",
     "DualGradientPruning",
     "GradientDefense",

@@ -13,7 +13,7 @@ from torch.optim import Optimizer
 
 from lightning_gp.callbacks.ddp import register_defended_allreduce
 from lightning_gp.callbacks.pipeline import SharedGradientPipeline, client_module, execution_path
-from lightning_gp.defenses.base import Defense
+from lightning_gp.defenses.base import Defense, share_in_process
 
 
 class SharedGradientCallback(Callback):
@@ -44,7 +44,7 @@ class SharedGradientCallback(Callback):
             )
         pipeline.bind(trainer.world_size, pl_module)
         if path == "ddp":
-            register_defended_allreduce(trainer, pl_module)
+            self.comm_hook = register_defended_allreduce(trainer, pl_module)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
@@ -127,6 +127,7 @@ def defend_parameter_gradients(
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     params = {n: p for n, p in module.named_parameters() if p.requires_grad and id(p) in stepped}
     gradients = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in params.items()}
+    pipeline.begin_round(round, [client_id], {client_id: gradients}, share_in_process)
     shared = pipeline.process(gradients, client_id=client_id, round=round, model=module, meta={"path": "local"})
     for name, p in params.items():
         if p.grad is not None:

@@ -32,6 +32,7 @@ class DefendedAllReduce:
         self.process_group = process_group
         self.names = {id(p): n for n, p in module.named_parameters()}
         self._pending: list[tuple[list[Tensor], list[Tensor], Tensor, Future]] = []
+        self.broadcasts = 0
 
     def on_bucket(self, bucket: dist.GradBucket) -> Future:
         future: Future = Future()
@@ -47,18 +48,60 @@ class DefendedAllReduce:
         pending, self._pending = self._pending, []
         gradients = {self.names[id(p)]: g for params, grads, _, _ in pending for p, g in zip(params, grads)}
         pipeline = SharedGradientPipeline.from_trainer(self.trainer)
+        rank, round = self.trainer.global_rank, self.trainer.global_step
+        self._check_same_round(round)
+        world = dist.get_world_size(self.process_group)
+        pipeline.begin_round(round, list(range(world)), {rank: gradients}, self._broadcast)
         shared = pipeline.process(
             gradients,
-            client_id=self.trainer.global_rank,
-            round=self.trainer.global_step,
+            client_id=rank,
+            round=round,
             model=self.module,
             meta={"path": "ddp", "world_size": self.trainer.world_size},
         )
-        world_size = dist.get_world_size(self.process_group)
         for params, _, buffer, future in pending:
             flat = torch.cat([shared[self.names[id(p)]].reshape(-1) for p in params]).to(buffer.dtype)
             dist.all_reduce(flat, group=self.process_group)
-            future.set_result(flat.div_(world_size))
+            future.set_result(flat.div_(world))
+
+    def _check_same_round(self, round: int) -> None:
+        """Every rank must be in the same round, or a shared mask would pair the wrong rounds."""
+        rounds = torch.tensor([round, -round], dtype=torch.int64)
+        dist.all_reduce(rounds, op=dist.ReduceOp.MAX, group=self.process_group)
+        if int(rounds[0]) != -int(rounds[1]):
+            raise RuntimeError(
+                f"DDP ranks disagree on the round: this rank is at step {round}, others range over "
+                f"[{-int(rounds[1])}, {int(rounds[0])}]; every rank must run the same number of optimizer steps"
+            )
+
+    def _broadcast(self, source_client: int, tensors: dict) -> dict:
+        """``share`` under DDP: the source rank's tensors, sent to every rank in one broadcast
+        when they share a dtype (ADGP's boolean masks travel as one uint8 buffer)."""
+        dtypes = {t.dtype for t in tensors.values()}
+        if len(dtypes) == 1:
+            flat = _pack(tensors)
+            dist.broadcast(flat, src=source_client, group=self.process_group)
+            self.broadcasts += 1
+            return _unpack(flat, tensors)
+        out = {}
+        for name, tensor in tensors.items():
+            tensor = tensor.clone()
+            dist.broadcast(tensor, src=source_client, group=self.process_group)
+            self.broadcasts += 1
+            out[name] = tensor
+        return out
+
+
+def _pack(tensors: dict) -> torch.Tensor:
+    return torch.cat([t.reshape(-1).to(torch.uint8 if t.dtype == torch.bool else t.dtype) for t in tensors.values()])
+
+
+def _unpack(flat: torch.Tensor, like: dict) -> dict:
+    out, offset = {}, 0
+    for name, t in like.items():
+        out[name] = flat[offset : offset + t.numel()].view(t.shape).to(t.dtype)
+        offset += t.numel()
+    return out
 
 
 # DDP checks this hook's annotations at runtime: they must be real objects, not strings.

@@ -18,7 +18,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from torch import Tensor, nn
 
-from lightning_gp.defenses.base import Gradients
+from lightning_gp.defenses.base import Gradients, Share
 
 if TYPE_CHECKING:
     from lightning_gp.callbacks.base import GradientDefense, SharedGradientCallback, SharedGradientObserver
@@ -78,6 +78,11 @@ class SharedGradientPipeline:
         for callback in self.defenses:
             callback.defense.set_num_clients(num_clients)
             callback.defense.check_layer_shapes(shapes)
+
+    def begin_round(self, round: int, clients: list[int], local_gradients: Mapping[int, Gradients], share: Share) -> None:
+        """Let every defense prepare the round (e.g. ADGP's shared mask) before clients are defended."""
+        for callback in self.defenses:
+            callback.defense.begin_round(round, clients, local_gradients, share)
 
     def process(
         self,

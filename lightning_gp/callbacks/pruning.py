@@ -70,3 +70,25 @@ class DualGradientPruning(GradientDefense):
         """Build from the fraction sent (``1 - k1 - k2``) and ``p = k1 / k2``."""
         defense = pruning.DualGradientPruning.from_send_rate(send_rate, p)
         return cls(k1=defense.k1, k2=defense.k2, **kwargs)
+
+
+class AlignedDualGradientPruning(GradientDefense):
+    """Aligned DGP (ADGP): each round one client's top-``2k`` positions become everyone's mask;
+    every client drops its own top-``k1`` and sends its ``k`` largest entries inside the mask.
+
+    In a :class:`~lightning_gp.federated.FederatedSimulation` the mask comes from a client drawn
+    among the round's participants; under DDP the drawn rank broadcasts it before the clients
+    prune. See :class:`lightning_gp.defenses.AlignedDualGradientPruning`.
+    """
+
+    def __init__(
+        self,
+        k: float = 0.2,
+        k1: float = 0.05,
+        error_feedback: bool = True,
+        seed: int | None = None,
+        nonfinite: str = "error",
+    ) -> None:
+        super().__init__(
+            pruning.AlignedDualGradientPruning(k, k1, error_feedback=error_feedback, seed=seed, nonfinite=nonfinite)
+        )

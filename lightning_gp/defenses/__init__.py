@@ -3,13 +3,22 @@
 No Lightning imports here; :mod:`lightning_gp.callbacks` adapts these to a ``Trainer``.
 """
 
-from lightning_gp.defenses.base import Defense, Gradients
-from lightning_gp.defenses.pruning import DualGradientPruning, MagnitudePruning, RandomPruning, TopKPruning
+from lightning_gp.defenses.base import Defense, Gradients, Share, share_in_process
+from lightning_gp.defenses.pruning import (
+    AlignedDualGradientPruning,
+    DualGradientPruning,
+    MagnitudePruning,
+    RandomPruning,
+    TopKPruning,
+)
 from lightning_gp.defenses.selection import count_for_rate, largest_magnitude_mask, magnitude_band_mask
 from lightning_gp.defenses.sparsification import SparsifyingDefense
 from lightning_gp.defenses.validation import NonFiniteGradientError, check_rate
 
 __all__ = [
+    "AlignedDualGradientPruning",
+    "Share",
+    "share_in_process",
     "Defense",
     "DualGradientPruning",
     "Gradients",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -28,6 +28,12 @@ from lightning_gp.defenses.validation import (
 )
 
 Gradients = dict[str, Tensor]
+Share = Callable[[int, dict[str, Tensor]], dict[str, Tensor]]
+
+
+def share_in_process(source_client: int, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The ``share`` of a single process: every client is here, so nothing moves."""
+    return tensors
 
 
 class Defense(ABC):
@@ -73,6 +79,19 @@ class Defense(ABC):
     def config(self) -> dict[str, Any]:
         """The hyperparameters that define the defense (checked when a checkpoint is restored)."""
         return {}
+
+    def begin_round(self, round: int, clients: Sequence[int], local_gradients: Mapping[int, Gradients], share: Share) -> None:
+        """Called once per round, before any client of the round is defended (default: nothing).
+
+        For defenses that coordinate clients (e.g. ADGP's shared location mask).
+
+        Args:
+            round: the round index (the optimizer step).
+            clients: every client taking part in the round, in every process.
+            local_gradients: the raw gradients of the participating clients this process holds.
+            share: ``share(source_client, tensors)`` returns ``source_client``'s tensors in every
+                process (a broadcast under DDP); other processes pass same-shaped placeholders.
+        """
 
     # ---------------------------------------------------------------- public API
     def __call__(self, gradients: Mapping[str, Tensor], client_id: int = 0) -> Gradients:

@@ -12,6 +12,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+import numpy as np
+
+from lightning_gp.defenses.base import Gradients, Share
 from lightning_gp.defenses.selection import count_for_rate, largest_magnitude_mask, magnitude_band_mask
 from lightning_gp.defenses.sparsification import SparsifyingDefense
 from lightning_gp.defenses.validation import check_rate
@@ -139,3 +142,87 @@ class DualGradientPruning(SparsifyingDefense):
             keep = min(max(1, count_for_rate(1 - self.k1 - self.k2, n)), n - top)
             masks[name] = magnitude_band_mask(v, skip=top, keep=keep)
         return masks
+
+
+class AlignedDualGradientPruning(SparsifyingDefense):
+    """Aligned dual gradient pruning (ADGP paper, Alg. 1-2).
+
+    Each round one participating client, drawn from ``(seed, round)``, provides the location
+    mask ``I``: the top-``2k`` positions of each layer of its error-compensated gradient. Every
+    client then drops its own top-``k1`` positions and sends the ``k`` largest remaining entries
+    that lie in ``I``; with error feedback (on by default) the rest is carried over. All uploads
+    of a round lie in ``I``, so clients download only those positions. The ADGP paper writes
+    ``p = k2 / k1`` (the inverse of DGP's ``p``); the defaults ``k = 20%``, ``k1 = 5%`` match DGP's.
+
+    Within a Trainer the mask is set by :meth:`begin_round` (the simulation passes every client;
+    under DDP the chosen rank broadcasts it). Called on its own, a client with no round mask
+    uses its own top-``2k`` positions, i.e. it is its round's provider.
+    """
+
+    def __init__(
+        self,
+        k: float = 0.2,
+        k1: float = 0.05,
+        *,
+        error_feedback: bool = True,
+        seed: int | None = None,
+        nonfinite: str = "error",
+    ) -> None:
+        super().__init__(error_feedback=error_feedback, seed=seed, nonfinite=nonfinite)
+        self.k = check_rate(k, "k")
+        self.k1 = check_rate(k1, "k1")
+        if self.k1 >= self.k:
+            raise ValueError(f"ADGP needs k1 < k (the mask holds the top 2k positions), got k1={k1}, k={k}")
+        if 2 * self.k > 1:
+            raise ValueError(f"ADGP's mask holds the top 2k positions, so k must be <= 0.5, got k={k}")
+        self.round_mask: dict[str, Tensor] | None = None
+        self.mask_round: int | None = None
+        self.mask_provider: int | None = None
+
+    def config(self) -> dict[str, Any]:
+        return {"k": self.k, "k1": self.k1, "error_feedback": self.error_feedback}
+
+    def provider(self, round: int, clients: Sequence[int]) -> int:
+        """The client that provides round ``round``'s mask (the same draw in every process)."""
+        if not clients:
+            raise ValueError("a round needs at least one client")
+        index = np.random.default_rng([self.seed, round]).integers(len(clients))
+        return sorted(clients)[int(index)]
+
+    def location_mask(self, values: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """The top-``2k`` positions of each layer (what the provider broadcasts)."""
+        return {n: largest_magnitude_mask(v, max(1, count_for_rate(2 * self.k, v.numel()))) for n, v in values.items()}
+
+    def begin_round(self, round: int, clients: Sequence[int], local_gradients: Mapping[int, Gradients], share: Share) -> None:
+        provider = self.provider(round, clients)
+        template = next(iter(local_gradients.values()))
+        if provider in local_gradients:
+            gradients = local_gradients[provider]
+            residual = self._states.get(provider, {}) if self.error_feedback else {}
+            compensated = {n: g + residual[n] if n in residual else g for n, g in gradients.items()}
+            mask = self.location_mask(compensated)
+        else:
+            mask = {n: torch.zeros_like(g, dtype=torch.bool) for n, g in template.items()}
+        self.round_mask = share(provider, mask)
+        self.mask_round, self.mask_provider = round, provider
+
+    def select(self, values: Mapping[str, Tensor], generator: torch.Generator) -> dict[str, Tensor]:
+        mask = self.round_mask if self.round_mask is not None else self.location_mask(values)
+        if mask.keys() != values.keys() or any(mask[n].shape != v.shape for n, v in values.items()):
+            raise ValueError(
+                "the ADGP location mask does not match the gradient's layers or shapes; the provider and the "
+                "clients must share one model"
+            )
+        keep = {}
+        for name, v in values.items():
+            n = v.numel()
+            own_top = largest_magnitude_mask(v, min(count_for_rate(self.k1, n), n - 1))
+            allowed = mask[name] & ~own_top
+            count = min(max(1, count_for_rate(self.k, n)), int(allowed.sum()))
+            chosen = torch.zeros(n, dtype=torch.bool, device=v.device)
+            if count:
+                # the k largest magnitudes among the allowed positions; the others rank last
+                scores = torch.where(allowed, v.detach().abs().float(), torch.tensor(float("-inf"), device=v.device))
+                chosen[scores.flatten().topk(count).indices] = True
+            keep[name] = chosen.view_as(v)
+        return keep

@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 
 from lightning_gp.callbacks.pipeline import SharedGradientPipeline
+from lightning_gp.defenses.base import share_in_process
 from lightning_gp.defenses.validation import check_choice
 from lightning_gp.federated.aggregation import weighted_mean
 from lightning_gp.federated.client_updates import (
@@ -245,6 +246,8 @@ class FederatedSimulation(pl.LightningModule):
         updates, losses, buffers = self._client_updates(inputs, targets)
 
         pipeline = SharedGradientPipeline.from_trainer(self.trainer)
+        local = {client: {name: update[i] for name, update in updates.items()} for i, client in enumerate(client_ids)}
+        pipeline.begin_round(round_idx, client_ids, local, share_in_process)
         meta = {
             "path": "simulation",
             "algorithm": self.algorithm,
@@ -254,7 +257,7 @@ class FederatedSimulation(pl.LightningModule):
         }
         shared = [
             pipeline.process(
-                {name: update[i] for name, update in updates.items()},
+                local[client],
                 client_id=client,
                 round=round_idx,
                 model=self.module,

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_gp.callbacks import GradientTap, MagnitudePruning
+from lightning_gp.callbacks import AlignedDualGradientPruning, GradientTap, MagnitudePruning
 
 
 class TinyNet(L.LightningModule):
@@ -39,21 +39,26 @@ class RecordAggregated(L.Callback):
             self.aggregated = {n: p.grad.detach().clone() for n, p in pl_module.named_parameters()}
 
 
-def main(outdir: str) -> None:
+def main(outdir: str, defense_name: str = "magnitude") -> None:
     L.seed_everything(7)
     data = TensorDataset(torch.randn(32, 3, 4), torch.randint(0, 3, (32,)))
     taps = [GradientTap(client_id=0), GradientTap(client_id=1)]
     record = RecordAggregated()
+    defense = MagnitudePruning(rate=0.7) if defense_name == "magnitude" else AlignedDualGradientPruning(k=0.2, k1=0.05, seed=3)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_steps=1, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[MagnitudePruning(rate=0.7), *taps, record],
+        callbacks=[defense, *taps, record],
     )
     trainer.fit(TinyNet(), DataLoader(data, batch_size=4))
     rank = trainer.global_rank
     tapped = taps[rank].latest()
-    torch.save({"tapped": tapped.__dict__, "aggregated": record.aggregated}, f"{outdir}/rank{rank}.pt")
+    extra = {}
+    if defense_name == "adgp":
+        extra = {"mask": defense.defense.round_mask, "provider": defense.defense.mask_provider,
+                 "broadcasts": defense.comm_hook.broadcasts}
+    torch.save({"tapped": tapped.__dict__, "aggregated": record.aggregated, **extra}, f"{outdir}/rank{rank}.pt")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])
