@@ -181,3 +181,16 @@ def test_wrapped_lightning_module_provides_the_server_optimizer_and_loss(tmp_pat
     metrics = (tmp_path / "run" / "version_0" / "metrics.csv").read_text().splitlines()
     header = metrics[0].split(",")
     assert {"train_loss", "comm/upload_bytes", "comm/upload_ratio", "val_acc"} <= set(header)
+
+
+def test_download_bytes_are_the_encoded_aggregate_for_every_participant():
+    from lightning_gp.callbacks import encoded_nbytes
+
+    L.seed_everything(0)
+    sim = simulation()  # SGD at lr 1: the server update is exactly the aggregate
+    start = {n: p.detach().clone() for n, p in sim.module.named_parameters()}
+    meter = CommunicationMeter()
+    quiet_trainer(max_steps=1, callbacks=[MagnitudePruning(rate=0.8), meter]).fit(sim)
+    aggregate = {n: start[n] - p.detach() for n, p in sim.module.named_parameters()}
+    assert meter.total_download_bytes == 3 * sum(encoded_nbytes(a) for a in aggregate.values())
+    assert meter.upload_ratio < meter.download_ratio <= 1.0  # the union of supports is denser than one upload

@@ -114,6 +114,9 @@ class SharedGradientObserver(SharedGradientCallback):
     ) -> None:
         raise NotImplementedError
 
+    def observe_aggregate(self, update: Mapping[str, Tensor], *, round: int, clients: int) -> None:
+        """See the aggregated update the clients download after a round (default: nothing)."""
+
 
 @torch.no_grad()
 def defend_parameter_gradients(
@@ -129,6 +132,7 @@ def defend_parameter_gradients(
     gradients = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in params.items()}
     pipeline.begin_round(round, [client_id], {client_id: gradients}, share_in_process)
     shared = pipeline.process(gradients, client_id=client_id, round=round, model=module, meta={"path": "local"})
+    pipeline.finish_round(shared, round=round, clients=1)  # one client: it downloads what it sent
     for name, p in params.items():
         if p.grad is not None:
             p.grad.copy_(shared[name])

@@ -31,18 +31,23 @@ def encoded_nbytes(tensor: Tensor) -> int:
 
 
 class CommunicationMeter(SharedGradientObserver):
-    """Count the bytes every client uploads each round, against the dense baseline.
+    """Count the bytes every client uploads and downloads each round, against dense baselines.
 
-    Logs ``comm/upload_bytes`` (mean per client in the step) and ``comm/upload_ratio`` (shared
-    over dense bytes) to the Lightning logger; :attr:`total_upload_bytes` and
-    :attr:`total_dense_bytes` sum over the run, :attr:`uploads` counts client uploads.
+    Upload: each client's shared gradient. Download: the aggregated update, which every
+    participating client receives; DGP's aggregate is as dense as the union of the clients'
+    supports, ADGP's lies in the round's mask. Both use :func:`encoded_nbytes`.
+    Logs ``comm/upload_bytes`` and ``comm/download_bytes`` (per client in the step) and the
+    ratios to dense; :attr:`total_upload_bytes`, :attr:`total_download_bytes` and
+    :attr:`total_dense_bytes` sum over client-rounds, :attr:`uploads` counts client uploads.
     """
 
     def __init__(self) -> None:
         self.total_upload_bytes = 0
+        self.total_download_bytes = 0
         self.total_dense_bytes = 0
         self.uploads = 0
         self._step_upload = 0
+        self._step_download = 0
         self._step_dense = 0
         self._step_uploads = 0
 
@@ -60,24 +65,42 @@ class CommunicationMeter(SharedGradientObserver):
         self._step_dense += sum(dense_nbytes(g) for g in gradients.values())
         self._step_uploads += 1
 
+    def observe_aggregate(self, update: Mapping[str, Tensor], *, round: int, clients: int) -> None:
+        self._step_download += clients * sum(encoded_nbytes(u) for u in update.values())
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._step_uploads == 0:
             return
         self.total_upload_bytes += self._step_upload
+        self.total_download_bytes += self._step_download
         self.total_dense_bytes += self._step_dense
         self.uploads += self._step_uploads
-        pl_module.log("comm/upload_bytes", self._step_upload / self._step_uploads, on_step=True, on_epoch=False)
-        pl_module.log("comm/upload_ratio", self._step_upload / max(self._step_dense, 1), on_step=True, on_epoch=False)
-        self._step_upload = self._step_dense = self._step_uploads = 0
+        per_client = 1 / self._step_uploads
+        dense = max(self._step_dense, 1)
+        pl_module.log("comm/upload_bytes", self._step_upload * per_client, on_step=True, on_epoch=False)
+        pl_module.log("comm/upload_ratio", self._step_upload / dense, on_step=True, on_epoch=False)
+        pl_module.log("comm/download_bytes", self._step_download * per_client, on_step=True, on_epoch=False)
+        pl_module.log("comm/download_ratio", self._step_download / dense, on_step=True, on_epoch=False)
+        self._step_upload = self._step_download = self._step_dense = self._step_uploads = 0
 
     @property
     def upload_ratio(self) -> float:
         return self.total_upload_bytes / self.total_dense_bytes if self.total_dense_bytes else float("nan")
 
+    @property
+    def download_ratio(self) -> float:
+        return self.total_download_bytes / self.total_dense_bytes if self.total_dense_bytes else float("nan")
+
     def state_dict(self) -> dict[str, Any]:
-        return {"total_upload_bytes": self.total_upload_bytes, "total_dense_bytes": self.total_dense_bytes, "uploads": self.uploads}
+        return {
+            "total_upload_bytes": self.total_upload_bytes,
+            "total_download_bytes": self.total_download_bytes,
+            "total_dense_bytes": self.total_dense_bytes,
+            "uploads": self.uploads,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.total_upload_bytes = int(state_dict["total_upload_bytes"])
+        self.total_download_bytes = int(state_dict.get("total_download_bytes", 0))
         self.total_dense_bytes = int(state_dict["total_dense_bytes"])
         self.uploads = int(state_dict["uploads"])

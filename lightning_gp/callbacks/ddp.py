@@ -59,10 +59,14 @@ class DefendedAllReduce:
             model=self.module,
             meta={"path": "ddp", "world_size": self.trainer.world_size},
         )
+        aggregate = {}
         for params, _, buffer, future in pending:
             flat = torch.cat([shared[self.names[id(p)]].reshape(-1) for p in params]).to(buffer.dtype)
             dist.all_reduce(flat, group=self.process_group)
-            future.set_result(flat.div_(world))
+            flat.div_(world)
+            aggregate.update(_unpack(flat, {self.names[id(p)]: p for p in params}))
+            future.set_result(flat)
+        pipeline.finish_round(aggregate, round=round, clients=world)
 
     def _check_same_round(self, round: int) -> None:
         """Every rank must be in the same round, or a shared mask would pair the wrong rounds."""

@@ -84,6 +84,11 @@ class SharedGradientPipeline:
         for callback in self.defenses:
             callback.defense.begin_round(round, clients, local_gradients, share)
 
+    def finish_round(self, update: Mapping[str, Tensor], *, round: int, clients: int) -> None:
+        """Show the aggregated update (what every client downloads) to the observers."""
+        for observer in self.observers:
+            observer.observe_aggregate(update, round=round, clients=clients)
+
     def process(
         self,
         gradients: Mapping[str, Tensor],

@@ -269,7 +269,9 @@ class FederatedSimulation(pl.LightningModule):
         weights = None
         if self.weighting == "num_samples":
             weights = [len(self.client_indices[c]) for c in client_ids]
-        self._server_step(weighted_mean(shared, weights), buffers)
+        aggregate = weighted_mean(shared, weights)
+        pipeline.finish_round(aggregate, round=round_idx, clients=len(client_ids))
+        self._server_step(aggregate, buffers)
 
         loss = losses.mean()
         self.log("train_loss", loss, prog_bar=True, batch_size=len(client_ids))
