@@ -499,3 +499,23 @@ def test_progress_every_prints_iterations(single, capsys) -> None:
 
     InvertingGradients(iterations=10).reconstruct(view)
     assert capsys.readouterr().out == ""
+
+
+def test_support_only_matching_ignores_the_entries_the_client_did_not_send(single) -> None:
+    from lightning_gp.attacks.gradient_matching import cosine_distance
+    from lightning_gp.defenses import TopKPruning
+
+    view, x, y = single
+    pruned = TopKPruning(0.2, error_feedback=False)(view.gradients)
+    import copy
+
+    pruned_view = copy.copy(view)
+    pruned_view.gradients = pruned
+    guess_images = torch.randn_like(x)
+    guess = parameter_gradients(view.model, view.loss_fn, guess_images, y, create_graph=False)
+    masked = {n: g * pruned[n].ne(0) for n, g in guess.items()}
+    attack = InvertingGradients(iterations=1, tv_weight=0.0, support_only=True)
+    value = float(attack.objective(pruned_view, y)(guess_images).detach())
+    assert value == pytest.approx(float(cosine_distance(masked, pruned)), rel=1e-5)
+    plain = float(InvertingGradients(iterations=1, tv_weight=0.0).objective(pruned_view, y)(guess_images).detach())
+    assert value != pytest.approx(plain, rel=1e-3)

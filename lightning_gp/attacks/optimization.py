@@ -187,6 +187,9 @@ class InvertingGradients(GradientAttack):
     Args:
         iterations: Adam steps per restart (the authors' default is 4800; 24000 for ResNets).
         tv_weight: weight of the total-variation prior.
+        support_only: compare only the entries the client sent (non-zero in the shared
+            gradient). A pruned gradient reveals which positions were kept, so this is the
+            natural adaptive attack on pruning defenses; off by default (the paper's attack).
     """
 
     def __init__(
@@ -198,6 +201,7 @@ class InvertingGradients(GradientAttack):
         signed: bool = True,
         boxed: bool = True,
         lr_decay: bool = True,
+        support_only: bool = False,
         **kwargs,
     ) -> None:
         super().__init__(**kwargs)
@@ -206,10 +210,15 @@ class InvertingGradients(GradientAttack):
         self.tv_weight = _non_negative(tv_weight, "tv_weight")
         self.restarts = _count(restarts, "restarts")
         self.signed, self.boxed, self.lr_decay = signed, boxed, lr_decay
+        self.support_only = support_only
 
     def objective(self, view: ServerView, labels: Tensor) -> Callable[[Tensor], Tensor]:
+        support = {n: g.ne(0) for n, g in view.gradients.items()} if self.support_only else None
+
         def loss(images: Tensor) -> Tensor:
             guess = parameter_gradients(view.model, view.loss_fn, images, labels)
+            if support is not None:
+                guess = {n: g * support[n] for n, g in guess.items()}
             return cosine_distance(guess, view.gradients) + self.tv_weight * total_variation(images)
 
         return loss
