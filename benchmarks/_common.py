@@ -12,6 +12,22 @@ from typing import Any
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
+def fashion_mnist_datasets(full: bool) -> dict[str, Any]:
+    """The built-in sample, plus the full Fashion-MNIST when asked for and installed."""
+    from lightning_gp.data import FashionMNISTDataModule, FashionMNISTSampleDataModule
+    from lightning_gp.data.base import DatasetNotFoundError
+
+    datasets: dict[str, Any] = {"sample": FashionMNISTSampleDataModule()}
+    if full:
+        try:
+            datamodule = FashionMNISTDataModule()
+            datamodule.prepare_data()
+            datasets["fashion-mnist"] = datamodule
+        except DatasetNotFoundError as err:
+            print(f"full Fashion-MNIST not installed, skipped: {err}")
+    return datasets
+
+
 def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
     for _ in range(warmup):
         fn()

@@ -24,11 +24,9 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from _common import RESULTS_DIR, write_results
+from _common import RESULTS_DIR, fashion_mnist_datasets, write_results
 from lightning_gp.attacks import DLG, IDLG, RGAP, InvertingGradients, RobbingTheFed
 from lightning_gp.audit import attack_record, mean_scores, tap_fedsgd_round
-from lightning_gp.data import FashionMNISTDataModule, FashionMNISTSampleDataModule
-from lightning_gp.data.base import DatasetNotFoundError
 from lightning_gp.metrics import save_reconstruction_grid
 from lightning_gp.models import CNN6, LeNetZhu
 
@@ -85,14 +83,7 @@ def main() -> None:
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
 
-    datasets = {"sample": FashionMNISTSampleDataModule()}
-    if args.full:
-        try:
-            full = FashionMNISTDataModule()
-            full.prepare_data()
-            datasets["fashion-mnist"] = full
-        except DatasetNotFoundError as err:
-            print(f"full Fashion-MNIST not installed, skipped: {err}")
+    datasets = fashion_mnist_datasets(args.full)
     lenet = lambda: LeNetZhu()  # noqa: E731
     cnn6 = lambda: CNN6(in_channels=1, image_size=28, num_classes=10)  # noqa: E731
     rows = []

@@ -22,12 +22,11 @@ import lightning as L
 import torch
 from torch import nn
 
-from _common import RESULTS_DIR, median_seconds, write_results
+from _common import RESULTS_DIR, fashion_mnist_datasets, median_seconds, write_results
 from lightning_gp import callbacks, defenses
 from lightning_gp.attacks import InvertingGradients, RobbingTheFed
 from lightning_gp.audit import attack_record, mean_scores, tap_fedsgd_round
-from lightning_gp.data import FashionMNISTDataModule, FashionMNISTSampleDataModule
-from lightning_gp.data.base import DatasetNotFoundError
+from lightning_gp.data import FashionMNISTSampleDataModule
 from lightning_gp.federated import FederatedSimulation
 from lightning_gp.models import LeNetZhu, ResNet18
 
@@ -172,14 +171,7 @@ def main() -> None:
         plot_curves(curves)
         write_results("pruning_utility", rows, f"FedSGD, LeNetZhu, 10 clients x 8 images, {args.rounds} rounds, server Adam 1e-3, seed {args.seed}.")
     if "privacy" in args.parts:
-        datasets = {"sample": FashionMNISTSampleDataModule()}
-        if args.full:
-            try:
-                full = FashionMNISTDataModule()
-                full.prepare_data()
-                datasets["fashion-mnist"] = full
-            except DatasetNotFoundError as err:
-                print(f"full Fashion-MNIST not installed, skipped: {err}")
+        datasets = fashion_mnist_datasets(args.full)
         rows = [row for name, dm in datasets.items() for row in privacy(dm, name, args.images, args.ig_iterations, args.seed)]
         write_results("pruning_privacy", rows, f"FedSGD round 0, LeNetZhu. IG: {args.images} clients x 1 image, {args.ig_iterations} iterations; RtF: 2 clients x 16 images, 128 bins.")
 
