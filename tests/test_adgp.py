@@ -88,3 +88,13 @@ def test_a_mask_for_another_model_is_rejected():
     adgp.begin_round(0, [0], {0: {"w": torch.randn(10)}}, share_in_process)
     with pytest.raises(ValueError, match="location mask does not match"):
         adgp({"w": torch.randn(12)}, 0)
+
+
+def test_a_rejected_mask_leaves_the_client_residual_untouched():
+    adgp = AlignedDualGradientPruning(seed=0)
+    adgp({"w": torch.randn(10)}, 0)
+    before = adgp.client_state(0)["w"]
+    adgp.round_mask = {"w": torch.ones(12, dtype=torch.bool)}
+    with pytest.raises(ValueError, match="location mask does not match"):
+        adgp({"w": torch.randn(10)}, 0)
+    assert torch.equal(adgp.client_state(0)["w"], before)

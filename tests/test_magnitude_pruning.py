@@ -252,3 +252,13 @@ def test_count_for_rate_rounds_half_up_within_bounds(rate, numel, expected):
 @pytest.mark.parametrize("rate, numel, expected", [(0.7, 45, 32), (0.29, 50, 15), (0.58, 25, 15), (0.145, 100, 15)])
 def test_count_for_rate_rounds_decimal_half_up_despite_float_error(rate, numel, expected):
     assert count_for_rate(rate, numel) == expected
+
+
+def test_state_dict_and_client_state_are_copies_that_later_calls_do_not_change():
+    d = MagnitudePruning(0.5, error_feedback=True)
+    d({"w": torch.randn(8)}, 0)
+    saved, view = d.state_dict(), d.client_state(0)
+    kept = view["w"].clone()
+    d({"w": torch.randn(8)}, 0)
+    assert torch.equal(saved["client_states"][0]["w"], kept)
+    assert torch.equal(view["w"], kept)

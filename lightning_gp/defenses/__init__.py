@@ -11,7 +11,13 @@ from lightning_gp.defenses.pruning import (
     RandomPruning,
     TopKPruning,
 )
-from lightning_gp.defenses.selection import count_for_rate, largest_magnitude_mask, magnitude_band_mask
+from lightning_gp.defenses.selection import (
+    count_for_rate,
+    kth_largest,
+    largest_entries_mask,
+    largest_magnitude_mask,
+    magnitude_band_mask,
+)
 from lightning_gp.defenses.sparsification import SparsifyingDefense
 from lightning_gp.defenses.validation import NonFiniteGradientError, check_rate
 
@@ -29,6 +35,8 @@ __all__ = [
     "TopKPruning",
     "check_rate",
     "count_for_rate",
+    "kth_largest",
+    "largest_entries_mask",
     "largest_magnitude_mask",
     "magnitude_band_mask",
 ]

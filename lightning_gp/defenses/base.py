@@ -70,7 +70,11 @@ class Defense(ABC):
     def transform(
         self, gradients: Gradients, state: Gradients, generator: torch.Generator
     ) -> tuple[Gradients, Gradients]:
-        """Return ``(shared_gradients, new_state)`` for one client. Must not modify its inputs."""
+        """Return ``(shared_gradients, new_state)`` for one client.
+
+        Must not modify ``gradients``. May update the tensors of ``state`` in place (the defense
+        owns them; :meth:`state_dict` returns copies), but only once nothing can fail any more.
+        """
 
     def init_client_state(self, gradients: Gradients) -> Gradients:
         """The state of a client seen for the first time (empty for stateless defenses)."""
@@ -127,11 +131,11 @@ class Defense(ABC):
         self.num_clients = num_clients
 
     def client_state(self, client_id: int) -> Gradients:
-        """The stored state of one client (a KeyError if that client has not been seen)."""
+        """A copy of the stored state of one client (a KeyError if that client has not been seen)."""
         client_id = check_client_id(client_id, self.num_clients)
         if client_id not in self._states:
             raise KeyError(f"no state for client {client_id}: it has not shared a gradient yet")
-        return self._states[client_id]
+        return {name: tensor.clone() for name, tensor in self._states[client_id].items()}
 
     @property
     def clients(self) -> list[int]:
@@ -157,7 +161,8 @@ class Defense(ABC):
             "seed": self.seed,
             "num_clients": self.num_clients,
             "layer_shapes": None if self._layer_shapes is None else {n: list(s) for n, s in self._layer_shapes.items()},
-            "client_states": {c: dict(s) for c, s in self._states.items()},
+            # copies: transforms may update a client's state tensors in place
+            "client_states": {c: {n: t.clone() for n, t in s.items()} for c, s in self._states.items()},
             "generator_states": generators,
         }
 
@@ -189,7 +194,7 @@ class Defense(ABC):
         self.num_clients = self.num_clients if self.num_clients is not None else saved_clients
         shapes = state_dict["layer_shapes"]
         self._layer_shapes = None if shapes is None else {n: torch.Size(s) for n, s in shapes.items()}
-        self._states = {int(c): dict(s) for c, s in state_dict["client_states"].items()}
+        self._states = {int(c): {n: t.clone() for n, t in s.items()} for c, s in state_dict["client_states"].items()}
         self._pending_generator_states = {int(c): s for c, s in state_dict["generator_states"].items()}
 
     def __repr__(self) -> str:

@@ -15,7 +15,13 @@ from torch import Tensor
 import numpy as np
 
 from lightning_gp.defenses.base import Gradients, Share
-from lightning_gp.defenses.selection import count_for_rate, largest_magnitude_mask, magnitude_band_mask
+from lightning_gp.defenses.selection import (
+    count_for_rate,
+    largest_entries_mask,
+    largest_magnitude_mask,
+    magnitude_band_mask,
+    magnitudes,
+)
 from lightning_gp.defenses.sparsification import SparsifyingDefense
 from lightning_gp.defenses.validation import check_rate
 
@@ -206,23 +212,29 @@ class AlignedDualGradientPruning(SparsifyingDefense):
         self.round_mask = share(provider, mask)
         self.mask_round, self.mask_provider = round, provider
 
-    def select(self, values: Mapping[str, Tensor], generator: torch.Generator) -> dict[str, Tensor]:
-        mask = self.round_mask if self.round_mask is not None else self.location_mask(values)
+    def check_inputs(self, gradients: Gradients) -> None:
+        if self.round_mask is not None:
+            self._check_mask(self.round_mask, gradients)
+
+    @staticmethod
+    def _check_mask(mask: Mapping[str, Tensor], values: Mapping[str, Tensor]) -> None:
         if mask.keys() != values.keys() or any(mask[n].shape != v.shape for n, v in values.items()):
             raise ValueError(
                 "the ADGP location mask does not match the gradient's layers or shapes; the provider and the "
                 "clients must share one model"
             )
+
+    def select(self, values: Mapping[str, Tensor], generator: torch.Generator) -> dict[str, Tensor]:
+        mask = self.round_mask if self.round_mask is not None else self.location_mask(values)
+        self._check_mask(mask, values)
         keep = {}
         for name, v in values.items():
             n = v.numel()
-            own_top = largest_magnitude_mask(v, min(count_for_rate(self.k1, n), n - 1))
-            allowed = mask[name] & ~own_top
-            count = min(max(1, count_for_rate(self.k, n)), int(allowed.sum()))
-            chosen = torch.zeros(n, dtype=torch.bool, device=v.device)
-            if count:
-                # the k largest magnitudes among the allowed positions; the others rank last
-                scores = torch.where(allowed, v.detach().abs().float(), torch.tensor(float("-inf"), device=v.device))
-                chosen[scores.flatten().topk(count).indices] = True
-            keep[name] = chosen.view_as(v)
+            magnitude = magnitudes(v)
+            own_top = largest_entries_mask(magnitude, min(count_for_rate(self.k1, n), n - 1))
+            allowed = mask[name].flatten() & ~own_top
+            count = min(max(1, count_for_rate(self.k, n)), int(torch.count_nonzero(allowed)))
+            # the k largest magnitudes among the allowed positions; the others rank below every magnitude
+            scores = torch.where(allowed, magnitude, torch.tensor(-1.0, dtype=magnitude.dtype, device=v.device))
+            keep[name] = largest_entries_mask(scores, count).view_as(v)
         return keep

@@ -30,6 +30,9 @@ class SparsifyingDefense(Defense):
     def select(self, values: Mapping[str, Tensor], generator: torch.Generator) -> dict[str, Tensor]:
         """Boolean keep-masks, one per layer, for the (error-compensated) values."""
 
+    def check_inputs(self, gradients: Gradients) -> None:
+        """Raise on inputs :meth:`select` cannot take, before any state is touched (default: none)."""
+
     def init_client_state(self, gradients: Gradients) -> Gradients:
         if not self.error_feedback:
             return {}
@@ -38,8 +41,13 @@ class SparsifyingDefense(Defense):
     def transform(
         self, gradients: Gradients, state: Gradients, generator: torch.Generator
     ) -> tuple[Gradients, Gradients]:
-        values = {n: g + state[n] for n, g in gradients.items()} if self.error_feedback else gradients
+        self.check_inputs(gradients)
+        # The residual buffers belong to this defense, so P = g + e is accumulated into them in
+        # place and they become e' = P - shared: fresh model-sized allocations (page faults)
+        # cost more than the arithmetic on CPU.
+        values = {n: state[n].add_(g) for n, g in gradients.items()} if self.error_feedback else gradients
         masks = self.select(values, generator)
-        shared = {n: torch.where(masks[n], v, torch.zeros((), dtype=v.dtype, device=v.device)) for n, v in values.items()}
-        new_state = {n: values[n] - shared[n] for n in values} if self.error_feedback else {}
+        # a product with the mask is faster than torch.where on CPU; the values are finite here
+        shared = {n: v * masks[n] for n, v in values.items()}
+        new_state = {n: values[n].sub_(shared[n]) for n in values} if self.error_feedback else {}
         return shared, new_state

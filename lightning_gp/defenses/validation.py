@@ -68,5 +68,8 @@ def nonfinite_layers(gradients: Mapping[str, Tensor]) -> list[str]:
     """Names of the layers holding NaN or inf (one device sync for the whole model)."""
     names = list(gradients)
     device = gradients[names[0]].device
-    finite = torch.stack([gradients[n].isfinite().all().to(device) for n in names]).tolist()
-    return [n for n, ok in zip(names, finite) if not ok]
+    # A finite sum means every entry is finite (NaN and inf propagate through a sum); one cheap
+    # pass per layer, and only layers whose sum is not finite (or overflowed) get the exact check.
+    sums_finite = torch.stack([gradients[n].sum().isfinite().to(device) for n in names]).tolist()
+    suspects = [n for n, ok in zip(names, sums_finite) if not ok]
+    return [n for n in suspects if not bool(gradients[n].isfinite().all())]
