@@ -6,6 +6,14 @@ always see the gradient after every defense.
 
 from lightning_gp.callbacks.base import GradientDefense, SharedGradientCallback, SharedGradientObserver
 from lightning_gp.callbacks.communication import CommunicationMeter, dense_nbytes, encoded_nbytes
+from lightning_gp.callbacks.dp_sgd import DPSGD
+from lightning_gp.callbacks.noise import GaussianNoise, GradientQuantization, LaplaceNoise
+from lightning_gp.callbacks.optimal import (
+    OptimalDPSGD,
+    OptimalGradientNoise,
+    OptimalGradientPruning,
+    SensitivityGradientDefense,
+)
 from lightning_gp.callbacks.pipeline import SharedGradientPipeline
 from lightning_gp.callbacks.progress import ProgressPrinter
 from lightning_gp.callbacks.pruning import (
@@ -20,12 +28,20 @@ from lightning_gp.callbacks.tap import GradientTap, TappedGradient
 __all__ = [
     "AlignedDualGradientPruning",
     "CommunicationMeter",
+    "DPSGD",
     "DualGradientPruning",
+    "GaussianNoise",
     "GradientDefense",
+    "GradientQuantization",
     "GradientTap",
+    "LaplaceNoise",
     "MagnitudePruning",
+    "OptimalDPSGD",
+    "OptimalGradientNoise",
+    "OptimalGradientPruning",
     "ProgressPrinter",
     "RandomPruning",
+    "SensitivityGradientDefense",
     "SharedGradientCallback",
     "SharedGradientObserver",
     "SharedGradientPipeline",

@@ -49,6 +49,10 @@ class SharedGradientCallback(Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
+        from lightning_gp.callbacks.dp_sgd import DPSGD  # local: dp_sgd imports this module
+
+        if any(isinstance(cb, DPSGD) for cb in trainer.callbacks):
+            return  # Opacus replaces .grad after this hook; DPSGD's step hook runs the pipeline instead
         pipeline = SharedGradientPipeline.from_trainer(trainer)
         if pipeline.driver is self and execution_path(trainer, pl_module) == "local":
             defend_parameter_gradients(pipeline, pl_module, optimizer, client_id=trainer.global_rank, round=trainer.global_step)
@@ -69,6 +73,20 @@ class GradientDefense(SharedGradientCallback):
         if not isinstance(defense, Defense):
             raise TypeError(f"defense must be a lightning_gp.defenses.Defense, got {type(defense).__name__}")
         self.defense = defense
+
+    def defend(
+        self,
+        gradients: Mapping[str, Tensor],
+        *,
+        client_id: int,
+        round: int,
+        model: nn.Module,
+        batch: Any,
+        meta: Mapping[str, Any],
+    ) -> dict[str, Tensor]:
+        """One client's gradient through this defense (the pipeline calls this; data-dependent
+        defenses also use the model and the client's batch)."""
+        return self.defense(gradients, client_id)
 
     @property
     def state_key(self) -> str:

@@ -102,7 +102,7 @@ class SharedGradientPipeline:
         """Defend one client's gradient and show the shared result to every observer."""
         shared = dict(gradients)
         for callback in self.defenses:
-            shared = callback.defense(shared, client_id)
+            shared = callback.defend(shared, client_id=client_id, round=round, model=model, batch=batch, meta=meta or {})
         for observer in self.observers:
             observer.observe(shared, client_id=client_id, round=round, model=model, batch=batch, meta=meta or {})
         return shared

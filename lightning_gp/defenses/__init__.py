@@ -4,6 +4,15 @@ No Lightning imports here; :mod:`lightning_gp.callbacks` adapts these to a ``Tra
 """
 
 from lightning_gp.defenses.base import Defense, Gradients, Share, share_in_process
+from lightning_gp.defenses.noise import GaussianNoise, LaplaceNoise
+from lightning_gp.defenses.optimal import (
+    OptimalDPSGD,
+    OptimalGradientNoise,
+    OptimalGradientPruning,
+    SensitivityDefense,
+    optimal_noise_variance,
+    optimal_pruning_scores,
+)
 from lightning_gp.defenses.pruning import (
     AlignedDualGradientPruning,
     DualGradientPruning,
@@ -18,6 +27,8 @@ from lightning_gp.defenses.selection import (
     largest_magnitude_mask,
     magnitude_band_mask,
 )
+from lightning_gp.defenses.quantization import GradientQuantization
+from lightning_gp.defenses.sensitivity import gradient_sensitivity
 from lightning_gp.defenses.sparsification import SparsifyingDefense
 from lightning_gp.defenses.validation import NonFiniteGradientError, check_rate
 
@@ -27,14 +38,24 @@ __all__ = [
     "share_in_process",
     "Defense",
     "DualGradientPruning",
+    "GaussianNoise",
+    "GradientQuantization",
     "Gradients",
+    "LaplaceNoise",
     "MagnitudePruning",
     "NonFiniteGradientError",
+    "OptimalDPSGD",
+    "OptimalGradientNoise",
+    "OptimalGradientPruning",
+    "SensitivityDefense",
     "RandomPruning",
     "SparsifyingDefense",
     "TopKPruning",
     "check_rate",
     "count_for_rate",
+    "gradient_sensitivity",
+    "optimal_noise_variance",
+    "optimal_pruning_scores",
     "kth_largest",
     "largest_entries_mask",
     "largest_magnitude_mask",

@@ -24,6 +24,16 @@ def check_rate(value: float, name: str) -> float:
     return float(value)
 
 
+def check_nonnegative(value: float, name: str, *, strict: bool = False) -> float:
+    """Return ``value`` as a finite float ``>= 0`` (``> 0`` with ``strict``) or raise naming ``name``."""
+    bound = "> 0" if strict else ">= 0"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number {bound}, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value) or value < 0 or (strict and value == 0):
+        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
+    return float(value)
+
+
 def check_choice(value: str, name: str, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")

@@ -9,36 +9,14 @@ client. Both paths compute the same per-client quantities.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, grad_and_value, vmap
-from torch.nn.modules.batchnorm import _BatchNorm
+from torch.func import grad_and_value, vmap
 
-LossFn = Callable[[Tensor, Tensor], Tensor]
+from lightning_gp.functional import LossFn, frozen_state, functional_loss, trainable_parameters, updates_running_stats
 
-
-def updates_running_stats(module: nn.Module) -> bool:
-    """True when a forward pass in training mode would update BatchNorm running statistics."""
-    return any(isinstance(m, _BatchNorm) and m.track_running_stats and m.training for m in module.modules())
-
-
-def trainable_parameters(module: nn.Module) -> dict[str, Tensor]:
-    return {n: p for n, p in module.named_parameters() if p.requires_grad}
-
-
-def _frozen_state(module: nn.Module) -> dict[str, Tensor]:
-    frozen = {n: p.detach() for n, p in module.named_parameters() if not p.requires_grad}
-    frozen.update(dict(module.named_buffers()))
-    return frozen
-
-
-def _loss_of(module: nn.Module, loss_fn: LossFn, frozen: dict[str, Tensor]) -> Callable[..., Tensor]:
-    def loss(params: dict[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
-        return loss_fn(functional_call(module, {**frozen, **params}, (x,)), y)
-
-    return loss
+__all__ = ["client_gradients", "client_local_updates", "trainable_parameters", "updates_running_stats"]
 
 
 def client_gradients(
@@ -63,7 +41,7 @@ def client_gradients(
     """
     params = {n: p.detach() for n, p in trainable_parameters(module).items()}
     if vectorize:
-        step = grad_and_value(_loss_of(module, loss_fn, _frozen_state(module)))
+        step = grad_and_value(functional_loss(module, loss_fn, frozen_state(module)))
         grads, losses = vmap(step, in_dims=(None, 0, 0), randomness="different", chunk_size=chunk_size)(params, inputs, targets)
         return grads, losses.detach()
     live = trainable_parameters(module)
@@ -100,7 +78,7 @@ def client_local_updates(
     """
     start = {n: p.detach() for n, p in trainable_parameters(module).items()}
     if vectorize:
-        step = grad_and_value(_loss_of(module, loss_fn, _frozen_state(module)))
+        step = grad_and_value(functional_loss(module, loss_fn, frozen_state(module)))
 
         def local_training(params: dict[str, Tensor], xs: Tensor, ys: Tensor) -> tuple[dict[str, Tensor], Tensor]:
             current, total = params, 0.0

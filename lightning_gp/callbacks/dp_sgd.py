@@ -1,0 +1,445 @@
+"""Formal differential privacy: DP-SGD (Abadi et al., 2016) through Opacus, as a Lightning callback."""
+
+from __future__ import annotations
+
+import math
+import secrets
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from opacus import GradSampleModule
+from opacus.accountants import IAccountant, create_accountant
+from opacus.accountants.utils import get_noise_multiplier
+from opacus.data_loader import DPDataLoader
+from opacus.optimizers import DPOptimizer
+from opacus.validators import ModuleValidator
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_gp.callbacks.base import defend_parameter_gradients
+from lightning_gp.callbacks.pipeline import SharedGradientPipeline
+
+ACCOUNTANTS = ("prv", "rdp", "gdp")
+_STATE = "dp_sgd"  # marks this callback's entry among a checkpoint's callback states
+_PARAM_ATTRS = ("grad_sample", "summed_grad", "_forward_counter", "_current_grad_sample", "_norm_sample")
+_MODULE_ATTRS = ("activations", "max_batch_len")
+
+
+class DPSGD(Callback):
+    """Train with DP-SGD: clip each example's gradient, add Gaussian noise, account the privacy spent.
+
+    This is the package's *formal* differential-privacy path (Abadi et al., "Deep Learning with
+    Differential Privacy", CCS 2016), built on Opacus (Yousefpour et al., 2021) through its public
+    API: ``GradSampleModule`` computes per-example gradients, ``DPOptimizer`` clips them to
+    ``max_grad_norm``, sums them, adds ``N(0, (noise_multiplier * max_grad_norm)^2)`` noise and
+    divides by the expected batch size, and an Opacus accountant turns the steps taken into an
+    ``(epsilon, delta)`` guarantee, logged as ``dp_epsilon`` at the end of every training epoch.
+    The optimal-noise and pruning defenses of this package report no epsilon: they are judged by
+    the attacks they resist, not by a DP guarantee.
+
+    The clipped and noised gradient is the gradient the client shares: defense callbacks given to
+    the same ``Trainer`` (e.g. :class:`~lightning_gp.callbacks.DualGradientPruning`) run on it,
+    wherever they stand in the callback list (DP first, then the defenses in their order),
+    and observers (:class:`~lightning_gp.callbacks.GradientTap`,
+    :class:`~lightning_gp.callbacks.CommunicationMeter`) record it, from the optimizer's step hook
+    right after Opacus noises it. Anything done after the noise is post-processing and keeps the
+    guarantee.
+
+    Poisson sampling (each example joins a batch independently with probability ``q``), which the
+    accountants assume, replaces the sampler of the training loader: the callback wraps the
+    ``train_dataloader`` of the datamodule (or of the LightningModule) with
+    ``DPDataLoader.from_data_loader`` for the duration of the fit, with ``q = 1 / len(loader)``
+    (the expected batch size stays the loader's batch size). A loader passed directly to
+    ``Trainer.fit(train_dataloaders=...)`` cannot be wrapped: pass a datamodule or wrap it
+    yourself. ``poisson_sampling=False`` keeps the loader as it is (shuffled fixed-size batches);
+    the reported epsilon then assumes a sampling the run did not do and is only indicative.
+
+    Supported: one process (a single-device strategy), automatic optimization with one optimizer,
+    no gradient accumulation, no gradient scaler, a model Opacus can compute per-example
+    gradients for (no BatchNorm) and one forward pass per training step. The accountant's history
+    is saved in checkpoints, so epsilon continues across a resume; one callback instance also
+    keeps accounting across repeated ``fit`` calls.
+
+    Args:
+        noise_multiplier: noise std relative to ``max_grad_norm`` (``sigma``); give this or
+            ``target_epsilon``. ``0`` clips without noise (epsilon is infinite).
+        target_epsilon: pick ``sigma`` so that the whole run (``max_epochs``/``max_steps``) spends
+            this epsilon at ``delta`` (``opacus.accountants.utils.get_noise_multiplier``).
+        max_grad_norm: per-example L2 clipping bound ``C``.
+        delta: the ``delta`` of the guarantee; ``None`` uses ``1 / n**1.1`` for ``n`` training
+            examples (below ``1 / n``, as the guarantee requires).
+        accountant: ``"prv"`` (default, tightest), ``"rdp"`` or ``"gdp"`` (experimental in Opacus).
+        poisson_sampling: wrap the training loader for Poisson sampling (see above).
+        secure_mode: Opacus's noise hardened against floating-point attacks, and a Poisson
+            sampler seeded from the OS's entropy instead of the loader's generator. It does not
+            make PyTorch's generator cryptographically secure.
+
+    Example::
+
+        Trainer(max_epochs=10, callbacks=[DPSGD(target_epsilon=3.0, max_grad_norm=1.0), GradientTap()])
+    """
+
+    def __init__(
+        self,
+        noise_multiplier: float | None = None,
+        target_epsilon: float | None = None,
+        max_grad_norm: float = 1.0,
+        delta: float | None = None,
+        accountant: str = "prv",
+        poisson_sampling: bool = True,
+        secure_mode: bool = False,
+    ) -> None:
+        if (noise_multiplier is None) == (target_epsilon is None):
+            raise ValueError(
+                f"give exactly one of noise_multiplier and target_epsilon, got noise_multiplier={noise_multiplier!r} "
+                f"and target_epsilon={target_epsilon!r}"
+            )
+        if noise_multiplier is not None and not (_is_number(noise_multiplier) and 0 <= noise_multiplier < math.inf):
+            raise ValueError(f"noise_multiplier must be a finite number >= 0, got {noise_multiplier!r}")
+        if target_epsilon is not None and not (_is_number(target_epsilon) and 0 < target_epsilon < math.inf):
+            raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}")
+        if not (_is_number(max_grad_norm) and 0 < max_grad_norm < math.inf):
+            raise ValueError(f"max_grad_norm must be a finite number > 0, got {max_grad_norm!r}")
+        if delta is not None and not (_is_number(delta) and 0 < delta < 1):
+            raise ValueError(f"delta must be in (0, 1) or None, got {delta!r}")
+        if accountant not in ACCOUNTANTS:
+            raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
+        if not isinstance(poisson_sampling, bool):
+            raise ValueError(f"poisson_sampling must be a bool, got {poisson_sampling!r}")
+        if not isinstance(secure_mode, bool):
+            raise ValueError(f"secure_mode must be a bool, got {secure_mode!r}")
+        self.noise_multiplier = None if noise_multiplier is None else float(noise_multiplier)
+        self.target_epsilon = None if target_epsilon is None else float(target_epsilon)
+        self.max_grad_norm = float(max_grad_norm)
+        self.delta = None if delta is None else float(delta)
+        self.accountant = accountant
+        self.poisson_sampling = poisson_sampling
+        self.secure_mode = secure_mode
+
+        self.privacy_accountant: IAccountant | None = None  # the Opacus accountant, once training starts
+        self.noise_multiplier_used: float | None = None
+        self.sample_rate: float | None = None
+        self.expected_batch_size: int | None = None
+        self.target_delta: float | None = None  # the delta in use (``delta`` or its default)
+        self._pending_state: dict[str, Any] | None = None
+        self._wrapped_loader: tuple[Any, bool, Any] | None = None
+        self._grad_sample_module: GradSampleModule | None = None
+        self._new_module_attrs: list[tuple[nn.Module, str]] = []
+        self._original_optimizer: torch.optim.Optimizer | None = None
+        self._dp_optimizer: DPOptimizer | None = None
+
+    # ------------------------------------------------------------------ configuration
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "noise_multiplier": self.noise_multiplier,
+            "target_epsilon": self.target_epsilon,
+            "max_grad_norm": self.max_grad_norm,
+            "delta": self.delta,
+            "accountant": self.accountant,
+            "poisson_sampling": self.poisson_sampling,
+        }
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(**self.config())
+
+    def __repr__(self) -> str:
+        return f"DPSGD({', '.join(f'{k}={v!r}' for k, v in self.config().items())})"
+
+    # ------------------------------------------------------------------ privacy spent
+
+    @property
+    def steps(self) -> int:
+        """Noised optimizer steps accounted so far (including those of a resumed checkpoint)."""
+        history = self._history()
+        return sum(int(n) for _, _, n in history)
+
+    def get_epsilon(self, delta: float | None = None) -> float:
+        """The epsilon spent so far at ``delta`` (default: :attr:`target_delta`)."""
+        delta = self.target_delta if delta is None else delta
+        history = self._history()
+        if not history:
+            return 0.0
+        if delta is None:
+            raise RuntimeError("delta is not known before training starts; pass delta=")
+        if any(sigma == 0 for sigma, _, _ in history):
+            return math.inf  # no noise, no privacy (Opacus's PRV accountant overflows here)
+        accountant = self.privacy_accountant if self.privacy_accountant is not None else self._restored_accountant()
+        return float(accountant.get_epsilon(delta=delta))
+
+    @property
+    def epsilon(self) -> float:
+        """The epsilon spent so far at :attr:`target_delta`."""
+        return self.get_epsilon()
+
+    def _history(self) -> list:
+        if self.privacy_accountant is not None:
+            return list(self.privacy_accountant.history)
+        if self._pending_state is not None:
+            return list(self._pending_state["accountant"]["history"])
+        return []
+
+    def _restored_accountant(self) -> IAccountant:
+        accountant = create_accountant(mechanism=self.accountant)
+        accountant.load_state_dict(self._pending_state["accountant"])
+        return accountant
+
+    # ------------------------------------------------------------------ Lightning hooks
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if getattr(pl_module, "defends_per_client", False):
+            raise ValueError(
+                "DPSGD trains one model on one process's data; it does not support a FederatedSimulation. "
+                "Use it with a plain LightningModule (e.g. lightning_gp.models.ImageClassifier) on a single device"
+            )
+        if not isinstance(trainer.strategy, SingleDeviceStrategy):
+            raise ValueError(
+                f"DPSGD supports a single-device strategy (one process, e.g. Trainer(devices=1)); "
+                f"{type(trainer.strategy).__name__} is not supported"
+            )
+        if not pl_module.automatic_optimization:
+            raise ValueError(
+                "DPSGD supports automatic optimization only (the optimizer step must be Lightning's); "
+                "set automatic_optimization = True"
+            )
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"DPSGD does not support gradient accumulation (accumulate_grad_batches="
+                f"{trainer.accumulate_grad_batches}): Poisson sampling draws one batch per step. Use "
+                "accumulate_grad_batches=1 and set the expected batch size with the loader's batch_size"
+            )
+        if trainer.gradient_clip_val:
+            raise ValueError(
+                f"DPSGD clips each example's gradient to max_grad_norm itself; remove gradient_clip_val="
+                f"{trainer.gradient_clip_val!r} (Lightning would clip the batch gradient before Opacus replaces it)"
+            )
+        if trainer.scaler is not None:
+            raise ValueError(
+                "DPSGD does not support a gradient scaler (precision='16-mixed'): the scaled per-example "
+                "gradients would be clipped. Use precision 32, 64 or 'bf16-mixed'"
+            )
+        _check_module(pl_module)
+        if self.poisson_sampling and self._wrapped_loader is None:
+            owner = trainer.datamodule if is_overridden("train_dataloader", trainer.datamodule) else None
+            if owner is None and is_overridden("train_dataloader", pl_module):
+                owner = pl_module
+            if owner is not None:
+                self._wrap_train_dataloader(owner)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if len(trainer.optimizers) != 1:
+            raise ValueError(f"DPSGD supports exactly one optimizer, this module configures {len(trainer.optimizers)}")
+        loader = trainer.train_dataloader
+        if self.poisson_sampling and not isinstance(loader, DPDataLoader):
+            raise ValueError(
+                "DPSGD(poisson_sampling=True) needs the training batches Poisson-sampled, but the train loader is "
+                f"a {type(loader).__name__}: a loader given to Trainer.fit(train_dataloaders=...) cannot be "
+                "wrapped. Pass the data as a LightningDataModule (or define the LightningModule's "
+                "train_dataloader), wrap the loader with opacus.data_loader.DPDataLoader.from_data_loader(loader), "
+                "or use DPSGD(poisson_sampling=False)"
+            )
+        if not isinstance(loader, DataLoader) or not hasattr(loader.dataset, "__len__"):
+            raise ValueError(
+                f"DPSGD needs one DataLoader over a dataset of known size, got {type(loader).__name__}"
+            )
+        n = len(loader.dataset)
+        self.sample_rate = float(loader.sample_rate) if isinstance(loader, DPDataLoader) else 1.0 / len(loader)
+        self.expected_batch_size = max(1, round(n * self.sample_rate))
+        self.target_delta = self.delta if self.delta is not None else 1.0 / n**1.1
+
+        if self._pending_state is not None:
+            state, self._pending_state = self._pending_state, None
+            self.privacy_accountant = create_accountant(mechanism=self.accountant)
+            self.privacy_accountant.load_state_dict(state["accountant"])
+            self.noise_multiplier_used = state["noise_multiplier"]
+        elif self.privacy_accountant is None:
+            self.privacy_accountant = create_accountant(mechanism=self.accountant)
+            self.noise_multiplier_used = self.noise_multiplier
+        if self.noise_multiplier_used is None:
+            self.noise_multiplier_used = self._calibrate_noise(trainer)
+
+        self._grad_sample_module = self._attach_grad_sampler(pl_module)
+        original = trainer.optimizers[0]
+        optimizer = DPOptimizer(
+            original,
+            noise_multiplier=self.noise_multiplier_used,
+            max_grad_norm=self.max_grad_norm,
+            expected_batch_size=self.expected_batch_size,
+            loss_reduction="mean",
+            secure_mode=self.secure_mode,
+        )
+        account = self.privacy_accountant.get_optimizer_hook_fn(sample_rate=self.sample_rate)
+        pipeline = SharedGradientPipeline.from_trainer(trainer)
+
+        def step_hook(dp_optimizer: DPOptimizer) -> None:
+            # Runs inside DPOptimizer.pre_step, after clip, noise and scaling wrote p.grad.
+            account(dp_optimizer)
+            if len(pipeline):
+                defend_parameter_gradients(
+                    pipeline, pl_module, dp_optimizer, client_id=trainer.global_rank, round=trainer.global_step
+                )
+
+        optimizer.attach_step_hook(step_hook)
+        self._original_optimizer, self._dp_optimizer = original, optimizer
+        trainer.optimizers = [optimizer]  # LR schedulers keep stepping `original`: same param_groups
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.privacy_accountant is not None:
+            pl_module.log("dp_epsilon", self.epsilon)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._clean_up(trainer)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._clean_up(trainer)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.privacy_accountant is None:
+            return {_STATE: self._pending_state} if self._pending_state is not None else {}
+        return {
+            _STATE: {
+                "accountant": self.privacy_accountant.state_dict(),
+                "noise_multiplier": self.noise_multiplier_used,
+                "sample_rate": self.sample_rate,
+                "delta": self.target_delta,
+            }
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if _STATE in state_dict:
+            self._pending_state = state_dict[_STATE]
+            self.privacy_accountant = None
+            self.noise_multiplier_used = state_dict[_STATE]["noise_multiplier"]
+            self.target_delta = state_dict[_STATE]["delta"]
+
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        # Lightning silently drops saved callback state whose key matches no callback; for DP-SGD
+        # that would forget the privacy already spent, so refuse to resume with other settings.
+        saved = [key for key, state in checkpoint.get("callbacks", {}).items() if isinstance(state, dict) and _STATE in state]
+        if saved and self.state_key not in saved:
+            raise ValueError(
+                f"the checkpoint holds DP-SGD accounting saved by {', '.join(saved)}, but none for {self!r}; resume "
+                "with the DPSGD settings the run was started with, or epsilon would leave those steps out"
+            )
+        if not saved and checkpoint.get("global_step", 0) > 0:
+            raise ValueError(
+                f"the checkpoint was trained for {checkpoint['global_step']} steps without DPSGD; resuming it with "
+                "DPSGD would leave those steps out of epsilon. To fine-tune its weights privately, load them "
+                "(LightningModule.load_from_checkpoint) and start a new fit without ckpt_path"
+            )
+
+    # ------------------------------------------------------------------ helpers
+
+    def _calibrate_noise(self, trainer: pl.Trainer) -> float:
+        steps = trainer.estimated_stepping_batches
+        if not math.isfinite(steps) or steps < 1:
+            raise ValueError(
+                "DPSGD(target_epsilon=...) calibrates the noise for the whole run, but neither max_epochs nor "
+                "max_steps bounds this one; set Trainer(max_epochs=...) or Trainer(max_steps=...), or give "
+                "noise_multiplier instead"
+            )
+        return float(
+            get_noise_multiplier(
+                target_epsilon=self.target_epsilon,
+                target_delta=self.target_delta,
+                sample_rate=self.sample_rate,
+                steps=int(steps),
+                accountant=self.accountant,
+            )
+        )
+
+    def _wrap_train_dataloader(self, owner: Any) -> None:
+        had_own = "train_dataloader" in vars(owner)
+        previous = vars(owner).get("train_dataloader")
+        original = owner.train_dataloader
+        secure = self.secure_mode
+
+        def train_dataloader() -> DPDataLoader:
+            loader = original()
+            if isinstance(loader, DPDataLoader):
+                return loader
+            if not isinstance(loader, DataLoader):
+                raise ValueError(
+                    f"DPSGD's Poisson sampling needs train_dataloader() to return one DataLoader, got "
+                    f"{type(loader).__name__}; return a DataLoader or use DPSGD(poisson_sampling=False)"
+                )
+            generator = torch.Generator().manual_seed(secrets.randbits(63)) if secure else None
+            return DPDataLoader.from_data_loader(loader, generator=generator)
+
+        owner.train_dataloader = train_dataloader
+        self._wrapped_loader = (owner, had_own, previous)
+
+    def _attach_grad_sampler(self, pl_module: pl.LightningModule) -> GradSampleModule:
+        before = {(id(m), attr) for m in pl_module.modules() for attr in _MODULE_ATTRS if attr in vars(m)}
+        gsm = GradSampleModule(pl_module, loss_reduction="mean")
+        # Opacus's hooks store activations on the submodules; remember which attributes are its own.
+        self._new_module_attrs = [
+            (m, attr) for m in pl_module.modules() for attr in _MODULE_ATTRS if (id(m), attr) not in before
+        ]
+        return gsm
+
+    def _clean_up(self, trainer: pl.Trainer) -> None:
+        if self._wrapped_loader is not None:
+            owner, had_own, previous = self._wrapped_loader
+            if had_own:
+                owner.train_dataloader = previous
+            else:
+                del owner.train_dataloader
+            self._wrapped_loader = None
+        if self._dp_optimizer is not None:
+            if trainer.optimizers and trainer.optimizers[0] is self._dp_optimizer:
+                trainer.optimizers = [self._original_optimizer]
+            self._dp_optimizer = self._original_optimizer = None
+        if self._grad_sample_module is not None:
+            module = self._grad_sample_module.to_standard_module()  # removes the hooks
+            for p in module.parameters():
+                for attr in _PARAM_ATTRS:
+                    if hasattr(p, attr):
+                        delattr(p, attr)
+            for m, attr in self._new_module_attrs:
+                if attr in vars(m):
+                    delattr(m, attr)
+            self._new_module_attrs = []
+            self._grad_sample_module = None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_module(pl_module: pl.LightningModule) -> None:
+    """Fail before training if Opacus cannot compute per-example gradients for the model."""
+    modes = {m: m.training for m in pl_module.modules()}
+    pl_module.train()  # Lightning trains in train mode; don't report the mode the module is in now
+    try:
+        # ModuleValidator knows the unsupported layer types (BatchNorm, ...); GradSampleModule also
+        # rejects any other trainable layer with buffers.
+        errors = ModuleValidator.validate(pl_module, strict=False) or GradSampleModule.validate(pl_module, strict=False)
+    finally:
+        for m, training in modes.items():
+            m.training = training
+    if not errors:
+        return
+    offenders = [
+        f"{name or type(pl_module).__name__} ({type(m).__name__})"
+        for name, m in pl_module.named_modules()
+        if any(p.requires_grad for p in m.parameters(recurse=False))
+        and (type(m) in ModuleValidator.VALIDATORS or any(True for _ in m.buffers(recurse=False)))
+    ]
+    reasons = sorted({str(e).split(". ")[0].strip() for e in errors})
+    raise ValueError(
+        "DPSGD cannot compute per-example gradients for this model"
+        + (f": {', '.join(offenders)}" if offenders else "")
+        + f" ({'; '.join(reasons)}). Replace BatchNorm with GroupNorm (e.g. ResNet18(norm='group')) or run "
+        "opacus.validators.ModuleValidator.fix(model) on the model before training"
+    )
