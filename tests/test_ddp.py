@@ -68,3 +68,18 @@ def test_two_process_adgp_prunes_every_rank_with_one_broadcast_mask(tmp_path):
     aggregated = ranks[0]["aggregated"]
     for name in aggregated:  # the server's update, what clients download, lies in the mask too
         assert not ((aggregated[name] != 0) & ~mask[name]).any()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("rounds, agree", [((3, 3), True), ((3, 4), False)])
+def test_ranks_that_disagree_on_the_round_get_a_clear_error(tmp_path, rounds, agree):
+    script = Path(__file__).parent / "scripts" / "round_check.py"
+    result = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), *map(str, rounds)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    messages = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+    if agree:
+        assert messages == ["ok", "ok"]
+    else:
+        assert all("disagree on the round" in m and "[3, 4]" in m for m in messages)
