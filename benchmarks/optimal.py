@@ -19,12 +19,16 @@ Pairs compared (Figs. 4, 7, 9, 11): GaussianNoise(scale) vs OptimalGradientNoise
 noise power), GaussianNoise(scale, clip) vs OptimalDPSGD(clip, scale), MagnitudePruning(rate) vs
 OptimalGradientPruning(rate).
 
-Writes benchmarks/results/optimal_{tradeoff,cost}.{csv,md} and optimal_tradeoff.png.
+4. Estimator: median relative error of the k-probe sensitivity against the exact Jacobian on a
+   tiny model, for k = 1 ... 300.
+
+Writes benchmarks/results/optimal_{tradeoff,estimator,cost}.{csv,md} and optimal_tradeoff.png.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import math
 import time
 from collections.abc import Callable
@@ -40,6 +44,7 @@ from lightning_gp.attacks import InvertingGradients
 from lightning_gp.audit import attack_record, mean_scores, tap_fedsgd_round
 from lightning_gp.callbacks import GradientDefense, SensitivityGradientDefense
 from lightning_gp.data import FashionMNISTSampleDataModule
+from lightning_gp.defenses import gradient_sensitivity
 from lightning_gp.models import ConvNet
 
 SCALES = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
@@ -182,8 +187,10 @@ def plot(rows: list[dict]) -> None:
 
     panels = (("noise", "Gaussian noise (equal power)"), ("clipped", "clipped noise (DP-SGD style)"), ("pruning", "pruning"))
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    undefended = rows[0]
     for ax, (panel, title) in zip(axes, panels):
+        # the undefended run at the panel's learning rate (pruning trains at 5e-4)
+        lr = next(r["lr"] for r in rows if r["panel"] == panel)
+        undefended = next(r for r in rows if r["method"] == "undefended" and r["lr"] == lr)
         for method in dict.fromkeys(r["method"] for r in rows if r["panel"] == panel):
             pts = [r for r in rows if r["panel"] == panel and r["method"] == method]
             ax.plot([p["train_loss"] for p in pts], [p["mse"] for p in pts], marker="o", label=method)
@@ -229,9 +236,30 @@ def cost(repeats: int) -> list[dict]:
     return rows
 
 
+def estimator() -> list[dict]:
+    """Median relative error of the k-probe estimate of s against the exact Jacobian (tiny LeakyReLU CNN)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.LeakyReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 10))
+    x, y = torch.randn(4, 1, 8, 8), torch.tensor([0, 3, 5, 9])
+    loss = nn.functional.cross_entropy
+    exact = gradient_sensitivity(model, loss, x, y, exact=True)
+    rows = []
+    for k in (1, 3, 10, 30, 100, 300):
+        errors = []
+        for seed in range(5):
+            estimate = gradient_sensitivity(model, loss, x, y, num_probes=k, chunk_size=50, generator=torch.Generator().manual_seed(seed))
+            rel = torch.cat([((estimate[n] - exact[n]).abs() / exact[n]).flatten() for n in exact if (exact[n] > 0).all()])
+            errors.append(rel.median().item())
+        rows.append({"probes": k, "median_relative_error": float(np.mean(errors)), "worst_of_5_seeds": max(errors)})
+        print(f"estimator k={k}: median relative error {rows[-1]['median_relative_error']:.3f}", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", nargs="+", choices=("tradeoff", "cost"), default=("tradeoff", "cost"))
+    parser.add_argument("--parts", nargs="+", choices=("tradeoff", "estimator", "cost", "plot"),
+                        default=("tradeoff", "estimator", "cost"),
+                        help="plot: redraw optimal_tradeoff.png from the CSV of an earlier run")
     parser.add_argument("--steps", type=int, default=5, help="Adam updates of the utility runs (the paper's 5)")
     parser.add_argument("--seeds", type=int, default=2, help="utility runs per setting (noise draws), averaged")
     parser.add_argument("--clip", type=float, default=0.01, help="per-coordinate clip P (about the 90th percentile of |g| here)")
@@ -253,6 +281,13 @@ def main() -> None:
         )
         write_results("optimal_tradeoff", rows, preamble)
         print("\n".join(lines))
+        plot(rows)
+    if "estimator" in args.parts:
+        write_results("optimal_estimator", estimator(), "Sensitivity s_i = ||d g_i / d x||^2 from k jvp probes vs the exact Jacobian (jacfwd): "
+                      "a Conv(1->4, 3x3) + LeakyReLU + Linear model, 4 images of 8x8, mean over 5 probe seeds of the per-coordinate median relative error.")
+    if "plot" in args.parts:
+        with open(RESULTS_DIR / "optimal_tradeoff.csv") as handle:
+            rows = [{k: v if k in ("panel", "method") else float(v) for k, v in r.items()} for r in csv.DictReader(handle)]
         plot(rows)
     if "cost" in args.parts:
         write_results("optimal_cost", cost(args.repeats), "Time of one defended step (incl. sensitivity) vs the undefended step, ConvNet, batch 16, CPU, median.")

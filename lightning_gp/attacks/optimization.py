@@ -23,6 +23,7 @@ from lightning_gp.attacks.gradient_matching import (
 )
 from lightning_gp.attacks.labels import recover_labels
 from lightning_gp.attacks.view import ServerView
+from lightning_gp.defenses.validation import check_positive_int
 
 
 def _positive(value: float, name: str) -> float:
@@ -35,12 +36,6 @@ def _non_negative(value: float, name: str) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
         raise ValueError(f"{name} must be a non-negative number, got {value!r}")
     return float(value)
-
-
-def _count(value: int, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 def _random_images(view: ServerView, generator: torch.Generator) -> Tensor:
@@ -77,10 +72,10 @@ class DLG(GradientAttack):
         **kwargs,
     ) -> None:
         super().__init__(**kwargs)
-        self.iterations = _count(iterations, "iterations")
-        self.restarts = _count(restarts, "restarts")
+        self.iterations = check_positive_int(iterations, "iterations")
+        self.restarts = check_positive_int(restarts, "restarts")
         self.lr = _positive(lr, "lr")
-        self.max_iter = _count(max_iter, "max_iter")
+        self.max_iter = check_positive_int(max_iter, "max_iter")
         if line_search not in (None, "strong_wolfe"):
             raise ValueError(f"line_search must be None or 'strong_wolfe', got {line_search!r}")
         self.line_search = line_search
@@ -205,10 +200,10 @@ class InvertingGradients(GradientAttack):
         **kwargs,
     ) -> None:
         super().__init__(**kwargs)
-        self.iterations = _count(iterations, "iterations")
+        self.iterations = check_positive_int(iterations, "iterations")
         self.lr = _positive(lr, "lr")
         self.tv_weight = _non_negative(tv_weight, "tv_weight")
-        self.restarts = _count(restarts, "restarts")
+        self.restarts = check_positive_int(restarts, "restarts")
         self.signed, self.boxed, self.lr_decay = signed, boxed, lr_decay
         self.support_only = support_only
 

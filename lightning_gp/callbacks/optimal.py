@@ -26,6 +26,7 @@ from lightning_gp.callbacks.pipeline import execution_path
 from lightning_gp.defenses import optimal
 from lightning_gp.defenses.base import Gradients
 from lightning_gp.defenses.sensitivity import gradient_sensitivity
+from lightning_gp.defenses.validation import check_positive_int
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
@@ -53,10 +54,9 @@ class SensitivityGradientDefense(GradientDefense):
         if not isinstance(defense, optimal.SensitivityDefense):
             raise TypeError(f"defense must be a SensitivityDefense, got {type(defense).__name__}")
         super().__init__(defense)
-        if isinstance(num_probes, bool) or not isinstance(num_probes, int) or num_probes < 1:
-            raise ValueError(f"num_probes must be an int >= 1, got {num_probes!r}")
-        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-            raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
+        check_positive_int(num_probes, "num_probes")
+        if chunk_size is not None:
+            check_positive_int(chunk_size, "chunk_size")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         self.num_probes = num_probes

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.func import grad, jacfwd, jvp, vmap
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from lightning_gp.defenses.validation import check_positive_int
 from lightning_gp.functional import LossFn, frozen_state, functional_loss, trainable_parameters
 
 __all__ = ["gradient_sensitivity"]
@@ -61,10 +62,9 @@ def gradient_sensitivity(
         )
     if inputs.shape[0] != targets.shape[0]:
         raise ValueError(f"inputs and targets disagree on the batch size: {inputs.shape[0]} vs {targets.shape[0]}")
-    if isinstance(num_probes, bool) or not isinstance(num_probes, int) or num_probes < 1:
-        raise ValueError(f"num_probes must be an int >= 1, got {num_probes!r}")
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
+    check_positive_int(num_probes, "num_probes")
+    if chunk_size is not None:
+        check_positive_int(chunk_size, "chunk_size")
 
     params = {n: p.detach() for n, p in trainable_parameters(module).items()}
     if not params:

@@ -24,6 +24,13 @@ def check_rate(value: float, name: str) -> float:
     return float(value)
 
 
+def check_positive_int(value: int, name: str) -> int:
+    """Return ``value`` if it is an int ``>= 1`` (not a bool), else raise a ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
 def check_nonnegative(value: float, name: str, *, strict: bool = False) -> float:
     """Return ``value`` as a finite float ``>= 0`` (``> 0`` with ``strict``) or raise naming ``name``."""
     bound = "> 0" if strict else ">= 0"

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from lightning_gp.callbacks.pipeline import SharedGradientPipeline
 from lightning_gp.defenses.base import share_in_process
-from lightning_gp.defenses.validation import check_choice
+from lightning_gp.defenses.validation import check_choice, check_positive_int
 from lightning_gp.federated.aggregation import weighted_mean
 from lightning_gp.federated.client_updates import (
     client_gradients,
@@ -31,12 +31,6 @@ from lightning_gp.federated.partition import PARTITION_SCHEMES, partition
 from lightning_gp.federated.rounds import ClientRounds, RoundLoader, RoundSampler
 
 Algorithm = Literal["fedsgd", "fedavg"]
-
-
-def _positive_int(value: int, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 def _positive_float(value: float, name: str) -> float:
@@ -116,19 +110,19 @@ class FederatedSimulation(pl.LightningModule):
         if datamodule is not None and not isinstance(datamodule, pl.LightningDataModule):
             raise TypeError(f"datamodule must be a LightningDataModule, got {type(datamodule).__name__}")
         self.algorithm = check_choice(algorithm, "algorithm", ("fedsgd", "fedavg"))
-        self.num_clients = _positive_int(num_clients, "num_clients")
-        self.clients_per_round = _positive_int(clients_per_round, "clients_per_round")
+        self.num_clients = check_positive_int(num_clients, "num_clients")
+        self.clients_per_round = check_positive_int(clients_per_round, "clients_per_round")
         if clients_per_round > num_clients:
             raise ValueError(f"clients_per_round ({clients_per_round}) cannot exceed num_clients ({num_clients})")
-        self.local_batch_size = _positive_int(local_batch_size, "local_batch_size")
-        self.local_steps = _positive_int(local_steps, "local_steps")
+        self.local_batch_size = check_positive_int(local_batch_size, "local_batch_size")
+        self.local_steps = check_positive_int(local_steps, "local_steps")
         if algorithm == "fedsgd" and local_steps != 1:
             raise ValueError("local_steps > 1 needs algorithm='fedavg' (a FedSGD client shares one gradient)")
         self.local_lr = _positive_float(local_lr, "local_lr")
         self.partition = check_choice(partition, "partition", PARTITION_SCHEMES)
         self.dirichlet_alpha = _positive_float(dirichlet_alpha, "dirichlet_alpha")
-        self.shards_per_client = _positive_int(shards_per_client, "shards_per_client")
-        self.rounds_per_epoch = None if rounds_per_epoch is None else _positive_int(rounds_per_epoch, "rounds_per_epoch")
+        self.shards_per_client = check_positive_int(shards_per_client, "shards_per_client")
+        self.rounds_per_epoch = None if rounds_per_epoch is None else check_positive_int(rounds_per_epoch, "rounds_per_epoch")
         self.server_optimizer = check_choice(server_optimizer, "server_optimizer", ("sgd", "adam"))
         self.server_lr = _positive_float(server_lr, "server_lr")
         if not 0.0 <= server_momentum < 1.0:
@@ -140,7 +134,7 @@ class FederatedSimulation(pl.LightningModule):
                 "or use a model with GroupNorm"
             )
         self.vectorize = vectorize
-        self.client_chunk_size = None if client_chunk_size is None else _positive_int(client_chunk_size, "client_chunk_size")
+        self.client_chunk_size = None if client_chunk_size is None else check_positive_int(client_chunk_size, "client_chunk_size")
         self.weighting = check_choice(weighting, "weighting", ("uniform", "num_samples"))
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
