@@ -70,6 +70,8 @@ def run_fedsgd(name: str, defenses: list[L.Callback], rounds: int, output_dir: P
         "upload_bytes_per_client_round": meter.total_upload_bytes / meter.uploads,
         "dense_bytes_per_client_round": meter.total_dense_bytes / meter.uploads,
         "upload_ratio": meter.upload_ratio,
+        "download_bytes_per_client_round": meter.total_download_bytes / meter.uploads,
+        "download_ratio": meter.download_ratio,
         "train_seconds": seconds,
     }
 
@@ -115,19 +117,22 @@ def write_report(results: list[dict[str, Any]], audit_rows: list[dict[str, Any]]
         "LeNetZhu, 10 clients, 8 images per client per round, server Adam (lr 1e-3); "
         "test set: 1000 images of the built-in sample.",
         "",
-        "| run | defense | test acc | acc / undefended (PMM) | upload per client-round | vs dense | train time |",
-        "|---|---|---|---|---|---|---|",
+        "| run | defense | test acc | acc / undefended (PMM) | upload per client-round | vs dense "
+        "| download per client-round | vs dense | train time |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
             f"| {r['name']} | {', '.join(r['defenses']) or 'none'} | {r['test_acc']:.4f} | "
             f"{r['test_acc'] / base['test_acc']:.3f} | {r['upload_bytes_per_client_round'] / 1024:.1f} KiB | "
-            f"{r['upload_ratio']:.1%} | {r['train_seconds']:.1f} s |"
+            f"{r['upload_ratio']:.1%} | {r['download_bytes_per_client_round'] / 1024:.1f} KiB | "
+            f"{r['download_ratio']:.1%} | {r['train_seconds']:.1f} s |"
         )
     lines += [
         "",
         "Upload bytes use the cheapest per-layer encoding of each shared gradient: dense float32, "
-        "values + bitmap, or values + int32 indices.",
+        "values + bitmap, or values + int32 indices; download bytes the same encoding of the aggregate "
+        "every client receives.",
         "",
         "## What an attacker recovers from one shared gradient",
         "",

@@ -100,5 +100,7 @@ def test_demo_writes_a_report_with_accuracy_bytes_and_the_audit(tmp_path):
     assert 0.0 <= pruned["test_acc"] <= 1.0
     assert undefended["upload_ratio"] == pytest.approx(1.0)
     assert pruned["upload_ratio"] < 0.35
+    assert undefended["download_ratio"] == pytest.approx(1.0)
+    assert pruned["upload_ratio"] <= pruned["download_ratio"] <= 1.0  # the aggregate is the union of client masks
     assert "| magnitude_pruning |" in (tmp_path / "out" / "report.md").read_text()
     assert (tmp_path / "out" / "taps" / "magnitude_pruning" / "round0_client0.pt").exists()
