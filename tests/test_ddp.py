@@ -8,7 +8,9 @@ import pytest
 import torch
 from scripts.ddp_worker import TinyNet
 
+from lightning_gp.callbacks import OptimalGradientPruning
 from lightning_gp.defenses import MagnitudePruning
+from lightning_gp.defenses import OptimalGradientPruning as OptimalGradientPruningTransform
 
 WORKER = Path(__file__).parent / "scripts" / "ddp_worker.py"
 
@@ -68,6 +70,31 @@ def test_two_process_adgp_prunes_every_rank_with_one_broadcast_mask(tmp_path):
     aggregated = ranks[0]["aggregated"]
     for name in aggregated:  # the server's update, what clients download, lies in the mask too
         assert not ((aggregated[name] != 0) & ~mask[name]).any()
+
+
+@pytest.mark.multiprocess
+def test_two_process_optimal_pruning_uses_each_rank_own_batch_sensitivity(tmp_path):
+    # the sensitivity is estimated at batch start on each rank; the comm hook only defends
+    result = subprocess.run(
+        [sys.executable, str(WORKER), str(tmp_path), "optimal"], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    probe_seeds = OptimalGradientPruning(rate=0.6, num_probes=4, seed=5)
+    for rank, saved in enumerate(ranks):
+        tapped = saved["tapped"]
+        model = TinyNet()
+        model.load_state_dict(tapped["model_state"])
+        x, y = tapped["batch"]
+        sensitivity = probe_seeds.estimate(model, x, y, seed_words=(0, rank, 0))
+        expected = OptimalGradientPruningTransform(0.6)(raw_gradient(tapped), rank, sensitivity=sensitivity)
+        for name in expected:
+            torch.testing.assert_close(tapped["gradients"][name], expected[name])
+        sent = sum(int((g != 0).sum()) for g in tapped["gradients"].values())
+        assert sent == sum(g.numel() for g in expected.values()) - round(0.6 * sum(g.numel() for g in expected.values()))
+    aggregated = ranks[0]["aggregated"]
+    for name in aggregated:
+        torch.testing.assert_close(aggregated[name], (ranks[0]["tapped"]["gradients"][name] + ranks[1]["tapped"]["gradients"][name]) / 2)
 
 
 @pytest.mark.multiprocess

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_gp.callbacks import AlignedDualGradientPruning, GradientTap, MagnitudePruning
+from lightning_gp.callbacks import AlignedDualGradientPruning, GradientTap, MagnitudePruning, OptimalGradientPruning
 
 
 class TinyNet(L.LightningModule):
@@ -44,7 +44,11 @@ def main(outdir: str, defense_name: str = "magnitude") -> None:
     data = TensorDataset(torch.randn(32, 3, 4), torch.randint(0, 3, (32,)))
     taps = [GradientTap(client_id=0), GradientTap(client_id=1)]
     record = RecordAggregated()
-    defense = MagnitudePruning(rate=0.7) if defense_name == "magnitude" else AlignedDualGradientPruning(k=0.2, k1=0.05, seed=3)
+    defense = {
+        "magnitude": lambda: MagnitudePruning(rate=0.7),
+        "adgp": lambda: AlignedDualGradientPruning(k=0.2, k1=0.05, seed=3),
+        "optimal": lambda: OptimalGradientPruning(rate=0.6, num_probes=4, seed=5),
+    }[defense_name]()
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_steps=1, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
