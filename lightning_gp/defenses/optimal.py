@@ -31,7 +31,7 @@ from torch import Tensor
 from lightning_gp.defenses.base import Defense, Gradients
 from lightning_gp.defenses.noise import standard_normal_like
 from lightning_gp.defenses.selection import count_for_rate, largest_entries_mask
-from lightning_gp.defenses.validation import check_choice, check_nonnegative, check_rate
+from lightning_gp.defenses.validation import check_choice, check_gradients, check_nonnegative, check_rate
 
 DEFAULT_VARIANCE_CAP_RATIO = 100.0
 
@@ -59,6 +59,7 @@ class SensitivityDefense(Defense):
                 f"{type(self).__name__} is data-dependent: pass sensitivity=gradient_sensitivity(model, loss_fn, x, y) "
                 "(the callbacks do this for you)"
             )
+        check_gradients(gradients)
         check_sensitivity(sensitivity, gradients)
         self._sensitivity = {n: sensitivity[n].to(device=g.device, dtype=g.dtype) for n, g in gradients.items()}
         try:
