@@ -12,12 +12,10 @@ Where the sensitivity comes from depends on the path (DESIGN.md, "Where a defens
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
-import numpy as np
-import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
@@ -27,8 +25,8 @@ from lightning_gp.defenses import optimal
 from lightning_gp.defenses.base import Gradients
 from lightning_gp.defenses.sensitivity import gradient_sensitivity
 from lightning_gp.defenses.validation import check_positive_int
-
-LossFn = Callable[[Tensor, Tensor], Tensor]
+from lightning_gp.functional import LossFn
+from lightning_gp.seeding import seeded_generator
 
 
 class SensitivityGradientDefense(GradientDefense):
@@ -120,9 +118,7 @@ class SensitivityGradientDefense(GradientDefense):
 
     def estimate(self, module: nn.Module, inputs: Tensor, targets: Tensor, *, seed_words: tuple[int, ...]) -> Gradients:
         """``s`` for one batch; the probes are seeded by the defense's seed and ``seed_words``."""
-        words = np.random.SeedSequence([self.defense.seed, *seed_words]).generate_state(2, dtype=np.uint32)
-        generator = torch.Generator(device=inputs.device)
-        generator.manual_seed(int(words[0]) << 32 | int(words[1]))
+        generator = seeded_generator(self.defense.seed, *seed_words, device=inputs.device)
         loss_fn = self.loss_fn or self._module_loss or F.cross_entropy
         return gradient_sensitivity(
             module, loss_fn, inputs, targets, num_probes=self.num_probes, chunk_size=self.chunk_size, generator=generator

@@ -14,7 +14,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -26,6 +25,7 @@ from lightning_gp.defenses.validation import (
     check_gradients,
     nonfinite_layers,
 )
+from lightning_gp.seeding import seeded_generator
 
 Gradients = dict[str, Tensor]
 Share = Callable[[int, dict[str, Tensor]], dict[str, Tensor]]
@@ -205,9 +205,11 @@ class Defense(ABC):
         generator = self._generators.get(client_id)
         if generator is not None and generator.device.type == device.type:
             return generator
-        generator = torch.Generator(device=device)
         pending = self._pending_generator_states.pop(client_id, None)
-        if pending is not None:
+        if pending is None:
+            generator = seeded_generator(self.seed, client_id, device=device)
+        else:
+            generator = torch.Generator(device=device)
             try:
                 generator.set_state(pending)
             except RuntimeError as err:
@@ -215,9 +217,6 @@ class Defense(ABC):
                     f"cannot restore client {client_id}'s random state on {device}: it was saved on "
                     "another device type; resume on the device the checkpoint was written on"
                 ) from err
-        else:
-            words = np.random.SeedSequence([self.seed, client_id]).generate_state(2, dtype=np.uint32)
-            generator.manual_seed(int(words[0]) << 32 | int(words[1]))
         self._generators[client_id] = generator
         return generator
 

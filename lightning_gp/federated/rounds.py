@@ -9,15 +9,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from lightning_gp.seeding import seeded_generator
+
 
 def _round_generator(seed: int, round_idx: int, stream: int) -> torch.Generator:
-    words = np.random.SeedSequence([seed, round_idx, stream]).generate_state(2, dtype=np.uint32)
-    return torch.Generator().manual_seed(int(words[0]) << 32 | int(words[1]))
+    return seeded_generator(seed, round_idx, stream)
 
 
 class ClientRounds(Dataset):
