@@ -278,3 +278,10 @@ def test_accumulated_micro_batches_add_their_sensitivities():
     noise = callbacks.OptimalGradientNoise(scale=0.0, num_probes=4, seed=3)  # zero noise: only the bookkeeping runs
     quiet_trainer(max_steps=1, accumulate_grad_batches=2, callbacks=[noise]).fit(model, DataLoader(TensorDataset(x, y), batch_size=2))
     assert noise._micro_batches == 0 and noise._pending is None  # consumed by the one optimizer step
+
+
+def test_combining_a_data_dependent_defense_with_dpsgd_is_refused():
+    trainer = quiet_trainer(max_steps=1, callbacks=[callbacks.DPSGD(noise_multiplier=1.0), callbacks.OptimalGradientNoise(0.01)])
+    x, y = tiny_batch()
+    with pytest.raises(ValueError, match="void the reported epsilon"):
+        trainer.fit(Classifier(), DataLoader(TensorDataset(x, y), batch_size=4))

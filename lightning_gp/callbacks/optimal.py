@@ -66,6 +66,17 @@ class SensitivityGradientDefense(GradientDefense):
         self._micro_batches = 0
 
     # ---------------------------------------------------------------- Lightning hooks
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        from lightning_gp.callbacks.dp_sgd import DPSGD  # local: dp_sgd imports the callback base
+
+        if stage == "fit" and any(isinstance(cb, DPSGD) for cb in trainer.callbacks):
+            raise ValueError(
+                f"{type(self).__name__} reads the client's raw batch to shape its noise or pruning, so running it "
+                "after DPSGD is not post-processing of the DP output and would void the reported epsilon. Use "
+                "DPSGD alone, or with data-independent defenses (pruning, GaussianNoise) after it"
+            )
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
         module_loss = getattr(pl_module, "loss_fn", None)
