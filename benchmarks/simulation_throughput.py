@@ -16,9 +16,9 @@ import time
 
 import lightning as L
 import torch
+from _common import RESULTS_DIR, median_seconds, write_results
 from torch import nn
 
-from _common import RESULTS_DIR, median_seconds, write_results
 from lightning_gp.callbacks import MagnitudePruning
 from lightning_gp.data import FashionMNISTSampleDataModule
 from lightning_gp.federated import FederatedSimulation, client_gradients
@@ -39,10 +39,16 @@ def gradient_rows(clients_list: list[int], repeats: int) -> list[dict]:
             diff = max(float((vmapped[n] - looped[n]).abs().max()) for n in vmapped)
             t_vmap = median_seconds(lambda: client_gradients(model, loss, x, y, vectorize=True), repeats)
             t_loop = median_seconds(lambda: client_gradients(model, loss, x, y, vectorize=False), repeats)
-            rows.append({
-                "model": name, "clients": clients, "vmap_ms": 1e3 * t_vmap, "loop_ms": 1e3 * t_loop,
-                "speedup": t_loop / t_vmap, "max_abs_diff": diff,
-            })
+            rows.append(
+                {
+                    "model": name,
+                    "clients": clients,
+                    "vmap_ms": 1e3 * t_vmap,
+                    "loop_ms": 1e3 * t_loop,
+                    "speedup": t_loop / t_vmap,
+                    "max_abs_diff": diff,
+                }
+            )
             print(f"{name} clients={clients}: vmap {1e3 * t_vmap:.1f} ms, loop {1e3 * t_loop:.1f} ms", flush=True)
     return rows
 
@@ -50,12 +56,24 @@ def gradient_rows(clients_list: list[int], repeats: int) -> list[dict]:
 def round_seconds(defenses: list, rounds: int) -> float:
     L.seed_everything(0, verbose=False)
     simulation = FederatedSimulation(
-        LeNetZhu(), datamodule=FashionMNISTSampleDataModule(), num_clients=10, clients_per_round=10,
-        local_batch_size=8, server_optimizer="adam", server_lr=1e-3, rounds_per_epoch=10**6,
+        LeNetZhu(),
+        datamodule=FashionMNISTSampleDataModule(),
+        num_clients=10,
+        clients_per_round=10,
+        local_batch_size=8,
+        server_optimizer="adam",
+        server_lr=1e-3,
+        rounds_per_epoch=10**6,
     )
     trainer = L.Trainer(
-        accelerator="cpu", max_steps=rounds, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0, callbacks=defenses,
+        accelerator="cpu",
+        max_steps=rounds,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=defenses,
     )
     start = time.perf_counter()
     trainer.fit(simulation)
@@ -104,7 +122,9 @@ def main() -> None:
         sub = [r for r in rows if r["model"] == model]
         ax.plot([r["clients"] for r in sub], [r["vmap_ms"] for r in sub], "o-", label=f"{model} vmap")
         ax.plot([r["clients"] for r in sub], [r["loop_ms"] for r in sub], "s--", label=f"{model} loop")
-    ax.set(xlabel="clients per round", ylabel="ms per round (client gradients)", title="Per-client gradients: vmap vs loop")
+    ax.set(
+        xlabel="clients per round", ylabel="ms per round (client gradients)", title="Per-client gradients: vmap vs loop"
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(RESULTS_DIR / "simulation_throughput.png", dpi=120)

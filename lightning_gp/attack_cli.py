@@ -25,7 +25,9 @@ from lightning_gp.metrics import PRIVACY_THRESHOLDS, privacy_flags, save_reconst
 
 
 def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(prog="lightning-gp attack", description=__doc__, env_prefix="LIGHTNING_GP", default_env=False)
+    parser = ArgumentParser(
+        prog="lightning-gp attack", description=__doc__, env_prefix="LIGHTNING_GP", default_env=False
+    )
     parser.add_argument("--config", action=ActionConfigFile, help="YAML config (see configs/attack_*.yaml)")
     parser.add_argument("--model", type=nn.Module, required=True, help="the client model (class_path + init_args)")
     parser.add_argument("--data", type=ImageClassificationDataModule, required=True, help="the clients' data")
@@ -36,7 +38,9 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--num_clients", type=int, default=10)
     parser.add_argument("--local_batch_size", type=int, default=1, help="images behind each client's gradient")
     parser.add_argument("--labels_known", type=bool, default=False, help="threat model grants the server the labels")
-    parser.add_argument("--tap_files", type=list[str], default=[], help="attack these GradientTap files instead of simulating")
+    parser.add_argument(
+        "--tap_files", type=list[str], default=[], help="attack these GradientTap files instead of simulating"
+    )
     parser.add_argument("--lpips", type=bool, default=True, help="score LPIPS (needs the pretrained AlexNet weights)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output_dir", type=str, default="attack_output")
@@ -68,8 +72,15 @@ def run(config: Any) -> list[AttackResult]:
         print(f"attacking client {record.client_id}, round {record.round} with {type(attack).__name__}", flush=True)
         results.append(
             attack_record(
-                record, model, attack, num_classes=datamodule.num_classes, mean=datamodule.mean, std=datamodule.std,
-                server_secrets=secrets, labels_known=config.labels_known, lpips=config.lpips,
+                record,
+                model,
+                attack,
+                num_classes=datamodule.num_classes,
+                mean=datamodule.mean,
+                std=datamodule.std,
+                server_secrets=secrets,
+                labels_known=config.labels_known,
+                lpips=config.lpips,
             )
         )
     return results
@@ -85,7 +96,8 @@ def write_outputs(results: list[AttackResult], output_dir: Path, attack: str, de
         "mean": {k: (str(v) if isinstance(v, float) and v == float("inf") else v) for k, v in means.items()},
         "private": flags,
         "clients": [
-            {"client_id": r.record.client_id, "round": r.record.round, "seconds": r.seconds, **r.report.to_dict()} for r in results
+            {"client_id": r.record.client_id, "round": r.record.round, "seconds": r.seconds, **r.report.to_dict()}
+            for r in results
         ],
     }
     (output_dir / "report.json").write_text(json.dumps(payload, indent=2) + "\n")
@@ -98,7 +110,12 @@ def write_outputs(results: list[AttackResult], output_dir: Path, attack: str, de
         threshold = f"{'yes' if verdict else 'no'} ({PRIVACY_THRESHOLDS[metric]})" if verdict is not None else ""
         lines.append(f"| {metric} | {shown} | {threshold} |")
     for r in results:
-        lines += ["", f"## client {r.record.client_id}, round {r.record.round} ({r.seconds:.1f} s)", "", r.report.to_markdown()]
+        lines += [
+            "",
+            f"## client {r.record.client_id}, round {r.record.round} ({r.seconds:.1f} s)",
+            "",
+            r.report.to_markdown(),
+        ]
     (output_dir / "report.md").write_text("\n".join(lines) + "\n")
     originals = torch.cat([r.report.original_pixels for r in results])
     reconstructed = torch.cat([r.report.reconstructed_pixels for r in results])

@@ -133,7 +133,9 @@ def mean_scores(results: Sequence[AttackResult]) -> dict[str, float | None]:
     means: dict[str, float | None] = {}
     for metric in ("mse", "psnr", "ssim", "lpips", "nmi"):
         values = [getattr(row, metric) for row in rows]
-        means[metric] = None if any(v is None for v in values) else float(torch.tensor(values, dtype=torch.float64).mean())
+        means[metric] = (
+            None if any(v is None for v in values) else float(torch.tensor(values, dtype=torch.float64).mean())
+        )
     accuracies = [r.report.label_accuracy for r in results if r.report.label_accuracy is not None]
     means["label_accuracy"] = sum(accuracies) / len(accuracies) if accuracies else None
     return means

@@ -24,9 +24,9 @@ import torch
 from lightning_gp.attacks import IDLG, GradientAttack, InvertingGradients
 from lightning_gp.audit import AttackResult, attack_record, mean_scores, tap_fedsgd_round
 from lightning_gp.callbacks import CommunicationMeter, GradientTap, MagnitudePruning, ProgressPrinter
-from lightning_gp.metrics import PRIVACY_THRESHOLDS, privacy_flags, save_comparison_grid
 from lightning_gp.data import FashionMNISTSampleDataModule
 from lightning_gp.federated import FederatedSimulation
+from lightning_gp.metrics import PRIVACY_THRESHOLDS, privacy_flags, save_comparison_grid
 from lightning_gp.models import LeNetZhu
 
 
@@ -89,22 +89,37 @@ def audit(
             print(f"\n== audit: {name} against {setting}", flush=True)
             L.seed_everything(seed, verbose=False)  # the same initial model in every setting
             records, model, _ = tap_fedsgd_round(
-                LeNetZhu(num_classes=10, in_channels=1, image_size=28), datamodule,
-                defenses=callbacks, clients=[0, 1, 2, 3], num_clients=10, local_batch_size=1, seed=seed,
+                LeNetZhu(num_classes=10, in_channels=1, image_size=28),
+                datamodule,
+                defenses=callbacks,
+                clients=[0, 1, 2, 3],
+                num_clients=10,
+                local_batch_size=1,
+                seed=seed,
             )
             results: list[AttackResult] = [
-                attack_record(r, model, attack, num_classes=10, mean=datamodule.mean, std=datamodule.std) for r in records
+                attack_record(r, model, attack, num_classes=10, mean=datamodule.mean, std=datamodule.std)
+                for r in records
             ]
             means = mean_scores(results)
-            rows.append({"attack": name, "setting": setting, **means, "private": privacy_flags(means, PRIVACY_THRESHOLDS),
-                         "seconds_per_image": sum(r.seconds for r in results) / len(results)})
+            rows.append(
+                {
+                    "attack": name,
+                    "setting": setting,
+                    **means,
+                    "private": privacy_flags(means, PRIVACY_THRESHOLDS),
+                    "seconds_per_image": sum(r.seconds for r in results) / len(results),
+                }
+            )
             print(f"   PSNR {means['psnr']:.2f} dB, SSIM {means['ssim']:.3f}, LPIPS {means['lpips']:.3f}", flush=True)
-            grid_rows.append((
-                setting,
-                torch.cat([r.report.original_pixels for r in results]),
-                torch.cat([r.report.reconstructed_pixels for r in results]),
-                [{"psnr": row.psnr, "ssim": row.ssim} for r in results for row in r.report.rows],
-            ))
+            grid_rows.append(
+                (
+                    setting,
+                    torch.cat([r.report.original_pixels for r in results]),
+                    torch.cat([r.report.reconstructed_pixels for r in results]),
+                    [{"psnr": row.psnr, "ssim": row.ssim} for r in results for row in r.report.rows],
+                )
+            )
         save_comparison_grid(grid_rows, output_dir / f"audit_{name}.png")
     return rows
 
@@ -114,11 +129,15 @@ def write_report(results: list[dict[str, Any]], audit_rows: list[dict[str, Any]]
     lines = [
         "# lightning-gp demo: FedSGD on the built-in Fashion-MNIST sample",
         "",
-        "LeNetZhu, 10 clients, 8 images per client per round, server Adam (lr 1e-3); "
-        "test set: 1000 images of the built-in sample.",
+        (
+            "LeNetZhu, 10 clients, 8 images per client per round, server Adam (lr 1e-3); "
+            "test set: 1000 images of the built-in sample."
+        ),
         "",
-        "| run | defense | test acc | acc / undefended (PMM) | upload per client-round | vs dense "
-        "| download per client-round | vs dense | train time |",
+        (
+            "| run | defense | test acc | acc / undefended (PMM) | upload per client-round | vs dense "
+            "| download per client-round | vs dense | train time |"
+        ),
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
@@ -130,15 +149,20 @@ def write_report(results: list[dict[str, Any]], audit_rows: list[dict[str, Any]]
         )
     lines += [
         "",
-        "Upload bytes use the cheapest per-layer encoding of each shared gradient: dense float32, "
-        "values + bitmap, or values + int32 indices; download bytes the same encoding of the aggregate "
-        "every client receives.",
+        (
+            "Upload bytes use the cheapest per-layer encoding of each shared gradient: dense float32, "
+            "values + bitmap, or values + int32 indices; download bytes the same encoding of the aggregate "
+            "every client receives."
+        ),
         "",
         "## What an attacker recovers from one shared gradient",
         "",
-        "Four clients, one image each, FedSGD round 0 (LeNetZhu at initialisation). The server "
-        "attacks exactly the gradient each client shared. Private when PSNR < "
-        f"{PRIVACY_THRESHOLDS['psnr']:g} dB, SSIM < {PRIVACY_THRESHOLDS['ssim']:g}, LPIPS > {PRIVACY_THRESHOLDS['lpips']:g}.",
+        (
+            "Four clients, one image each, FedSGD round 0 (LeNetZhu at initialisation). The server "
+            "attacks exactly the gradient each client shared. Private when PSNR < "
+            f"{PRIVACY_THRESHOLDS['psnr']:g} dB, SSIM < {PRIVACY_THRESHOLDS['ssim']:g}, "
+            f"LPIPS > {PRIVACY_THRESHOLDS['lpips']:g}."
+        ),
         "",
         "| attack | setting | PSNR (dB) | SSIM | LPIPS | label acc | private (PSNR/SSIM/LPIPS) | s/image | grid |",
         "|---|---|---|---|---|---|---|---|---|",

@@ -2,11 +2,11 @@ import sys
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-warnings.filterwarnings("ignore", message=".*LeafSpec.*")
-
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests import their helpers module
+warnings.filterwarnings("ignore", message=".*LeafSpec.*")
 
 
 @pytest.fixture(scope="module")

@@ -19,17 +19,21 @@ class LabelledTensorDataset(TensorDataset):
 class RandomImages(L.LightningDataModule):
     """Seeded random images with labels, the datamodule protocol the simulation expects."""
 
-    def __init__(self, n_train: int = 240, n_val: int = 40, shape: tuple[int, ...] = (1, 12, 12), classes: int = 4) -> None:
+    def __init__(
+        self, n_train: int = 240, n_val: int = 40, shape: tuple[int, ...] = (1, 12, 12), classes: int = 4
+    ) -> None:
         super().__init__()
         self.n_train, self.n_val, self.shape, self.classes = n_train, n_val, shape, classes
 
     def setup(self, stage: str) -> None:
         g = torch.Generator().manual_seed(123)
         self.train_dataset = LabelledTensorDataset(
-            torch.randn(self.n_train, *self.shape, generator=g), torch.randint(0, self.classes, (self.n_train,), generator=g)
+            torch.randn(self.n_train, *self.shape, generator=g),
+            torch.randint(0, self.classes, (self.n_train,), generator=g),
         )
         self.val_dataset = LabelledTensorDataset(
-            torch.randn(self.n_val, *self.shape, generator=g), torch.randint(0, self.classes, (self.n_val,), generator=g)
+            torch.randn(self.n_val, *self.shape, generator=g),
+            torch.randint(0, self.classes, (self.n_val,), generator=g),
         )
 
     def val_dataloader(self) -> DataLoader:
@@ -40,9 +44,7 @@ class RandomImages(L.LightningDataModule):
 
 
 def small_cnn(classes: int = 4) -> nn.Module:
-    return nn.Sequential(
-        nn.Conv2d(1, 4, 3, stride=2), nn.Tanh(), nn.Flatten(), nn.Linear(4 * 5 * 5, classes)
-    )
+    return nn.Sequential(nn.Conv2d(1, 4, 3, stride=2), nn.Tanh(), nn.Flatten(), nn.Linear(4 * 5 * 5, classes))
 
 
 class AddConstant(Defense):
@@ -90,7 +92,11 @@ class GaussianJitter(Defense):
 
 def quiet_trainer(**kwargs) -> L.Trainer:
     defaults = dict(
-        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     defaults.update(kwargs)
     return L.Trainer(**defaults)

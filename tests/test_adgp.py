@@ -19,7 +19,9 @@ def test_clients_send_their_k_largest_inside_the_mask_and_never_their_own_top_k1
     provider = adgp.mask_provider
     mask = adgp.round_mask["w"]
     assert provider in (0, 1, 2) and int(mask.sum()) == 80  # top 2k = 40%
-    assert torch.equal(mask, torch.zeros(200, dtype=torch.bool).index_fill(0, grads[provider]["w"].abs().topk(80).indices, True))
+    assert torch.equal(
+        mask, torch.zeros(200, dtype=torch.bool).index_fill(0, grads[provider]["w"].abs().topk(80).indices, True)
+    )
     for client, g in grads.items():
         sent = adgp({"w": g["w"]}, client)["w"] != 0
         assert int(sent.sum()) == 40
@@ -49,8 +51,15 @@ def test_error_feedback_carries_everything_not_sent():
 
 def test_in_the_simulation_every_upload_and_the_server_update_lie_in_the_round_mask():
     L.seed_everything(0)
-    sim = FederatedSimulation(small_cnn(), datamodule=RandomImages(), num_clients=5, clients_per_round=3,
-                              local_batch_size=4, server_lr=1.0, seed=2)
+    sim = FederatedSimulation(
+        small_cnn(),
+        datamodule=RandomImages(),
+        num_clients=5,
+        clients_per_round=3,
+        local_batch_size=4,
+        server_lr=1.0,
+        seed=2,
+    )
     start = {n: p.detach().clone() for n, p in sim.module.named_parameters()}
     adgp = callbacks.AlignedDualGradientPruning(k=0.2, k1=0.05, error_feedback=False, seed=1)
     taps = [callbacks.GradientTap(client_id=c, rounds=[0]) for c in range(5)]

@@ -54,8 +54,14 @@ def batch_of(data: FashionMNISTSampleDataModule, indices: list[int]) -> tuple[Te
 def make_view(model: nn.Module, x: Tensor, y: Tensor, data: FashionMNISTSampleDataModule, **kwargs) -> ServerView:
     grads = parameter_gradients(model, nn.CrossEntropyLoss(), x, y, create_graph=False)
     return ServerView(
-        model=model, gradients=grads, batch_size=x.shape[0], input_shape=SHAPE, num_classes=10,
-        mean=data.mean, std=data.std, **kwargs,
+        model=model,
+        gradients=grads,
+        batch_size=x.shape[0],
+        input_shape=SHAPE,
+        num_classes=10,
+        mean=data.mean,
+        std=data.std,
+        **kwargs,
     )
 
 
@@ -132,15 +138,20 @@ def test_server_view_rejects_bad_arguments(single, overrides: dict, message: str
 
 def test_server_view_rejects_a_model_that_is_not_a_module(single) -> None:
     view, _, _ = single
-    with pytest.raises(TypeError, match="nn.Module"):
+    with pytest.raises(TypeError, match=r"nn.Module"):
         ServerView(model=lambda x: x, gradients=view.gradients, batch_size=1, input_shape=SHAPE, num_classes=10)
 
 
 def test_server_view_repeats_a_single_mean_and_std_per_channel(single) -> None:
     view, _, _ = single
     rgb = ServerView(
-        model=view.model, gradients=view.gradients, batch_size=1, input_shape=(3, 8, 8), num_classes=10,
-        mean=(0.5,), std=(0.25,),
+        model=view.model,
+        gradients=view.gradients,
+        batch_size=1,
+        input_shape=(3, 8, 8),
+        num_classes=10,
+        mean=(0.5,),
+        std=(0.25,),
     )
     assert rgb.mean == (0.5, 0.5, 0.5) and rgb.std == (0.25, 0.25, 0.25)
     low, high = rgb.data_bounds()
@@ -191,15 +202,18 @@ def test_to_device_copies_the_view(single) -> None:
     assert not torch.equal(labelled.gradients["fc.bias"], torch.zeros(10))
 
 
-def test_from_tap_takes_only_what_the_server_knows(data, single) -> None:
-    view, _, _ = single
+def test_from_tap_takes_only_what_the_server_knows(data) -> None:
     x, y = batch_of(data, [3, 4, 5])
     source = seeded_lenet(7)
     grads = parameter_gradients(source, nn.CrossEntropyLoss(), x, y, create_graph=False)
     record = TappedGradient(
-        round=2, client_id=1, gradients=grads,
+        round=2,
+        client_id=1,
+        gradients=grads,
         model_state={n: t.clone() for n, t in source.state_dict().items()},
-        model_class="lightning_gp.models.lenet.LeNetZhu", batch=(x, y), meta={"algorithm": "fedsgd"},
+        model_class="lightning_gp.models.lenet.LeNetZhu",
+        batch=(x, y),
+        meta={"algorithm": "fedsgd"},
     )
     target = seeded_lenet(8)
     server = ServerView.from_tap(record, target, num_classes=10, mean=data.mean, std=data.std)
@@ -281,16 +295,18 @@ def test_label_recovery_rejects_impossible_requests(data, single) -> None:
 
 
 def test_label_recovery_needs_a_final_linear_with_num_classes_outputs(data) -> None:
-    x, y = batch_of(data, [0])
+    x, _ = batch_of(data, [0])
     torch.manual_seed(0)
     five = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 5))
     grads = parameter_gradients(five, nn.CrossEntropyLoss(), x, torch.tensor([1]), create_graph=False)
     view = ServerView(model=five, gradients=grads, batch_size=1, input_shape=SHAPE, num_classes=10)
-    with pytest.raises(ValueError, match="final nn.Linear with 10 outputs; Sequential has none"):
+    with pytest.raises(ValueError, match=r"final nn.Linear with 10 outputs; Sequential has none"):
         recover_labels(view)
     # The bias rule needs a bias on the classifier.
     no_bias = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 10, bias=False))
-    grads = parameter_gradients(no_bias, nn.CrossEntropyLoss(), torch.cat([x, x]), torch.tensor([1, 2]), create_graph=False)
+    grads = parameter_gradients(
+        no_bias, nn.CrossEntropyLoss(), torch.cat([x, x]), torch.tensor([1, 2]), create_graph=False
+    )
     view = ServerView(model=no_bias, gradients=grads, batch_size=2, input_shape=SHAPE, num_classes=10)
     with pytest.raises(ValueError, match="bias"):
         recover_labels(view, "bias")
@@ -435,7 +451,7 @@ def test_grad_inversion_with_batchnorm_beats_random_and_keeps_running_stats(bn_v
 
 
 def test_grad_inversion_batchnorm_prior_matches_the_running_statistics(bn_view) -> None:
-    view, x, y = bn_view
+    view, _, y = bn_view
     images = torch.randn((1, *SHAPE), generator=torch.Generator().manual_seed(5))
     plain = dict(tv_weight=0.0, l2_weight=0.0, iterations=1)
     with_prior = GradInversion(bn_weight=1.0, **plain).objective(view, y)(images).detach()
@@ -451,7 +467,9 @@ def test_grad_inversion_batchnorm_prior_matches_the_running_statistics(bn_view) 
 
 
 # ------------------------------------------------------------------ seeds, arguments, progress
-@pytest.mark.parametrize("make", [lambda s: InvertingGradients(iterations=15, seed=s), lambda s: IDLG(iterations=2, seed=s)])
+@pytest.mark.parametrize(
+    "make", [lambda s: InvertingGradients(iterations=15, seed=s), lambda s: IDLG(iterations=2, seed=s)]
+)
 def test_same_seed_same_reconstruction_other_seed_another(single, make) -> None:
     view, _, _ = single
     first, again, other = make(4).reconstruct(view), make(4).reconstruct(view), make(5).reconstruct(view)

@@ -17,7 +17,6 @@ from lightning_gp.callbacks import MagnitudePruning
 from lightning_gp.metrics import reconstruction_report
 from lightning_gp.models import LeNetZhu
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -103,8 +102,14 @@ def test_pruning_defeats_idlg_through_the_audit(idlg_results, pruned) -> None:
 def test_attack_record_grants_labels_only_when_known(data, undefended) -> None:
     records, sent, *_ = undefended
     result = attack_record(
-        records[1], sent, IDLG(iterations=1), num_classes=10, mean=data.mean, std=data.std,
-        labels_known=True, lpips=False,
+        records[1],
+        sent,
+        IDLG(iterations=1),
+        num_classes=10,
+        mean=data.mean,
+        std=data.std,
+        labels_known=True,
+        lpips=False,
     )
     assert torch.equal(result.view.labels, records[1].targets)
 

@@ -26,15 +26,29 @@ def test_configs_exist_for_an_undefended_and_a_defended_fedsgd_run():
 
 @pytest.mark.parametrize("config", FIT_CONFIGS, ids=lambda c: c.stem)
 def test_every_config_runs_a_fast_dev_run(config, tmp_path):
-    result = run([sys.executable, "-m", "lightning_gp.cli", "fit", "--config", str(config), "--trainer.fast_dev_run=true"], tmp_path)
+    result = run(
+        [sys.executable, "-m", "lightning_gp.cli", "fit", "--config", str(config), "--trainer.fast_dev_run=true"],
+        tmp_path,
+    )
     assert "`Trainer.fit` stopped" in result.stdout + result.stderr
 
 
 @pytest.mark.parametrize("subcommand", ["validate", "test"])
 def test_validate_and_test_subcommands_evaluate_the_simulated_model(subcommand, tmp_path):
     config = ROOT / "configs" / "fedsgd_undefended.yaml"
-    result = run([sys.executable, "-m", "lightning_gp.cli", subcommand, "--config", str(config), "--trainer.limit_val_batches=1",
-                  "--trainer.limit_test_batches=1"], tmp_path)
+    result = run(
+        [
+            sys.executable,
+            "-m",
+            "lightning_gp.cli",
+            subcommand,
+            "--config",
+            str(config),
+            "--trainer.limit_val_batches=1",
+            "--trainer.limit_test_batches=1",
+        ],
+        tmp_path,
+    )
     assert f"{'val' if subcommand == 'validate' else 'test'}_acc" in result.stdout
 
 
@@ -57,7 +71,10 @@ def test_bad_config_value_is_reported_by_name(tmp_path):
     config.write_text(text.replace("rate: 0.8", "rate: 1.5"))
     result = subprocess.run(
         [sys.executable, "-m", "lightning_gp.cli", "fit", "--config", str(config), "--trainer.fast_dev_run=true"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
     )
     assert result.returncode != 0
     assert "rate must be in [0, 1]" in result.stderr
@@ -65,8 +82,18 @@ def test_bad_config_value_is_reported_by_name(tmp_path):
 
 @pytest.mark.parametrize("config", ATTACK_CONFIGS, ids=lambda c: c.stem)
 def test_every_attack_config_writes_its_report(config, tmp_path):
-    args = [sys.executable, "-m", "lightning_gp.cli", "attack", "--config", str(config), "--output_dir", str(tmp_path / "out"),
-            "--clients", "[0]"]
+    args = [
+        sys.executable,
+        "-m",
+        "lightning_gp.cli",
+        "attack",
+        "--config",
+        str(config),
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--clients",
+        "[0]",
+    ]
     if "iterations:" in config.read_text():
         args.append("--attack.init_args.iterations=3")
     run(args, tmp_path)
@@ -80,19 +107,40 @@ def test_every_attack_config_writes_its_report(config, tmp_path):
 def test_attack_command_reports_a_bad_config_by_name(tmp_path):
     config = tmp_path / "bad.yaml"
     config.write_text((ROOT / "configs" / "attack_idlg.yaml").read_text().replace("iterations: 300", "iterations: 0"))
-    result = subprocess.run([sys.executable, "-m", "lightning_gp.cli", "attack", "--config", str(config)],
-                            capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_gp.cli", "attack", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert result.returncode != 0 and "iterations must be a positive int" in result.stderr
 
 
 def test_demo_writes_a_report_with_accuracy_bytes_and_the_audit(tmp_path):
-    run([sys.executable, "-m", "lightning_gp.demo", "--rounds", "4", "--ig-iterations", "5", "--idlg-iterations", "15", "--output-dir", str(tmp_path / "out")],
-        tmp_path)
+    run(
+        [
+            sys.executable,
+            "-m",
+            "lightning_gp.demo",
+            "--rounds",
+            "4",
+            "--ig-iterations",
+            "5",
+            "--idlg-iterations",
+            "15",
+            "--output-dir",
+            str(tmp_path / "out"),
+        ],
+        tmp_path,
+    )
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     results = report["training"]
     assert [r["name"] for r in results] == ["undefended", "magnitude_pruning"]
     audit = {(r["attack"], r["setting"]): r for r in report["audit"]}
-    assert set(audit) == {(a, s) for a in ("IDLG", "InvertingGradients") for s in ("undefended", "MagnitudePruning(0.8)")}
+    assert set(audit) == {
+        (a, s) for a in ("IDLG", "InvertingGradients") for s in ("undefended", "MagnitudePruning(0.8)")
+    }
     # iDLG breaks the undefended client and not the pruned one, even at the demo's budget
     assert audit["IDLG", "undefended"]["psnr"] > 40 > 20 > audit["IDLG", "MagnitudePruning(0.8)"]["psnr"]
     assert (tmp_path / "out" / "audit_IDLG.png").exists()

@@ -16,7 +16,9 @@ def with_nonzeros(n: int, k: int, dtype=torch.float32, seed: int = 0) -> torch.T
     return t
 
 
-@pytest.mark.parametrize("dtype, size", [(torch.float32, 4), (torch.float16, 2), (torch.float64, 8), (torch.bfloat16, 2)])
+@pytest.mark.parametrize(
+    "dtype, size", [(torch.float32, 4), (torch.float16, 2), (torch.float64, 8), (torch.bfloat16, 2)]
+)
 def test_dense_nbytes_is_numel_times_element_size(dtype, size):
     assert dense_nbytes(torch.ones(3, 5, dtype=dtype)) == 15 * size
 

@@ -155,7 +155,7 @@ def test_sample_is_normalised_and_targets_match_items(sample) -> None:
     raw = FashionMNISTSampleDataModule(normalize=False)
     raw.setup()
     x = raw.train_dataset[5][0]
-    assert 0 <= x.min() and x.max() <= 1
+    assert x.min() >= 0 and x.max() <= 1
     assert torch.allclose(images[5], (x - 0.2860) / 0.3530, atol=1e-6)
 
 
@@ -205,25 +205,25 @@ def test_read_idx_decodes_every_type_code(tmp_path, dtype) -> None:
 def test_idx_bad_magic_wrong_size_and_truncated_gzip(tmp_path) -> None:
     bad = tmp_path / "bad-magic"
     bad.write_bytes(b"\x12\x34\x08\x01" + struct.pack(">I", 1) + b"\x00")
-    with pytest.raises(CorruptDatasetError, match="bad-magic.*magic number"):
+    with pytest.raises(CorruptDatasetError, match=r"bad-magic.*magic number"):
         read_idx(bad)
 
     short = tmp_path / "short"
     short.write_bytes(idx_bytes(np.zeros((3, 2, 2), np.uint8))[:-1])
-    with pytest.raises(CorruptDatasetError, match="short.*shape"):
+    with pytest.raises(CorruptDatasetError, match=r"short.*shape"):
         read_idx(short)
 
     truncated = tmp_path / "train-images-idx3-ubyte.gz"
     noise = np.random.default_rng(0).integers(0, 256, (50, 28, 28), dtype=np.uint8)
     truncated.write_bytes(gzip.compress(idx_bytes(noise))[:5000])
-    with pytest.raises(CorruptDatasetError, match="train-images-idx3-ubyte.gz.*gzip"):
+    with pytest.raises(CorruptDatasetError, match=r"train-images-idx3-ubyte.gz.*gzip"):
         read_idx(truncated)
 
 
 def test_idx_labels_must_match_images(tmp_path) -> None:
     write_idx_set(tmp_path)
     (tmp_path / "t10k-labels-idx1-ubyte.gz").write_bytes(gzip.compress(idx_bytes(np.zeros(3, np.uint8))))
-    with pytest.raises(CorruptDatasetError, match="t10k-labels-idx1-ubyte.gz.*10 labels"):
+    with pytest.raises(CorruptDatasetError, match=r"t10k-labels-idx1-ubyte.gz.*10 labels"):
         FashionMNISTDataModule(data_dir=str(tmp_path)).setup()
 
 
@@ -241,7 +241,7 @@ def test_missing_directory_names_dir_and_every_file(tmp_path) -> None:
 def test_partially_missing_files_are_listed(tmp_path) -> None:
     write_idx_set(tmp_path)
     (tmp_path / "t10k-images-idx3-ubyte.gz").unlink()
-    with pytest.raises(DatasetNotFoundError, match="missing: t10k-images-idx3-ubyte.gz\\)"):
+    with pytest.raises(DatasetNotFoundError, match=r"missing: t10k-images-idx3-ubyte.gz\)"):
         MNISTDataModule(data_dir=str(tmp_path)).setup()
 
 
@@ -283,7 +283,7 @@ def test_cifar10_both_layouts(tmp_path, layout) -> None:
     # CIFAR rows are 1024 red, 1024 green, 1024 blue values, each row-major 32x32.
     np.testing.assert_array_equal(to_uint8(image), first["data"][0].reshape(3, 32, 32))
     assert target.item() == first["labels"][0]
-    expected_targets = sum((batches[f"data_batch_{i}"]["labels"] for i in range(1, 6)), [])
+    expected_targets = [label for i in range(1, 6) for label in batches[f"data_batch_{i}"]["labels"]]
     assert dm.train_dataset.targets.tolist() == expected_targets
     assert dm.test_dataset.targets.tolist() == batches["test_batch"]["labels"]
 
@@ -550,7 +550,7 @@ def test_download_fetches_verifies_and_uses_the_files(tmp_path, http_dir, monkey
     assert sorted(p.name for p in (tmp_path / "mnist").iterdir()) == sorted(md5)
     assert dm.train_dataset.targets.tolist() == arrays["train-labels-idx1-ubyte"].tolist()
 
-    with pytest.raises(RuntimeError, match="does not match the expected 0+"):
+    with pytest.raises(RuntimeError, match=r"does not match the expected 0+"):
         fetch(url + "t10k-labels-idx1-ubyte.gz", tmp_path / "x.gz", md5="0" * 32)
     assert not (tmp_path / "x.gz").exists()
 

@@ -65,7 +65,13 @@ def test_two_process_adgp_prunes_every_rank_with_one_broadcast_mask(tmp_path):
         for name, shared in rank["tapped"]["gradients"].items():
             sent = shared != 0
             assert not (sent & ~mask[name]).any()  # only mask positions travel
-            own_top = raw[name].abs().flatten().topk(max(0, min(round(0.05 * raw[name].numel()), raw[name].numel() - 1))).indices
+            own_top = (
+                raw[name]
+                .abs()
+                .flatten()
+                .topk(max(0, min(round(0.05 * raw[name].numel()), raw[name].numel() - 1)))
+                .indices
+            )
             assert not sent.flatten()[own_top].any()  # never the rank's own top-k1
     aggregated = ranks[0]["aggregated"]
     for name in aggregated:  # the server's update, what clients download, lies in the mask too
@@ -76,7 +82,11 @@ def test_two_process_adgp_prunes_every_rank_with_one_broadcast_mask(tmp_path):
 def test_two_process_optimal_pruning_uses_each_rank_own_batch_sensitivity(tmp_path):
     # the sensitivity is estimated at batch start on each rank; the comm hook only defends
     result = subprocess.run(
-        [sys.executable, str(WORKER), str(tmp_path), "optimal"], capture_output=True, text=True, timeout=300, cwd=tmp_path
+        [sys.executable, str(WORKER), str(tmp_path), "optimal"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
@@ -91,10 +101,14 @@ def test_two_process_optimal_pruning_uses_each_rank_own_batch_sensitivity(tmp_pa
         for name in expected:
             torch.testing.assert_close(tapped["gradients"][name], expected[name])
         sent = sum(int((g != 0).sum()) for g in tapped["gradients"].values())
-        assert sent == sum(g.numel() for g in expected.values()) - round(0.6 * sum(g.numel() for g in expected.values()))
+        assert sent == sum(g.numel() for g in expected.values()) - round(
+            0.6 * sum(g.numel() for g in expected.values())
+        )
     aggregated = ranks[0]["aggregated"]
     for name in aggregated:
-        torch.testing.assert_close(aggregated[name], (ranks[0]["tapped"]["gradients"][name] + ranks[1]["tapped"]["gradients"][name]) / 2)
+        torch.testing.assert_close(
+            aggregated[name], (ranks[0]["tapped"]["gradients"][name] + ranks[1]["tapped"]["gradients"][name]) / 2
+        )
 
 
 @pytest.mark.multiprocess

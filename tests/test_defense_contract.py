@@ -405,7 +405,7 @@ def test_changed_layer_shape_is_a_value_error_naming_the_layer():
     with pytest.raises(ValueError, match=r"fc.weight: \(3, 4\) -> \(5, 4\)"):
         d({"fc.weight": torch.ones(5, 4), "fc.bias": torch.ones(3)}, client_id=0)
     # the shapes are those of the model, not of one client: another client is checked too
-    with pytest.raises(ValueError, match="fc.weight"):
+    with pytest.raises(ValueError, match=r"fc.weight"):
         d({"fc.weight": torch.ones(5, 4), "fc.bias": torch.ones(3)}, client_id=1)
 
 
@@ -433,7 +433,7 @@ def test_check_layer_shapes_after_resume_catches_a_checkpoint_from_another_model
     a({"fc.weight": torch.ones(3, 4)})
     b = MagnitudePruning(0.5, error_feedback=True)
     b.load_state_dict(a.state_dict())
-    with pytest.raises(ValueError, match="fc.weight"):
+    with pytest.raises(ValueError, match=r"fc.weight"):
         b.check_layer_shapes({"fc.weight": (2, 4)})
     b.check_layer_shapes({"fc.weight": [3, 4]})
 

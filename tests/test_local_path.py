@@ -28,13 +28,18 @@ class TinyClassifier(L.LightningModule):
 
     def configure_optimizers(self):
         if self.two_optimizers:
-            return [torch.optim.SGD(self.net[1].parameters(), lr=self.lr), torch.optim.SGD(self.net[3].parameters(), lr=self.lr)]
+            return [
+                torch.optim.SGD(self.net[1].parameters(), lr=self.lr),
+                torch.optim.SGD(self.net[3].parameters(), lr=self.lr),
+            ]
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
 def loader(n: int = 32, batch_size: int = 8) -> DataLoader:
     g = torch.Generator().manual_seed(0)
-    return DataLoader(TensorDataset(torch.randn(n, 3, 4, generator=g), torch.randint(0, 3, (n,), generator=g)), batch_size=batch_size)
+    return DataLoader(
+        TensorDataset(torch.randn(n, 3, 4, generator=g), torch.randint(0, 3, (n,), generator=g)), batch_size=batch_size
+    )
 
 
 def raw_gradient(model: TinyClassifier, batch) -> dict[str, torch.Tensor]:

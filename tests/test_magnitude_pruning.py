@@ -123,7 +123,10 @@ def test_error_feedback_sends_the_largest_of_gradient_plus_residual():
 def test_error_feedback_residual_is_what_was_not_sent():
     d = MagnitudePruning(0.6, error_feedback=True)
     g = torch.Generator().manual_seed(3)
-    residual = {"conv.weight": torch.zeros(2, 3, 3, 3, dtype=torch.float64), "fc.bias": torch.zeros(5, dtype=torch.float64)}
+    residual = {
+        "conv.weight": torch.zeros(2, 3, 3, 3, dtype=torch.float64),
+        "fc.bias": torch.zeros(5, dtype=torch.float64),
+    }
     raw_sum = {n: torch.zeros_like(t) for n, t in residual.items()}
     sent_sum = {n: torch.zeros_like(t) for n, t in residual.items()}
     for _ in range(6):
@@ -160,7 +163,7 @@ def test_rate_zero_with_error_feedback_leaves_a_zero_residual():
 def test_rate_one_with_error_feedback_accumulates_everything():
     d = MagnitudePruning(1.0, error_feedback=True)
     total = torch.zeros(5)
-    for r in range(3):
+    for _ in range(3):
         g = torch.randn(5)
         total += g
         assert torch.equal(d({"w": g})["w"], torch.zeros(5))
@@ -223,7 +226,7 @@ def test_largest_magnitude_mask_selects_the_k_largest_magnitudes(k):
 
 
 def test_largest_magnitude_mask_takes_exactly_k_among_ties():
-    for k in range(0, 9):
+    for k in range(9):
         assert int(largest_magnitude_mask(torch.ones(8), k).sum()) == k
 
 

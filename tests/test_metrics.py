@@ -225,9 +225,19 @@ def test_report_is_invariant_to_the_batch_order(sample, lpips_metric):
     ordered = torch.arange(8)
     shuffled = torch.randperm(8, generator=torch.Generator().manual_seed(10))
     mean_std = (sample["mean"], sample["std"])
-    a = reconstruction_report(_reconstruction(sample, 0.05, ordered, sample["labels"]), sample["images"], mean_std, sample["labels"], lpips_fn=lpips_metric)
+    a = reconstruction_report(
+        _reconstruction(sample, 0.05, ordered, sample["labels"]),
+        sample["images"],
+        mean_std,
+        sample["labels"],
+        lpips_fn=lpips_metric,
+    )
     b = reconstruction_report(
-        _reconstruction(sample, 0.05, shuffled, sample["labels"][shuffled]), sample["images"], mean_std, sample["labels"], lpips_fn=lpips_metric
+        _reconstruction(sample, 0.05, shuffled, sample["labels"][shuffled]),
+        sample["images"],
+        mean_std,
+        sample["labels"],
+        lpips_fn=lpips_metric,
     )
     for name, value in a.means.items():
         assert b.means[name] == pytest.approx(value, rel=1e-6), name
@@ -240,16 +250,30 @@ def test_report_is_invariant_to_the_batch_order(sample, lpips_metric):
 def test_report_label_accuracy_is_a_multiset_overlap(sample):
     true = torch.tensor([0, 0, 1, 2, 3, 4, 5, 6])
     predicted = torch.tensor([0, 1, 1, 2, 3, 4, 5, 9])  # one 0 lost, one extra 1, a 9 for the 6
-    rep = reconstruction_report(_reconstruction(sample, 0.0, torch.arange(8), predicted), sample["images"], (sample["mean"], sample["std"]), true, lpips=False)
+    rep = reconstruction_report(
+        _reconstruction(sample, 0.0, torch.arange(8), predicted),
+        sample["images"],
+        (sample["mean"], sample["std"]),
+        true,
+        lpips=False,
+    )
     assert rep.label_accuracy == pytest.approx(6 / 8)
     assert rep.matched_label_accuracy == pytest.approx(6 / 8)
-    no_labels = reconstruction_report(_reconstruction(sample, 0.0, torch.arange(8), None), sample["images"], (sample["mean"], sample["std"]), true, lpips=False)
+    no_labels = reconstruction_report(
+        _reconstruction(sample, 0.0, torch.arange(8), None),
+        sample["images"],
+        (sample["mean"], sample["std"]),
+        true,
+        lpips=False,
+    )
     assert no_labels.label_accuracy is None and no_labels.matched_label_accuracy is None
 
 
 def test_report_thresholds_and_serialisation(sample, lpips_metric):
     mean_std = (sample["mean"], sample["std"])
-    exact = reconstruction_report(_reconstruction(sample, 0.0, torch.arange(8), None), sample["images"], mean_std, lpips_fn=lpips_metric)
+    exact = reconstruction_report(
+        _reconstruction(sample, 0.0, torch.arange(8), None), sample["images"], mean_std, lpips_fn=lpips_metric
+    )
     assert math.isinf(exact.means["psnr"]) and exact.means["ssim"] == pytest.approx(1.0)
     assert exact.private == {"psnr": False, "ssim": False, "lpips": False}
     data = exact.to_dict()
@@ -258,7 +282,9 @@ def test_report_thresholds_and_serialisation(sample, lpips_metric):
     assert "| psnr | inf |" in exact.to_markdown()
 
     g = torch.Generator().manual_seed(11)
-    noise = Reconstruction(images=(torch.rand(sample["images"].shape, generator=g) - sample["mean"][0]) / sample["std"][0], labels=None)
+    noise = Reconstruction(
+        images=(torch.rand(sample["images"].shape, generator=g) - sample["mean"][0]) / sample["std"][0], labels=None
+    )
     leak_free = reconstruction_report(noise, sample["images"], mean_std, lpips_fn=lpips_metric)
     assert leak_free.private == {"psnr": True, "ssim": True, "lpips": True} and leak_free.private_on_all
 
@@ -310,14 +336,23 @@ def _png_size(path) -> tuple[int, int]:
 
 
 def test_reconstruction_grid_png(sample, tmp_path):
-    rep = reconstruction_report(_reconstruction(sample, 0.1, torch.arange(8), None), sample["images"], (sample["mean"], sample["std"]), lpips=False)
-    path = save_reconstruction_grid(rep.original_pixels, rep.reconstructed_pixels, tmp_path / "figs" / "grid.png", scores=rep, columns=4)
+    rep = reconstruction_report(
+        _reconstruction(sample, 0.1, torch.arange(8), None),
+        sample["images"],
+        (sample["mean"], sample["std"]),
+        lpips=False,
+    )
+    path = save_reconstruction_grid(
+        rep.original_pixels, rep.reconstructed_pixels, tmp_path / "figs" / "grid.png", scores=rep, columns=4
+    )
     width, height = _png_size(path)
     w_in, h_in = grid_size_inches(8, 4)  # 4 columns, 2 blocks of original + reconstruction rows
     assert width / height == pytest.approx(w_in / h_in, rel=0.02)
     assert width > 200 and height > 200
 
-    path = save_reconstruction_grid(sample["pixels"][:3], sample["pixels"][:3], tmp_path / "one_row.png", titles=["a", "b", "c"])
+    path = save_reconstruction_grid(
+        sample["pixels"][:3], sample["pixels"][:3], tmp_path / "one_row.png", titles=["a", "b", "c"]
+    )
     width, height = _png_size(path)
     w_in, h_in = grid_size_inches(3)
     assert width / height == pytest.approx(w_in / h_in, rel=0.02) and width > height
@@ -329,7 +364,9 @@ def test_comparison_grid_png(sample, tmp_path):
     mean_std = (sample["mean"], sample["std"])
     runs = []
     for title, sigma in (("undefended", 0.02), ("defended", 0.5)):
-        rep = reconstruction_report(_reconstruction(sample, sigma, torch.arange(8), None), sample["images"], mean_std, lpips=False)
+        rep = reconstruction_report(
+            _reconstruction(sample, sigma, torch.arange(8), None), sample["images"], mean_std, lpips=False
+        )
         runs.append((title, rep.original_pixels, rep.reconstructed_pixels, rep))
     path = save_comparison_grid(runs, tmp_path / "compare.png")
     width, height = _png_size(path)

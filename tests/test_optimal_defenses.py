@@ -44,7 +44,9 @@ def test_exact_sensitivity_of_a_linear_score_is_one_over_the_batch_size():
     x, y = torch.randn(4, 3), torch.zeros(4)
     exact = gradient_sensitivity(model, lambda out, _: out.mean(), x, y, exact=True)
     torch.testing.assert_close(exact["weight"], torch.full((1, 3), 0.25))
-    probed = gradient_sensitivity(model, lambda out, _: out.mean(), x, y, num_probes=4000, generator=torch.Generator().manual_seed(0))
+    probed = gradient_sensitivity(
+        model, lambda out, _: out.mean(), x, y, num_probes=4000, generator=torch.Generator().manual_seed(0)
+    )
     torch.testing.assert_close(probed["weight"], torch.full((1, 3), 0.25), rtol=0.1, atol=0)
 
 
@@ -53,7 +55,9 @@ def test_ten_probes_have_median_relative_error_under_half_and_more_probes_do_bet
     exact = gradient_sensitivity(model, CE, x, y, exact=True)
     medians = []
     for k in (10, 100, 1000):
-        estimate = gradient_sensitivity(model, CE, x, y, num_probes=k, chunk_size=100, generator=torch.Generator().manual_seed(k))
+        estimate = gradient_sensitivity(
+            model, CE, x, y, num_probes=k, chunk_size=100, generator=torch.Generator().manual_seed(k)
+        )
         medians.append(relative_errors(estimate, exact).median().item())
     assert medians[0] <= 0.5
     assert medians[0] > medians[1] > medians[2]
@@ -62,7 +66,9 @@ def test_ten_probes_have_median_relative_error_under_half_and_more_probes_do_bet
 def test_chunking_the_probes_does_not_change_the_estimate():
     model, (x, y) = tiny_net(), tiny_batch()
     whole = gradient_sensitivity(model, CE, x, y, num_probes=6, generator=torch.Generator().manual_seed(3))
-    chunked = gradient_sensitivity(model, CE, x, y, num_probes=6, chunk_size=4, generator=torch.Generator().manual_seed(3))
+    chunked = gradient_sensitivity(
+        model, CE, x, y, num_probes=6, chunk_size=4, generator=torch.Generator().manual_seed(3)
+    )
     for n in whole:
         torch.testing.assert_close(whole[n], chunked[n])
 
@@ -252,17 +258,25 @@ def test_local_path_prunes_with_the_sensitivity_of_the_batch_being_trained_on():
     quiet_trainer(max_steps=1, callbacks=[pruning, tap]).fit(model, DataLoader(TensorDataset(x, y), batch_size=4))
     for n in raw:
         torch.testing.assert_close(tap.latest().gradients[n], expected[n])
-    assert int(sum((v == 0).sum() for v in tap.latest().gradients.values())) >= 0.5 * sum(v.numel() for v in raw.values())
+    assert int(sum((v == 0).sum() for v in tap.latest().gradients.values())) >= 0.5 * sum(
+        v.numel() for v in raw.values()
+    )
 
 
 def test_optimal_noise_trains_in_the_simulation_and_refuses_fedavg():
     L.seed_everything(0)
-    sim = FederatedSimulation(tiny_cnn(), datamodule=RandomImages(), num_clients=4, clients_per_round=2, local_batch_size=4)
+    sim = FederatedSimulation(
+        tiny_cnn(), datamodule=RandomImages(), num_clients=4, clients_per_round=2, local_batch_size=4
+    )
     tap = callbacks.GradientTap(rounds=[1])
-    quiet_trainer(max_steps=2, callbacks=[callbacks.OptimalGradientNoise(scale=0.01, num_probes=3, seed=0), tap]).fit(sim)
+    quiet_trainer(max_steps=2, callbacks=[callbacks.OptimalGradientNoise(scale=0.01, num_probes=3, seed=0), tap]).fit(
+        sim
+    )
     record = tap.latest()
     assert all(torch.isfinite(v).all() for v in record.gradients.values())
-    fedavg = FederatedSimulation(tiny_cnn(), datamodule=RandomImages(), algorithm="fedavg", num_clients=4, clients_per_round=2)
+    fedavg = FederatedSimulation(
+        tiny_cnn(), datamodule=RandomImages(), algorithm="fedavg", num_clients=4, clients_per_round=2
+    )
     with pytest.raises(ValueError, match="fedsgd"):
         quiet_trainer(max_steps=1, callbacks=[callbacks.OptimalGradientNoise(scale=0.01, num_probes=2)]).fit(fedavg)
 
@@ -276,12 +290,16 @@ def test_accumulated_micro_batches_add_their_sensitivities():
     model = Classifier()
     x, y = tiny_batch()
     noise = callbacks.OptimalGradientNoise(scale=0.0, num_probes=4, seed=3)  # zero noise: only the bookkeeping runs
-    quiet_trainer(max_steps=1, accumulate_grad_batches=2, callbacks=[noise]).fit(model, DataLoader(TensorDataset(x, y), batch_size=2))
+    quiet_trainer(max_steps=1, accumulate_grad_batches=2, callbacks=[noise]).fit(
+        model, DataLoader(TensorDataset(x, y), batch_size=2)
+    )
     assert noise._micro_batches == 0 and noise._pending is None  # consumed by the one optimizer step
 
 
 def test_combining_a_data_dependent_defense_with_dpsgd_is_refused():
-    trainer = quiet_trainer(max_steps=1, callbacks=[callbacks.DPSGD(noise_multiplier=1.0), callbacks.OptimalGradientNoise(0.01)])
+    trainer = quiet_trainer(
+        max_steps=1, callbacks=[callbacks.DPSGD(noise_multiplier=1.0), callbacks.OptimalGradientNoise(0.01)]
+    )
     x, y = tiny_batch()
     with pytest.raises(ValueError, match="void the reported epsilon"):
         trainer.fit(Classifier(), DataLoader(TensorDataset(x, y), batch_size=4))

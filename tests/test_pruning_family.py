@@ -17,7 +17,12 @@ def kept(shared: torch.Tensor) -> set[int]:
 def test_dgp_drops_the_top_k1_and_bottom_k2_and_sends_the_band_between():
     g = torch.arange(1.0, 21.0)[torch.randperm(20, generator=torch.Generator().manual_seed(0))]
     shared = DualGradientPruning(k1=0.05, k2=0.75, error_feedback=False)({"w": g})["w"]
-    assert sorted(shared[shared != 0].tolist()) == [16.0, 17.0, 18.0, 19.0]  # 20 dropped (top 5%), 1..15 dropped (bottom 75%)
+    assert sorted(shared[shared != 0].tolist()) == [
+        16.0,
+        17.0,
+        18.0,
+        19.0,
+    ]  # 20 dropped (top 5%), 1..15 dropped (bottom 75%)
 
 
 def test_dgp_works_on_magnitudes_of_signed_multidimensional_layers():
@@ -109,8 +114,15 @@ def test_bad_rates_are_rejected_by_name(make, match):
 
 def test_dgp_with_error_feedback_trains_in_the_simulation():
     L.seed_everything(0)
-    sim = FederatedSimulation(small_cnn(), datamodule=RandomImages(), num_clients=4, clients_per_round=4,
-                              local_batch_size=4, server_lr=0.5, seed=0)
+    sim = FederatedSimulation(
+        small_cnn(),
+        datamodule=RandomImages(),
+        num_clients=4,
+        clients_per_round=4,
+        local_batch_size=4,
+        server_lr=0.5,
+        seed=0,
+    )
     defense = callbacks.DualGradientPruning()
     quiet_trainer(max_steps=3, callbacks=[defense]).fit(sim)
     assert defense.defense.clients == [0, 1, 2, 3]

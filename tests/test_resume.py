@@ -12,10 +12,19 @@ from lightning_gp.federated import FederatedSimulation
 def make_run(num_clients: int = 6, rate: float = 0.8):
     L.seed_everything(0)
     sim = FederatedSimulation(
-        small_cnn(), datamodule=RandomImages(), num_clients=num_clients, clients_per_round=3,
-        local_batch_size=4, rounds_per_epoch=4, server_lr=0.5, seed=1,
+        small_cnn(),
+        datamodule=RandomImages(),
+        num_clients=num_clients,
+        clients_per_round=3,
+        local_batch_size=4,
+        rounds_per_epoch=4,
+        server_lr=0.5,
+        seed=1,
     )
-    callbacks = [MagnitudePruning(rate=rate, error_feedback=True, seed=5), GradientDefense(GaussianJitter(std=0.05, seed=9))]
+    callbacks = [
+        MagnitudePruning(rate=rate, error_feedback=True, seed=5),
+        GradientDefense(GaussianJitter(std=0.05, seed=9)),
+    ]
     return sim, callbacks
 
 

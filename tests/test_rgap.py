@@ -208,11 +208,15 @@ def test_patch_system_matches_explicit_matrices(stride, padding, dilation):
     stacked = torch.cat([forward, system.balance * gradient])
     assert torch.allclose(system.gram(), stacked.T @ stacked)
     f, r = torch.randn(5, out_len, dtype=torch.float64), torch.randn(5, weight.shape[1], dtype=torch.float64)
-    assert torch.allclose(system.adjoint(f, r), forward.T @ f.reshape(-1) + system.balance**2 * gradient.T @ r.reshape(-1))
+    assert torch.allclose(
+        system.adjoint(f, r), forward.T @ f.reshape(-1) + system.balance**2 * gradient.T @ r.reshape(-1)
+    )
     # padding entries are not unknowns: every index is a pixel or the sentinel n
     idx = patch_indices(layer)
     assert idx.min() >= 0 and idx.max() <= 3 * 49 and (idx == 3 * 49).any() == (padding > 0)
-    assert torch.equal(gather_patches(x, idx)[idx == 3 * 49], torch.zeros(int((idx == 3 * 49).sum()), dtype=torch.float64))
+    assert torch.equal(
+        gather_patches(x, idx)[idx == 3 * 49], torch.zeros(int((idx == 3 * 49).sum()), dtype=torch.float64)
+    )
 
 
 def test_gram_solver_gives_the_minimum_norm_solution_and_the_rank():
@@ -241,7 +245,11 @@ def test_convnet_with_pooling_and_biases_is_refused_naming_its_layers():
 
 def test_batchnorm_is_refused():
     model = nn.Sequential(
-        nn.Conv2d(1, 4, 3, bias=False), nn.BatchNorm2d(4), nn.LeakyReLU(0.2), nn.Flatten(), nn.Linear(64, 10, bias=False)
+        nn.Conv2d(1, 4, 3, bias=False),
+        nn.BatchNorm2d(4),
+        nn.LeakyReLU(0.2),
+        nn.Flatten(),
+        nn.Linear(64, 10, bias=False),
     )
     view, _ = client_view(model, (1, 6, 6))
     with pytest.raises(ValueError, match=r"1 \(BatchNorm2d\) is not supported"):
@@ -292,7 +300,7 @@ def test_a_missing_gradient_is_an_error_but_a_zeroed_one_is_not():
     view.gradients["0.weight"] = torch.zeros_like(view.gradients["0.weight"])
     assert RGAP().reconstruct(view).images.isfinite().all()
     del view.gradients["0.weight"]
-    with pytest.raises(ValueError, match="needs the gradient of '0.weight'"):
+    with pytest.raises(ValueError, match=r"needs the gradient of '0.weight'"):
         RGAP().reconstruct(view)
 
 

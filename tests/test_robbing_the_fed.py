@@ -43,8 +43,14 @@ def shared_view(
 ) -> ServerView:
     grads = parameter_gradients(model, nn.CrossEntropyLoss(), x, y, create_graph=False)
     return ServerView(
-        model=model, gradients=grads, batch_size=x.shape[0], input_shape=SHAPE, num_classes=10,
-        mean=data.mean, std=data.std, server_secrets=secrets,
+        model=model,
+        gradients=grads,
+        batch_size=x.shape[0],
+        input_shape=SHAPE,
+        num_classes=10,
+        mean=data.mean,
+        std=data.std,
+        server_secrets=secrets,
     )
 
 
@@ -64,7 +70,10 @@ def test_imprinted_model_layout_and_block_structure(data: FashionMNISTSampleData
     assert isinstance(modified, ImprintedModel)
     names = [n for n, _ in modified.named_parameters()]
     assert names[:4] == [
-        "imprint.linear0.weight", "imprint.linear0.bias", "imprint.linear1.weight", "imprint.linear1.bias"
+        "imprint.linear0.weight",
+        "imprint.linear0.bias",
+        "imprint.linear1.weight",
+        "imprint.linear1.bias",
     ]
     assert "model.fc.weight" in names
     assert secrets["imprint"]["weight"] == "imprint.linear0.weight" and len(secrets["imprint"]["bins"]) == 32
@@ -106,9 +115,7 @@ def test_exact_recovery_when_each_image_has_its_own_bin(
     assert float((rec.images - expected).abs().max()) < tolerance
 
 
-def test_real_batches_of_16_mostly_recovered_verbatim(
-    data: FashionMNISTSampleDataModule, public_data: Tensor
-) -> None:
+def test_real_batches_of_16_mostly_recovered_verbatim(data: FashionMNISTSampleDataModule, public_data: Tensor) -> None:
     """Strength target: >= 80% of a batch of 16 at PSNR > 40 dB.
 
     Measured over 100 seeded batches (bins from 1000 public test images): mean fraction 0.876
@@ -168,8 +175,14 @@ def test_magnitude_pruning_degrades_recovery(data: FashionMNISTSampleDataModule,
     x, y = client_batch(data, BATCH, seed=0)
     clean = shared_view(modified, x, y, data, secrets)
     pruned = ServerView(
-        model=modified, gradients=MagnitudePruning(0.8)(clean.gradients), batch_size=BATCH, input_shape=SHAPE,
-        num_classes=10, mean=data.mean, std=data.std, server_secrets=secrets,
+        model=modified,
+        gradients=MagnitudePruning(0.8)(clean.gradients),
+        batch_size=BATCH,
+        input_shape=SHAPE,
+        num_classes=10,
+        mean=data.mean,
+        std=data.std,
+        server_secrets=secrets,
     )
     clean_psnr = matched_psnr(clean, attack.reconstruct(clean).images, x)
     pruned_psnr = matched_psnr(pruned, attack.reconstruct(pruned).images, x)

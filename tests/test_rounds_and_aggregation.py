@@ -70,7 +70,7 @@ def test_sampled_clients_are_distinct_ascending_and_counted():
         assert len(ids) == 3
         assert len(set(ids.tolist())) == 3
         assert torch.equal(ids, ids.sort().values)
-        assert ((0 <= ids) & (ids < 6)).all()
+        assert ((ids >= 0) & (ids < 6)).all()
         seen.update(ids.tolist())
     assert seen == set(range(6))  # every client is drawn eventually
 
@@ -149,7 +149,10 @@ def test_all_clients_per_round_samples_everyone():
         ({"clients_per_round": 7}, "clients_per_round"),
         ({"local_batch_size": 0}, "local_batch_size"),
         ({"local_steps": 0}, "local_steps"),
-        ({"client_indices": [torch.arange(5), torch.tensor([], dtype=torch.long)], "clients_per_round": 1}, r"clients \[1\]"),
+        (
+            {"client_indices": [torch.arange(5), torch.tensor([], dtype=torch.long)], "clients_per_round": 1},
+            r"clients \[1\]",
+        ),
     ],
 )
 def test_bad_client_rounds_arguments_are_value_errors_naming_them(overrides, name):
@@ -189,7 +192,10 @@ def test_round_sampler_rejects_non_positive_rounds_per_epoch(n):
 
 
 def updates(*values) -> list[dict[str, torch.Tensor]]:
-    return [{"w": torch.tensor(v, dtype=torch.float64).view(2, 1), "b": torch.tensor([v[0] * 10.0], dtype=torch.float64)} for v in values]
+    return [
+        {"w": torch.tensor(v, dtype=torch.float64).view(2, 1), "b": torch.tensor([v[0] * 10.0], dtype=torch.float64)}
+        for v in values
+    ]
 
 
 def test_weighted_mean_without_weights_is_the_uniform_mean():

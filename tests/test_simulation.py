@@ -13,11 +13,18 @@ from lightning_gp.federated import FederatedSimulation, client_gradients
 
 def simulation(**kwargs) -> FederatedSimulation:
     defaults = dict(
-        datamodule=RandomImages(), num_clients=6, clients_per_round=3, local_batch_size=4,
-        server_optimizer="sgd", server_lr=1.0, seed=3,
+        datamodule=RandomImages(),
+        num_clients=6,
+        clients_per_round=3,
+        local_batch_size=4,
+        server_optimizer="sgd",
+        server_lr=1.0,
+        seed=3,
     )
     defaults.update(kwargs)
-    return FederatedSimulation(kwargs.pop("module", None) or small_cnn(), **{k: v for k, v in defaults.items() if k != "module"})
+    return FederatedSimulation(
+        kwargs.pop("module", None) or small_cnn(), **{k: v for k, v in defaults.items() if k != "module"}
+    )
 
 
 def all_client_taps(num_clients: int) -> list[GradientTap]:
@@ -151,7 +158,7 @@ def test_bad_arguments_are_rejected_with_the_argument_named(kwargs, match):
 def test_data_must_be_given_to_the_simulation_not_to_fit():
     with pytest.raises(ValueError, match="needs data"):
         quiet_trainer(max_steps=1).fit(simulation(datamodule=None))
-    with pytest.raises(ValueError, match="not to Trainer.fit"):
+    with pytest.raises(ValueError, match=r"not to Trainer.fit"):
         quiet_trainer(max_steps=1).fit(simulation(), datamodule=RandomImages())
 
 
@@ -173,9 +180,14 @@ def test_wrapped_lightning_module_provides_the_server_optimizer_and_loss(tmp_pat
     classifier = ImageClassifier(small_cnn(), optimizer="adam", lr=0.01)
     sim = simulation(module=classifier)
     assert sim.loss_fn is classifier.loss_fn
-    trainer = quiet_trainer(max_steps=3, callbacks=[MagnitudePruning(rate=0.5), CommunicationMeter()],
-                            logger=CSVLogger(tmp_path, name="run"), log_every_n_steps=1,
-                            val_check_interval=3, check_val_every_n_epoch=None)
+    trainer = quiet_trainer(
+        max_steps=3,
+        callbacks=[MagnitudePruning(rate=0.5), CommunicationMeter()],
+        logger=CSVLogger(tmp_path, name="run"),
+        log_every_n_steps=1,
+        val_check_interval=3,
+        check_val_every_n_epoch=None,
+    )
     trainer.fit(sim)
     assert isinstance(trainer.optimizers[0], torch.optim.Adam)
     metrics = (tmp_path / "run" / "version_0" / "metrics.csv").read_text().splitlines()

@@ -20,12 +20,12 @@ from lightning_gp.attacks.view import ServerView
 __all__ = [
     "DLG",
     "IDLG",
+    "RGAP",
     "GradInversion",
     "GradientAttack",
     "ImprintBlock",
     "ImprintedModel",
     "InvertingGradients",
-    "RGAP",
     "Reconstruction",
     "RobbingTheFed",
     "ServerView",

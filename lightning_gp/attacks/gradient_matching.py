@@ -27,13 +27,17 @@ def parameter_gradients(
     return dict(zip(params, grads))
 
 
-def squared_l2_distance(guess: Mapping[str, Tensor], shared: Mapping[str, Tensor], names: Sequence[str] | None = None) -> Tensor:
+def squared_l2_distance(
+    guess: Mapping[str, Tensor], shared: Mapping[str, Tensor], names: Sequence[str] | None = None
+) -> Tensor:
     """``sum_layers ||guess - shared||^2`` (DLG, Zhu et al. 2019, Eq. 4)."""
     names = list(shared) if names is None else names
     return sum(((guess[n] - shared[n]) ** 2).sum() for n in names)
 
 
-def cosine_distance(guess: Mapping[str, Tensor], shared: Mapping[str, Tensor], names: Sequence[str] | None = None) -> Tensor:
+def cosine_distance(
+    guess: Mapping[str, Tensor], shared: Mapping[str, Tensor], names: Sequence[str] | None = None
+) -> Tensor:
     """``1 - <guess, shared> / (||guess|| ||shared||)`` over all layers together
     (Inverting Gradients, Geiping et al. 2020, Eq. 4)."""
     names = list(shared) if names is None else names

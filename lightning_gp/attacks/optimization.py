@@ -90,36 +90,46 @@ class DLG(GradientAttack):
         fixed = self._labels(view)
         stop_below = self.tolerance * float(sum(g.pow(2).sum() for g in view.gradients.values()))
         best: tuple[float, Tensor, Tensor, list[float]] | None = None
-        for restart in range(self.restarts):
-            images = _random_images(view, generator).requires_grad_(True)
-            label_logits = torch.randn((view.batch_size, view.num_classes), generator=generator, device=view.device)
-            variables = [images] if fixed is not None else [images, label_logits.requires_grad_(True)]
-            optimizer = torch.optim.LBFGS(
-                variables, lr=self.lr, max_iter=self.max_iter, history_size=100, line_search_fn=self.line_search
-            )
-            trace: list[float] = []
-
-            def closure() -> Tensor:
-                optimizer.zero_grad()
-                targets = fixed if fixed is not None else label_logits.softmax(dim=-1)
-                guess = parameter_gradients(view.model, view.loss_fn, images, targets)
-                loss = squared_l2_distance(guess, view.gradients)
-                loss.backward()
-                return loss
-
-            for iteration in range(self.iterations):
-                loss = float(optimizer.step(closure).detach())
-                trace.append(loss)
-                self._report(iteration, self.iterations, loss)
-                if not math.isfinite(loss) or loss <= stop_below or (len(trace) > 3 and trace[-4] == loss):
-                    break
-            final = float(closure().detach())  # the objective of the images returned, not of the last iterate
-            final = final if math.isfinite(final) else math.inf
-            labels = fixed if fixed is not None else label_logits.detach().argmax(dim=-1)
-            if best is None or final < best[0]:
-                best = (final, images.detach(), labels, trace)
+        for _ in range(self.restarts):
+            run = self._one_run(view, generator, fixed, stop_below)
+            if best is None or run[0] < best[0]:
+                best = run
+        assert best is not None  # restarts >= 1
         final, images, labels, trace = best
-        return Reconstruction(images=images, labels=labels, loss_trace=trace, attack=type(self).__name__, meta={"objective": final})
+        return Reconstruction(
+            images=images, labels=labels, loss_trace=trace, attack=type(self).__name__, meta={"objective": final}
+        )
+
+    def _one_run(
+        self, view: ServerView, generator: torch.Generator, fixed: Tensor | None, stop_below: float
+    ) -> tuple[float, Tensor, Tensor, list[float]]:
+        """One L-BFGS run from a random start: ``(final objective, images, labels, loss trace)``."""
+        images = _random_images(view, generator).requires_grad_(True)
+        label_logits = torch.randn((view.batch_size, view.num_classes), generator=generator, device=view.device)
+        variables = [images] if fixed is not None else [images, label_logits.requires_grad_(True)]
+        optimizer = torch.optim.LBFGS(
+            variables, lr=self.lr, max_iter=self.max_iter, history_size=100, line_search_fn=self.line_search
+        )
+        trace: list[float] = []
+
+        def closure() -> Tensor:
+            optimizer.zero_grad()
+            targets = fixed if fixed is not None else label_logits.softmax(dim=-1)
+            guess = parameter_gradients(view.model, view.loss_fn, images, targets)
+            loss = squared_l2_distance(guess, view.gradients)
+            loss.backward()
+            return loss
+
+        for iteration in range(self.iterations):
+            loss = float(optimizer.step(closure).detach())
+            trace.append(loss)
+            self._report(iteration, self.iterations, loss)
+            if not math.isfinite(loss) or loss <= stop_below or (len(trace) > 3 and trace[-4] == loss):
+                break
+        final = float(closure().detach())  # the objective of the images returned, not of the last iterate
+        final = final if math.isfinite(final) else math.inf
+        labels = fixed if fixed is not None else label_logits.detach().argmax(dim=-1)
+        return final, images.detach(), labels, trace
 
 
 class IDLG(DLG):
@@ -302,7 +312,8 @@ class GradInversion(InvertingGradients):
             total = total + self.tv_weight * total_variation(images) + self.l2_weight * images.pow(2).sum()
             for mean, var, module in batch_stats:
                 total = total + self.bn_weight * (
-                    torch.linalg.vector_norm(mean - module.running_mean) + torch.linalg.vector_norm(var - module.running_var)
+                    torch.linalg.vector_norm(mean - module.running_mean)
+                    + torch.linalg.vector_norm(var - module.running_var)
                 )
             return total
 

@@ -174,7 +174,9 @@ def _trace_shapes(chain: list[ChainLayer], input_shape: tuple[int, ...]) -> None
             try:
                 x = _apply(layer, x)
             except RuntimeError as error:
-                raise ValueError(f"R-GAP cannot run {layer.name} on input of shape {layer.in_shape}: {error}") from error
+                raise ValueError(
+                    f"R-GAP cannot run {layer.name} on input of shape {layer.in_shape}: {error}"
+                ) from error
             layer.out_shape = tuple(x.shape[1:])
 
 
@@ -356,7 +358,11 @@ def final_layer_input(
         bias = layer.module.bias.detach().to(_DTYPE).cpu()
     if bias_grad is not None and bool(bias_grad.ne(0).any()):
         g = bias_grad
-        return weight_grad.T @ g / (g @ g), g, {"method": "bias gradient", "rank_one_ratio": _rank_one_ratio(weight_grad)}
+        return (
+            weight_grad.T @ g / (g @ g),
+            g,
+            {"method": "bias gradient", "rank_one_ratio": _rank_one_ratio(weight_grad)},
+        )
     if not bool(weight_grad.ne(0).any()):
         # nothing shared: the best guess is x_L = 0, with the logits' gradient that implies
         g, _ = _logit_gradient(torch.zeros((), dtype=_DTYPE), torch.zeros_like(bias), bias, target, scale)

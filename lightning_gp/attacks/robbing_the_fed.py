@@ -39,6 +39,7 @@ method, not copied.
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -166,7 +167,7 @@ def check_thresholds(bins: Sequence[float]) -> tuple[float, ...]:
     values = tuple(float(b) for b in bins)
     if len(values) < 1 or not all(math.isfinite(v) for v in values):
         raise ValueError(f"bins must be a non-empty sequence of finite thresholds, got {bins!r}")
-    if any(b <= a for a, b in zip(values, values[1:])):
+    if any(b <= a for a, b in itertools.pairwise(values)):
         raise ValueError(
             "bins must be strictly increasing; with public data this means too many bins for its "
             "number of distinct measurements (use fewer bins or more data)"

@@ -133,7 +133,9 @@ class ServerView:
         with ``labels_known``, the labels; never the images.
         """
         if record.inputs is None:
-            raise ValueError("the tapped round has no batch recorded (GradientTap(record_data=False)): batch size unknown")
+            raise ValueError(
+                "the tapped round has no batch recorded (GradientTap(record_data=False)): batch size unknown"
+            )
         model.load_state_dict(record.model_state)
         return cls(
             model=model,

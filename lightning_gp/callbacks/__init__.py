@@ -26,9 +26,9 @@ from lightning_gp.callbacks.pruning import (
 from lightning_gp.callbacks.tap import GradientTap, TappedGradient
 
 __all__ = [
+    "DPSGD",
     "AlignedDualGradientPruning",
     "CommunicationMeter",
-    "DPSGD",
     "DualGradientPruning",
     "GaussianNoise",
     "GradientDefense",

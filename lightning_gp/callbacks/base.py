@@ -55,7 +55,9 @@ class SharedGradientCallback(Callback):
             return  # Opacus replaces .grad after this hook; DPSGD's step hook runs the pipeline instead
         pipeline = SharedGradientPipeline.from_trainer(trainer)
         if pipeline.driver is self and execution_path(trainer, pl_module) == "local":
-            defend_parameter_gradients(pipeline, pl_module, optimizer, client_id=trainer.global_rank, round=trainer.global_step)
+            defend_parameter_gradients(
+                pipeline, pl_module, optimizer, client_id=trainer.global_rank, round=trainer.global_step
+            )
 
 
 class GradientDefense(SharedGradientCallback):
@@ -98,16 +100,22 @@ class GradientDefense(SharedGradientCallback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.defense.load_state_dict(state_dict["defense"])
 
-    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         # Lightning silently skips saved callback state whose key matches no callback; for a
         # defense that would drop every client's state, so a mismatch is an error.
         saved = {
             key: state["defense"]
             for key, state in checkpoint.get("callbacks", {}).items()
-            if isinstance(state, dict) and isinstance(state.get("defense"), dict) and "client_states" in state["defense"]
+            if isinstance(state, dict)
+            and isinstance(state.get("defense"), dict)
+            and "client_states" in state["defense"]
         }
         if saved and self.state_key not in saved:
-            found = ", ".join(f"{s['defense']}({', '.join(f'{k}={v!r}' for k, v in s['config'].items())})" for s in saved.values())
+            found = ", ".join(
+                f"{s['defense']}({', '.join(f'{k}={v!r}' for k, v in s['config'].items())})" for s in saved.values()
+            )
             raise ValueError(
                 f"the checkpoint holds defense state for {found}, but none for {self!r}; resume with the "
                 "defense callbacks (and settings) the run was started with"

@@ -68,7 +68,9 @@ class CommunicationMeter(SharedGradientObserver):
     def observe_aggregate(self, update: Mapping[str, Tensor], *, round: int, clients: int) -> None:
         self._step_download += clients * sum(encoded_nbytes(u) for u in update.values())
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._step_uploads == 0:
             return
         self.total_upload_bytes += self._step_upload

@@ -12,7 +12,7 @@ the futures DDP is waiting on. This gives up DDP's overlap of communication with
 pass: the price of defending the full gradient.
 """
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 class DefendedAllReduce:
     """State of the communication hook of one rank (one client)."""
 
-    def __init__(self, trainer: "pl.Trainer", module: nn.Module, process_group: Optional[dist.ProcessGroup]) -> None:
+    def __init__(self, trainer: "pl.Trainer", module: nn.Module, process_group: dist.ProcessGroup | None) -> None:
         self.trainer = trainer
         self.module = module
         self.process_group = process_group

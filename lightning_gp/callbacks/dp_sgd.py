@@ -246,9 +246,7 @@ class DPSGD(Callback):
                 "or use DPSGD(poisson_sampling=False)"
             )
         if not isinstance(loader, DataLoader) or not hasattr(loader.dataset, "__len__"):
-            raise ValueError(
-                f"DPSGD needs one DataLoader over a dataset of known size, got {type(loader).__name__}"
-            )
+            raise ValueError(f"DPSGD needs one DataLoader over a dataset of known size, got {type(loader).__name__}")
         n = len(loader.dataset)
         self.sample_rate = float(loader.sample_rate) if isinstance(loader, DPDataLoader) else 1.0 / len(loader)
         self.expected_batch_size = max(1, round(n * self.sample_rate))
@@ -322,10 +320,14 @@ class DPSGD(Callback):
             self.noise_multiplier_used = state_dict[_STATE]["noise_multiplier"]
             self.target_delta = state_dict[_STATE]["delta"]
 
-    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         # Lightning silently drops saved callback state whose key matches no callback; for DP-SGD
         # that would forget the privacy already spent, so refuse to resume with other settings.
-        saved = [key for key, state in checkpoint.get("callbacks", {}).items() if isinstance(state, dict) and _STATE in state]
+        saved = [
+            key for key, state in checkpoint.get("callbacks", {}).items() if isinstance(state, dict) and _STATE in state
+        ]
         if saved and self.state_key not in saved:
             raise ValueError(
                 f"the checkpoint holds DP-SGD accounting saved by {', '.join(saved)}, but none for {self!r}; resume "

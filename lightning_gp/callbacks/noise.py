@@ -11,7 +11,9 @@ class GaussianNoise(GradientDefense):
     coordinate to ``[-clip, clip]`` first. No formal DP guarantee (see :class:`DPSGD`).
     See :class:`lightning_gp.defenses.GaussianNoise`."""
 
-    def __init__(self, scale: float = 0.01, clip: float | None = None, seed: int | None = None, nonfinite: str = "error") -> None:
+    def __init__(
+        self, scale: float = 0.01, clip: float | None = None, seed: int | None = None, nonfinite: str = "error"
+    ) -> None:
         super().__init__(noise.GaussianNoise(scale, clip=clip, seed=seed, nonfinite=nonfinite))
 
 
@@ -26,7 +28,11 @@ class GradientQuantization(GradientDefense):
     """Quantize every layer to ``bits``-bit symmetric integers times a per-layer scale.
     See :class:`lightning_gp.defenses.GradientQuantization`."""
 
-    def __init__(self, bits: int = 8, stochastic_rounding: bool = False, seed: int | None = None, nonfinite: str = "error") -> None:
+    def __init__(
+        self, bits: int = 8, stochastic_rounding: bool = False, seed: int | None = None, nonfinite: str = "error"
+    ) -> None:
         super().__init__(
-            quantization.GradientQuantization(bits, stochastic_rounding=stochastic_rounding, seed=seed, nonfinite=nonfinite)
+            quantization.GradientQuantization(
+                bits, stochastic_rounding=stochastic_rounding, seed=seed, nonfinite=nonfinite
+            )
         )

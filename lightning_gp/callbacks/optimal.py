@@ -83,7 +83,9 @@ class SensitivityGradientDefense(GradientDefense):
         self._module_loss = module_loss if callable(module_loss) else None
         self._pending, self._pending_step, self._micro_batches = None, None, 0
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if execution_path(trainer, pl_module) == "simulation":
             return  # the simulation hands each client's batch to defend()
         step = trainer.global_step
@@ -120,7 +122,9 @@ class SensitivityGradientDefense(GradientDefense):
                     "to defend with (manual optimization is not supported)"
                 )
             accumulated = self._micro_batches
-            sensitivity = {n: s / accumulated**2 for n, s in self._pending.items()} if accumulated > 1 else self._pending
+            sensitivity = (
+                {n: s / accumulated**2 for n, s in self._pending.items()} if accumulated > 1 else self._pending
+            )
             self._pending, self._pending_step, self._micro_batches = None, None, 0
         missing = [n for n in gradients if n not in sensitivity]
         if missing:
@@ -132,12 +136,23 @@ class SensitivityGradientDefense(GradientDefense):
         generator = seeded_generator(self.defense.seed, *seed_words, device=inputs.device)
         loss_fn = self.loss_fn or self._module_loss or F.cross_entropy
         return gradient_sensitivity(
-            module, loss_fn, inputs, targets, num_probes=self.num_probes, chunk_size=self.chunk_size, generator=generator
+            module,
+            loss_fn,
+            inputs,
+            targets,
+            num_probes=self.num_probes,
+            chunk_size=self.chunk_size,
+            generator=generator,
         )
 
 
 def _inputs_and_targets(batch: Any) -> tuple[Tensor, Tensor]:
-    if isinstance(batch, (tuple, list)) and len(batch) >= 2 and isinstance(batch[0], Tensor) and isinstance(batch[1], Tensor):
+    if (
+        isinstance(batch, (tuple, list))
+        and len(batch) >= 2
+        and isinstance(batch[0], Tensor)
+        and isinstance(batch[1], Tensor)
+    ):
         return batch[0], batch[1]
     raise TypeError(
         "the optimal defenses estimate the sensitivity from (inputs, targets, ...) batches; got "

@@ -79,7 +79,9 @@ class SharedGradientPipeline:
             callback.defense.set_num_clients(num_clients)
             callback.defense.check_layer_shapes(shapes)
 
-    def begin_round(self, round: int, clients: list[int], local_gradients: Mapping[int, Gradients], share: Share) -> None:
+    def begin_round(
+        self, round: int, clients: list[int], local_gradients: Mapping[int, Gradients], share: Share
+    ) -> None:
         """Let every defense prepare the round (e.g. ADGP's shared mask) before clients are defended."""
         for callback in self.defenses:
             callback.defense.begin_round(round, clients, local_gradients, share)
@@ -102,7 +104,9 @@ class SharedGradientPipeline:
         """Defend one client's gradient and show the shared result to every observer."""
         shared = dict(gradients)
         for callback in self.defenses:
-            shared = callback.defend(shared, client_id=client_id, round=round, model=model, batch=batch, meta=meta or {})
+            shared = callback.defend(
+                shared, client_id=client_id, round=round, model=model, batch=batch, meta=meta or {}
+            )
         for observer in self.observers:
             observer.observe(shared, client_id=client_id, round=round, model=model, batch=batch, meta=meta or {})
         return shared

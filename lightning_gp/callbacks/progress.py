@@ -17,7 +17,9 @@ class ProgressPrinter(Callback):
         metrics: logged metrics to show, when present.
     """
 
-    def __init__(self, every_n_steps: int = 50, metrics: tuple[str, ...] = ("train_loss", "val_loss", "val_acc")) -> None:
+    def __init__(
+        self, every_n_steps: int = 50, metrics: tuple[str, ...] = ("train_loss", "val_loss", "val_acc")
+    ) -> None:
         if every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
         self.every_n_steps = every_n_steps
@@ -27,7 +29,9 @@ class ProgressPrinter(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start = time.perf_counter()
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.global_step % self.every_n_steps == 0 and trainer.is_global_zero:
             self._print(trainer, "train")
 
@@ -39,6 +43,11 @@ class ProgressPrinter(Callback):
         total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else "?"
         # train lines show training metrics only; validation lines show everything
         names = [n for n in self.metrics if what == "val" or not n.startswith("val_")]
-        shown = " ".join(f"{n} {float(trainer.callback_metrics[n]):.4f}" for n in names if n in trainer.callback_metrics)
+        shown = " ".join(
+            f"{n} {float(trainer.callback_metrics[n]):.4f}" for n in names if n in trainer.callback_metrics
+        )
         elapsed = time.perf_counter() - self._start
-        print(f"[{what}] step {trainer.global_step}/{total} epoch {trainer.current_epoch} {shown} ({elapsed:.1f}s)", flush=True)
+        print(
+            f"[{what}] step {trainer.global_step}/{total} epoch {trainer.current_epoch} {shown} ({elapsed:.1f}s)",
+            flush=True,
+        )

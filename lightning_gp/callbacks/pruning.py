@@ -30,7 +30,9 @@ class TopKPruning(GradientDefense):
     """Share each layer's ``k`` fraction of largest-magnitude gradient entries (DGC-style Top-k),
     with per-client error feedback. See :class:`lightning_gp.defenses.TopKPruning`."""
 
-    def __init__(self, k: float = 0.2, error_feedback: bool = True, seed: int | None = None, nonfinite: str = "error") -> None:
+    def __init__(
+        self, k: float = 0.2, error_feedback: bool = True, seed: int | None = None, nonfinite: str = "error"
+    ) -> None:
         super().__init__(pruning.TopKPruning(k, error_feedback=error_feedback, seed=seed, nonfinite=nonfinite))
 
 
@@ -63,7 +65,9 @@ class DualGradientPruning(GradientDefense):
         seed: int | None = None,
         nonfinite: str = "error",
     ) -> None:
-        super().__init__(pruning.DualGradientPruning(k1, k2, error_feedback=error_feedback, seed=seed, nonfinite=nonfinite))
+        super().__init__(
+            pruning.DualGradientPruning(k1, k2, error_feedback=error_feedback, seed=seed, nonfinite=nonfinite)
+        )
 
     @classmethod
     def from_send_rate(cls, send_rate: float = 0.2, p: float = 1 / 15, **kwargs: Any) -> DualGradientPruning:

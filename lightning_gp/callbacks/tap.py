@@ -55,7 +55,9 @@ class TappedGradient:
         fields = torch.load(path, map_location="cpu", weights_only=False)
         expected = set(cls.__dataclass_fields__)
         if not isinstance(fields, dict) or not expected <= set(fields):
-            raise ValueError(f"{path} is not a tapped gradient written by GradientTap (missing {expected - set(fields or {})})")
+            raise ValueError(
+                f"{path} is not a tapped gradient written by GradientTap (missing {expected - set(fields or {})})"
+            )
         return cls(**{k: fields[k] for k in expected})
 
 
@@ -92,15 +94,20 @@ class GradientTap(SharedGradientObserver):
     def wants(self, client_id: int, round: int) -> bool:
         return client_id == self.client_id and (self.rounds is None or round in self.rounds)
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         # On the local and DDP paths the hook that sees the gradient does not see the batch:
         # keep the batches of the optimizer step in progress (several with accumulation).
         step = trainer.global_step
         for old in [s for s in self._local_batches if s < step]:
             del self._local_batches[old]
-        if not getattr(pl_module, "defends_per_client", False) and self.record_data:
-            if self.wants(trainer.global_rank, step):
-                self._local_batches.setdefault(step, []).append(_to_cpu(batch))
+        if (
+            not getattr(pl_module, "defends_per_client", False)
+            and self.record_data
+            and self.wants(trainer.global_rank, step)
+        ):
+            self._local_batches.setdefault(step, []).append(_to_cpu(batch))
 
     def observe(
         self,

@@ -16,12 +16,12 @@ from lightning_gp.data.svhn import SVHNDataModule
 
 __all__ = [
     "CIFAR10_CLASSES",
-    "CIFAR100DataModule",
+    "FASHION_MNIST_CLASSES",
     "CIFAR10DataModule",
+    "CIFAR100DataModule",
     "CorruptDatasetError",
     "DatasetNotFoundError",
     "DownloadError",
-    "FASHION_MNIST_CLASSES",
     "FashionMNISTDataModule",
     "FashionMNISTSampleDataModule",
     "FileDataModule",

@@ -97,11 +97,7 @@ def _search(spec: DatasetFiles, candidates: list[Path]) -> tuple[dict[str, Path]
 
 
 def _not_found_message(spec: DatasetFiles, report: list[str]) -> str:
-    searched = (
-        "; ".join(report)
-        if report
-        else f"nothing (no data_dir given and ${DATA_DIR_ENV} is not set)"
-    )
+    searched = "; ".join(report) if report else f"nothing (no data_dir given and ${DATA_DIR_ENV} is not set)"
     return f"{spec.title} not found. Searched: {searched}. Expected files: {spec.expected()}. {spec.how_to_get}"
 
 

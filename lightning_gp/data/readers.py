@@ -10,6 +10,7 @@ import struct
 import warnings
 import zlib
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 from PIL import Image
@@ -67,16 +68,18 @@ def read_idx_split(images_path: str | Path, labels_path: str | Path, num_classes
 class _ArrayOnlyUnpickler(pickle.Unpickler):
     """Unpickles plain containers and numpy arrays only, so a CIFAR batch file cannot run code."""
 
-    _ALLOWED = {
-        ("numpy.core.multiarray", "_reconstruct"),
-        ("numpy._core.multiarray", "_reconstruct"),
-        ("numpy.core.multiarray", "scalar"),
-        ("numpy._core.multiarray", "scalar"),
-        ("numpy.core.numeric", "_frombuffer"),
-        ("numpy._core.numeric", "_frombuffer"),
-        ("numpy", "ndarray"),
-        ("numpy", "dtype"),
-    }
+    _ALLOWED: ClassVar[frozenset[tuple[str, str]]] = frozenset(
+        {
+            ("numpy.core.multiarray", "_reconstruct"),
+            ("numpy._core.multiarray", "_reconstruct"),
+            ("numpy.core.multiarray", "scalar"),
+            ("numpy._core.multiarray", "scalar"),
+            ("numpy.core.numeric", "_frombuffer"),
+            ("numpy._core.numeric", "_frombuffer"),
+            ("numpy", "ndarray"),
+            ("numpy", "dtype"),
+        }
+    )
 
     def find_class(self, module: str, name: str):
         if (module, name) not in self._ALLOWED:

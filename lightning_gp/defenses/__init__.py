@@ -20,6 +20,7 @@ from lightning_gp.defenses.pruning import (
     RandomPruning,
     TopKPruning,
 )
+from lightning_gp.defenses.quantization import GradientQuantization
 from lightning_gp.defenses.selection import (
     count_for_rate,
     kth_largest,
@@ -27,15 +28,12 @@ from lightning_gp.defenses.selection import (
     largest_magnitude_mask,
     magnitude_band_mask,
 )
-from lightning_gp.defenses.quantization import GradientQuantization
 from lightning_gp.defenses.sensitivity import gradient_sensitivity
 from lightning_gp.defenses.sparsification import SparsifyingDefense
 from lightning_gp.defenses.validation import NonFiniteGradientError, check_rate
 
 __all__ = [
     "AlignedDualGradientPruning",
-    "Share",
-    "share_in_process",
     "Defense",
     "DualGradientPruning",
     "GaussianNoise",
@@ -47,17 +45,19 @@ __all__ = [
     "OptimalDPSGD",
     "OptimalGradientNoise",
     "OptimalGradientPruning",
-    "SensitivityDefense",
     "RandomPruning",
+    "SensitivityDefense",
+    "Share",
     "SparsifyingDefense",
     "TopKPruning",
     "check_rate",
     "count_for_rate",
     "gradient_sensitivity",
-    "optimal_noise_variance",
-    "optimal_pruning_scores",
     "kth_largest",
     "largest_entries_mask",
     "largest_magnitude_mask",
     "magnitude_band_mask",
+    "optimal_noise_variance",
+    "optimal_pruning_scores",
+    "share_in_process",
 ]

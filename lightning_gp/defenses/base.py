@@ -84,7 +84,9 @@ class Defense(ABC):
         """The hyperparameters that define the defense (checked when a checkpoint is restored)."""
         return {}
 
-    def begin_round(self, round: int, clients: Sequence[int], local_gradients: Mapping[int, Gradients], share: Share) -> None:
+    def begin_round(
+        self, round: int, clients: Sequence[int], local_gradients: Mapping[int, Gradients], share: Share
+    ) -> None:
         """Called once per round, before any client of the round is defended (default: nothing).
 
         For defenses that coordinate clients (e.g. ADGP's shared location mask).
@@ -96,6 +98,7 @@ class Defense(ABC):
             share: ``share(source_client, tensors)`` returns ``source_client``'s tensors in every
                 process (a broadcast under DDP); other processes pass same-shaped placeholders.
         """
+        return  # most defenses treat clients independently
 
     # ---------------------------------------------------------------- public API
     def __call__(self, gradients: Mapping[str, Tensor], client_id: int = 0) -> Gradients:
@@ -125,9 +128,7 @@ class Defense(ABC):
             )
         known = [c for c in self._states if num_clients is not None and c >= num_clients]
         if known:
-            raise ValueError(
-                f"this defense holds state for client ids {known}, but the run has {num_clients} clients"
-            )
+            raise ValueError(f"this defense holds state for client ids {known}, but the run has {num_clients} clients")
         self.num_clients = num_clients
 
     def client_state(self, client_id: int) -> Gradients:
@@ -183,7 +184,9 @@ class Defense(ABC):
                 f"but this run has {self.num_clients}"
             )
         num_clients = self.num_clients if self.num_clients is not None else saved_clients
-        outside = sorted(int(c) for c in state_dict["client_states"] if num_clients is not None and int(c) >= num_clients)
+        outside = sorted(
+            int(c) for c in state_dict["client_states"] if num_clients is not None and int(c) >= num_clients
+        )
         if outside:
             raise ValueError(
                 f"the checkpoint holds state for client ids {outside}, but this run has {num_clients} clients"
@@ -235,7 +238,9 @@ class Defense(ABC):
             RuntimeWarning,
             stacklevel=3,
         )
-        return {n: torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0) if n in bad else g for n, g in gradients.items()}
+        return {
+            n: torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0) if n in bad else g for n, g in gradients.items()
+        }
 
     def _check_layer_shapes(self, shapes: dict[str, torch.Size], where: str) -> None:
         if self._layer_shapes is None:

@@ -29,7 +29,9 @@ class GaussianNoise(Defense):
     :class:`~lightning_gp.callbacks.DPSGD` for that.
     """
 
-    def __init__(self, scale: float, *, clip: float | None = None, seed: int | None = None, nonfinite: str = "error") -> None:
+    def __init__(
+        self, scale: float, *, clip: float | None = None, seed: int | None = None, nonfinite: str = "error"
+    ) -> None:
         super().__init__(seed=seed, nonfinite=nonfinite)
         self.scale = check_nonnegative(scale, "scale")
         self.clip = None if clip is None else check_nonnegative(clip, "clip", strict=True)
@@ -37,7 +39,9 @@ class GaussianNoise(Defense):
     def config(self) -> dict[str, Any]:
         return {"scale": self.scale, "clip": self.clip}
 
-    def transform(self, gradients: Gradients, state: Gradients, generator: torch.Generator) -> tuple[Gradients, Gradients]:
+    def transform(
+        self, gradients: Gradients, state: Gradients, generator: torch.Generator
+    ) -> tuple[Gradients, Gradients]:
         values = clip_coordinates(gradients, self.clip) if self.clip is not None else gradients
         return {n: v + self.scale * standard_normal_like(v, generator) for n, v in values.items()}, state
 
@@ -52,7 +56,9 @@ class LaplaceNoise(Defense):
     def config(self) -> dict[str, Any]:
         return {"scale": self.scale}
 
-    def transform(self, gradients: Gradients, state: Gradients, generator: torch.Generator) -> tuple[Gradients, Gradients]:
+    def transform(
+        self, gradients: Gradients, state: Gradients, generator: torch.Generator
+    ) -> tuple[Gradients, Gradients]:
         shared = {}
         for n, g in gradients.items():
             # the difference of two Exp(1) draws is Laplace(0, 1)

@@ -53,7 +53,9 @@ class SensitivityDefense(Defense):
             raise RuntimeError(f"{type(self).__name__} needs the sensitivity: call it with sensitivity=...")
         return self._sensitivity
 
-    def __call__(self, gradients: Mapping[str, Tensor], client_id: int = 0, *, sensitivity: Mapping[str, Tensor] | None = None) -> Gradients:
+    def __call__(
+        self, gradients: Mapping[str, Tensor], client_id: int = 0, *, sensitivity: Mapping[str, Tensor] | None = None
+    ) -> Gradients:
         if sensitivity is None:
             raise TypeError(
                 f"{type(self).__name__} is data-dependent: pass sensitivity=gradient_sensitivity(model, loss_fn, x, y) "
@@ -83,12 +85,16 @@ def check_sensitivity(sensitivity: Mapping[str, Tensor], gradients: Mapping[str,
             raise ValueError(f"sensitivity[{name!r}] must be finite and non-negative")
 
 
-def noise_weights(gradients: Gradients, sensitivity: Gradients, c: float, eligible: Gradients | None = None) -> Gradients:
+def noise_weights(
+    gradients: Gradients, sensitivity: Gradients, c: float, eligible: Gradients | None = None
+) -> Gradients:
     """``sqrt(s_i) / max(|g_i|, c)`` where the gradient is nonzero (and ``eligible``), 0 elsewhere."""
     weights = {}
     for n, g in gradients.items():
         takes_noise = g != 0 if eligible is None else (g != 0) & eligible[n]
-        weights[n] = torch.where(takes_noise, sensitivity[n].sqrt() / g.abs().clamp_min(c), torch.zeros((), dtype=g.dtype, device=g.device))
+        weights[n] = torch.where(
+            takes_noise, sensitivity[n].sqrt() / g.abs().clamp_min(c), torch.zeros((), dtype=g.dtype, device=g.device)
+        )
     return weights
 
 
@@ -172,17 +178,31 @@ class OptimalGradientNoise(SensitivityDefense):
     Data-dependent: no formal DP guarantee, no epsilon.
     """
 
-    def __init__(self, scale: float, *, c: float = 1e-6, max_variance: float | None = None, seed: int | None = None, nonfinite: str = "error") -> None:
+    def __init__(
+        self,
+        scale: float,
+        *,
+        c: float = 1e-6,
+        max_variance: float | None = None,
+        seed: int | None = None,
+        nonfinite: str = "error",
+    ) -> None:
         super().__init__(seed=seed, nonfinite=nonfinite)
         self.scale = check_nonnegative(scale, "scale")
         self.c = _check_c(c)
-        self.max_variance = None if max_variance is None else check_nonnegative(max_variance, "max_variance", strict=True)
+        self.max_variance = (
+            None if max_variance is None else check_nonnegative(max_variance, "max_variance", strict=True)
+        )
 
     def config(self) -> dict[str, Any]:
         return {"scale": self.scale, "c": self.c, "max_variance": self.max_variance}
 
-    def transform(self, gradients: Gradients, state: Gradients, generator: torch.Generator) -> tuple[Gradients, Gradients]:
-        variance = optimal_noise_variance(gradients, self.sensitivity, scale=self.scale, c=self.c, max_variance=self.max_variance)
+    def transform(
+        self, gradients: Gradients, state: Gradients, generator: torch.Generator
+    ) -> tuple[Gradients, Gradients]:
+        variance = optimal_noise_variance(
+            gradients, self.sensitivity, scale=self.scale, c=self.c, max_variance=self.max_variance
+        )
         return {n: g + variance[n].sqrt() * standard_normal_like(g, generator) for n, g in gradients.items()}, state
 
 
@@ -208,12 +228,16 @@ class OptimalDPSGD(SensitivityDefense):
         self.clip = check_nonnegative(clip, "clip", strict=True)
         self.scale = check_nonnegative(scale, "scale")
         self.c = _check_c(c)
-        self.max_variance = None if max_variance is None else check_nonnegative(max_variance, "max_variance", strict=True)
+        self.max_variance = (
+            None if max_variance is None else check_nonnegative(max_variance, "max_variance", strict=True)
+        )
 
     def config(self) -> dict[str, Any]:
         return {"clip": self.clip, "scale": self.scale, "c": self.c, "max_variance": self.max_variance}
 
-    def transform(self, gradients: Gradients, state: Gradients, generator: torch.Generator) -> tuple[Gradients, Gradients]:
+    def transform(
+        self, gradients: Gradients, state: Gradients, generator: torch.Generator
+    ) -> tuple[Gradients, Gradients]:
         variance = optimal_noise_variance(
             gradients, self.sensitivity, scale=self.scale, c=self.c, max_variance=self.max_variance, clip=self.clip
         )
@@ -241,7 +265,9 @@ class OptimalGradientPruning(SensitivityDefense):
     Data-dependent: no formal DP guarantee.
     """
 
-    def __init__(self, rate: float, *, scope: str = "global", seed: int | None = None, nonfinite: str = "error") -> None:
+    def __init__(
+        self, rate: float, *, scope: str = "global", seed: int | None = None, nonfinite: str = "error"
+    ) -> None:
         super().__init__(seed=seed, nonfinite=nonfinite)
         self.rate = check_rate(rate, "rate")
         self.scope = check_choice(scope, "scope", PRUNING_SCOPES)
@@ -249,10 +275,15 @@ class OptimalGradientPruning(SensitivityDefense):
     def config(self) -> dict[str, Any]:
         return {"rate": self.rate, "scope": self.scope}
 
-    def transform(self, gradients: Gradients, state: Gradients, generator: torch.Generator) -> tuple[Gradients, Gradients]:
+    def transform(
+        self, gradients: Gradients, state: Gradients, generator: torch.Generator
+    ) -> tuple[Gradients, Gradients]:
         scores = optimal_pruning_scores(gradients, self.sensitivity)
         if self.scope == "layer":
-            pruned = {n: largest_entries_mask(v.flatten(), count_for_rate(self.rate, v.numel())).view_as(v) for n, v in scores.items()}
+            pruned = {
+                n: largest_entries_mask(v.flatten(), count_for_rate(self.rate, v.numel())).view_as(v)
+                for n, v in scores.items()
+            }
         else:
             names = list(scores)
             flat = torch.cat([scores[n].flatten() for n in names])

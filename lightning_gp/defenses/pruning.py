@@ -6,13 +6,12 @@ Magnitude pruning (DLG, Zhu et al. 2019, Sec. 5), Top-k with error feedback (DGC
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
-
-import numpy as np
 
 from lightning_gp.defenses.base import Gradients, Share
 from lightning_gp.defenses.selection import (
@@ -74,7 +73,9 @@ class TopKPruning(SparsifyingDefense):
 
     def select(self, values: Mapping[str, Tensor], generator: torch.Generator) -> dict[str, Tensor]:
         least = 1 if self.k > 0 else 0
-        return {name: largest_magnitude_mask(v, max(least, count_for_rate(self.k, v.numel()))) for name, v in values.items()}
+        return {
+            name: largest_magnitude_mask(v, max(least, count_for_rate(self.k, v.numel()))) for name, v in values.items()
+        }
 
 
 class RandomPruning(SparsifyingDefense):
@@ -199,7 +200,9 @@ class AlignedDualGradientPruning(SparsifyingDefense):
         """The top-``2k`` positions of each layer (what the provider broadcasts)."""
         return {n: largest_magnitude_mask(v, max(1, count_for_rate(2 * self.k, v.numel()))) for n, v in values.items()}
 
-    def begin_round(self, round: int, clients: Sequence[int], local_gradients: Mapping[int, Gradients], share: Share) -> None:
+    def begin_round(
+        self, round: int, clients: Sequence[int], local_gradients: Mapping[int, Gradients], share: Share
+    ) -> None:
         provider = self.provider(round, clients)
         template = next(iter(local_gradients.values()))
         if provider in local_gradients:

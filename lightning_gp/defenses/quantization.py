@@ -20,7 +20,9 @@ class GradientQuantization(Defense):
     Each upload then costs ``bits`` per entry plus one float per layer.
     """
 
-    def __init__(self, bits: int = 8, *, stochastic_rounding: bool = False, seed: int | None = None, nonfinite: str = "error") -> None:
+    def __init__(
+        self, bits: int = 8, *, stochastic_rounding: bool = False, seed: int | None = None, nonfinite: str = "error"
+    ) -> None:
         super().__init__(seed=seed, nonfinite=nonfinite)
         if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 16:
             raise ValueError(f"bits must be an int in [1, 16], got {bits!r}")
@@ -32,7 +34,9 @@ class GradientQuantization(Defense):
     def config(self) -> dict[str, Any]:
         return {"bits": self.bits, "stochastic_rounding": self.stochastic_rounding}
 
-    def transform(self, gradients: Gradients, state: Gradients, generator: torch.Generator) -> tuple[Gradients, Gradients]:
+    def transform(
+        self, gradients: Gradients, state: Gradients, generator: torch.Generator
+    ) -> tuple[Gradients, Gradients]:
         levels = max(1, 2 ** (self.bits - 1) - 1)
         shared = {}
         for n, g in gradients.items():

@@ -64,7 +64,7 @@ def _kth_largest_in_sampled_bracket(magnitude: Tensor, k: int) -> Tensor | None:
     centre = q * m
     margin = _BRACKET_SIGMAS * math.sqrt(m * q * (1 - q)) + 2
     high_rank = int(centre - margin)  # ranks counted from the top, 1-based
-    low_rank = int(math.ceil(centre + margin))
+    low_rank = math.ceil(centre + margin)
     high = sample.kthvalue(m - high_rank + 1).values if high_rank >= 1 else None
     low = sample.kthvalue(m - low_rank + 1).values if low_rank <= m else None
     above = 0 if high is None else int(torch.count_nonzero(magnitude > high))

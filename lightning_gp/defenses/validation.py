@@ -56,18 +56,14 @@ def check_client_id(client_id: int, num_clients: int | None) -> int:
     if client_id < 0:
         raise ValueError(f"client_id must be >= 0, got {client_id}")
     if num_clients is not None and client_id >= num_clients:
-        raise KeyError(
-            f"unknown client_id {client_id}: this run has {num_clients} clients (ids 0..{num_clients - 1})"
-        )
+        raise KeyError(f"unknown client_id {client_id}: this run has {num_clients} clients (ids 0..{num_clients - 1})")
     return client_id
 
 
 def check_gradients(gradients: Mapping[str, Tensor]) -> None:
     """Named per-layer gradients: a non-empty mapping of str to dense floating tensors."""
     if not isinstance(gradients, Mapping):
-        raise TypeError(
-            f"gradients must be a mapping of parameter name to tensor, got {type(gradients).__name__}"
-        )
+        raise TypeError(f"gradients must be a mapping of parameter name to tensor, got {type(gradients).__name__}")
     if len(gradients) == 0:
         raise ValueError("gradients is empty: the defense needs at least one named layer gradient")
     for name, grad in gradients.items():

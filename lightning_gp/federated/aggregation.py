@@ -22,9 +22,13 @@ def weighted_mean(updates: Sequence[Gradients], weights: Sequence[float] | Tenso
         return {n: torch.stack([u[n] for u in updates]).mean(0) for n in names}
     w = torch.as_tensor(weights, dtype=torch.float64)
     if w.shape != (len(updates),) or not torch.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
-        raise ValueError(f"weights must be {len(updates)} non-negative numbers (finite, with a positive sum), got {weights!r}")
+        raise ValueError(
+            f"weights must be {len(updates)} non-negative numbers (finite, with a positive sum), got {weights!r}"
+        )
     w = w / w.sum()
     return {
-        n: torch.einsum("c,c...->...", w.to(updates[0][n].dtype).to(updates[0][n].device), torch.stack([u[n] for u in updates]))
+        n: torch.einsum(
+            "c,c...->...", w.to(updates[0][n].dtype).to(updates[0][n].device), torch.stack([u[n] for u in updates])
+        )
         for n in names
     }

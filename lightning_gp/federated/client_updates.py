@@ -42,7 +42,9 @@ def client_gradients(
     params = {n: p.detach() for n, p in trainable_parameters(module).items()}
     if vectorize:
         step = grad_and_value(functional_loss(module, loss_fn, frozen_state(module)))
-        grads, losses = vmap(step, in_dims=(None, 0, 0), randomness="different", chunk_size=chunk_size)(params, inputs, targets)
+        grads, losses = vmap(step, in_dims=(None, 0, 0), randomness="different", chunk_size=chunk_size)(
+            params, inputs, targets
+        )
         return grads, losses.detach()
     live = trainable_parameters(module)
     per_client, losses = [], []

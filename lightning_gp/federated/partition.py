@@ -16,13 +16,17 @@ def _check_split(num_samples: int, num_clients: int) -> None:
     if isinstance(num_clients, bool) or not isinstance(num_clients, int) or num_clients < 1:
         raise ValueError(f"num_clients must be a positive int, got {num_clients!r}")
     if num_samples < num_clients:
-        raise ValueError(f"cannot split {num_samples} samples among num_clients={num_clients}: fewer samples than clients")
+        raise ValueError(
+            f"cannot split {num_samples} samples among num_clients={num_clients}: fewer samples than clients"
+        )
 
 
 def _labels(targets: Tensor | np.ndarray) -> np.ndarray:
     labels = np.asarray(targets.cpu() if isinstance(targets, Tensor) else targets)
     if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
-        raise ValueError(f"targets must be a 1-D integer array of class labels, got shape {labels.shape} dtype {labels.dtype}")
+        raise ValueError(
+            f"targets must be a 1-D integer array of class labels, got shape {labels.shape} dtype {labels.dtype}"
+        )
     return labels
 
 
@@ -62,7 +66,9 @@ def dirichlet_partition(
     )
 
 
-def shard_partition(targets: Tensor | np.ndarray, num_clients: int, shards_per_client: int = 2, seed: int = 0) -> list[Tensor]:
+def shard_partition(
+    targets: Tensor | np.ndarray, num_clients: int, shards_per_client: int = 2, seed: int = 0
+) -> list[Tensor]:
     """Pathological non-IID split of McMahan et al. (2017): sort by label, cut into
     ``num_clients * shards_per_client`` equal shards, give each client ``shards_per_client`` at random."""
     labels = _labels(targets)
@@ -77,7 +83,9 @@ def shard_partition(targets: Tensor | np.ndarray, num_clients: int, shards_per_c
     shards = np.array_split(by_label, num_shards)
     order = rng.permutation(num_shards)
     return [
-        torch.from_numpy(np.sort(np.concatenate([shards[s] for s in order[c * shards_per_client : (c + 1) * shards_per_client]])))
+        torch.from_numpy(
+            np.sort(np.concatenate([shards[s] for s in order[c * shards_per_client : (c + 1) * shards_per_client]]))
+        )
         for c in range(num_clients)
     ]
 

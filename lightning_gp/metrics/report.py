@@ -120,7 +120,9 @@ class ReconstructionReport:
             verdict = "-" if flag is None else ("yes" if flag else "no")
             lines.append(f"| {name} | {_fmt(self.means.get(name))} | {side} | {verdict} |")
         lines.append("")
-        lines.append(f"Label accuracy (multiset): {_fmt(self.label_accuracy)}; per matched image: {_fmt(self.matched_label_accuracy)}")
+        lines.append(
+            f"Label accuracy (multiset): {_fmt(self.label_accuracy)}; per matched image: {_fmt(self.matched_label_accuracy)}"
+        )
         lines += ["", "| # | matched | mse | psnr | ssim | lpips | nmi | label | predicted |", "| --- " * 9 + "|"]
         for r in self.rows:
             lines.append(
@@ -265,7 +267,11 @@ def reconstruction_report(
         }
 
     true = None if true_labels is None else [int(v) for v in true_labels.detach().cpu().tolist()]
-    predicted_all = None if reconstruction.labels is None else [int(v) for v in reconstruction.labels.detach().cpu().flatten().tolist()]
+    predicted_all = (
+        None
+        if reconstruction.labels is None
+        else [int(v) for v in reconstruction.labels.detach().cpu().flatten().tolist()]
+    )
     if predicted_all is not None and len(predicted_all) != images.shape[0]:
         raise ValueError(f"reconstruction.labels has {len(predicted_all)} entries for {images.shape[0]} images")
     predicted = None if predicted_all is None else [predicted_all[j] for j in perm.tolist()]

@@ -8,4 +8,4 @@ from .lenet import LeNetZhu
 from .resnet import ResNet18
 from .vgg import VGG11
 
-__all__ = ["CNN6", "Conv2", "ConvNet", "ImageClassifier", "LeNetZhu", "ResNet18", "VGG11"]
+__all__ = ["CNN6", "VGG11", "Conv2", "ConvNet", "ImageClassifier", "LeNetZhu", "ResNet18"]

@@ -76,9 +76,7 @@ class ResNet18(nn.Module):
         for i, stride in enumerate((1, 2, 2, 2)):
             planes = width * 2**i
             stages.append(
-                nn.Sequential(
-                    BasicBlock(in_planes, planes, stride, norm), BasicBlock(planes, planes, 1, norm)
-                )
+                nn.Sequential(BasicBlock(in_planes, planes, stride, norm), BasicBlock(planes, planes, 1, norm))
             )
             in_planes = planes
         self.layer1, self.layer2, self.layer3, self.layer4 = stages

@@ -50,8 +50,14 @@ def main(outdir: str, defense_name: str = "magnitude") -> None:
         "optimal": lambda: OptimalGradientPruning(rate=0.6, num_probes=4, seed=5),
     }[defense_name]()
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp", max_steps=1, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[defense, *taps, record],
     )
     trainer.fit(TinyNet(), DataLoader(data, batch_size=4))
@@ -59,8 +65,11 @@ def main(outdir: str, defense_name: str = "magnitude") -> None:
     tapped = taps[rank].latest()
     extra = {}
     if defense_name == "adgp":
-        extra = {"mask": defense.defense.round_mask, "provider": defense.defense.mask_provider,
-                 "broadcasts": defense.comm_hook.broadcasts}
+        extra = {
+            "mask": defense.defense.round_mask,
+            "provider": defense.defense.mask_provider,
+            "broadcasts": defense.comm_hook.broadcasts,
+        }
     torch.save({"tapped": tapped.__dict__, "aggregated": record.aggregated, **extra}, f"{outdir}/rank{rank}.pt")
 
 
