@@ -19,9 +19,9 @@ from torch import nn
 
 from lightning_gp.attacks import GradientAttack
 from lightning_gp.audit import AttackResult, attack_record, mean_scores, tap_fedsgd_round
-from lightning_gp.callbacks import TappedGradient
 from lightning_gp.data import ImageClassificationDataModule
 from lightning_gp.metrics import PRIVACY_THRESHOLDS, privacy_flags, save_reconstruction_grid
+from lightning_gp.records import TappedGradient
 
 
 def build_parser() -> ArgumentParser:

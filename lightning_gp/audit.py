@@ -22,9 +22,10 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 
 from lightning_gp.attacks import GradientAttack, Reconstruction, ServerView
-from lightning_gp.callbacks import GradientTap, TappedGradient
+from lightning_gp.callbacks import GradientTap
 from lightning_gp.federated import FederatedSimulation
 from lightning_gp.metrics import ReconstructionReport, reconstruction_report
+from lightning_gp.records import TappedGradient
 
 
 @dataclass

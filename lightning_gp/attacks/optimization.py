@@ -23,19 +23,7 @@ from lightning_gp.attacks.gradient_matching import (
 )
 from lightning_gp.attacks.labels import recover_labels
 from lightning_gp.attacks.view import ServerView
-from lightning_gp.defenses.validation import check_positive_int
-
-
-def _positive(value: float, name: str) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive number, got {value!r}")
-    return float(value)
-
-
-def _non_negative(value: float, name: str) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a non-negative number, got {value!r}")
-    return float(value)
+from lightning_gp.validation import check_nonnegative, check_positive, check_positive_int
 
 
 def _random_images(view: ServerView, generator: torch.Generator) -> Tensor:
@@ -74,12 +62,12 @@ class DLG(GradientAttack):
         super().__init__(**kwargs)
         self.iterations = check_positive_int(iterations, "iterations")
         self.restarts = check_positive_int(restarts, "restarts")
-        self.lr = _positive(lr, "lr")
+        self.lr = check_positive(lr, "lr")
         self.max_iter = check_positive_int(max_iter, "max_iter")
         if line_search not in (None, "strong_wolfe"):
             raise ValueError(f"line_search must be None or 'strong_wolfe', got {line_search!r}")
         self.line_search = line_search
-        self.tolerance = _non_negative(tolerance, "tolerance")
+        self.tolerance = check_nonnegative(tolerance, "tolerance")
 
     def _labels(self, view: ServerView) -> Tensor | None:
         """Fixed labels (iDLG); ``None`` to optimise soft labels jointly (DLG)."""
@@ -211,8 +199,8 @@ class InvertingGradients(GradientAttack):
     ) -> None:
         super().__init__(**kwargs)
         self.iterations = check_positive_int(iterations, "iterations")
-        self.lr = _positive(lr, "lr")
-        self.tv_weight = _non_negative(tv_weight, "tv_weight")
+        self.lr = check_positive(lr, "lr")
+        self.tv_weight = check_nonnegative(tv_weight, "tv_weight")
         self.restarts = check_positive_int(restarts, "restarts")
         self.signed, self.boxed, self.lr_decay = signed, boxed, lr_decay
         self.support_only = support_only
@@ -282,9 +270,9 @@ class GradInversion(InvertingGradients):
         **kwargs,
     ) -> None:
         super().__init__(iterations, lr, tv_weight, restarts, signed, boxed, lr_decay, **kwargs)
-        self.grad_weight = _positive(grad_weight, "grad_weight")
-        self.l2_weight = _non_negative(l2_weight, "l2_weight")
-        self.bn_weight = _non_negative(bn_weight, "bn_weight")
+        self.grad_weight = check_positive(grad_weight, "grad_weight")
+        self.l2_weight = check_nonnegative(l2_weight, "l2_weight")
+        self.bn_weight = check_nonnegative(bn_weight, "bn_weight")
 
     def objective(self, view: ServerView, labels: Tensor) -> Callable[[Tensor], Tensor]:
         norms = [m for m in view.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]

@@ -52,6 +52,7 @@ from torch import Tensor, nn
 
 from lightning_gp.attacks.base import GradientAttack, Reconstruction
 from lightning_gp.attacks.view import ServerView
+from lightning_gp.normalization import input_bounds, per_channel
 
 Measurement = Literal["mean", "gaussian"]
 Connection = Literal["residual", "linear"]
@@ -88,14 +89,13 @@ def measurement_direction(kind: Measurement, dim: int, *, seed: int = 0) -> Tens
 def pixel_bounds(input_shape: Sequence[int], mean: Sequence[float], std: Sequence[float]) -> tuple[Tensor, Tensor]:
     """Smallest and largest valid normalised value of every input entry (pixels in [0, 1]), flattened."""
     channels = int(input_shape[0])
-    mean_t = _per_channel(mean, channels, "mean")
-    std_t = _per_channel(std, channels, "std")
-    if bool((std_t <= 0).any()):
-        raise ValueError(f"std must be positive, got {tuple(std)}")
-    rest = [1] * (len(input_shape) - 1)
-    low = (-mean_t / std_t).view(channels, *rest).expand(*input_shape)
-    high = ((1 - mean_t) / std_t).view(channels, *rest).expand(*input_shape)
-    return low.flatten(), high.flatten()
+    low, high = input_bounds(
+        per_channel(mean, channels, "mean"),
+        per_channel(std, channels, "std", positive=True),
+        sample_ndim=len(input_shape),
+        dtype=torch.float64,
+    )
+    return low.expand(*input_shape).flatten(), high.expand(*input_shape).flatten()
 
 
 def measurement_range(direction: Tensor, low: Tensor, high: Tensor) -> tuple[float, float]:
@@ -513,12 +513,3 @@ def _imprint_gradients(view: ServerView) -> tuple[Tensor, Tensor]:
             f"do not fit inputs of {dim} entries)"
         )
     return weight_grad, bias_grad
-
-
-def _per_channel(values: Sequence[float], channels: int, name: str) -> Tensor:
-    out = torch.tensor([float(v) for v in values], dtype=torch.float64)
-    if out.numel() == 1 and channels > 1:
-        out = out.expand(channels)
-    if out.numel() != channels:
-        raise ValueError(f"{name} needs one value per channel ({channels}), got {tuple(values)}")
-    return out

@@ -6,15 +6,12 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset, Subset
 
+from lightning_gp.normalization import channel_tensor, per_channel
+
 
 def channel_stats(values: Sequence[float], channels: int, name: str) -> Tensor:
-    """Per-channel ``mean``/``std`` values as a float32 tensor shaped [C, 1, 1] for broadcasting."""
-    values = tuple(float(v) for v in values)
-    if len(values) != channels:
-        raise ValueError(f"{name} needs one value per channel ({channels}), got {values}")
-    if name == "std" and min(values) <= 0:
-        raise ValueError(f"std values must be > 0, got {values}")
-    return torch.tensor(values, dtype=torch.float32).view(channels, 1, 1)
+    """Per-channel ``mean``/``std`` values (exactly one per channel) as a float32 ``[C, 1, 1]`` tensor."""
+    return channel_tensor(per_channel(values, channels, name, broadcast=False, positive=name == "std"))
 
 
 def scale_image(image: Tensor, mean: Tensor | None, std: Tensor | None) -> Tensor:

@@ -19,8 +19,8 @@ from torch import Tensor, nn
 from torch.func import grad, jacfwd, jvp, vmap
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from lightning_gp.defenses.validation import check_positive_int
 from lightning_gp.functional import LossFn, frozen_state, functional_loss, trainable_parameters
+from lightning_gp.validation import check_positive_int
 
 __all__ = ["gradient_sensitivity"]
 

@@ -1,50 +1,34 @@
-"""Argument and gradient checks shared by every defense (errors name the argument)."""
+"""Gradient checks shared by every defense (errors name the argument).
+
+Number and choice checks are :mod:`lightning_gp.validation`'s; they are re-exported here.
+"""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 import torch
 from torch import Tensor
+
+from lightning_gp.validation import check_choice, check_nonnegative, check_positive_int, check_rate
+
+__all__ = [
+    "NONFINITE_POLICIES",
+    "NonFiniteGradientError",
+    "check_choice",
+    "check_client_id",
+    "check_gradients",
+    "check_nonnegative",
+    "check_positive_int",
+    "check_rate",
+    "nonfinite_layers",
+]
 
 NONFINITE_POLICIES = ("error", "zero")
 
 
 class NonFiniteGradientError(ValueError):
     """A gradient holds NaN or inf and the defense's ``nonfinite`` policy is ``"error"``."""
-
-
-def check_rate(value: float, name: str) -> float:
-    """Return ``value`` as a float in [0, 1] or raise a ``ValueError`` naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number in [0, 1], got {type(value).__name__} {value!r}")
-    if not math.isfinite(value) or not 0.0 <= value <= 1.0:
-        raise ValueError(f"{name} must be in [0, 1], got {value!r}")
-    return float(value)
-
-
-def check_positive_int(value: int, name: str) -> int:
-    """Return ``value`` if it is an int ``>= 1`` (not a bool), else raise a ``ValueError`` naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
-def check_nonnegative(value: float, name: str, *, strict: bool = False) -> float:
-    """Return ``value`` as a finite float ``>= 0`` (``> 0`` with ``strict``) or raise naming ``name``."""
-    bound = "> 0" if strict else ">= 0"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number {bound}, got {type(value).__name__} {value!r}")
-    if not math.isfinite(value) or value < 0 or (strict and value == 0):
-        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
-    return float(value)
-
-
-def check_choice(value: str, name: str, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
-    return value
 
 
 def check_client_id(client_id: int, num_clients: int | None) -> int:

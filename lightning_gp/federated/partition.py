@@ -8,13 +8,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_gp.validation import check_positive_int
+
 PartitionScheme = Literal["iid", "dirichlet", "shards"]
 PARTITION_SCHEMES = ("iid", "dirichlet", "shards")
 
 
 def _check_split(num_samples: int, num_clients: int) -> None:
-    if isinstance(num_clients, bool) or not isinstance(num_clients, int) or num_clients < 1:
-        raise ValueError(f"num_clients must be a positive int, got {num_clients!r}")
+    check_positive_int(num_clients, "num_clients")
     if num_samples < num_clients:
         raise ValueError(
             f"cannot split {num_samples} samples among num_clients={num_clients}: fewer samples than clients"
@@ -72,8 +73,7 @@ def shard_partition(
     """Pathological non-IID split of McMahan et al. (2017): sort by label, cut into
     ``num_clients * shards_per_client`` equal shards, give each client ``shards_per_client`` at random."""
     labels = _labels(targets)
-    if isinstance(shards_per_client, bool) or not isinstance(shards_per_client, int) or shards_per_client < 1:
-        raise ValueError(f"shards_per_client must be a positive int, got {shards_per_client!r}")
+    check_positive_int(shards_per_client, "shards_per_client")
     num_shards = num_clients * shards_per_client
     _check_split(len(labels), num_clients)
     if len(labels) < num_shards:

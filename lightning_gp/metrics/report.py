@@ -7,6 +7,7 @@ when the batch mean crosses that threshold in the private direction.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -21,6 +22,7 @@ from lightning_gp.attacks.view import ServerView
 from lightning_gp.metrics.image_quality import mse, psnr, ssim
 from lightning_gp.metrics.matching import MATCH_METRICS, match_reconstructions
 from lightning_gp.metrics.nmi import nmi
+from lightning_gp.normalization import denormalize, per_channel
 
 PRIVACY_THRESHOLDS: dict[str, float] = {"psnr": 15.0, "ssim": 0.5, "lpips": 0.05}
 # True: a higher value means more private (less similar to the original).
@@ -158,23 +160,18 @@ def _denormalizer(view_or_mean_std: ServerView | tuple[Sequence[float], Sequence
         return view_or_mean_std.denormalize
     try:
         mean, std = view_or_mean_std
-        mean, std = [float(v) for v in mean], [float(v) for v in std]
     except (TypeError, ValueError) as err:
         raise TypeError(
             f"view_or_mean_std must be a ServerView or a (mean, std) pair of per-channel sequences, got {view_or_mean_std!r}"
         ) from err
-    mean, std = (mean * channels if len(mean) == 1 else mean), (std * channels if len(std) == 1 else std)
-    if len(mean) != channels or len(std) != channels:
-        raise ValueError(f"view_or_mean_std: mean/std need one value per channel ({channels}), got {mean} / {std}")
-    if any(s <= 0 for s in std):
-        raise ValueError(f"view_or_mean_std: std must be positive, got {std}")
-
-    def denormalize(images: Tensor) -> Tensor:
-        m = torch.tensor(mean, dtype=images.dtype, device=images.device).view(1, -1, 1, 1)
-        s = torch.tensor(std, dtype=images.dtype, device=images.device).view(1, -1, 1, 1)
-        return (images * s + m).clamp(0, 1)
-
-    return denormalize
+    try:
+        mean = per_channel(mean, channels, "view_or_mean_std: mean")
+        std = per_channel(std, channels, "view_or_mean_std: std", positive=True)
+    except TypeError as err:
+        raise TypeError(
+            f"view_or_mean_std must be a ServerView or a (mean, std) pair of per-channel sequences, got {view_or_mean_std!r}"
+        ) from err
+    return functools.partial(denormalize, mean=mean, std=std)
 
 
 def _multiset_accuracy(predicted: Sequence[int], true: Sequence[int]) -> float:

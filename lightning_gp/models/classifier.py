@@ -6,6 +6,8 @@ import lightning as L
 import torch
 from torch import nn
 
+from lightning_gp.validation import check_choice, check_nonnegative, check_positive
+
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -28,16 +30,12 @@ class ImageClassifier(L.LightningModule):
         super().__init__()
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not lr > 0:
-            raise ValueError(f"lr must be > 0, got {lr!r}")
-        if optimizer not in ("sgd", "adam"):
-            raise ValueError(f"optimizer must be 'sgd' or 'adam', got {optimizer!r}")
-        if not momentum >= 0:
-            raise ValueError(f"momentum must be >= 0, got {momentum!r}")
+        check_positive(lr, "lr")
+        check_choice(optimizer, "optimizer", ("sgd", "adam"))
+        check_nonnegative(momentum, "momentum")
         if optimizer == "adam" and momentum != 0:
             raise ValueError("momentum is only used by optimizer='sgd'; leave it at 0 for 'adam'")
-        if not weight_decay >= 0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+        check_nonnegative(weight_decay, "weight_decay")
         self.save_hyperparameters(ignore=["model"])
         self.model = model
         self.loss_fn = nn.CrossEntropyLoss()

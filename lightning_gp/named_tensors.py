@@ -1,0 +1,44 @@
+"""Named per-layer tensors as one flat vector and back.
+
+Global thresholds across layers, one broadcast of a whole model's mask, and one all-reduce per
+DDP bucket all need the model's named tensors as a single vector, then split again in the same
+order. Booleans travel as ``uint8`` (collectives do not take ``bool``) and come back as ``bool``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+
+def flatten_named(tensors: Mapping[str, Tensor], *, dtype: torch.dtype | None = None) -> Tensor:
+    """The tensors' entries in mapping order as one 1-D tensor (``bool`` as ``uint8``).
+
+    ``dtype`` casts every part; by default all parts must share one dtype.
+    """
+    if not tensors:
+        raise ValueError("flatten_named needs at least one tensor")
+    parts = [t.reshape(-1) for t in tensors.values()]
+    if dtype is None:
+        dtypes = {p.dtype for p in parts}
+        if len(dtypes) != 1:
+            raise ValueError(f"flatten_named: the tensors have several dtypes {sorted(map(str, dtypes))}; pass dtype=")
+        dtype = parts[0].dtype
+    if dtype == torch.bool:
+        dtype = torch.uint8
+    return torch.cat([p.to(dtype) for p in parts])
+
+
+def unflatten_named(flat: Tensor, like: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Split ``flat`` into views shaped (and typed) like the tensors of ``like``, in its order."""
+    total = sum(t.numel() for t in like.values())
+    if flat.ndim != 1 or flat.numel() != total:
+        raise ValueError(f"unflatten_named: expected a 1-D tensor of {total} entries, got shape {tuple(flat.shape)}")
+    out, offset = {}, 0
+    for name, t in like.items():
+        part = flat[offset : offset + t.numel()].view(t.shape)
+        out[name] = part if part.dtype == t.dtype else part.to(t.dtype)
+        offset += t.numel()
+    return out
