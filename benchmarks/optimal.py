@@ -53,21 +53,34 @@ CLIENTS, PER_CLIENT = 4, 16
 Factory = Callable[[], GradientDefense]
 
 
+CE = nn.functional.cross_entropy  # the loss every model here trains with
+
+
 def settings(clip: float) -> list[tuple[str, str, float, Factory, float]]:
     """(panel, method, strength, callback factory, Adam lr)."""
     rows: list[tuple[str, str, float, Factory, float]] = []
     for scale in SCALES:
         rows.append(("noise", "isotropic", scale, lambda s=scale: callbacks.GaussianNoise(s, seed=0), 1e-3))
-        rows.append(("noise", "optimal", scale, lambda s=scale: callbacks.OptimalGradientNoise(s, seed=0), 1e-3))
+        rows.append(
+            ("noise", "optimal", scale, lambda s=scale: callbacks.OptimalGradientNoise(s, seed=0, loss_fn=CE), 1e-3)
+        )
         rows.append(
             ("clipped", "clipped isotropic", scale, lambda s=scale: callbacks.GaussianNoise(s, clip=clip, seed=0), 1e-3)
         )
         rows.append(
-            ("clipped", "clipped optimal", scale, lambda s=scale: callbacks.OptimalDPSGD(clip, s, seed=0), 1e-3)
+            (
+                "clipped",
+                "clipped optimal",
+                scale,
+                lambda s=scale: callbacks.OptimalDPSGD(clip, s, seed=0, loss_fn=CE),
+                1e-3,
+            )
         )
     for rate in RATES:
         rows.append(("pruning", "magnitude", rate, lambda r=rate: callbacks.MagnitudePruning(r), 5e-4))
-        rows.append(("pruning", "optimal", rate, lambda r=rate: callbacks.OptimalGradientPruning(r, seed=0), 5e-4))
+        rows.append(
+            ("pruning", "optimal", rate, lambda r=rate: callbacks.OptimalGradientPruning(r, seed=0, loss_fn=CE), 5e-4)
+        )
     return rows
 
 
@@ -84,7 +97,7 @@ def defended(
     callback: GradientDefense | None, model: nn.Module, x: torch.Tensor, y: torch.Tensor, client: int, step: int
 ) -> dict:
     """One client's shared gradient, through the callback's own defense and sensitivity estimate."""
-    loss = nn.functional.cross_entropy(model(x), y)
+    loss = CE(model(x), y)
     names = [n for n, _ in model.named_parameters()]
     raw = dict(zip(names, torch.autograd.grad(loss, list(model.parameters()))))
     if callback is None:
@@ -271,9 +284,9 @@ def cost(repeats: int) -> list[dict]:
         ("LaplaceNoise", callbacks.LaplaceNoise(0.01, seed=0)),
         ("GradientQuantization 8 bit", callbacks.GradientQuantization(8)),
         ("MagnitudePruning 90%", callbacks.MagnitudePruning(0.9)),
-        ("OptimalGradientNoise k=10", callbacks.OptimalGradientNoise(0.01, seed=0)),
-        ("OptimalGradientPruning k=10", callbacks.OptimalGradientPruning(0.8, seed=0)),
-        ("OptimalDPSGD k=10", callbacks.OptimalDPSGD(0.01, 0.01, seed=0)),
+        ("OptimalGradientNoise k=10", callbacks.OptimalGradientNoise(0.01, seed=0, loss_fn=CE)),
+        ("OptimalGradientPruning k=10", callbacks.OptimalGradientPruning(0.8, seed=0, loss_fn=CE)),
+        ("OptimalDPSGD k=10", callbacks.OptimalDPSGD(0.01, 0.01, seed=0, loss_fn=CE)),
     ):
         seconds = median_seconds(lambda c=callback: step(c), repeats)
         rows.append(

@@ -25,9 +25,9 @@ from lightning_gp.attacks import (
     recover_labels,
 )
 from lightning_gp.attacks.gradient_matching import squared_l2_distance
-from lightning_gp.callbacks import TappedGradient
 from lightning_gp.data import FashionMNISTSampleDataModule
 from lightning_gp.models import LeNetZhu
+from lightning_gp.records import TappedGradient
 
 SHAPE = (1, 28, 28)
 
@@ -142,11 +142,11 @@ def test_server_view_rejects_a_model_that_is_not_a_module(single) -> None:
         ServerView(model=lambda x: x, gradients=view.gradients, batch_size=1, input_shape=SHAPE, num_classes=10)
 
 
-def test_server_view_repeats_a_single_mean_and_std_per_channel(single) -> None:
-    view, _, _ = single
+def test_server_view_repeats_a_single_mean_and_std_per_channel() -> None:
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 10))
     rgb = ServerView(
-        model=view.model,
-        gradients=view.gradients,
+        model=model,
+        gradients={n: torch.zeros_like(p) for n, p in model.named_parameters()},
         batch_size=1,
         input_shape=(3, 8, 8),
         num_classes=10,
@@ -299,7 +299,13 @@ def test_label_recovery_needs_a_final_linear_with_num_classes_outputs(data) -> N
     torch.manual_seed(0)
     five = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 5))
     grads = parameter_gradients(five, nn.CrossEntropyLoss(), x, torch.tensor([1]), create_graph=False)
-    view = ServerView(model=five, gradients=grads, batch_size=1, input_shape=SHAPE, num_classes=10)
+    # The view itself refuses a model whose outputs disagree with num_classes ...
+    with pytest.raises(ValueError, match="num_classes is 10, but the model gives 5 outputs per input"):
+        ServerView(model=five, gradients=grads, batch_size=1, input_shape=SHAPE, num_classes=10)
+    # ... and label recovery needs the outputs to come from a final nn.Linear.
+    convolutional = nn.Sequential(nn.Conv2d(1, 10, 28), nn.Flatten())
+    grads = parameter_gradients(convolutional, nn.CrossEntropyLoss(), x, torch.tensor([1]), create_graph=False)
+    view = ServerView(model=convolutional, gradients=grads, batch_size=1, input_shape=SHAPE, num_classes=10)
     with pytest.raises(ValueError, match=r"final nn.Linear with 10 outputs; Sequential has none"):
         recover_labels(view)
     # The bias rule needs a bias on the classifier.

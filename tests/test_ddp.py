@@ -1,12 +1,13 @@
 """DDP, one rank = one client: the defense runs in the comm hook, before the all-reduce."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from scripts.ddp_worker import TinyNet
+from scripts.ddp_worker import BranchyNet, TinyNet
 
 from lightning_gp.callbacks import OptimalGradientPruning
 from lightning_gp.defenses import MagnitudePruning
@@ -90,7 +91,7 @@ def test_two_process_optimal_pruning_uses_each_rank_own_batch_sensitivity(tmp_pa
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    probe_seeds = OptimalGradientPruning(rate=0.6, num_probes=4, seed=5)
+    probe_seeds = OptimalGradientPruning(rate=0.6, num_probes=4, seed=5, loss_fn=torch.nn.functional.cross_entropy)
     for rank, saved in enumerate(ranks):
         tapped = saved["tapped"]
         model = TinyNet()
@@ -112,15 +113,77 @@ def test_two_process_optimal_pruning_uses_each_rank_own_batch_sensitivity(tmp_pa
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("rounds, agree", [((3, 3), True), ((3, 4), False)])
-def test_ranks_that_disagree_on_the_round_get_a_clear_error(tmp_path, rounds, agree):
+def test_ranks_agree_on_the_round_and_on_failure_before_sharing(tmp_path):
     script = Path(__file__).parent / "scripts" / "round_check.py"
-    result = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), *map(str, rounds)], capture_output=True, text=True, timeout=120
-    )
+    result = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    messages = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
-    if agree:
-        assert messages == ["ok", "ok"]
-    else:
-        assert all("disagree on the round" in m and "[3, 4]" in m for m in messages)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for case in ("same_round", "no_rank_fails"):
+        assert [r[case] for r in ranks] == ["ok", "ok"]
+    assert all("disagree on the round" in r["different_rounds"] and "[3, 4]" in r["different_rounds"] for r in ranks)
+    # A failure on one rank is the same clear error on every rank (not a gloo "connection closed" later).
+    failures = [r["one_rank_fails"] for r in ranks]
+    assert failures[0] == failures[1]
+    assert failures[0].startswith("DistributedDefenseError: the shared-gradient pipeline failed at step 5 on 1 of 2")
+    assert "rank 1: NonFiniteGradientError: client 1's gradient holds NaN" in failures[0]
+
+
+def run_worker(tmp_path: Path, scenario: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(WORKER), str(tmp_path), scenario],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+
+
+@pytest.mark.multiprocess
+def test_error_feedback_mass_survives_parameters_ddp_leaves_without_grad(tmp_path):
+    """find_unused_parameters=True: DDP leaves .grad None for a parameter no rank used this step.
+    Top-k's error feedback still sends residual mass for it; that mass must reach the optimizer
+    (before the fix it was counted as sent, removed from the residual, and dropped)."""
+    result = run_worker(tmp_path, "unused")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    stepped = ranks[0]["stepped"]  # identical on both ranks after the all-reduce
+    assert stepped[1]["aux.weight"] is not None, "the optimizer never saw the aux head's error-feedback mass"
+    for name in ("aux.weight", "aux.bias"):
+        sent = (ranks[0]["shared"][1][name] + ranks[1]["shared"][1][name]) / 2
+        assert bool(sent.any())  # the residual of step 0 is being sent in step 1
+        torch.testing.assert_close(stepped[1][name], sent)
+    # Conservation: what the optimizer applied plus what the clients still hold is what they computed.
+    raw = {r: [branchy_gradient(ranks[r], t) for t in range(2)] for r in range(2)}
+    for name in raw[0][0]:
+        applied = sum(step[name] for step in stepped if step[name] is not None)
+        held = (ranks[0]["residual"][name] + ranks[1]["residual"][name]) / 2
+        computed = sum(raw[r][t][name] for r in range(2) for t in range(2)) / 2
+        torch.testing.assert_close(applied + held, computed, rtol=1e-5, atol=1e-6)
+
+
+def branchy_gradient(saved: dict, step: int) -> dict[str, torch.Tensor]:
+    """The undefended gradient a rank computed at ``step`` (the aux head only takes part in step 0)."""
+    model = BranchyNet()
+    model.load_state_dict(saved["weights"][step])
+    x, y = saved["batches"][step]
+    logits = model(x) + (model.aux(x.flatten(1)) if step == 0 else 0)
+    loss = torch.nn.functional.cross_entropy(logits, y)
+    return dict(
+        zip(
+            [n for n, _ in model.named_parameters()],
+            torch.autograd.grad(loss, list(model.parameters()), allow_unused=True, materialize_grads=True),
+        )
+    )
+
+
+@pytest.mark.multiprocess
+def test_a_nan_on_one_rank_is_the_same_clear_error_on_every_rank(tmp_path):
+    """Before: rank 1 raised NonFiniteGradientError alone, and rank 0 died later inside gloo
+    ("connection closed") or hung in the all-reduce."""
+    result = run_worker(tmp_path, "nan")
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    message = "DistributedDefenseError: the shared-gradient pipeline failed at step 0 on 1 of 2 DDP ranks"
+    assert output.count(message) >= 2, output[-4000:]  # raised by both processes
+    assert "rank 1: NonFiniteGradientError: client 1's gradient holds NaN or inf" in output
+    assert "Connection closed" not in output and "Connection reset" not in output

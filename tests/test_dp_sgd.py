@@ -12,7 +12,7 @@ from opacus.data_loader import DPDataLoader
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_gp.callbacks import DPSGD, GradientTap, MagnitudePruning
+from lightning_gp.callbacks import DPSGD, ClientStepRunner, GradientTap, MagnitudePruning
 from lightning_gp.defenses import MagnitudePruning as MagnitudePruningTransform
 from lightning_gp.models import ImageClassifier, LeNetZhu
 
@@ -212,8 +212,13 @@ class ManualTiny(Tiny):
         self.automatic_optimization = False
 
 
-class SimulationLike(Tiny):
-    defends_per_client = True
+class SimulationLike(Tiny, ClientStepRunner):
+    """A module that runs its own clients' steps (as FederatedSimulation does)."""
+
+    execution_path = "simulation-like"
+
+    def client_setup(self, trainer, pl_module):
+        raise AssertionError("DPSGD must refuse the module before asking it for clients")
 
 
 @pytest.mark.parametrize(
@@ -222,7 +227,7 @@ class SimulationLike(Tiny):
         (Tiny, {"accumulate_grad_batches": 2}, "accumulate_grad_batches"),
         (Tiny, {"gradient_clip_val": 1.0}, "gradient_clip_val"),
         (ManualTiny, {}, "automatic optimization"),
-        (SimulationLike, {}, "FederatedSimulation"),
+        (SimulationLike, {}, "runs its own clients"),
     ],
 )
 def test_unsupported_training_setups_are_rejected(model, trainer_kwargs, message):

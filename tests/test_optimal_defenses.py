@@ -251,7 +251,7 @@ def test_local_path_prunes_with_the_sensitivity_of_the_batch_being_trained_on():
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     loss = CE(model(x), y)
     raw = dict(zip(start, torch.autograd.grad(loss, list(model.parameters()))))
-    pruning = callbacks.OptimalGradientPruning(rate=0.5, num_probes=5, seed=7)
+    pruning = callbacks.OptimalGradientPruning(rate=0.5, num_probes=5, seed=7, loss_fn=CE)
     expected_s = pruning.estimate(model, x, y, seed_words=(0, 0, 0))
     expected = OptimalGradientPruning(0.5)(raw, 0, sensitivity=expected_s)
     tap = callbacks.GradientTap(rounds=[0])
@@ -289,7 +289,7 @@ def test_accumulated_micro_batches_add_their_sensitivities():
     L.seed_everything(0)
     model = Classifier()
     x, y = tiny_batch()
-    noise = callbacks.OptimalGradientNoise(scale=0.0, num_probes=4, seed=3)  # zero noise: only the bookkeeping runs
+    noise = callbacks.OptimalGradientNoise(scale=0.0, num_probes=4, seed=3, loss_fn=CE)  # zero noise: bookkeeping only
     quiet_trainer(max_steps=1, accumulate_grad_batches=2, callbacks=[noise]).fit(
         model, DataLoader(TensorDataset(x, y), batch_size=2)
     )

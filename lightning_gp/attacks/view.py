@@ -3,7 +3,7 @@
 A ``ServerView`` holds the model the server sent (its weights that round), the gradient a
 client shared exactly as it arrived (after every defense), and what the threat model lets the
 server know (batch size, input shape, classes, the data's normalisation). It never holds the
-client's data: that stays in :class:`~lightning_gp.callbacks.TappedGradient` for scoring.
+client's data: that stays in :class:`~lightning_gp.records.TappedGradient` for scoring.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_gp.callbacks.tap import TappedGradient
+from lightning_gp.normalization import denormalize, input_bounds, per_channel
+from lightning_gp.records import TappedGradient
 
 
 @dataclass
@@ -60,18 +61,16 @@ class ServerView:
         if self.num_classes < 2:
             raise ValueError(f"num_classes must be >= 2, got {self.num_classes}")
         channels = self.input_shape[0]
-        for name in ("mean", "std"):
-            value = tuple(float(v) for v in getattr(self, name))
-            if len(value) == 1 and channels > 1:
-                value = value * channels
-            if len(value) != channels:
-                raise ValueError(f"{name} needs one value per channel ({channels}), got {value}")
-            setattr(self, name, value)
-        if any(s <= 0 for s in self.std):
-            raise ValueError(f"std must be positive, got {self.std}")
+        self.mean = per_channel(self.mean, channels, "mean")
+        self.std = per_channel(self.std, channels, "std", positive=True)
         if self.labels is not None and self.labels.shape != (self.batch_size,):
             raise ValueError(f"labels must have shape ({self.batch_size},), got {tuple(self.labels.shape)}")
+        # The view owns its tensors: an attack that works on them in place, or a caller that keeps
+        # training on the originals, must not change what the other sees.
+        self.gradients = {n: g.detach().clone() for n, g in self.gradients.items()}
+        self.labels = None if self.labels is None else self.labels.detach().clone()
         self.check_gradients()
+        self.check_input_shape()
 
     def check_gradients(self) -> None:
         """The shared gradient must name exactly the model's trainable parameters, with their shapes."""
@@ -87,6 +86,28 @@ class ServerView:
             raise ValueError(
                 "the shared gradient does not match the model: "
                 f"missing {missing}, unexpected {unexpected}, shape mismatches {wrong}"
+            )
+
+    @torch.no_grad()
+    def check_input_shape(self) -> None:
+        """One input of ``input_shape`` must pass through the model (in eval mode, so no BatchNorm
+        statistics change), and a ``[1, K]`` output must have ``K = num_classes``."""
+        modes = {m: m.training for m in self.model.modules()}
+        self.model.eval()
+        try:
+            probe = torch.zeros((1, *self.input_shape), device=self.device, dtype=next(self.model.parameters()).dtype)
+            output = self.model(probe)
+        except Exception as err:
+            raise ValueError(
+                f"input_shape {self.input_shape} does not fit the model: a forward pass on one input of that shape "
+                f"fails ({type(err).__name__}: {err}); give the shape of one client input, e.g. (C, H, W)"
+            ) from err
+        finally:
+            for module, training in modes.items():
+                module.training = training
+        if isinstance(output, Tensor) and output.ndim == 2 and output.shape[1] != self.num_classes:
+            raise ValueError(
+                f"num_classes is {self.num_classes}, but the model gives {output.shape[1]} outputs per input"
             )
 
     @property
@@ -105,14 +126,12 @@ class ServerView:
 
     def data_bounds(self) -> tuple[Tensor, Tensor]:
         """Lower and upper bounds of a valid normalised input (pixels in [0, 1]), shaped ``[1, C, 1, 1]``."""
-        mean = torch.tensor(self.mean, device=self.device).view(1, -1, *([1] * (len(self.input_shape) - 1)))
-        std = torch.tensor(self.std, device=self.device).view_as(mean)
-        return (0 - mean) / std, (1 - mean) / std
+        low, high = input_bounds(self.mean, self.std, sample_ndim=len(self.input_shape), device=self.device)
+        return low.unsqueeze(0), high.unsqueeze(0)
 
     def denormalize(self, images: Tensor) -> Tensor:
         """Normalised inputs back to pixel values in [0, 1] (clamped)."""
-        low, high = self.data_bounds()
-        return ((images - low.to(images.device)) / (high - low).to(images.device)).clamp(0, 1)
+        return denormalize(images, self.mean, self.std, sample_ndim=len(self.input_shape))
 
     @classmethod
     def from_tap(

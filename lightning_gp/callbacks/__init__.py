@@ -1,12 +1,14 @@
 """Lightning callbacks: thin adapters that put defenses on the path of the shared gradient.
 
 Give them to a ``Trainer`` in the order the defenses should apply; observers (taps, meters)
-always see the gradient after every defense.
+always see the gradient after every defense. :mod:`lightning_gp.callbacks.interfaces` defines the
+three roles (runs the client step, defends, observes) the pipeline is built from.
 """
 
 from lightning_gp.callbacks.base import GradientDefense, SharedGradientCallback, SharedGradientObserver
 from lightning_gp.callbacks.communication import CommunicationMeter, dense_nbytes, encoded_nbytes
 from lightning_gp.callbacks.dp_sgd import DPSGD
+from lightning_gp.callbacks.interfaces import ClientSetup, ClientStepRunner, DefenseStage, ObserverStage
 from lightning_gp.callbacks.noise import GaussianNoise, GradientQuantization, LaplaceNoise
 from lightning_gp.callbacks.optimal import (
     OptimalDPSGD,
@@ -14,7 +16,7 @@ from lightning_gp.callbacks.optimal import (
     OptimalGradientPruning,
     SensitivityGradientDefense,
 )
-from lightning_gp.callbacks.pipeline import SharedGradientPipeline
+from lightning_gp.callbacks.pipeline import LocalClientStep, SharedGradientPipeline
 from lightning_gp.callbacks.progress import ProgressPrinter
 from lightning_gp.callbacks.pruning import (
     AlignedDualGradientPruning,
@@ -23,19 +25,25 @@ from lightning_gp.callbacks.pruning import (
     RandomPruning,
     TopKPruning,
 )
-from lightning_gp.callbacks.tap import GradientTap, TappedGradient
+from lightning_gp.callbacks.tap import GradientTap
+from lightning_gp.records import TappedGradient  # re-exported: it moved to lightning_gp.records
 
 __all__ = [
     "DPSGD",
     "AlignedDualGradientPruning",
+    "ClientSetup",
+    "ClientStepRunner",
     "CommunicationMeter",
+    "DefenseStage",
     "DualGradientPruning",
     "GaussianNoise",
     "GradientDefense",
     "GradientQuantization",
     "GradientTap",
     "LaplaceNoise",
+    "LocalClientStep",
     "MagnitudePruning",
+    "ObserverStage",
     "OptimalDPSGD",
     "OptimalGradientNoise",
     "OptimalGradientPruning",

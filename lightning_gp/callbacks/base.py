@@ -2,65 +2,53 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_gp.callbacks.ddp import register_defended_allreduce
-from lightning_gp.callbacks.pipeline import SharedGradientPipeline, client_module, execution_path
-from lightning_gp.defenses.base import Defense, share_in_process
+from lightning_gp.callbacks.interfaces import ClientSetup, ClientStepRunner, DefenseStage, ObserverStage
+from lightning_gp.callbacks.pipeline import SharedGradientPipeline
+from lightning_gp.callbacks.runners import resolve_runner
+from lightning_gp.defenses.base import Defense, Gradients, Share
 
 
 class SharedGradientCallback(Callback):
-    """Base of the callbacks that act on the gradient a client shares.
+    """Base of the callbacks on the path of the shared gradient (defenses and observers).
 
-    The first such callback of a trainer drives the pipeline: on a single device it rewrites
-    ``.grad`` once per optimizer step (after gradient accumulation, before clipping and the
-    step); under DDP it registers a communication hook that defends each rank's gradient before
-    the all-reduce. Inside a :class:`~lightning_gp.federated.FederatedSimulation` the simulation
-    drives the pipeline per client and these hooks stand aside.
+    The first such callback of a trainer sets the pipeline up at fit start: it resolves who runs
+    the client step (:func:`~lightning_gp.callbacks.runners.resolve_runner`), declares the run's
+    clients and shared layers to every stage, and lets the runner hook into training (the DDP
+    runner registers its communication hook; the local runner rewrites ``.grad`` from
+    ``on_before_optimizer_step``). The callbacks themselves know no runner.
     """
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
-            execution_path(trainer, pl_module)  # fail early on unsupported strategies
+            resolve_runner(trainer, pl_module)  # fail early on unsupported strategies
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         pipeline = SharedGradientPipeline.from_trainer(trainer)
-        if pipeline.driver is not self:
+        if pipeline.members[0] is not self:
+            self.runner = None
             return
-        path = execution_path(trainer, pl_module)
-        if path == "simulation":
-            pipeline.bind(pl_module.num_clients, client_module(pl_module))
-            return
-        if len(trainer.optimizers) != 1:
-            raise ValueError(
-                f"gradient defenses support exactly one optimizer, this module configures {len(trainer.optimizers)}"
-            )
-        pipeline.bind(trainer.world_size, pl_module)
-        if path == "ddp":
-            self.comm_hook = register_defended_allreduce(trainer, pl_module)
+        runner = resolve_runner(trainer, pl_module)
+        pipeline.bind(runner.client_setup(trainer, pl_module), runner)
+        runner.attach(trainer, pl_module, pipeline)
+        self.runner: ClientStepRunner | None = runner  # on the driving callback only
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
-        from lightning_gp.callbacks.dp_sgd import DPSGD  # local: dp_sgd imports this module
-
-        if any(isinstance(cb, DPSGD) for cb in trainer.callbacks):
-            return  # Opacus replaces .grad after this hook; DPSGD's step hook runs the pipeline instead
-        pipeline = SharedGradientPipeline.from_trainer(trainer)
-        if pipeline.driver is self and execution_path(trainer, pl_module) == "local":
-            defend_parameter_gradients(
-                pipeline, pl_module, optimizer, client_id=trainer.global_rank, round=trainer.global_step
-            )
+        runner = getattr(self, "runner", None)
+        if runner is not None:
+            runner.before_optimizer_step(trainer, pl_module, optimizer, SharedGradientPipeline.from_trainer(trainer))
 
 
-class GradientDefense(SharedGradientCallback):
+class GradientDefense(SharedGradientCallback, DefenseStage):
     """A Lightning callback that applies a :class:`~lightning_gp.defenses.Defense` to what a client shares.
 
     Several defense callbacks compose in the order they are given to the ``Trainer``. The
@@ -75,6 +63,15 @@ class GradientDefense(SharedGradientCallback):
         if not isinstance(defense, Defense):
             raise TypeError(f"defense must be a lightning_gp.defenses.Defense, got {type(defense).__name__}")
         self.defense = defense
+
+    def bind(self, setup: ClientSetup) -> None:
+        self.defense.set_num_clients(setup.num_clients)
+        self.defense.check_layer_shapes(setup.shapes)
+
+    def begin_round(
+        self, round: int, clients: Sequence[int], local_gradients: Mapping[int, Gradients], share: Share
+    ) -> None:
+        self.defense.begin_round(round, clients, local_gradients, share)
 
     def defend(
         self,
@@ -125,42 +122,6 @@ class GradientDefense(SharedGradientCallback):
         return repr(self.defense)
 
 
-class SharedGradientObserver(SharedGradientCallback):
-    """A callback that sees every shared gradient after all defenses (taps, meters)."""
-
-    def observe(
-        self,
-        gradients: Mapping[str, Tensor],
-        *,
-        client_id: int,
-        round: int,
-        model: nn.Module,
-        batch: Any,
-        meta: Mapping[str, Any],
-    ) -> None:
-        raise NotImplementedError
-
-    def observe_aggregate(self, update: Mapping[str, Tensor], *, round: int, clients: int) -> None:
-        """See the aggregated update the clients download after a round (default: nothing)."""
-
-
-@torch.no_grad()
-def defend_parameter_gradients(
-    pipeline: SharedGradientPipeline, module: nn.Module, optimizer: Optimizer, *, client_id: int, round: int
-) -> None:
-    """Run the pipeline on the ``.grad`` of ``module``'s parameters that ``optimizer`` steps.
-
-    A trainable parameter without a gradient this step is shared as zeros (as DDP does), and
-    keeps ``grad=None`` unless a defense (error feedback) sends something for it.
-    """
-    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    params = {n: p for n, p in module.named_parameters() if p.requires_grad and id(p) in stepped}
-    gradients = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in params.items()}
-    pipeline.begin_round(round, [client_id], {client_id: gradients}, share_in_process)
-    shared = pipeline.process(gradients, client_id=client_id, round=round, model=module, meta={"path": "local"})
-    pipeline.finish_round(shared, round=round, clients=1)  # one client: it downloads what it sent
-    for name, p in params.items():
-        if p.grad is not None:
-            p.grad.copy_(shared[name])
-        elif shared[name].any():
-            p.grad = shared[name].clone()
+class SharedGradientObserver(SharedGradientCallback, ObserverStage):
+    """A callback that sees every shared gradient after all defenses (taps, meters): implement
+    :meth:`observe` (and optionally :meth:`observe_aggregate`)."""

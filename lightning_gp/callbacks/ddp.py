@@ -10,7 +10,19 @@ DDP hands the hook one bucket of gradients at a time, but defenses may need the 
 arrives, defends the complete named gradient once, then all-reduces each bucket and completes
 the futures DDP is waiting on. This gives up DDP's overlap of communication with the backward
 pass: the price of defending the full gradient.
+
+Two things DDP would otherwise get wrong for a defense:
+
+* a failure on one rank (say a NaN gradient) would raise there only, and the other ranks would
+  die later inside gloo with "connection closed": the ranks agree on failure after defending,
+  and every rank raises the same :class:`DistributedDefenseError`;
+* with ``find_unused_parameters=True``, DDP leaves ``.grad`` at ``None`` for a parameter no rank
+  used this step, even though error feedback may have sent residual mass for it: the runner
+  writes the aggregate into such gradients before the optimizer step, so nothing counted as sent
+  is lost.
 """
+
+from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
@@ -18,21 +30,70 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.futures import Future
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+from lightning_gp.callbacks.interfaces import ClientSetup, ClientStepRunner
+from lightning_gp.callbacks.pipeline import SharedGradientPipeline, single_optimizer
+from lightning_gp.named_tensors import flatten_named, unflatten_named
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 
+class DistributedDefenseError(RuntimeError):
+    """The shared-gradient pipeline failed on at least one DDP rank; raised on every rank alike."""
+
+
+class DDPClientStep(ClientStepRunner):
+    """One DDP rank is one client: its gradient is defended in the communication hook."""
+
+    execution_path = "ddp"
+
+    def __init__(self) -> None:
+        self.comm_hook: DefendedAllReduce | None = None
+
+    def client_setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> ClientSetup:
+        single_optimizer(trainer)
+        # DDP reduces every parameter that requires a gradient, whatever the optimizer steps.
+        shapes = {n: p.shape for n, p in pl_module.named_parameters() if p.requires_grad}
+        return ClientSetup(trainer.world_size, pl_module, shapes)
+
+    def attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, pipeline: SharedGradientPipeline) -> None:
+        self.comm_hook = register_defended_allreduce(trainer, pl_module, pipeline)
+
+    @torch.no_grad()
+    def before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer, pipeline: SharedGradientPipeline
+    ) -> None:
+        # DDP leaves .grad None for a parameter no rank used this step, even though the hook sent a
+        # (possibly nonzero, error-feedback) aggregate for it: give the optimizer what was sent.
+        aggregate = self.comm_hook.last_aggregate if self.comm_hook is not None else None
+        if not aggregate:
+            return
+        for name, p in pl_module.named_parameters():
+            if p.grad is None and name in aggregate and bool(aggregate[name].any()):
+                p.grad = aggregate[name].to(p.dtype).clone()
+
+
 class DefendedAllReduce:
     """State of the communication hook of one rank (one client)."""
 
-    def __init__(self, trainer: "pl.Trainer", module: nn.Module, process_group: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self,
+        trainer: pl.Trainer,
+        module: nn.Module,
+        pipeline: SharedGradientPipeline,
+        process_group: dist.ProcessGroup | None,
+    ) -> None:
         self.trainer = trainer
         self.module = module
+        self.pipeline = pipeline
         self.process_group = process_group
         self.names = {id(p): n for n, p in module.named_parameters()}
         self._pending: list[tuple[list[Tensor], list[Tensor], Tensor, Future]] = []
         self.broadcasts = 0
+        self.last_aggregate: dict[str, Tensor] = {}
 
     def on_bucket(self, bucket: dist.GradBucket) -> Future:
         future: Future = Future()
@@ -43,30 +104,51 @@ class DefendedAllReduce:
 
     @torch.no_grad()
     def _defend_and_allreduce(self) -> None:
-        from lightning_gp.callbacks.pipeline import SharedGradientPipeline
-
         pending, self._pending = self._pending, []
         gradients = {self.names[id(p)]: g for params, grads, _, _ in pending for p, g in zip(params, grads)}
-        pipeline = SharedGradientPipeline.from_trainer(self.trainer)
+        pipeline = self.pipeline
         rank, round = self.trainer.global_rank, self.trainer.global_step
         self._check_same_round(round)
         world = dist.get_world_size(self.process_group)
-        pipeline.begin_round(round, list(range(world)), {rank: gradients}, self._broadcast)
-        shared = pipeline.process(
-            gradients,
-            client_id=rank,
-            round=round,
-            model=self.module,
-            meta={"path": "ddp", "world_size": self.trainer.world_size},
-        )
+        failure: Exception | None = None
+        try:
+            pipeline.begin_round(round, list(range(world)), {rank: gradients}, self._broadcast)
+            shared = pipeline.process(
+                gradients,
+                client_id=rank,
+                round=round,
+                model=self.module,
+                meta={"path": DDPClientStep.execution_path, "world_size": self.trainer.world_size},
+            )
+        except Exception as err:  # agreed on below, then raised on every rank
+            failure = err
+        self._agree_on_failure(failure)
         aggregate = {}
         for params, _, buffer, future in pending:
-            flat = torch.cat([shared[self.names[id(p)]].reshape(-1) for p in params]).to(buffer.dtype)
+            named = {self.names[id(p)]: p for p in params}
+            flat = flatten_named({n: shared[n] for n in named}, dtype=buffer.dtype)
             dist.all_reduce(flat, group=self.process_group)
             flat.div_(world)
-            aggregate.update(_unpack(flat, {self.names[id(p)]: p for p in params}))
+            aggregate.update(unflatten_named(flat, named))
             future.set_result(flat)
+        self.last_aggregate = aggregate
         pipeline.finish_round(aggregate, round=round, clients=world)
+
+    def _agree_on_failure(self, failure: Exception | None) -> None:
+        """Every rank learns whether any rank failed; then all raise the same error, or none does."""
+        failed = torch.tensor([0 if failure is None else 1], dtype=torch.int64)
+        dist.all_reduce(failed, group=self.process_group)
+        if int(failed) == 0:
+            return
+        messages: list[str | None] = [None] * dist.get_world_size(self.process_group)
+        mine = None if failure is None else f"{type(failure).__name__}: {failure}"
+        dist.all_gather_object(messages, mine, group=self.process_group)
+        report = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None)
+        raise DistributedDefenseError(
+            f"the shared-gradient pipeline failed at step {self.trainer.global_step} on "
+            f"{sum(m is not None for m in messages)} of {len(messages)} DDP ranks, so no rank shares this step "
+            f"({report})"
+        ) from failure
 
     def _check_same_round(self, round: int) -> None:
         """Every rank must be in the same round, or a shared mask would pair the wrong rounds."""
@@ -78,15 +160,15 @@ class DefendedAllReduce:
                 f"[{-int(rounds[1])}, {int(rounds[0])}]; every rank must run the same number of optimizer steps"
             )
 
-    def _broadcast(self, source_client: int, tensors: dict) -> dict:
+    def _broadcast(self, source_client: int, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
         """``share`` under DDP: the source rank's tensors, sent to every rank in one broadcast
         when they share a dtype (ADGP's boolean masks travel as one uint8 buffer)."""
         dtypes = {t.dtype for t in tensors.values()}
         if len(dtypes) == 1:
-            flat = _pack(tensors)
+            flat = flatten_named(tensors)
             dist.broadcast(flat, src=source_client, group=self.process_group)
             self.broadcasts += 1
-            return _unpack(flat, tensors)
+            return unflatten_named(flat, tensors)
         out = {}
         for name, tensor in tensors.items():
             tensor = tensor.clone()
@@ -96,33 +178,28 @@ class DefendedAllReduce:
         return out
 
 
-def _pack(tensors: dict) -> torch.Tensor:
-    return torch.cat([t.reshape(-1).to(torch.uint8 if t.dtype == torch.bool else t.dtype) for t in tensors.values()])
-
-
-def _unpack(flat: torch.Tensor, like: dict) -> dict:
-    out, offset = {}, 0
-    for name, t in like.items():
-        out[name] = flat[offset : offset + t.numel()].view(t.shape).to(t.dtype)
-        offset += t.numel()
-    return out
-
-
 # DDP checks this hook's annotations at runtime: they must be real objects, not strings.
-def _defended_allreduce_hook(state: "DefendedAllReduce", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def _defended_allreduce_hook(state: DefendedAllReduce, bucket: dist.GradBucket) -> Future[Tensor]:
     return state.on_bucket(bucket)
 
 
-def register_defended_allreduce(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> DefendedAllReduce:
-    """Register the defending all-reduce on the trainer's DDP-wrapped model."""
-    from torch.nn.parallel import DistributedDataParallel
+_defended_allreduce_hook.__annotations__ = {
+    "state": DefendedAllReduce,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}
 
+
+def register_defended_allreduce(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, pipeline: SharedGradientPipeline
+) -> DefendedAllReduce:
+    """Register the defending all-reduce on the trainer's DDP-wrapped model."""
     ddp_model = trainer.strategy.model
     if not isinstance(ddp_model, DistributedDataParallel):
         raise RuntimeError(
             f"expected the DDP strategy to wrap the model in DistributedDataParallel, found {type(ddp_model).__name__}"
         )
-    state = DefendedAllReduce(trainer, pl_module, ddp_model.process_group)
+    state = DefendedAllReduce(trainer, pl_module, pipeline, ddp_model.process_group)
     try:
         ddp_model.register_comm_hook(state, _defended_allreduce_hook)
     except RuntimeError as err:

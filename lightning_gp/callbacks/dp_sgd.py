@@ -20,8 +20,9 @@ from opacus.validators import ModuleValidator
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_gp.callbacks.base import defend_parameter_gradients
-from lightning_gp.callbacks.pipeline import SharedGradientPipeline
+from lightning_gp.callbacks.interfaces import ClientSetup, ClientStepRunner
+from lightning_gp.callbacks.pipeline import SharedGradientPipeline, defend_parameter_gradients, parameter_setup
+from lightning_gp.validation import check_bool, check_choice, check_nonnegative, check_number, check_positive
 
 ACCOUNTANTS = ("prv", "rdp", "gdp")
 _STATE = "dp_sgd"  # marks this callback's entry among a checkpoint's callback states
@@ -29,7 +30,7 @@ _PARAM_ATTRS = ("grad_sample", "summed_grad", "_forward_counter", "_current_grad
 _MODULE_ATTRS = ("activations", "max_batch_len")
 
 
-class DPSGD(Callback):
+class DPSGD(Callback, ClientStepRunner):
     """Train with DP-SGD: clip each example's gradient, add Gaussian noise, account the privacy spent.
 
     This is the package's *formal* differential-privacy path (Abadi et al., "Deep Learning with
@@ -98,20 +99,16 @@ class DPSGD(Callback):
                 f"give exactly one of noise_multiplier and target_epsilon, got noise_multiplier={noise_multiplier!r} "
                 f"and target_epsilon={target_epsilon!r}"
             )
-        if noise_multiplier is not None and not (_is_number(noise_multiplier) and 0 <= noise_multiplier < math.inf):
-            raise ValueError(f"noise_multiplier must be a finite number >= 0, got {noise_multiplier!r}")
-        if target_epsilon is not None and not (_is_number(target_epsilon) and 0 < target_epsilon < math.inf):
-            raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}")
-        if not (_is_number(max_grad_norm) and 0 < max_grad_norm < math.inf):
-            raise ValueError(f"max_grad_norm must be a finite number > 0, got {max_grad_norm!r}")
-        if delta is not None and not (_is_number(delta) and 0 < delta < 1):
-            raise ValueError(f"delta must be in (0, 1) or None, got {delta!r}")
-        if accountant not in ACCOUNTANTS:
-            raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
-        if not isinstance(poisson_sampling, bool):
-            raise ValueError(f"poisson_sampling must be a bool, got {poisson_sampling!r}")
-        if not isinstance(secure_mode, bool):
-            raise ValueError(f"secure_mode must be a bool, got {secure_mode!r}")
+        if noise_multiplier is not None:
+            check_nonnegative(noise_multiplier, "noise_multiplier")
+        if target_epsilon is not None:
+            check_positive(target_epsilon, "target_epsilon")
+        check_positive(max_grad_norm, "max_grad_norm")
+        if delta is not None:
+            check_number(delta, "delta", low=0.0, high=1.0, low_open=True, high_open=True)
+        check_choice(accountant, "accountant", ACCOUNTANTS)
+        check_bool(poisson_sampling, "poisson_sampling")
+        check_bool(secure_mode, "secure_mode")
         self.noise_multiplier = None if noise_multiplier is None else float(noise_multiplier)
         self.target_epsilon = None if target_epsilon is None else float(target_epsilon)
         self.max_grad_norm = float(max_grad_norm)
@@ -150,6 +147,16 @@ class DPSGD(Callback):
 
     def __repr__(self) -> str:
         return f"DPSGD({', '.join(f'{k}={v!r}' for k, v in self.config().items())})"
+
+    # ------------------------------------------------------------------ the client step
+    # DPSGD runs the client step: Opacus writes the clipped, noised gradient into .grad inside the
+    # optimizer's step, after Lightning's on_before_optimizer_step, so the pipeline runs from the
+    # DPOptimizer's step hook instead (see on_train_start).
+    execution_path = "dp_sgd"
+    formal_privacy = True
+
+    def client_setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> ClientSetup:
+        return parameter_setup(trainer, pl_module)
 
     # ------------------------------------------------------------------ privacy spent
 
@@ -194,10 +201,11 @@ class DPSGD(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if getattr(pl_module, "defends_per_client", False):
+        if isinstance(pl_module, ClientStepRunner):
             raise ValueError(
-                "DPSGD trains one model on one process's data; it does not support a FederatedSimulation. "
-                "Use it with a plain LightningModule (e.g. lightning_gp.models.ImageClassifier) on a single device"
+                f"DPSGD trains one model on one process's data; it does not support a {type(pl_module).__name__}, "
+                "which runs its own clients (e.g. a FederatedSimulation). Use it with a plain LightningModule "
+                "(e.g. lightning_gp.models.ImageClassifier) on a single device"
             )
         if not isinstance(trainer.strategy, SingleDeviceStrategy):
             raise ValueError(
@@ -281,7 +289,12 @@ class DPSGD(Callback):
             account(dp_optimizer)
             if len(pipeline):
                 defend_parameter_gradients(
-                    pipeline, pl_module, dp_optimizer, client_id=trainer.global_rank, round=trainer.global_step
+                    pipeline,
+                    pl_module,
+                    dp_optimizer,
+                    client_id=trainer.global_rank,
+                    round=trainer.global_step,
+                    path=self.execution_path,
                 )
 
         optimizer.attach_step_hook(step_hook)
@@ -413,10 +426,6 @@ class DPSGD(Callback):
                     delattr(m, attr)
             self._new_module_attrs = []
             self._grad_sample_module = None
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check_module(pl_module: pl.LightningModule) -> None:

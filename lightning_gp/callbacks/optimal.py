@@ -17,16 +17,15 @@ from typing import Any
 
 import lightning.pytorch as pl
 from torch import Tensor, nn
-from torch.nn import functional as F
 
 from lightning_gp.callbacks.base import GradientDefense
-from lightning_gp.callbacks.pipeline import execution_path
+from lightning_gp.callbacks.interfaces import ClientSetup
 from lightning_gp.defenses import optimal
 from lightning_gp.defenses.base import Gradients
 from lightning_gp.defenses.sensitivity import gradient_sensitivity
-from lightning_gp.defenses.validation import check_positive_int
 from lightning_gp.functional import LossFn
 from lightning_gp.seeding import seeded_generator
+from lightning_gp.validation import check_positive_int
 
 
 class SensitivityGradientDefense(GradientDefense):
@@ -37,9 +36,12 @@ class SensitivityGradientDefense(GradientDefense):
         defense: the data-dependent defense.
         num_probes: Gaussian input probes per estimate (the paper's ``k = 10``).
         chunk_size: probes evaluated at once (``None``: all); lower it to bound memory.
-        loss_fn: ``loss_fn(logits, targets)``; default: the module's ``loss_fn`` attribute, else
-            cross-entropy. Batches must be ``(inputs, targets, ...)`` with floating-point inputs.
+        loss_fn: ``loss_fn(logits, targets)``, averaged over the batch; default: the LightningModule's
+            ``loss_fn`` attribute. One of the two is required (the loss is never guessed). Batches
+            must be ``(inputs, targets, ...)`` with floating-point inputs.
     """
+
+    reads_client_data = True  # the sensitivity comes from the client's raw batch
 
     def __init__(
         self,
@@ -64,30 +66,30 @@ class SensitivityGradientDefense(GradientDefense):
         self._pending: Gradients | None = None
         self._pending_step: int | None = None
         self._micro_batches = 0
+        self._batches_given = False
 
     # ---------------------------------------------------------------- Lightning hooks
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
-        from lightning_gp.callbacks.dp_sgd import DPSGD  # local: dp_sgd imports the callback base
-
-        if stage == "fit" and any(isinstance(cb, DPSGD) for cb in trainer.callbacks):
-            raise ValueError(
-                f"{type(self).__name__} reads the client's raw batch to shape its noise or pruning, so running it "
-                "after DPSGD is not post-processing of the DP output and would void the reported epsilon. Use "
-                "DPSGD alone, or with data-independent defenses (pruning, GaussianNoise) after it"
-            )
+    def bind(self, setup: ClientSetup) -> None:
+        super().bind(setup)
+        self._batches_given = setup.passes_client_batches
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
         module_loss = getattr(pl_module, "loss_fn", None)
         self._module_loss = module_loss if callable(module_loss) else None
+        if self.loss_fn is None and self._module_loss is None:
+            raise ValueError(
+                f"{type(self).__name__} needs the client's loss to estimate the sensitivity d(grad)/d(input), and "
+                f"{type(pl_module).__name__} has no callable `loss_fn` attribute: pass loss_fn=... (loss(logits, "
+                "targets), averaged over the batch, the loss the module trains with) or give the module a `loss_fn`"
+            )
         self._pending, self._pending_step, self._micro_batches = None, None, 0
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if execution_path(trainer, pl_module) == "simulation":
-            return  # the simulation hands each client's batch to defend()
+        if self._batches_given:
+            return  # the runner hands each client's batch to defend()
         step = trainer.global_step
         if self._pending_step != step:
             self._pending, self._pending_step, self._micro_batches = None, step, 0
@@ -107,8 +109,8 @@ class SensitivityGradientDefense(GradientDefense):
         batch: Any,
         meta: Mapping[str, Any],
     ) -> dict[str, Tensor]:
-        if meta.get("path") == "simulation":
-            if meta.get("algorithm") != "fedsgd":
+        if self._batches_given:
+            if meta.get("algorithm", "fedsgd") != "fedsgd":
                 raise ValueError(
                     f"{type(self).__name__} defends the gradient of one batch; FedAvg shares a multi-step model "
                     "update, whose sensitivity this estimate does not give. Use algorithm='fedsgd'"
@@ -134,7 +136,9 @@ class SensitivityGradientDefense(GradientDefense):
     def estimate(self, module: nn.Module, inputs: Tensor, targets: Tensor, *, seed_words: tuple[int, ...]) -> Gradients:
         """``s`` for one batch; the probes are seeded by the defense's seed and ``seed_words``."""
         generator = seeded_generator(self.defense.seed, *seed_words, device=inputs.device)
-        loss_fn = self.loss_fn or self._module_loss or F.cross_entropy
+        loss_fn = self.loss_fn or self._module_loss
+        if loss_fn is None:
+            raise RuntimeError(f"{type(self).__name__} has no loss: it estimates during a fit (or pass loss_fn=...)")
         return gradient_sensitivity(
             module,
             loss_fn,

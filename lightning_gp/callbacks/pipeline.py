@@ -1,95 +1,80 @@
-"""The path a client's gradient takes to the server: defenses in order, then observers.
+"""The one owner of what leaves a client: defenses in order, then observers.
 
 client gradient -> defense 1 -> ... -> defense n -> **shared gradient** -> observers (taps, meters)
 
-One pipeline serves the three places a defense can run (DESIGN.md, "Where a defense runs"):
-``"local"`` (one process is one client: the callbacks rewrite ``.grad`` once per optimizer step),
-``"ddp"`` (one rank is one client: a communication hook defends before the all-reduce) and
-``"simulation"`` (a :class:`~lightning_gp.federated.FederatedSimulation` runs many clients in one
-process and calls :meth:`SharedGradientPipeline.process` for each).
+A :class:`~lightning_gp.callbacks.interfaces.ClientStepRunner` produces each client's gradient and
+sends it through :class:`SharedGradientPipeline` (DESIGN.md, "Where a defense runs"):
+
+* ``"local"`` (:class:`LocalClientStep`): one process is one client; the callbacks rewrite
+  ``.grad`` once per optimizer step;
+* ``"ddp"`` (:class:`~lightning_gp.callbacks.ddp.DDPClientStep`): one rank is one client; a
+  communication hook defends before the all-reduce;
+
+:func:`~lightning_gp.callbacks.runners.resolve_runner` picks the runner of a fit;
+* a LightningModule or callback that implements the runner interface itself, e.g.
+  :class:`~lightning_gp.federated.FederatedSimulation` (many clients per process) or
+  :class:`~lightning_gp.callbacks.DPSGD` (the optimizer's step hook, after Opacus noises).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+import torch
 from torch import Tensor, nn
+from torch.optim import Optimizer
 
-from lightning_gp.defenses.base import Gradients, Share
-
-if TYPE_CHECKING:
-    from lightning_gp.callbacks.base import GradientDefense, SharedGradientCallback, SharedGradientObserver
-
-ExecutionPath = Literal["local", "ddp", "simulation"]
-
-
-def client_module(pl_module: pl.LightningModule) -> nn.Module:
-    """The model whose gradient a client shares: the simulated client model, or the module itself."""
-    return pl_module.client_module if getattr(pl_module, "defends_per_client", False) else pl_module
-
-
-def execution_path(trainer: pl.Trainer, pl_module: pl.LightningModule) -> ExecutionPath:
-    if getattr(pl_module, "defends_per_client", False):
-        return "simulation"
-    strategy = trainer.strategy
-    if isinstance(strategy, DDPStrategy):
-        return "ddp"
-    if isinstance(strategy, SingleDeviceStrategy):
-        return "local"
-    raise ValueError(
-        f"gradient defenses run under a single-device strategy, DDP, or a FederatedSimulation; "
-        f"{type(strategy).__name__} is not supported (sharded strategies split the gradient before a "
-        "client could defend it)"
-    )
+from lightning_gp.callbacks.interfaces import ClientSetup, ClientStepRunner, DefenseStage, ObserverStage
+from lightning_gp.defenses.base import Gradients, Share, share_in_process
 
 
 class SharedGradientPipeline:
-    """The defense and observer callbacks of a trainer, in the order the user gave them."""
+    """The defense and observer stages of a trainer, in the order the user gave them."""
 
-    def __init__(self, defenses: list[GradientDefense], observers: list[SharedGradientObserver]) -> None:
+    def __init__(self, defenses: list[DefenseStage], observers: list[ObserverStage]) -> None:
         self.defenses = defenses
         self.observers = observers
 
     @classmethod
     def from_trainer(cls, trainer: pl.Trainer) -> SharedGradientPipeline:
-        from lightning_gp.callbacks.base import GradientDefense, SharedGradientObserver
-
         callbacks = trainer.callbacks
         return cls(
-            [cb for cb in callbacks if isinstance(cb, GradientDefense)],
-            [cb for cb in callbacks if isinstance(cb, SharedGradientObserver)],
+            [cb for cb in callbacks if isinstance(cb, DefenseStage)],
+            [cb for cb in callbacks if isinstance(cb, ObserverStage)],
         )
 
     @property
-    def driver(self) -> SharedGradientCallback | None:
-        """The callback that runs the pipeline for the local and DDP paths (the first one)."""
-        members = [*self.defenses, *self.observers]
-        return members[0] if members else None
+    def members(self) -> list[DefenseStage | ObserverStage]:
+        return [*self.defenses, *self.observers]
 
     def __len__(self) -> int:
         return len(self.defenses) + len(self.observers)
 
-    def bind(self, num_clients: int, model: nn.Module) -> None:
-        """Declare the run's clients and check restored defense state against the model."""
-        shapes = {n: p.shape for n, p in model.named_parameters() if p.requires_grad}
-        for callback in self.defenses:
-            callback.defense.set_num_clients(num_clients)
-            callback.defense.check_layer_shapes(shapes)
+    def bind(self, setup: ClientSetup, runner: ClientStepRunner) -> None:
+        """Declare the run's clients and shared layers to every stage, and refuse a stage the
+        runner cannot take (data-dependent defenses after formal DP)."""
+        if runner.formal_privacy:
+            for stage in self.defenses:
+                if stage.reads_client_data:
+                    raise ValueError(
+                        f"{type(stage).__name__} reads the client's raw batch to shape its noise or pruning, so running "
+                        f"it after {type(runner).__name__} is not post-processing of the DP output and would void the "
+                        f"reported epsilon. Use {type(runner).__name__} alone, or with data-independent defenses "
+                        "(pruning, GaussianNoise) after it"
+                    )
+        setup = dataclasses.replace(setup, passes_client_batches=runner.passes_client_batches)
+        for stage in self.members:
+            stage.bind(setup)
 
     def begin_round(
         self, round: int, clients: list[int], local_gradients: Mapping[int, Gradients], share: Share
     ) -> None:
         """Let every defense prepare the round (e.g. ADGP's shared mask) before clients are defended."""
-        for callback in self.defenses:
-            callback.defense.begin_round(round, clients, local_gradients, share)
-
-    def finish_round(self, update: Mapping[str, Tensor], *, round: int, clients: int) -> None:
-        """Show the aggregated update (what every client downloads) to the observers."""
-        for observer in self.observers:
-            observer.observe_aggregate(update, round=round, clients=clients)
+        for stage in self.defenses:
+            stage.begin_round(round, clients, local_gradients, share)
 
     def process(
         self,
@@ -103,10 +88,80 @@ class SharedGradientPipeline:
     ) -> Gradients:
         """Defend one client's gradient and show the shared result to every observer."""
         shared = dict(gradients)
-        for callback in self.defenses:
-            shared = callback.defend(
-                shared, client_id=client_id, round=round, model=model, batch=batch, meta=meta or {}
-            )
+        meta = meta or {}
+        for defense in self.defenses:
+            shared = defense.defend(shared, client_id=client_id, round=round, model=model, batch=batch, meta=meta)
         for observer in self.observers:
-            observer.observe(shared, client_id=client_id, round=round, model=model, batch=batch, meta=meta or {})
+            observer.observe(shared, client_id=client_id, round=round, model=model, batch=batch, meta=meta)
         return shared
+
+    def finish_round(self, update: Mapping[str, Tensor], *, round: int, clients: int) -> None:
+        """Show the aggregated update (what every client downloads) to the observers."""
+        for observer in self.observers:
+            observer.observe_aggregate(update, round=round, clients=clients)
+
+
+def stepped_parameters(module: nn.Module, optimizer: Optimizer) -> dict[str, nn.Parameter]:
+    """The trainable parameters of ``module`` that ``optimizer`` steps, by name (what a client shares)."""
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return {n: p for n, p in module.named_parameters() if p.requires_grad and id(p) in stepped}
+
+
+def single_optimizer(trainer: pl.Trainer) -> Optimizer:
+    if len(trainer.optimizers) != 1:
+        raise ValueError(
+            f"gradient defenses support exactly one optimizer, this module configures {len(trainer.optimizers)}"
+        )
+    return trainer.optimizers[0]
+
+
+def parameter_setup(trainer: pl.Trainer, module: nn.Module) -> ClientSetup:
+    """One client per process (rank); it shares the gradient of the parameters its optimizer steps."""
+    params = stepped_parameters(module, single_optimizer(trainer))
+    if not params:
+        raise ValueError("the optimizer steps none of the module's trainable parameters: no gradient to share")
+    return ClientSetup(trainer.world_size, module, {n: p.shape for n, p in params.items()})
+
+
+@torch.no_grad()
+def defend_parameter_gradients(
+    pipeline: SharedGradientPipeline,
+    module: nn.Module,
+    optimizer: Optimizer,
+    *,
+    client_id: int,
+    round: int,
+    path: str,
+) -> None:
+    """Run the pipeline on the ``.grad`` of ``module``'s parameters that ``optimizer`` steps.
+
+    A trainable parameter without a gradient this step is shared as zeros (as DDP does), and
+    keeps ``grad=None`` unless a defense (error feedback) sends something for it.
+    """
+    params = stepped_parameters(module, optimizer)
+    gradients = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in params.items()}
+    pipeline.begin_round(round, [client_id], {client_id: gradients}, share_in_process)
+    shared = pipeline.process(gradients, client_id=client_id, round=round, model=module, meta={"path": path})
+    pipeline.finish_round(shared, round=round, clients=1)  # one client: it downloads what it sent
+    for name, p in params.items():
+        if p.grad is not None:
+            p.grad.copy_(shared[name])
+        elif shared[name].any():
+            p.grad = shared[name].clone()
+
+
+class LocalClientStep(ClientStepRunner):
+    """One process is one client: defend ``.grad`` once per optimizer step (after gradient
+    accumulation, before gradient clipping and the step)."""
+
+    execution_path = "local"
+
+    def client_setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> ClientSetup:
+        return parameter_setup(trainer, pl_module)
+
+    def before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer, pipeline: SharedGradientPipeline
+    ) -> None:
+        defend_parameter_gradients(
+            pipeline, pl_module, optimizer, client_id=trainer.global_rank, round=trainer.global_step, path="local"
+        )

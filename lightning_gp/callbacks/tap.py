@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -13,52 +11,9 @@ import torch
 from torch import Tensor, nn
 
 from lightning_gp.callbacks.base import SharedGradientObserver
-
-
-@dataclass
-class TappedGradient:
-    """What the server received from one client in one round, and what the audit needs to score it.
-
-    ``gradients`` is the shared gradient exactly as it left the client (after every defense);
-    ``model_state`` holds the parameters and buffers of the model that gradient was computed at.
-    ``batch`` is the client's private data, kept only so reconstructions can be scored: an attack's
-    view of the round must never include it.
-    """
-
-    round: int
-    client_id: int
-    gradients: dict[str, Tensor]
-    model_state: dict[str, Tensor]
-    model_class: str
-    batch: Any = None
-    meta: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def inputs(self) -> Tensor | None:
-        return self.batch[0] if isinstance(self.batch, (tuple, list)) and len(self.batch) >= 1 else None
-
-    @property
-    def targets(self) -> Tensor | None:
-        return self.batch[1] if isinstance(self.batch, (tuple, list)) and len(self.batch) >= 2 else None
-
-    def save(self, path: str | os.PathLike) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(self.__dict__, path)
-        return path
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> TappedGradient:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"no tapped gradient at {path}")
-        fields = torch.load(path, map_location="cpu", weights_only=False)
-        expected = set(cls.__dataclass_fields__)
-        if not isinstance(fields, dict) or not expected <= set(fields):
-            raise ValueError(
-                f"{path} is not a tapped gradient written by GradientTap (missing {expected - set(fields or {})})"
-            )
-        return cls(**{k: fields[k] for k in expected})
+from lightning_gp.callbacks.interfaces import ClientSetup
+from lightning_gp.records import TappedGradient
+from lightning_gp.validation import check_bool, check_int
 
 
 class GradientTap(SharedGradientObserver):
@@ -78,35 +33,37 @@ class GradientTap(SharedGradientObserver):
         dirpath: str | None = None,
         record_data: bool = True,
     ) -> None:
-        if isinstance(client_id, bool) or not isinstance(client_id, int) or client_id < 0:
-            raise ValueError(f"client_id must be a non-negative int, got {client_id!r}")
+        self.client_id = check_int(client_id, "client_id", low=0)
         if isinstance(rounds, int):
             rounds = [rounds]
-        if rounds is not None and any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in rounds):
-            raise ValueError(f"rounds must be non-negative ints or None, got {rounds!r}")
-        self.client_id = client_id
-        self.rounds = None if rounds is None else sorted(set(rounds))
+        self.rounds = None if rounds is None else sorted({check_int(r, "rounds", low=0) for r in rounds})
         self.dirpath = dirpath
-        self.record_data = record_data
+        self.record_data = check_bool(record_data, "record_data")
         self.records: list[TappedGradient] = []
         self._local_batches: dict[int, list[Any]] = {}
+        self._batches_given = False
 
     def wants(self, client_id: int, round: int) -> bool:
         return client_id == self.client_id and (self.rounds is None or round in self.rounds)
 
+    def bind(self, setup: ClientSetup) -> None:
+        if self.client_id >= setup.num_clients:
+            raise ValueError(
+                f"GradientTap(client_id={self.client_id}) would never record: this run has {setup.num_clients} "
+                f"client(s), ids 0..{setup.num_clients - 1} (under DDP the client id is the rank)"
+            )
+        self._batches_given = setup.passes_client_batches
+
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        # On the local and DDP paths the hook that sees the gradient does not see the batch:
-        # keep the batches of the optimizer step in progress (several with accumulation).
+        # When the runner does not hand the batch to the stages (local, DDP), the hook that sees the
+        # gradient does not see the batch: keep the batches of the optimizer step in progress
+        # (several with gradient accumulation).
         step = trainer.global_step
         for old in [s for s in self._local_batches if s < step]:
             del self._local_batches[old]
-        if (
-            not getattr(pl_module, "defends_per_client", False)
-            and self.record_data
-            and self.wants(trainer.global_rank, step)
-        ):
+        if not self._batches_given and self.record_data and self.wants(trainer.global_rank, step):
             self._local_batches.setdefault(step, []).append(_to_cpu(batch))
 
     def observe(

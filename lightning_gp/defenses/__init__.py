@@ -23,6 +23,7 @@ from lightning_gp.defenses.pruning import (
 from lightning_gp.defenses.quantization import GradientQuantization
 from lightning_gp.defenses.selection import (
     count_for_rate,
+    count_sent,
     kth_largest,
     largest_entries_mask,
     largest_magnitude_mask,
@@ -52,6 +53,7 @@ __all__ = [
     "TopKPruning",
     "check_rate",
     "count_for_rate",
+    "count_sent",
     "gradient_sensitivity",
     "kth_largest",
     "largest_entries_mask",

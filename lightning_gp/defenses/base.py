@@ -26,6 +26,7 @@ from lightning_gp.defenses.validation import (
     nonfinite_layers,
 )
 from lightning_gp.seeding import seeded_generator
+from lightning_gp.validation import check_int, check_positive_int
 
 Gradients = dict[str, Tensor]
 Share = Callable[[int, dict[str, Tensor]], dict[str, Tensor]]
@@ -54,9 +55,7 @@ class Defense(ABC):
     def __init__(self, *, seed: int | None = None, nonfinite: str = "error") -> None:
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()).item())
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed must be a non-negative int or None, got {seed!r}")
-        self.seed = seed
+        self.seed = check_int(seed, "seed", low=0)
         self.nonfinite = check_choice(nonfinite, "nonfinite", NONFINITE_POLICIES)
         self.num_clients: int | None = None
         self._states: dict[int, Gradients] = {}
@@ -107,19 +106,21 @@ class Defense(ABC):
         gradients = self._apply_nonfinite_policy(dict(gradients), client_id)
         self._check_layer_shapes({n: g.shape for n, g in gradients.items()}, f"the gradients of client {client_id}")
         state = self._states.get(client_id)
-        if state is None:
-            state = self.init_client_state(gradients)
+        state = self.init_client_state(gradients) if state is None else _aligned(state, gradients)
         generator = self._generator(client_id, next(iter(gradients.values())).device)
         shared, new_state = self.transform(gradients, state, generator)
         if shared.keys() != gradients.keys():
             raise RuntimeError(f"{type(self).__name__}.transform changed the set of layers")
+        changed = [n for n, g in gradients.items() if (shared[n].dtype, shared[n].device) != (g.dtype, g.device)]
+        if changed:
+            raise RuntimeError(f"{type(self).__name__}.transform changed the dtype or device of {changed}")
         self._states[client_id] = new_state
         return shared
 
     def set_num_clients(self, num_clients: int | None) -> None:
         """Declare how many clients the run has; later calls reject ids outside ``0..n-1``."""
-        if num_clients is not None and (not isinstance(num_clients, int) or num_clients < 1):
-            raise ValueError(f"num_clients must be a positive int, got {num_clients!r}")
+        if num_clients is not None:
+            check_positive_int(num_clients, "num_clients")
         restored = self._restored_num_clients
         if restored is not None and num_clients is not None and restored != num_clients:
             raise ValueError(
@@ -203,6 +204,17 @@ class Defense(ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({_fmt(self.config())})"
 
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for attributes the defense lacks. Lightning reads a callback's state_key
+        # and hooks; say what to use instead of failing with a bare AttributeError deep inside it.
+        if name == "state_key" or name in ("setup", "teardown") or name.startswith("on_"):
+            raise TypeError(
+                f"lightning_gp.defenses.{type(self).__name__} is a pure gradient transform, not a Lightning "
+                f"callback: pass lightning_gp.callbacks.{type(self).__name__}(...) to Trainer(callbacks=[...]) "
+                "(or wrap any transform as lightning_gp.callbacks.GradientDefense(transform))"
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     # ---------------------------------------------------------------- internals
     def _generator(self, client_id: int, device: torch.device) -> torch.Generator:
         generator = self._generators.get(client_id)
@@ -260,6 +272,18 @@ class Defense(ABC):
             f"(missing: {missing}, unexpected: {extra}, shape changes: {changed}); "
             "was the checkpoint written for another model?"
         )
+
+
+def _aligned(state: Gradients, gradients: Mapping[str, Tensor]) -> Gradients:
+    """A client's state on the device and in the dtype of its gradient (e.g. restored from a
+    checkpoint written on another device or in another precision), so what it shares keeps the
+    gradient's dtype."""
+    aligned = {}
+    for name, tensor in state.items():
+        like = gradients.get(name)
+        same = like is None or (tensor.dtype == like.dtype and tensor.device == like.device)
+        aligned[name] = tensor if same else tensor.to(device=like.device, dtype=like.dtype)  # type: ignore[union-attr]
+    return aligned
 
 
 def _fmt(config: Mapping[str, Any]) -> str:

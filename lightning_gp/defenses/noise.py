@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from lightning_gp.defenses.base import Defense, Gradients
-from lightning_gp.defenses.validation import check_nonnegative
+from lightning_gp.validation import check_nonnegative
 
 
 def clip_coordinates(gradients: Gradients, clip: float) -> Gradients:
@@ -30,7 +30,7 @@ class GaussianNoise(Defense):
     """
 
     def __init__(
-        self, scale: float, *, clip: float | None = None, seed: int | None = None, nonfinite: str = "error"
+        self, scale: float = 0.01, *, clip: float | None = None, seed: int | None = None, nonfinite: str = "error"
     ) -> None:
         super().__init__(seed=seed, nonfinite=nonfinite)
         self.scale = check_nonnegative(scale, "scale")
@@ -49,7 +49,7 @@ class GaussianNoise(Defense):
 class LaplaceNoise(Defense):
     """Add Laplace noise of scale ``b = scale`` (density ``exp(-|z| / b) / 2b``, std ``sqrt(2) b``) to every coordinate."""
 
-    def __init__(self, scale: float, *, seed: int | None = None, nonfinite: str = "error") -> None:
+    def __init__(self, scale: float = 0.01, *, seed: int | None = None, nonfinite: str = "error") -> None:
         super().__init__(seed=seed, nonfinite=nonfinite)
         self.scale = check_nonnegative(scale, "scale")
 

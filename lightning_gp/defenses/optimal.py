@@ -31,7 +31,9 @@ from torch import Tensor
 from lightning_gp.defenses.base import Defense, Gradients
 from lightning_gp.defenses.noise import standard_normal_like
 from lightning_gp.defenses.selection import count_for_rate, largest_entries_mask
-from lightning_gp.defenses.validation import check_choice, check_gradients, check_nonnegative, check_rate
+from lightning_gp.defenses.validation import check_gradients
+from lightning_gp.named_tensors import flatten_named, unflatten_named
+from lightning_gp.validation import check_choice, check_nonnegative, check_rate
 
 DEFAULT_VARIANCE_CAP_RATIO = 100.0
 
@@ -104,8 +106,7 @@ def water_fill(weights: Gradients, total: float, cap: float) -> Gradients:
     Coordinates with ``w_i = 0`` get none. When the cap binds, the power capped coordinates
     cannot take is spread over the others (each pass caps more, so the loop ends).
     """
-    names = list(weights)
-    flat = torch.cat([weights[n].flatten() for n in names]).double()
+    flat = flatten_named(weights, dtype=torch.float64)
     if total == 0:
         variance = torch.zeros_like(flat)
     else:
@@ -133,12 +134,7 @@ def water_fill(weights: Gradients, total: float, cap: float) -> Gradients:
                     break
                 capped = now
             variance = torch.where(capped, torch.full_like(flat, cap), lam * flat)
-    out, start = {}, 0
-    for n in names:
-        size = weights[n].numel()
-        out[n] = variance[start : start + size].view_as(weights[n]).to(weights[n].dtype)
-        start += size
-    return out
+    return unflatten_named(variance, weights)
 
 
 def optimal_noise_variance(
@@ -180,7 +176,7 @@ class OptimalGradientNoise(SensitivityDefense):
 
     def __init__(
         self,
-        scale: float,
+        scale: float = 0.01,
         *,
         c: float = 1e-6,
         max_variance: float | None = None,
@@ -266,7 +262,7 @@ class OptimalGradientPruning(SensitivityDefense):
     """
 
     def __init__(
-        self, rate: float, *, scope: str = "global", seed: int | None = None, nonfinite: str = "error"
+        self, rate: float = 0.8, *, scope: str = "global", seed: int | None = None, nonfinite: str = "error"
     ) -> None:
         super().__init__(seed=seed, nonfinite=nonfinite)
         self.rate = check_rate(rate, "rate")
@@ -285,12 +281,7 @@ class OptimalGradientPruning(SensitivityDefense):
                 for n, v in scores.items()
             }
         else:
-            names = list(scores)
-            flat = torch.cat([scores[n].flatten() for n in names])
+            flat = flatten_named(scores)
             mask = largest_entries_mask(flat, count_for_rate(self.rate, flat.numel()))
-            pruned, start = {}, 0
-            for n in names:
-                size = scores[n].numel()
-                pruned[n] = mask[start : start + size].view_as(scores[n])
-                start += size
+            pruned = unflatten_named(mask, {n: torch.empty(v.shape, dtype=torch.bool) for n, v in scores.items()})
         return {n: g.masked_fill(pruned[n], 0) for n, g in gradients.items()}, state

@@ -16,13 +16,14 @@ from torch import Tensor
 from lightning_gp.defenses.base import Gradients, Share
 from lightning_gp.defenses.selection import (
     count_for_rate,
+    count_sent,
     largest_entries_mask,
     largest_magnitude_mask,
     magnitude_band_mask,
     magnitudes,
 )
 from lightning_gp.defenses.sparsification import SparsifyingDefense
-from lightning_gp.defenses.validation import check_rate
+from lightning_gp.validation import check_nonnegative, check_rate
 
 
 class MagnitudePruning(SparsifyingDefense):
@@ -39,7 +40,7 @@ class MagnitudePruning(SparsifyingDefense):
     """
 
     def __init__(
-        self, rate: float, *, error_feedback: bool = False, seed: int | None = None, nonfinite: str = "error"
+        self, rate: float = 0.8, *, error_feedback: bool = False, seed: int | None = None, nonfinite: str = "error"
     ) -> None:
         super().__init__(error_feedback=error_feedback, seed=seed, nonfinite=nonfinite)
         self.rate = check_rate(rate, "rate")
@@ -72,10 +73,7 @@ class TopKPruning(SparsifyingDefense):
         return {"k": self.k, "error_feedback": self.error_feedback}
 
     def select(self, values: Mapping[str, Tensor], generator: torch.Generator) -> dict[str, Tensor]:
-        least = 1 if self.k > 0 else 0
-        return {
-            name: largest_magnitude_mask(v, max(least, count_for_rate(self.k, v.numel()))) for name, v in values.items()
-        }
+        return {name: largest_magnitude_mask(v, count_sent(self.k, v.numel())) for name, v in values.items()}
 
 
 class RandomPruning(SparsifyingDefense):
@@ -133,8 +131,7 @@ class DualGradientPruning(SparsifyingDefense):
         send_rate = check_rate(send_rate, "send_rate")
         if send_rate == 0:
             raise ValueError("send_rate must be > 0 so something is sent")
-        if not (isinstance(p, (int, float)) and p >= 0):
-            raise ValueError(f"p must be a non-negative number (k1 / k2), got {p!r}")
+        p = check_nonnegative(p, "p")  # k1 / k2
         k2 = (1 - send_rate) / (1 + p)
         return cls(k1=p * k2, k2=k2, **kwargs)
 
@@ -145,8 +142,8 @@ class DualGradientPruning(SparsifyingDefense):
         masks = {}
         for name, v in values.items():
             n = v.numel()
-            top = min(count_for_rate(self.k1, n), n - 1)
-            keep = min(max(1, count_for_rate(1 - self.k1 - self.k2, n)), n - top)
+            top = min(count_for_rate(self.k1, n), max(n - 1, 0))  # never the whole layer
+            keep = min(count_sent(1 - self.k1 - self.k2, n), n - top)
             masks[name] = magnitude_band_mask(v, skip=top, keep=keep)
         return masks
 
@@ -198,7 +195,7 @@ class AlignedDualGradientPruning(SparsifyingDefense):
 
     def location_mask(self, values: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """The top-``2k`` positions of each layer (what the provider broadcasts)."""
-        return {n: largest_magnitude_mask(v, max(1, count_for_rate(2 * self.k, v.numel()))) for n, v in values.items()}
+        return {n: largest_magnitude_mask(v, count_sent(2 * self.k, v.numel())) for n, v in values.items()}
 
     def begin_round(
         self, round: int, clients: Sequence[int], local_gradients: Mapping[int, Gradients], share: Share
@@ -234,9 +231,9 @@ class AlignedDualGradientPruning(SparsifyingDefense):
         for name, v in values.items():
             n = v.numel()
             magnitude = magnitudes(v)
-            own_top = largest_entries_mask(magnitude, min(count_for_rate(self.k1, n), n - 1))
+            own_top = largest_entries_mask(magnitude, min(count_for_rate(self.k1, n), max(n - 1, 0)))
             allowed = mask[name].flatten() & ~own_top
-            count = min(max(1, count_for_rate(self.k, n)), int(torch.count_nonzero(allowed)))
+            count = min(count_sent(self.k, n), int(torch.count_nonzero(allowed)))
             # the k largest magnitudes among the allowed positions; the others rank below every magnitude
             scores = torch.where(allowed, magnitude, torch.tensor(-1.0, dtype=magnitude.dtype, device=v.device))
             keep[name] = largest_entries_mask(scores, count).view_as(v)

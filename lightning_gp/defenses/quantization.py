@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from lightning_gp.defenses.base import Defense, Gradients
+from lightning_gp.validation import check_bool, check_int
 
 
 class GradientQuantization(Defense):
@@ -24,12 +25,8 @@ class GradientQuantization(Defense):
         self, bits: int = 8, *, stochastic_rounding: bool = False, seed: int | None = None, nonfinite: str = "error"
     ) -> None:
         super().__init__(seed=seed, nonfinite=nonfinite)
-        if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 16:
-            raise ValueError(f"bits must be an int in [1, 16], got {bits!r}")
-        if not isinstance(stochastic_rounding, bool):
-            raise TypeError(f"stochastic_rounding must be a bool, got {stochastic_rounding!r}")
-        self.bits = bits
-        self.stochastic_rounding = stochastic_rounding
+        self.bits = check_int(bits, "bits", low=1, high=16)
+        self.stochastic_rounding = check_bool(stochastic_rounding, "stochastic_rounding")
 
     def config(self) -> dict[str, Any]:
         return {"bits": self.bits, "stochastic_rounding": self.stochastic_rounding}
@@ -40,6 +37,9 @@ class GradientQuantization(Defense):
         levels = max(1, 2 ** (self.bits - 1) - 1)
         shared = {}
         for n, g in gradients.items():
+            if g.numel() == 0:
+                shared[n] = g.clone()
+                continue
             bound = g.abs().max()
             if bound == 0:
                 shared[n] = g.clone()

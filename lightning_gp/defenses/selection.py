@@ -34,6 +34,16 @@ def count_for_rate(rate: float, numel: int) -> int:
     return min(numel, max(0, int(round(rate * numel, 9) + 0.5)))
 
 
+def count_sent(rate: float, numel: int) -> int:
+    """:func:`count_for_rate`, but at least one entry of a non-empty layer when ``rate > 0``.
+
+    Pruning defenses with error feedback send at least one entry per layer, so no entry of a
+    tiny layer accumulates forever; an empty layer sends nothing.
+    """
+    count = count_for_rate(rate, numel)
+    return min(numel, max(1, count)) if rate > 0 else count
+
+
 def magnitudes(values: Tensor) -> Tensor:
     """``|values|`` flattened, detached, in at least float32 (half precision ties too often)."""
     magnitude = values.detach().abs().flatten()

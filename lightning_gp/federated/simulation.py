@@ -17,9 +17,9 @@ import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 
+from lightning_gp.callbacks.interfaces import ClientSetup, ClientStepRunner, DefenseStage
 from lightning_gp.callbacks.pipeline import SharedGradientPipeline
 from lightning_gp.defenses.base import share_in_process
-from lightning_gp.defenses.validation import check_choice, check_positive_int
 from lightning_gp.federated.aggregation import weighted_mean
 from lightning_gp.federated.client_updates import (
     client_gradients,
@@ -29,17 +29,21 @@ from lightning_gp.federated.client_updates import (
 )
 from lightning_gp.federated.partition import PARTITION_SCHEMES, partition
 from lightning_gp.federated.rounds import ClientRounds, RoundLoader, RoundSampler
+from lightning_gp.validation import check_choice, check_int, check_number, check_positive, check_positive_int
 
 Algorithm = Literal["fedsgd", "fedavg"]
 
 
-def _positive_float(value: float, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive number, got {value!r}")
-    return float(value)
+def _defense_states(checkpoint: dict[str, Any]) -> set[str]:
+    """State keys of the saved callbacks that hold per-client defense state."""
+    return {
+        key
+        for key, state in checkpoint.get("callbacks", {}).items()
+        if isinstance(state, dict) and isinstance(state.get("defense"), dict) and "client_states" in state["defense"]
+    }
 
 
-class FederatedSimulation(pl.LightningModule):
+class FederatedSimulation(pl.LightningModule, ClientStepRunner):
     """Simulate FedSGD or FedAvg with ``num_clients`` clients around a user's model.
 
     Each training step is one round: ``clients_per_round`` clients are drawn (a fixed function of
@@ -78,7 +82,10 @@ class FederatedSimulation(pl.LightningModule):
         seed: seeds the partition and the per-round sampling.
     """
 
-    defends_per_client = True
+    # The simulation runs the client step itself: every client's gradient goes through the
+    # trainer's defense callbacks with that client's state, batch in hand (ClientStepRunner).
+    execution_path = "simulation"
+    passes_client_batches = True
 
     def __init__(
         self,
@@ -118,18 +125,16 @@ class FederatedSimulation(pl.LightningModule):
         self.local_steps = check_positive_int(local_steps, "local_steps")
         if algorithm == "fedsgd" and local_steps != 1:
             raise ValueError("local_steps > 1 needs algorithm='fedavg' (a FedSGD client shares one gradient)")
-        self.local_lr = _positive_float(local_lr, "local_lr")
+        self.local_lr = check_positive(local_lr, "local_lr")
         self.partition = check_choice(partition, "partition", PARTITION_SCHEMES)
-        self.dirichlet_alpha = _positive_float(dirichlet_alpha, "dirichlet_alpha")
+        self.dirichlet_alpha = check_positive(dirichlet_alpha, "dirichlet_alpha")
         self.shards_per_client = check_positive_int(shards_per_client, "shards_per_client")
         self.rounds_per_epoch = (
             None if rounds_per_epoch is None else check_positive_int(rounds_per_epoch, "rounds_per_epoch")
         )
         self.server_optimizer = check_choice(server_optimizer, "server_optimizer", ("sgd", "adam"))
-        self.server_lr = _positive_float(server_lr, "server_lr")
-        if not 0.0 <= server_momentum < 1.0:
-            raise ValueError(f"server_momentum must be in [0, 1), got {server_momentum!r}")
-        self.server_momentum = float(server_momentum)
+        self.server_lr = check_positive(server_lr, "server_lr")
+        self.server_momentum = check_number(server_momentum, "server_momentum", low=0.0, high=1.0, high_open=True)
         if vectorize and updates_running_stats(module):
             raise ValueError(
                 "vectorize=True cannot update BatchNorm running statistics under vmap; pass vectorize=None/False "
@@ -140,9 +145,7 @@ class FederatedSimulation(pl.LightningModule):
             None if client_chunk_size is None else check_positive_int(client_chunk_size, "client_chunk_size")
         )
         self.weighting = check_choice(weighting, "weighting", ("uniform", "num_samples"))
-        if num_workers < 0:
-            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
-        self.num_workers = num_workers
+        self.num_workers = check_int(num_workers, "num_workers", low=0)
         self.seed = seed
         self.module = module
         self.source_datamodule = datamodule
@@ -150,12 +153,40 @@ class FederatedSimulation(pl.LightningModule):
         self.automatic_optimization = False
         self.client_indices: list[Tensor] | None = None
         self._rounds: ClientRounds | None = None
+        self._restored_defense_states: set[str] = set()
         self.save_hyperparameters(ignore=["module", "datamodule", "loss"])
 
-    # ------------------------------------------------------------------ model
+    # ------------------------------------------------------------------ the client step
+    def client_setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> ClientSetup:
+        shapes = {n: p.shape for n, p in trainable_parameters(self.module).items()}
+        return ClientSetup(self.num_clients, self.module, shapes)
+
     @property
     def client_module(self) -> nn.Module:
+        """The model every client trains (its gradient is what clients share)."""
         return self.module
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._restored_defense_states = _defense_states(checkpoint)
+
+    def on_fit_start(self) -> None:
+        # Lightning restores callback state only into callbacks present now and drops the rest
+        # without a word; for a defense that would reset every client's error-feedback residuals
+        # and random streams. The guard lives here, not in the defense callbacks, because it must
+        # fire when the callbacks are missing (callbacks that are present but configured
+        # differently have already refused the checkpoint themselves).
+        saved, self._restored_defense_states = self._restored_defense_states, set()
+        present = {cb.state_key for cb in self.trainer.callbacks if isinstance(cb, DefenseStage)}
+        missing = sorted(saved - present)
+        if missing:
+            raise ValueError(
+                f"the checkpoint holds per-client defense state (error-feedback residuals, random streams) for "
+                f"{', '.join(missing)}, but this Trainer has no such defense callback, so resuming would drop every "
+                "client's state silently. Resume with the defense callbacks (and settings) the run was started "
+                "with, or start a new run without ckpt_path"
+            )
+
+    # ------------------------------------------------------------------ model
 
     def forward(self, x: Tensor) -> Tensor:
         return self.module(x)
@@ -256,7 +287,7 @@ class FederatedSimulation(pl.LightningModule):
         local = {client: {name: update[i] for name, update in updates.items()} for i, client in enumerate(client_ids)}
         pipeline.begin_round(round_idx, client_ids, local, share_in_process)
         meta = {
-            "path": "simulation",
+            "path": self.execution_path,
             "algorithm": self.algorithm,
             "local_batch_size": self.local_batch_size,
             "local_steps": self.local_steps,

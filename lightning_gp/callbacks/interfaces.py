@@ -1,0 +1,163 @@
+"""The three roles on the path of a shared gradient, as explicit interfaces.
+
+client batch -> **ClientStepRunner** computes the client's gradient -> **DefenseStage**s rewrite it
+-> shared gradient -> **ObserverStage**s see it (taps, meters) -> aggregation -> optimizer step
+
+* :class:`ClientStepRunner` owns the client step: it produces each client's gradient and hands it
+  to the pipeline (:class:`Pipeline`, implemented by
+  :class:`~lightning_gp.callbacks.SharedGradientPipeline`). Built in: one process is one
+  client (``"local"``), one DDP rank is one client (``"ddp"``, a communication hook). A
+  LightningModule (``FederatedSimulation``: many clients per process) or a callback (``DPSGD``:
+  the optimizer's step hook, after Opacus noises) takes the role by implementing it.
+* :class:`DefenseStage` rewrites what a client shares (``GradientDefense`` wraps a pure
+  :class:`~lightning_gp.defenses.Defense`).
+* :class:`ObserverStage` sees every shared gradient after all defenses.
+
+The pipeline knows these interfaces only, never the concrete classes, so new methods (a Refiner
+module, PriPrune's pruned FedAvg) plug in by implementing one of them. Nothing here imports
+another module of :mod:`lightning_gp.callbacks`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from lightning_gp.defenses.base import Gradients, Share
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.optim import Optimizer
+
+
+@dataclass(frozen=True)
+class ClientSetup:
+    """What every stage is told before the first round: the clients and the shared layers.
+
+    Attributes:
+        num_clients: client ids run from 0 to ``num_clients - 1``.
+        model: the model whose gradient the clients share (the simulated client model, or the
+            LightningModule itself).
+        shapes: the name and shape of every layer a client shares, in order.
+        passes_client_batches: the runner hands each client's batch to the stages (see
+            :attr:`ClientStepRunner.passes_client_batches`); the pipeline fills it in.
+    """
+
+    num_clients: int
+    model: nn.Module
+    shapes: dict[str, torch.Size]
+    passes_client_batches: bool = False
+
+
+class Pipeline(Protocol):
+    """What a runner drives (:class:`~lightning_gp.callbacks.SharedGradientPipeline` implements it)."""
+
+    def begin_round(
+        self, round: int, clients: list[int], local_gradients: Mapping[int, Gradients], share: Share
+    ) -> None: ...
+
+    def process(
+        self,
+        gradients: Mapping[str, Tensor],
+        *,
+        client_id: int,
+        round: int,
+        model: nn.Module,
+        batch: Any = None,
+        meta: Mapping[str, Any] | None = None,
+    ) -> Gradients: ...
+
+    def finish_round(self, update: Mapping[str, Tensor], *, round: int, clients: int) -> None: ...
+
+
+class ClientStepRunner(ABC):
+    """Owns the client step: computes each client's gradient and sends it through the pipeline.
+
+    Implementations call :meth:`SharedGradientPipeline.begin_round`, then
+    :meth:`SharedGradientPipeline.process` once per client, then
+    :meth:`SharedGradientPipeline.finish_round` with the aggregate the clients download.
+    """
+
+    #: recorded as ``meta["path"]`` of every shared gradient
+    execution_path: ClassVar[str]
+    #: ``process`` receives each client's batch; otherwise stages that need the batch read it
+    #: in ``on_train_batch_start`` (the hook that sees the gradient does not see the batch)
+    passes_client_batches: ClassVar[bool] = False
+    #: the shared gradient carries a formal privacy guarantee (DP-SGD) that a stage reading the
+    #: raw client data would void, so such stages are refused
+    formal_privacy: ClassVar[bool] = False
+
+    @abstractmethod
+    def client_setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> ClientSetup:
+        """The run's clients and shared layers (called once the model and optimizers exist)."""
+
+    def attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, pipeline: Pipeline) -> None:
+        """Hook into the training loop at fit start (default: nothing; e.g. DDP registers its hook)."""
+        return
+
+    def before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer, pipeline: Pipeline
+    ) -> None:
+        """Called from ``on_before_optimizer_step`` (default: nothing; the local runner defends ``.grad`` here)."""
+        return
+
+
+class DefenseStage(ABC):
+    """Rewrites the gradient one client shares; stages compose in the order given to the Trainer."""
+
+    #: reads the client's raw batch or model to decide what to share (data-dependent); refused
+    #: after a runner with a formal privacy guarantee
+    reads_client_data: ClassVar[bool] = False
+
+    def bind(self, setup: ClientSetup) -> None:
+        """Declare the run's clients and shared layers (checks restored state against them)."""
+        return
+
+    def begin_round(
+        self, round: int, clients: Sequence[int], local_gradients: Mapping[int, Gradients], share: Share
+    ) -> None:
+        """Prepare a round before any of its clients is defended (default: nothing)."""
+        return
+
+    @abstractmethod
+    def defend(
+        self,
+        gradients: Mapping[str, Tensor],
+        *,
+        client_id: int,
+        round: int,
+        model: nn.Module,
+        batch: Any,
+        meta: Mapping[str, Any],
+    ) -> dict[str, Tensor]:
+        """One client's gradient through this stage."""
+
+
+class ObserverStage(ABC):
+    """Sees every shared gradient after all defenses (taps, meters, audits)."""
+
+    def bind(self, setup: ClientSetup) -> None:
+        """Declare the run's clients and shared layers (e.g. a tap checks its client id)."""
+        return
+
+    @abstractmethod
+    def observe(
+        self,
+        gradients: Mapping[str, Tensor],
+        *,
+        client_id: int,
+        round: int,
+        model: nn.Module,
+        batch: Any,
+        meta: Mapping[str, Any],
+    ) -> None:
+        """See one client's shared gradient."""
+
+    def observe_aggregate(self, update: Mapping[str, Tensor], *, round: int, clients: int) -> None:
+        """See the aggregated update the clients download after a round (default: nothing)."""
+        return

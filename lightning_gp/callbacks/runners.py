@@ -1,0 +1,37 @@
+"""Who runs the client step of a fit: the module, a callback, or the runner of the strategy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+from lightning_gp.callbacks.ddp import DDPClientStep
+from lightning_gp.callbacks.interfaces import ClientStepRunner
+from lightning_gp.callbacks.pipeline import LocalClientStep
+
+
+def resolve_runner(trainer: pl.Trainer, pl_module: pl.LightningModule) -> ClientStepRunner:
+    """Who runs the client step: the module or a callback that implements
+    :class:`ClientStepRunner`, else the runner of the trainer's strategy."""
+    runners: list[Any] = [pl_module] if isinstance(pl_module, ClientStepRunner) else []
+    runners += [cb for cb in trainer.callbacks if isinstance(cb, ClientStepRunner)]
+    if len(runners) > 1:
+        names = " and ".join(type(r).__name__ for r in runners)
+        raise ValueError(
+            f"{names} each run the client step themselves; use one of them (e.g. DPSGD trains a plain "
+            "LightningModule, FederatedSimulation simulates its own clients)"
+        )
+    if runners:
+        return runners[0]
+    strategy = trainer.strategy
+    if isinstance(strategy, DDPStrategy):
+        return DDPClientStep()
+    if isinstance(strategy, SingleDeviceStrategy):
+        return LocalClientStep()
+    raise ValueError(
+        f"gradient defenses run under a single-device strategy, DDP, or a FederatedSimulation; "
+        f"{type(strategy).__name__} is not supported (sharded strategies split the gradient before a "
+        "client could defend it)"
+    )
