@@ -285,3 +285,37 @@ def test_callback_wrappers_take_the_same_arguments_and_defaults_as_their_transfo
             continue
         assert argument in callback, f"callbacks.{name} lacks {argument}"
         assert callback[argument].default == parameter.default, (name, argument)
+
+
+# ------------------------------------------------------------------ schedulers inside the simulation
+class PlateauClassifier(L.LightningModule):
+    def __init__(self, monitor: str) -> None:
+        super().__init__()
+        self.net, self.monitor = small_cnn(), monitor
+
+    def forward(self, x):
+        return self.net(x)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0, factor=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "monitor": self.monitor}}
+
+
+def test_a_plateau_scheduler_in_the_simulation_steps_on_its_monitored_metric():
+    # Before: the simulation called ReduceLROnPlateau.step() without the metric (a TypeError in torch).
+    sim = FederatedSimulation(
+        PlateauClassifier("train_loss"),
+        datamodule=RandomImages(),
+        num_clients=4,
+        clients_per_round=2,
+        rounds_per_epoch=2,
+    )
+    trainer = quiet_trainer(max_epochs=3, limit_val_batches=0)
+    trainer.fit(sim)
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 3  # stepped once per epoch, with the metric
+    missing = FederatedSimulation(
+        PlateauClassifier("accuracy"), datamodule=RandomImages(), num_clients=4, clients_per_round=2, rounds_per_epoch=2
+    )
+    with pytest.raises(ValueError, match="ReduceLROnPlateau monitors 'accuracy', which was not logged"):
+        quiet_trainer(max_epochs=1, limit_val_batches=0).fit(missing)

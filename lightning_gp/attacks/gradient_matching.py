@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -32,7 +34,7 @@ def squared_l2_distance(
 ) -> Tensor:
     """``sum_layers ||guess - shared||^2`` (DLG, Zhu et al. 2019, Eq. 4)."""
     names = list(shared) if names is None else names
-    return sum(((guess[n] - shared[n]) ** 2).sum() for n in names)
+    return _total([((guess[n] - shared[n]) ** 2).sum() for n in names])
 
 
 def cosine_distance(
@@ -41,9 +43,9 @@ def cosine_distance(
     """``1 - <guess, shared> / (||guess|| ||shared||)`` over all layers together
     (Inverting Gradients, Geiping et al. 2020, Eq. 4)."""
     names = list(shared) if names is None else names
-    dot = sum((guess[n] * shared[n]).sum() for n in names)
-    guess_norm = sum(guess[n].pow(2).sum() for n in names).sqrt()
-    shared_norm = sum(shared[n].pow(2).sum() for n in names).sqrt()
+    dot = _total([(guess[n] * shared[n]).sum() for n in names])
+    guess_norm = _total([guess[n].pow(2).sum() for n in names]).sqrt()
+    shared_norm = _total([shared[n].pow(2).sum() for n in names]).sqrt()
     return 1 - dot / (guess_norm * shared_norm).clamp_min(1e-12)
 
 
@@ -57,3 +59,10 @@ def total_variation(images: Tensor) -> Tensor:
 def nonzero_gradient_names(shared: Mapping[str, Tensor]) -> list[str]:
     """Layers that carry any signal (a defense may zero whole layers, e.g. size-1 biases)."""
     return [n for n, g in shared.items() if bool(g.ne(0).any())]
+
+
+def _total(terms: list[Tensor]) -> Tensor:
+    """The sum of per-layer terms, added left to right (as ``sum`` would, without its int start)."""
+    if not terms:
+        raise ValueError("no layers to compare: names is empty")
+    return functools.reduce(operator.add, terms)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -154,7 +155,7 @@ def optimize_images(
         optimizer.zero_grad()
         loss = objective(images)
         loss.backward()
-        if signed:
+        if signed and images.grad is not None:
             images.grad.sign_()
         optimizer.step()
         scheduler.step()
@@ -299,9 +300,9 @@ class GradInversion(InvertingGradients):
             total = self.grad_weight * squared_l2_distance(guess, view.gradients)
             total = total + self.tv_weight * total_variation(images) + self.l2_weight * images.pow(2).sum()
             for mean, var, module in batch_stats:
+                running_mean, running_var = cast(Tensor, module.running_mean), cast(Tensor, module.running_var)
                 total = total + self.bn_weight * (
-                    torch.linalg.vector_norm(mean - module.running_mean)
-                    + torch.linalg.vector_norm(var - module.running_var)
+                    torch.linalg.vector_norm(mean - running_mean) + torch.linalg.vector_norm(var - running_var)
                 )
             return total
 

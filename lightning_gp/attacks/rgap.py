@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import scipy.linalg
@@ -214,7 +214,8 @@ def patch_indices(layer: ChainLayer) -> Tensor:
     conv = layer.module
     # unfold an image of (index + 1): zero padding then reads 0, i.e. sentinel n after the shift
     numbered = (torch.arange(n, dtype=_DTYPE) + 1).view(1, *layer.in_shape)
-    cols = F.unfold(numbered, conv.kernel_size, dilation=conv.dilation, padding=conv.padding, stride=conv.stride)[0]
+    padding = cast(tuple[int, ...], conv.padding)  # numeric: string padding is refused when the chain is built
+    cols = F.unfold(numbered, conv.kernel_size, dilation=conv.dilation, padding=padding, stride=conv.stride)[0]
     idx = cols.round().long() - 1
     return torch.where(idx < 0, torch.full_like(idx, n), idx)
 

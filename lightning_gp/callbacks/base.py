@@ -26,6 +26,8 @@ class SharedGradientCallback(Callback):
     ``on_before_optimizer_step``). The callbacks themselves know no runner.
     """
 
+    runner: ClientStepRunner | None = None  # the fit's runner, on the driving callback only
+
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             resolve_runner(trainer, pl_module)  # fail early on unsupported strategies
@@ -38,14 +40,15 @@ class SharedGradientCallback(Callback):
         runner = resolve_runner(trainer, pl_module)
         pipeline.bind(runner.client_setup(trainer, pl_module), runner)
         runner.attach(trainer, pl_module, pipeline)
-        self.runner: ClientStepRunner | None = runner  # on the driving callback only
+        self.runner = runner
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
-        runner = getattr(self, "runner", None)
-        if runner is not None:
-            runner.before_optimizer_step(trainer, pl_module, optimizer, SharedGradientPipeline.from_trainer(trainer))
+        if self.runner is not None:
+            self.runner.before_optimizer_step(
+                trainer, pl_module, optimizer, SharedGradientPipeline.from_trainer(trainer)
+            )
 
 
 class GradientDefense(SharedGradientCallback, DefenseStage):

@@ -33,8 +33,8 @@ from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from lightning_gp.callbacks.interfaces import ClientSetup, ClientStepRunner
-from lightning_gp.callbacks.pipeline import SharedGradientPipeline, single_optimizer
+from lightning_gp.callbacks.interfaces import ClientSetup, ClientStepRunner, Pipeline
+from lightning_gp.callbacks.pipeline import single_optimizer
 from lightning_gp.named_tensors import flatten_named, unflatten_named
 
 if TYPE_CHECKING:
@@ -59,12 +59,12 @@ class DDPClientStep(ClientStepRunner):
         shapes = {n: p.shape for n, p in pl_module.named_parameters() if p.requires_grad}
         return ClientSetup(trainer.world_size, pl_module, shapes)
 
-    def attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, pipeline: SharedGradientPipeline) -> None:
+    def attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, pipeline: Pipeline) -> None:
         self.comm_hook = register_defended_allreduce(trainer, pl_module, pipeline)
 
     @torch.no_grad()
     def before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer, pipeline: SharedGradientPipeline
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer, pipeline: Pipeline
     ) -> None:
         # DDP leaves .grad None for a parameter no rank used this step, even though the hook sent a
         # (possibly nonzero, error-feedback) aggregate for it: give the optimizer what was sent.
@@ -83,7 +83,7 @@ class DefendedAllReduce:
         self,
         trainer: pl.Trainer,
         module: nn.Module,
-        pipeline: SharedGradientPipeline,
+        pipeline: Pipeline,
         process_group: dist.ProcessGroup | None,
     ) -> None:
         self.trainer = trainer
@@ -191,7 +191,7 @@ _defended_allreduce_hook.__annotations__ = {
 
 
 def register_defended_allreduce(
-    trainer: pl.Trainer, pl_module: pl.LightningModule, pipeline: SharedGradientPipeline
+    trainer: pl.Trainer, pl_module: pl.LightningModule, pipeline: Pipeline
 ) -> DefendedAllReduce:
     """Register the defending all-reduce on the trainer's DDP-wrapped model."""
     ddp_model = trainer.strategy.model

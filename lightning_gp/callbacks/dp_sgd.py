@@ -192,6 +192,8 @@ class DPSGD(Callback, ClientStepRunner):
         return []
 
     def _restored_accountant(self) -> IAccountant:
+        if self._pending_state is None:
+            raise RuntimeError("no accountant state to restore")
         accountant = create_accountant(mechanism=self.accountant)
         accountant.load_state_dict(self._pending_state["accountant"])
         return accountant
@@ -235,7 +237,8 @@ class DPSGD(Callback, ClientStepRunner):
             )
         _check_module(pl_module)
         if self.poisson_sampling and self._wrapped_loader is None:
-            owner = trainer.datamodule if is_overridden("train_dataloader", trainer.datamodule) else None
+            datamodule = getattr(trainer, "datamodule", None)
+            owner = datamodule if is_overridden("train_dataloader", datamodule) else None
             if owner is None and is_overridden("train_dataloader", pl_module):
                 owner = pl_module
             if owner is not None:
@@ -412,7 +415,11 @@ class DPSGD(Callback, ClientStepRunner):
                 del owner.train_dataloader
             self._wrapped_loader = None
         if self._dp_optimizer is not None:
-            if trainer.optimizers and trainer.optimizers[0] is self._dp_optimizer:
+            if (
+                trainer.optimizers
+                and trainer.optimizers[0] is self._dp_optimizer
+                and self._original_optimizer is not None
+            ):
                 trainer.optimizers = [self._original_optimizer]
             self._dp_optimizer = self._original_optimizer = None
         if self._grad_sample_module is not None:

@@ -42,6 +42,7 @@ class SensitivityGradientDefense(GradientDefense):
     """
 
     reads_client_data = True  # the sensitivity comes from the client's raw batch
+    defense: optimal.SensitivityDefense
 
     def __init__(
         self,

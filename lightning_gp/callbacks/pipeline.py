@@ -24,11 +24,17 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_gp.callbacks.interfaces import ClientSetup, ClientStepRunner, DefenseStage, ObserverStage
+from lightning_gp.callbacks.interfaces import ClientSetup, ClientStepRunner, DefenseStage, ObserverStage, Pipeline
 from lightning_gp.defenses.base import Gradients, Share, share_in_process
+
+
+def trainer_callbacks(trainer: pl.Trainer) -> list[Callback]:
+    """The trainer's callbacks (Lightning assigns the attribute in a connector; it is not declared)."""
+    return trainer.callbacks  # type: ignore[attr-defined]
 
 
 class SharedGradientPipeline:
@@ -40,7 +46,7 @@ class SharedGradientPipeline:
 
     @classmethod
     def from_trainer(cls, trainer: pl.Trainer) -> SharedGradientPipeline:
-        callbacks = trainer.callbacks
+        callbacks = trainer_callbacks(trainer)
         return cls(
             [cb for cb in callbacks if isinstance(cb, DefenseStage)],
             [cb for cb in callbacks if isinstance(cb, ObserverStage)],
@@ -48,7 +54,8 @@ class SharedGradientPipeline:
 
     @property
     def members(self) -> list[DefenseStage | ObserverStage]:
-        return [*self.defenses, *self.observers]
+        members: list[DefenseStage | ObserverStage] = [*self.defenses, *self.observers]
+        return members
 
     def __len__(self) -> int:
         return len(self.defenses) + len(self.observers)
@@ -66,8 +73,8 @@ class SharedGradientPipeline:
                         "(pruning, GaussianNoise) after it"
                     )
         setup = dataclasses.replace(setup, passes_client_batches=runner.passes_client_batches)
-        for stage in self.members:
-            stage.bind(setup)
+        for member in self.members:
+            member.bind(setup)
 
     def begin_round(
         self, round: int, clients: list[int], local_gradients: Mapping[int, Gradients], share: Share
@@ -125,7 +132,7 @@ def parameter_setup(trainer: pl.Trainer, module: nn.Module) -> ClientSetup:
 
 @torch.no_grad()
 def defend_parameter_gradients(
-    pipeline: SharedGradientPipeline,
+    pipeline: Pipeline,
     module: nn.Module,
     optimizer: Optimizer,
     *,
@@ -160,7 +167,7 @@ class LocalClientStep(ClientStepRunner):
         return parameter_setup(trainer, pl_module)
 
     def before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer, pipeline: SharedGradientPipeline
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer, pipeline: Pipeline
     ) -> None:
         defend_parameter_gradients(
             pipeline, pl_module, optimizer, client_id=trainer.global_rank, round=trainer.global_step, path="local"

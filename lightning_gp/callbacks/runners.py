@@ -9,14 +9,14 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from lightning_gp.callbacks.ddp import DDPClientStep
 from lightning_gp.callbacks.interfaces import ClientStepRunner
-from lightning_gp.callbacks.pipeline import LocalClientStep
+from lightning_gp.callbacks.pipeline import LocalClientStep, trainer_callbacks
 
 
 def resolve_runner(trainer: pl.Trainer, pl_module: pl.LightningModule) -> ClientStepRunner:
     """Who runs the client step: the module or a callback that implements
     :class:`ClientStepRunner`, else the runner of the trainer's strategy."""
     runners: list[Any] = [pl_module] if isinstance(pl_module, ClientStepRunner) else []
-    runners += [cb for cb in trainer.callbacks if isinstance(cb, ClientStepRunner)]
+    runners += [cb for cb in trainer_callbacks(trainer) if isinstance(cb, ClientStepRunner)]
     if len(runners) > 1:
         names = " and ".join(type(r).__name__ for r in runners)
         raise ValueError(

@@ -83,7 +83,7 @@ def client_local_updates(
         step = grad_and_value(functional_loss(module, loss_fn, frozen_state(module)))
 
         def local_training(params: dict[str, Tensor], xs: Tensor, ys: Tensor) -> tuple[dict[str, Tensor], Tensor]:
-            current, total = params, 0.0
+            current, total = params, torch.zeros((), device=xs.device)
             for s in range(xs.shape[0]):
                 grads, loss = step(current, xs[s], ys[s])
                 current = {n: current[n] - lr * grads[n] for n in current}
@@ -94,11 +94,13 @@ def client_local_updates(
             start, inputs, targets
         )
         return deltas, losses.detach(), None
-    per_client, losses, buffers = [], [], []
+    per_client: list[dict[str, Tensor]] = []
+    client_losses: list[Tensor] = []
+    buffers: list[dict[str, Tensor]] = []
     for xs, ys in zip(inputs, targets):
         local = copy.deepcopy(module)
         live = trainable_parameters(local)
-        total = 0.0
+        total = torch.zeros((), device=xs.device)
         for x, y in zip(xs, ys):
             with torch.enable_grad():
                 loss = loss_fn(local(x), y)
@@ -107,12 +109,12 @@ def client_local_updates(
                 for p, g in zip(live.values(), grads):
                     if g is not None:
                         p.sub_(lr * g)
-            total += loss.detach()
+            total = total + loss.detach()
         per_client.append({n: start[n] - p.detach() for n, p in live.items()})
-        losses.append(total / xs.shape[0])
+        client_losses.append(total / xs.shape[0])
         buffers.append(dict(local.named_buffers()))
     stacked = {n: torch.stack([client[n] for client in per_client]) for n in start}
-    return stacked, torch.stack(losses), _mean_buffers(buffers)
+    return stacked, torch.stack(client_losses), _mean_buffers(buffers)
 
 
 def _mean_buffers(buffers: list[dict[str, Tensor]]) -> dict[str, Tensor]:

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Literal
+from collections.abc import Sized
+from typing import Any, Literal, cast
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 
 from lightning_gp.callbacks.interfaces import ClientSetup, ClientStepRunner, DefenseStage
-from lightning_gp.callbacks.pipeline import SharedGradientPipeline
+from lightning_gp.callbacks.pipeline import SharedGradientPipeline, trainer_callbacks
 from lightning_gp.defenses.base import share_in_process
 from lightning_gp.federated.aggregation import weighted_mean
 from lightning_gp.federated.client_updates import (
@@ -154,6 +156,7 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
         self.client_indices: list[Tensor] | None = None
         self._rounds: ClientRounds | None = None
         self._restored_defense_states: set[str] = set()
+        self._monitors: dict[int, str] = {}  # scheduler id -> the metric a ReduceLROnPlateau monitors
         self.save_hyperparameters(ignore=["module", "datamodule", "loss"])
 
     # ------------------------------------------------------------------ the client step
@@ -176,7 +179,11 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
         # fire when the callbacks are missing (callbacks that are present but configured
         # differently have already refused the checkpoint themselves).
         saved, self._restored_defense_states = self._restored_defense_states, set()
-        present = {cb.state_key for cb in self.trainer.callbacks if isinstance(cb, DefenseStage)}
+        present = {
+            cb.state_key
+            for cb in trainer_callbacks(self.trainer)
+            if isinstance(cb, DefenseStage) and isinstance(cb, Callback)
+        }
         missing = sorted(saved - present)
         if missing:
             raise ValueError(
@@ -195,7 +202,13 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
         if isinstance(self.module, pl.LightningModule) and is_overridden(
             "configure_optimizers", self.module, pl.LightningModule
         ):
-            return self.module.configure_optimizers()
+            config = self.module.configure_optimizers()
+            # Under manual optimization Lightning drops a scheduler's "monitor"; the simulation steps
+            # the schedulers itself, so it keeps the monitors.
+            schedulers = config.get("lr_scheduler") if isinstance(config, dict) else None
+            if isinstance(schedulers, dict) and "monitor" in schedulers:
+                self._monitors[id(schedulers["scheduler"])] = schedulers["monitor"]
+            return config
         params = list(trainable_parameters(self.module).values())
         if self.server_optimizer == "adam":
             return torch.optim.Adam(params, lr=self.server_lr)
@@ -206,7 +219,7 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
         self._require_datamodule().prepare_data()
 
     def setup(self, stage: str) -> None:
-        if self.trainer is not None and self.trainer.datamodule is not None:
+        if self._trainer is not None and getattr(self.trainer, "datamodule", None) is not None:
             raise ValueError(
                 "FederatedSimulation splits its own data among clients: pass the datamodule as "
                 "FederatedSimulation(datamodule=...), not to Trainer.fit/validate/test"
@@ -236,7 +249,7 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
         if targets is None and self.partition != "iid":
             targets = torch.as_tensor([int(y) for _, y in dataset])
         self.client_indices = partition(
-            self.partition,
+            self.partition,  # type: ignore[arg-type]  # checked against PARTITION_SCHEMES in __init__
             self.num_clients,
             num_samples=len(dataset),
             targets=targets,
@@ -264,7 +277,7 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
         if self._rounds is None:
             raise RuntimeError("train_dataloader() is only available after setup('fit')")
         per_round = self.clients_per_round * self.local_batch_size * self.local_steps
-        rounds = self.rounds_per_epoch or max(1, math.ceil(len(self._rounds.dataset) / per_round))
+        rounds = self.rounds_per_epoch or max(1, math.ceil(len(cast(Sized, self._rounds.dataset)) / per_round))
         # The sampler starts each epoch at the current step, so round r always gets data r.
         sampler = RoundSampler(lambda: self.global_step, rounds)
         return RoundLoader(self._rounds, batch_size=None, sampler=sampler, num_workers=self.num_workers)
@@ -305,7 +318,7 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
             for i, client in enumerate(client_ids)
         ]
         weights = None
-        if self.weighting == "num_samples":
+        if self.weighting == "num_samples" and self.client_indices is not None:
             weights = [len(self.client_indices[c]) for c in client_ids]
         aggregate = weighted_mean(shared, weights)
         pipeline.finish_round(aggregate, round=round_idx, clients=len(client_ids))
@@ -354,6 +367,7 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
     @torch.no_grad()
     def _server_step(self, update: dict[str, Tensor], buffers: dict[str, Tensor] | None) -> None:
         optimizer = self.optimizers()
+        assert not isinstance(optimizer, list)  # configure_optimizers returns one optimizer
         optimizer.zero_grad(set_to_none=True)
         for name, param in trainable_parameters(self.module).items():
             param.grad = update[name].to(param.dtype)
@@ -370,7 +384,19 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
         for config in self.trainer.lr_scheduler_configs:
             if config.interval == interval:
                 count = self.trainer.global_step if interval == "step" else self.trainer.current_epoch + 1
-                if count % config.frequency == 0:
+                if count % config.frequency != 0:
+                    continue
+                if isinstance(config.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                    monitor = config.monitor or self._monitors.get(id(config.scheduler))
+                    metrics = self.trainer.callback_metrics
+                    if monitor not in metrics:
+                        raise ValueError(
+                            f"ReduceLROnPlateau monitors {monitor!r}, which was not logged; logged: {sorted(metrics)} "
+                            "(the simulation logs train_loss, val_loss and val_acc; return "
+                            '{"lr_scheduler": {"scheduler": ..., "monitor": "train_loss"}} from configure_optimizers)'
+                        )
+                    config.scheduler.step(metrics[monitor])
+                else:
                     config.scheduler.step()
 
     # ------------------------------------------------------------------ evaluation

@@ -69,6 +69,6 @@ class ImageClassifier(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         hp = self.hparams
-        if hp.optimizer == "adam":
-            return torch.optim.Adam(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
-        return torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
+        if hp["optimizer"] == "adam":
+            return torch.optim.Adam(self.parameters(), lr=hp["lr"], weight_decay=hp["weight_decay"])
+        return torch.optim.SGD(self.parameters(), lr=hp["lr"], momentum=hp["momentum"], weight_decay=hp["weight_decay"])
