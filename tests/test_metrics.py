@@ -81,6 +81,75 @@ def test_ssim_is_one_for_identical_and_drops_with_noise(sample):
     assert (light < 1).all() and (heavy < light).all()
 
 
+def test_mse_and_psnr_equal_the_textbook_formulas_on_random_images():
+    g = torch.Generator().manual_seed(12)
+    for data_range in (1.0, 255.0):
+        x = torch.rand(8, 3, 16, 16, generator=g) * data_range
+        y = torch.rand(8, 3, 16, 16, generator=g) * data_range
+        error = (x.double() - y.double()).pow(2).mean(dim=(1, 2, 3))
+        expected = 10 * torch.log10(data_range**2 / error)
+        # float32 in, float32 out: equal to the float64 formula up to float32 rounding.
+        torch.testing.assert_close(psnr(x, y, data_range=data_range), expected.float())
+        torch.testing.assert_close(mse(x / data_range, y / data_range), (error / data_range**2).float())
+        # float64 in: torchmetrics keeps log(data_range) and 10/ln(10) as float32 scalars, so the
+        # agreement is float32's relative precision (a few 1e-8), not float64's.
+        torch.testing.assert_close(psnr(x.double(), y.double(), data_range=data_range), expected, rtol=1e-6, atol=0.0)
+    one = torch.rand(1, 1, 12, 12, generator=g)
+    assert mse(one, one * 0.5).shape == (1,) and psnr(one, one * 0.5).shape == (1,)
+
+
+_PIXEL_METRICS = {"mse": mse, "psnr": psnr, "ssim": ssim, "nmi": nmi}
+
+
+@pytest.mark.parametrize("name", list(_PIXEL_METRICS))
+def test_pixel_metrics_refuse_normalised_images_naming_the_argument(sample, name):
+    fn = _PIXEL_METRICS[name]
+    normalised, pixels = sample["images"][:2], sample["pixels"][:2]  # (x - mean) / std: about [-0.8, 2.0]
+    assert float(normalised.min()) < -0.5 and float(normalised.max()) > 1.5
+    with pytest.raises(
+        ValueError, match=r"^x must hold pixel values in \[0, 1\] \(denormalise first, e\.g\. ServerView"
+    ):
+        fn(normalised, pixels)
+    with pytest.raises(ValueError, match=r"^y must hold pixel values in \[0, 1\]"):
+        fn(pixels, normalised)
+
+
+@pytest.mark.parametrize("name", list(_PIXEL_METRICS))
+def test_pixel_metrics_refuse_nan_and_inf(sample, name):
+    fn = _PIXEL_METRICS[name]
+    pixels = sample["pixels"][:2]
+    with_nan, with_inf = pixels.clone(), pixels.clone()
+    with_nan[0, 0, 3, 3] = float("nan")
+    with_inf[1, 0, 5, 5] = float("inf")
+    with pytest.raises(ValueError, match=r"^x holds NaN or inf"):
+        fn(with_nan, pixels)
+    with pytest.raises(ValueError, match=r"^y holds NaN or inf"):
+        fn(pixels, with_inf)
+
+
+@pytest.mark.parametrize("name", list(_PIXEL_METRICS))
+def test_pixel_metrics_let_float_rounding_past_the_range_through(sample, name):
+    fn = _PIXEL_METRICS[name]
+    pixels = sample["pixels"][:2]
+    rounded = pixels.clone()
+    rounded[0, 0, 0, 0], rounded[1, 0, 0, 0] = -5e-4, 1 + 5e-4  # inside the 1e-3 slack
+    assert torch.isfinite(fn(rounded, pixels)).all()
+
+
+@pytest.mark.parametrize("name", ["psnr", "ssim"])
+def test_8_bit_pixels_need_data_range_255(sample, name):
+    fn = _PIXEL_METRICS[name]
+    x, y = sample["pixels"][:3], _noisy(sample["pixels"][:3], 0.1, 13)
+    with pytest.raises(ValueError, match=r"^x must hold pixel values in \[0, 1\].*pass data_range=255"):
+        fn(x * 255, y * 255)
+    # Both metrics are invariant to scaling the pixels and the range together.
+    torch.testing.assert_close(fn(x * 255, y * 255, data_range=255), fn(x, y))
+    with pytest.raises(ValueError, match=r"^y must hold pixel values in \[0, 255\]"):
+        fn(x * 255, sample["images"][:3] * 255, data_range=255)  # normalised, then scaled: negative
+    with pytest.raises(ValueError, match="data_range"):
+        fn(x, y, data_range=-1.0)
+
+
 def test_metrics_reject_bad_inputs():
     with pytest.raises(ValueError, match="same shape"):
         mse(torch.zeros(2, 1, 8, 8), torch.zeros(3, 1, 8, 8))
@@ -308,7 +377,7 @@ def test_report_with_a_server_view_denormalises_like_the_view(sample):
 
     from lightning_gp.attacks.view import ServerView
 
-    model = nn.Linear(784, 10)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(784, 10))  # takes (1, 28, 28) inputs, as the view checks
     view = ServerView(
         model=model,
         gradients={n: torch.zeros_like(p) for n, p in model.named_parameters()},

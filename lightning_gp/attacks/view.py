@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from lightning_gp.normalization import denormalize, input_bounds, per_channel
 from lightning_gp.records import TappedGradient
+from lightning_gp.validation import check_int, check_positive_int
 
 
 @dataclass
@@ -53,13 +54,11 @@ class ServerView:
     def __post_init__(self) -> None:
         if not isinstance(self.model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(self.model).__name__}")
-        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {self.batch_size!r}")
+        check_positive_int(self.batch_size, "batch_size")
         self.input_shape = tuple(int(s) for s in self.input_shape)
         if len(self.input_shape) < 1 or any(s < 1 for s in self.input_shape):
             raise ValueError(f"input_shape must be positive sizes like (C, H, W), got {self.input_shape}")
-        if self.num_classes < 2:
-            raise ValueError(f"num_classes must be >= 2, got {self.num_classes}")
+        check_int(self.num_classes, "num_classes", low=2)
         channels = self.input_shape[0]
         self.mean = per_channel(self.mean, channels, "mean")
         self.std = per_channel(self.std, channels, "std", positive=True)

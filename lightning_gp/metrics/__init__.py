@@ -1,10 +1,26 @@
 """Reconstruction metrics: MSE, PSNR, SSIM, LPIPS-AlexNet, PriPrune's NMI; batch matching; reports; figures.
 
-All metrics take pixel images in [0, 1] (``[B, C, H, W]``) and return one value per image (``[B]``).
+All metrics take pixel images in [0, 1] (``[B, C, H, W]``; PSNR and SSIM: [0, data_range]) and
+return one value per image (``[B]``); normalised or 8-bit images, NaN and inf are refused.
 ``reconstruction_report`` denormalises an attack's output, matches it to the client's batch and
 checks the privacy thresholds (PSNR < 15, SSIM < 0.5, LPIPS > 0.05 are "private").
+
+``ReconstructionPSNR``, ``ReconstructionSSIM``, ``ReconstructionLPIPS`` and ``ReconstructionNMI``
+are torchmetrics ``Metric`` classes over the same functions: they match each update's
+reconstructions to the originals, keep the per-image values (synced across processes) and
+compute their mean, the least private value (``reduction="worst"``) or all of them::
+
+    psnr_metric = ReconstructionPSNR()              # in a LightningModule's __init__
+    psnr_metric.update(reconstructions, originals)  # each step: pixel images in [0, 1]
+    self.log("reconstruction_psnr", psnr_metric)    # compute() and reset() at epoch end
 """
 
+from lightning_gp.metrics.classes import (
+    ReconstructionLPIPS,
+    ReconstructionNMI,
+    ReconstructionPSNR,
+    ReconstructionSSIM,
+)
 from lightning_gp.metrics.figures import save_comparison_grid, save_reconstruction_grid
 from lightning_gp.metrics.image_quality import mse, psnr, ssim
 from lightning_gp.metrics.lpips import (
@@ -15,6 +31,7 @@ from lightning_gp.metrics.lpips import (
     load_lpips_weights,
     lpips_distance,
     lpips_network,
+    lpips_with_network,
 )
 from lightning_gp.metrics.matching import MATCH_METRICS, match_reconstructions, pairwise_scores
 from lightning_gp.metrics.nmi import nmi
@@ -36,10 +53,15 @@ __all__ = [
     "LPIPSNetwork",
     "LPIPSWeights",
     "LPIPSWeightsNotFoundError",
+    "ReconstructionLPIPS",
+    "ReconstructionNMI",
+    "ReconstructionPSNR",
     "ReconstructionReport",
+    "ReconstructionSSIM",
     "load_lpips_weights",
     "lpips_distance",
     "lpips_network",
+    "lpips_with_network",
     "match_reconstructions",
     "mse",
     "nmi",

@@ -130,7 +130,7 @@ def save_comparison_grid(
     """
     if not rows:
         raise ValueError("rows must hold at least one (title, originals, reconstructed, report) run")
-    runs = []
+    runs: list[tuple[str, Tensor, Tensor, Any]] = []
     for i, row in enumerate(rows):
         if len(row) != 4:
             raise ValueError(f"rows[{i}] must be (title, originals, reconstructed, report), got {len(row)} items")

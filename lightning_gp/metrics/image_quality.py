@@ -1,10 +1,19 @@
-"""Per-image MSE, PSNR and SSIM between pixel images in [0, 1] (``[B, C, H, W]`` in, ``[B]`` out)."""
+"""Per-image MSE, PSNR and SSIM between pixel images (``[B, C, H, W]`` in, ``[B]`` out).
+
+Pixels must be in [0, 1] (MSE) or [0, data_range] (PSNR, SSIM): a normalised or 8-bit image
+given by mistake is refused (:func:`check_pixel_range`), never scored. The arithmetic is
+torchmetrics' (``mean_squared_error``, ``peak_signal_noise_ratio``,
+``structural_similarity_index_measure``), one value per image.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torchmetrics.functional.image import structural_similarity_index_measure
+from torchmetrics.functional import mean_squared_error
+from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
+
+from lightning_gp.validation import check_positive
 
 # Images in [0, 1] pass; normalised inputs (values far below 0 or above 1) are caught.
 _RANGE_SLACK = 1e-3
@@ -28,46 +37,76 @@ def check_image_pair(x: Tensor, y: Tensor, *, names: tuple[str, str] = ("x", "y"
     return x, y
 
 
-def check_pixel_range(t: Tensor, name: str) -> None:
-    """Raise if ``t`` is clearly not in [0, 1] (e.g. still normalised with the data mean/std)."""
+def check_pixel_range(t: Tensor, name: str, data_range: float = 1.0, *, takes_data_range: bool = False) -> None:
+    """Raise unless ``t`` holds finite pixel values in ``[0, data_range]`` (up to a rounding slack).
+
+    Catches the quiet failures of an image metric: inputs still normalised with the data
+    mean/std (values below 0 or above 1), 8-bit pixels (0..255) where [0, 1] is expected, NaN
+    or inf. The slack, ``1e-3 * data_range`` either side, lets float rounding through.
+    ``takes_data_range`` adds the hint to pass ``data_range=255`` (for metrics that have it).
+    """
     if t.numel() == 0:
         return
-    low, high = float(t.min()), float(t.max())
-    if low < -_RANGE_SLACK or high > 1 + _RANGE_SLACK or not torch.isfinite(t).all():
+    if not bool(torch.isfinite(t).all()):
         raise ValueError(
-            f"{name} must hold pixel values in [0, 1] (denormalise first, e.g. ServerView.denormalize), "
-            f"got values in [{low:.4g}, {high:.4g}]"
+            f"{name} holds NaN or inf; it must hold finite pixel values in [0, {data_range:g}] "
+            "(e.g. a diverged reconstruction)"
+        )
+    low, high = float(t.min()), float(t.max())
+    slack = _RANGE_SLACK * data_range
+    if low < -slack or high > data_range + slack:
+        advice = "denormalise first, e.g. ServerView.denormalize"
+        if takes_data_range:
+            advice += "; for 8-bit pixels in [0, 255] pass data_range=255"
+        raise ValueError(
+            f"{name} must hold pixel values in [0, {data_range:g}] ({advice}), got values in [{low:.4g}, {high:.4g}]"
         )
 
 
-def mse(x: Tensor, y: Tensor) -> Tensor:
-    """Mean squared error per image: ``mean((x - y)^2)`` over C, H, W."""
+def _check_pixels(x: Tensor, y: Tensor, data_range: float = 1.0, *, takes_data_range: bool = False) -> None:
     check_image_pair(x, y)
-    return (x - y).pow(2).flatten(1).mean(dim=1)
+    check_pixel_range(x, "x", data_range, takes_data_range=takes_data_range)
+    check_pixel_range(y, "y", data_range, takes_data_range=takes_data_range)
+
+
+def mse(x: Tensor, y: Tensor) -> Tensor:
+    """Mean squared error per image: ``mean((x - y)^2)`` over C, H, W, for pixel images in [0, 1].
+
+    Computed by ``torchmetrics.functional.mean_squared_error`` with one output per image.
+    """
+    _check_pixels(x, y)
+    batch = x.shape[0]
+    # num_outputs=B: each column of the [C*H*W, B] views is one image (B == 1 gives a 0-dim value).
+    values = mean_squared_error(x.flatten(1).T, y.flatten(1).T, num_outputs=batch)
+    return values.reshape(batch)
 
 
 def psnr(x: Tensor, y: Tensor, data_range: float = 1.0) -> Tensor:
-    """Peak signal-to-noise ratio per image in dB: ``10 log10(data_range^2 / MSE)``.
+    """Peak signal-to-noise ratio per image in dB: ``10 log10(data_range^2 / MSE)``, pixels in [0, data_range].
 
-    Identical images have MSE 0 and PSNR ``+inf``; it is kept (not clipped), so a mean over
+    Computed by ``torchmetrics.functional.image.peak_signal_noise_ratio`` over (C, H, W). Identical
+    images have MSE 0 and PSNR ``+inf`` (torchmetrics does not clip it either), so a mean over
     images that contains a perfect reconstruction is ``inf`` too. Higher is less private.
     """
-    if data_range <= 0:
-        raise ValueError(f"data_range must be positive, got {data_range}")
-    error = mse(x, y)
-    return 10.0 * torch.log10(data_range**2 / error)
+    data_range = check_positive(data_range, "data_range")
+    _check_pixels(x, y, data_range, takes_data_range=True)
+    # data_range as a float, not a (min, max) tuple: with a tuple torchmetrics clamps the inputs,
+    # and PSNR would disagree with ``mse`` on values inside the rounding slack. torchmetrics
+    # holds log(data_range) and 10/ln(10) as float32 scalars, so float64 inputs agree with the
+    # float64 formula to ~1e-7 relative (float32 inputs: to float32 rounding).
+    return peak_signal_noise_ratio(x, y, data_range=data_range, reduction="none", dim=(1, 2, 3))
 
 
 def ssim(x: Tensor, y: Tensor, data_range: float = 1.0) -> Tensor:
-    """Structural similarity per image (Wang et al. 2004), via torchmetrics.
+    """Structural similarity per image (Wang et al. 2004) via torchmetrics, pixels in [0, data_range].
 
     torchmetrics' defaults: Gaussian window 11x11, sigma 1.5, K1 0.01, K2 0.03; the mean of the
     SSIM map per image (``reduction="none"``). 1 for identical images; higher is less private.
     """
-    check_image_pair(x, y)
-    if data_range <= 0:
-        raise ValueError(f"data_range must be positive, got {data_range}")
+    data_range = check_positive(data_range, "data_range")
+    _check_pixels(x, y, data_range, takes_data_range=True)
     if min(x.shape[-2:]) < 11:
         raise ValueError(f"ssim needs images of at least 11x11 (its Gaussian window), got {tuple(x.shape[-2:])}")
     values = structural_similarity_index_measure(x, y, data_range=data_range, reduction="none")
+    assert isinstance(values, Tensor)  # a tuple only with return_full_image / return_contrast_sensitivity
     return values.reshape(x.shape[0])

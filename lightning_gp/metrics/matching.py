@@ -15,7 +15,7 @@ import torch
 from scipy.optimize import linear_sum_assignment
 from torch import Tensor
 
-from lightning_gp.metrics.image_quality import check_image_pair, mse, psnr, ssim
+from lightning_gp.metrics.image_quality import check_image_pair, check_pixel_range, mse, psnr, ssim
 
 MATCH_METRICS = ("mse", "psnr", "ssim", "lpips")
 # Pairs scored per call when filling the B x B matrix (bounds memory for LPIPS).
@@ -31,7 +31,7 @@ def pairwise_scores(
     """``[B_orig, B_rec]`` matrix of ``metric(reconstructed[j], original[i])`` for every pair.
 
     Args:
-        reconstructed, original: pixel images in [0, 1], ``[B, C, H, W]``.
+        reconstructed, original: pixel images in [0, 1] (checked), ``[B, C, H, W]``.
         metric: "mse", "psnr", "ssim" or "lpips".
         lpips_fn: the LPIPS callable for ``metric="lpips"`` (default: a new
             :class:`~lightning_gp.metrics.lpips.LPIPS`).
@@ -43,11 +43,17 @@ def pairwise_scores(
             "reconstructed and original must be [B, C, H, W] batches of one image shape, got "
             f"{tuple(reconstructed.shape)} and {tuple(original.shape)}"
         )
-    if metric == "lpips" and lpips_fn is None:
-        from lightning_gp.metrics.lpips import LPIPS
+    check_pixel_range(reconstructed, "reconstructed")
+    check_pixel_range(original, "original")
+    fn: Callable[[Tensor, Tensor], Tensor]
+    if metric == "lpips":
+        if lpips_fn is None:
+            from lightning_gp.metrics.lpips import LPIPS
 
-        lpips_fn = LPIPS()
-    fn = {"mse": mse, "psnr": psnr, "ssim": ssim, "lpips": lpips_fn}[metric]
+            lpips_fn = LPIPS()
+        fn = lpips_fn
+    else:
+        fn = {"mse": mse, "psnr": psnr, "ssim": ssim}[metric]
     n_orig, n_rec = original.shape[0], reconstructed.shape[0]
     rows = torch.arange(n_orig, device=original.device).repeat_interleave(n_rec)
     cols = torch.arange(n_rec, device=original.device).repeat(n_orig)

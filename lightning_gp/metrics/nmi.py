@@ -31,7 +31,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_gp.metrics.image_quality import check_image_pair
+from lightning_gp.metrics.image_quality import check_image_pair, check_pixel_range
+from lightning_gp.validation import check_choice, check_int
 
 _AVERAGES = ("arithmetic", "geometric", "min", "max")
 
@@ -50,11 +51,12 @@ def nmi(x: Tensor, y: Tensor, levels: int = 256, average: str = "arithmetic") ->
             "min" or "max" of the two entropies.
     """
     check_image_pair(x, y)
-    if levels < 2:
-        raise ValueError(f"levels must be >= 2, got {levels}")
-    if average not in _AVERAGES:
-        raise ValueError(f"average must be one of {_AVERAGES}, got {average!r}")
+    check_pixel_range(x, "x")
+    check_pixel_range(y, "y")
+    check_int(levels, "levels", low=2)
+    check_choice(average, "average", _AVERAGES)
     batch = x.shape[0]
+    # clamp: values within the rounding slack of check_pixel_range fall into the end levels.
     qx = (x.detach().double().clamp(0, 1) * (levels - 1)).round().long().flatten(1)
     qy = (y.detach().double().clamp(0, 1) * (levels - 1)).round().long().flatten(1)
     offsets = torch.arange(batch, device=x.device).unsqueeze(1) * levels * levels

@@ -255,13 +255,14 @@ def reconstruction_report(
             lpips_fn = LPIPS()
         perm = match_reconstructions(rec_px, orig_px, match_metric, lpips_fn if lpips else None).cpu()
         matched = rec_px[perm]
-        scores = {
+        scores: dict[str, Tensor] = {
             "mse": mse(matched, orig_px),
             "psnr": psnr(matched, orig_px),
             "ssim": ssim(matched, orig_px),
             "nmi": nmi(matched, orig_px),
-            "lpips": lpips_fn(matched, orig_px) if lpips else None,
         }
+        if lpips_fn is not None and lpips:
+            scores["lpips"] = lpips_fn(matched, orig_px)
 
     true = None if true_labels is None else [int(v) for v in true_labels.detach().cpu().tolist()]
     predicted_all = (
@@ -280,14 +281,14 @@ def reconstruction_report(
             mse=float(scores["mse"][i]),
             psnr=float(scores["psnr"][i]),
             ssim=float(scores["ssim"][i]),
-            lpips=None if scores["lpips"] is None else float(scores["lpips"][i]),
+            lpips=float(scores["lpips"][i]) if "lpips" in scores else None,
             nmi=float(scores["nmi"][i]),
             true_label=None if true is None else true[i],
             predicted_label=None if predicted is None else predicted[i],
         )
         for i in range(batch)
     ]
-    means = {name: (None if scores[name] is None else float(scores[name].double().mean())) for name in METRICS}
+    means = {name: (float(scores[name].double().mean()) if name in scores else None) for name in METRICS}
     label_accuracy = matched_accuracy = None
     if true is not None and predicted is not None:
         label_accuracy = _multiset_accuracy(predicted, true)
