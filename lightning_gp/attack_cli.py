@@ -3,7 +3,8 @@
 Runs FedSGD with the configured defense callbacks through round ``round``, taps the gradients
 ``clients`` shared in it (or loads tapped files given with ``tap_files``), attacks each from the
 server's view, and writes ``report.json``, ``report.md`` and ``reconstructions.png`` to
-``output_dir``.
+``output_dir``. ``indices`` (training-set indices, one list per attacked client) or ``positions``
+(within each attacked client's partition) choose the images behind each attacked gradient.
 """
 
 from __future__ import annotations
@@ -34,9 +35,32 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--attack", type=GradientAttack, required=True, help="the attack (class_path + init_args)")
     parser.add_argument("--defenses", type=list[Callback], default=[], help="defense callbacks, applied in order")
     parser.add_argument("--round", type=int, default=0, help="FedSGD round to attack (0: the initial model)")
-    parser.add_argument("--clients", type=list[int], default=[0], help="client ids whose shared gradients are attacked")
+    parser.add_argument(
+        "--clients",
+        type=list[int] | None,
+        default=None,
+        help="client ids whose shared gradients are attacked (default [0], or one per list of indices/positions)",
+    )
     parser.add_argument("--num_clients", type=int, default=10)
-    parser.add_argument("--local_batch_size", type=int, default=1, help="images behind each client's gradient")
+    parser.add_argument(
+        "--local_batch_size",
+        type=int | None,
+        default=None,
+        help="images behind each client's gradient (default: the length of the indices/positions lists, else 1)",
+    )
+    parser.add_argument(
+        "--indices",
+        type=list[list[int]] | None,
+        default=None,
+        help="attack these training images: one list of training-set indices per attacked client, e.g. "
+        "[[12, 7], [301, 5]]; in the attacked round each client's batch is exactly those images",
+    )
+    parser.add_argument(
+        "--positions",
+        type=list[list[int]] | None,
+        default=None,
+        help="like indices, as positions within each attacked client's own partition",
+    )
     parser.add_argument("--labels_known", type=bool, default=False, help="threat model grants the server the labels")
     parser.add_argument(
         "--tap_files", type=list[str], default=[], help="attack these GradientTap files instead of simulating"
@@ -50,9 +74,12 @@ def build_parser() -> ArgumentParser:
 def run(config: Any) -> list[AttackResult]:
     datamodule: ImageClassificationDataModule = config.data
     attack: GradientAttack = config.attack
+    secrets: dict[str, Any]
     if config.tap_files:
         if hasattr(attack, "modify_model"):
             raise ValueError(f"{type(attack).__name__} is an active attack: it needs a simulated round, not tap_files")
+        if config.indices is not None or config.positions is not None:
+            raise ValueError("indices/positions choose the images of a simulated round; tap_files already hold theirs")
         records = [TappedGradient.load(path) for path in config.tap_files]
         model, secrets = config.model, {}
     else:
@@ -65,6 +92,8 @@ def run(config: Any) -> list[AttackResult]:
             clients=config.clients,
             num_clients=config.num_clients,
             local_batch_size=config.local_batch_size,
+            indices=config.indices,
+            positions=config.positions,
             seed=config.seed,
         )
     results = []
@@ -96,7 +125,13 @@ def write_outputs(results: list[AttackResult], output_dir: Path, attack: str, de
         "mean": {k: (str(v) if isinstance(v, float) and v == float("inf") else v) for k, v in means.items()},
         "private": flags,
         "clients": [
-            {"client_id": r.record.client_id, "round": r.record.round, "seconds": r.seconds, **r.report.to_dict()}
+            {
+                "client_id": r.record.client_id,
+                "round": r.record.round,
+                "dataset_indices": r.record.meta.get("dataset_indices"),
+                "seconds": r.seconds,
+                **r.report.to_dict(),
+            }
             for r in results
         ],
     }
@@ -112,21 +147,27 @@ def write_outputs(results: list[AttackResult], output_dir: Path, attack: str, de
     for r in results:
         lines += [
             "",
-            f"## client {r.record.client_id}, round {r.record.round} ({r.seconds:.1f} s)",
+            f"## client {r.record.client_id}, round {r.record.round}{_images_note(r.record)} ({r.seconds:.1f} s)",
             "",
             r.report.to_markdown(),
         ]
     (output_dir / "report.md").write_text("\n".join(lines) + "\n")
-    originals = torch.cat([r.report.original_pixels for r in results])
-    reconstructed = torch.cat([r.report.reconstructed_pixels for r in results])
+    originals = torch.cat([r.pixels()[0] for r in results])
+    reconstructed = torch.cat([r.pixels()[1] for r in results])
     scores = [{"psnr": row.psnr, "ssim": row.ssim} for r in results for row in r.report.rows]
     save_reconstruction_grid(originals, reconstructed, output_dir / "reconstructions.png", scores=scores)
     return output_dir / "report.md"
 
 
+def _images_note(record: TappedGradient) -> str:
+    indices = record.meta.get("dataset_indices")
+    return f", training images {list(indices)}" if indices is not None else ""
+
+
 def main(argv: list[str] | None = None) -> list[AttackResult]:
     parser = build_parser()
-    config = parser.instantiate_classes(parser.parse_args(argv))
+    instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # renamed in jsonargparse 4.49
+    config = instantiate(parser.parse_args(argv))
     results = run(config)
     report = write_outputs(
         results, Path(config.output_dir), type(config.attack).__name__, [repr(d) for d in config.defenses]

@@ -3,18 +3,27 @@
 client batch -> defenses -> **shared gradient** (tapped) -> ServerView -> attack -> report
 
 The round is run by :class:`~lightning_gp.federated.FederatedSimulation` with the given defense
-callbacks, so the attacked gradient is exactly what the defenses let out. An active attack
-(one with ``modify_model``, e.g. Robbing the Fed) plays the malicious server: it replaces the
-model sent to the clients before the round and keeps its secrets for the attack.
+callbacks, so the attacked gradient is exactly what the defenses let out. The attacked clients'
+batches come from the simulation's sampler, or are chosen images (``indices``/``positions``
+of :func:`tap_fedsgd_round`) that replace those clients' batches in the attacked round. An
+active attack (one with ``modify_model``, e.g. Robbing the Fed) plays the malicious server: it
+replaces the model sent to the clients before the round and keeps its secrets for the attack.
+
+The Trainers built here run inside :func:`quiet_lightning`: no device banner, tips or
+deprecation noise, and the user's own Trainers are left as they are.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
+import operator
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import lightning as L
 import torch
@@ -26,6 +35,42 @@ from lightning_gp.callbacks import GradientTap
 from lightning_gp.federated import FederatedSimulation
 from lightning_gp.metrics import ReconstructionReport, reconstruction_report
 from lightning_gp.records import TappedGradient
+from lightning_gp.validation import check_int, check_positive_int
+
+#: Loggers of Lightning's rank-zero info lines: device banners, logger/model-registry tips,
+#: "`Trainer.fit` stopped". ``lightning_utilities``' own logger is added at run time.
+_RANK_ZERO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
+#: Advice about the internal Trainers' own set-up, which the user cannot act on.
+_IGNORED_MESSAGES = (r".*does not have many workers", r".*GPU available but not used")
+
+
+@contextmanager
+def quiet_lightning() -> Iterator[None]:
+    """Build and run this package's internal Trainers without Lightning's console chatter.
+
+    Inside the block Lightning's rank-zero info lines (GPU/TPU/HPU availability, the litlogger /
+    litmodels tips, "`Trainer.fit` stopped") are dropped, and deprecation warnings and Lightning's
+    advice about dataloader workers are ignored; other warnings and errors still show. The logger
+    levels and warning filters are restored on exit, so a Trainer the user builds afterwards
+    prints as usual. Process-wide while it runs: not for use around concurrent user Trainers.
+    """
+    from lightning_utilities.core import rank_zero
+
+    names = sorted({*_RANK_ZERO_LOGGERS, rank_zero.log.name})
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    with warnings.catch_warnings():
+        for category in (DeprecationWarning, PendingDeprecationWarning, FutureWarning):
+            warnings.simplefilter("ignore", category)
+        for message in _IGNORED_MESSAGES:
+            warnings.filterwarnings("ignore", message=message)
+        try:
+            for logger in loggers:
+                logger.setLevel(max(logger.level, logging.WARNING))
+            yield
+        finally:
+            for logger, level in zip(loggers, levels):
+                logger.setLevel(level)
 
 
 @dataclass
@@ -38,12 +83,54 @@ class AttackResult:
     report: ReconstructionReport
     seconds: float
 
+    def pixels(self) -> tuple[Tensor, Tensor]:
+        """The client's images and the aligned reconstructions, as pixels in [0, 1] (for figures)."""
+        original, reconstructed = self.report.original_pixels, self.report.reconstructed_pixels
+        if original is None or reconstructed is None:
+            raise ValueError("the reconstruction report holds no pixel images")
+        return original, reconstructed
+
 
 def _public_batch(datamodule: L.LightningDataModule, size: int = 1000) -> Tensor:
     """Images a server may hold (the test split, never the clients' training data)."""
     datamodule.setup("test")
-    dataset = datamodule.test_dataset
+    dataset = cast(Any, datamodule).test_dataset
     return torch.stack([dataset[i][0] for i in range(min(size, len(dataset)))])
+
+
+def _as_int(value: Any) -> Any:
+    """Numpy and 0-d torch integers as ``int``; anything else unchanged (for ``check_int``)."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
+
+
+def _chosen_lists(value: Any, name: str, high: int | None) -> list[list[int]]:
+    """``value`` as one non-empty list of ints per attacked client, all of one length."""
+    example = f"e.g. {name}=[[12, 7], [301, 5]] for two clients with two images each"
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise ValueError(f"{name} must be one list of training images per attacked client ({example}), got {value!r}")
+    rows = list(value)
+    if not rows:
+        raise ValueError(f"{name} must hold at least one list ({example}), got an empty list")
+    lists = []
+    for i, row in enumerate(rows):
+        if isinstance(row, (str, bytes)) or not hasattr(row, "__iter__"):
+            raise ValueError(f"{name} must be one list per attacked client ({example}); {name}[{i}] is {row!r}")
+        items = list(row)
+        if not items:
+            raise ValueError(f"{name}[{i}] is empty: each attacked client needs at least one image")
+        lists.append([check_int(_as_int(v), f"{name}[{i}][{j}]", low=0, high=high) for j, v in enumerate(items)])
+    lengths = [len(items) for items in lists]
+    if len(set(lengths)) > 1:
+        raise ValueError(
+            f"every list in {name} must have the same length (all FedSGD clients share one local_batch_size), "
+            f"got lengths {lengths}"
+        )
+    return lists
 
 
 def tap_fedsgd_round(
@@ -53,26 +140,75 @@ def tap_fedsgd_round(
     defenses: Sequence[Callback] = (),
     attack: GradientAttack | None = None,
     round: int = 0,
-    clients: Sequence[int] = (0,),
+    clients: Sequence[int] | None = None,
     num_clients: int = 10,
-    local_batch_size: int = 1,
+    local_batch_size: int | None = None,
+    indices: Sequence[Sequence[int]] | None = None,
+    positions: Sequence[Sequence[int]] | None = None,
     seed: int = 0,
 ) -> tuple[list[TappedGradient], nn.Module, dict[str, Any]]:
     """Run FedSGD through ``round`` and return the shared gradients of ``clients`` in that round.
 
-    Every client takes part in every round. Returns the records, the model the server sent
-    (modified if ``attack`` is active) and the server's secrets for the attack.
+    Every client takes part in every round, and each client's batch is drawn by the simulation's
+    sampler, except where the attacked images are chosen:
+
+    - ``indices``: one list of training-set indices (into ``datamodule.train_dataset``) per
+      attacked client, e.g. ``[[12, 7], [301, 5]]``: in round ``round`` that client's batch is
+      exactly these images, in this order;
+    - ``positions``: the same, as positions within each attacked client's own partition.
+
+    The round still goes through the simulation's FedSGD step with the ``defenses`` callbacks,
+    so each tapped gradient is exactly what the defenses let out for those images. ``clients``
+    defaults to ``[0]``, or ``0 .. len(indices) - 1`` with chosen images; ``local_batch_size``
+    to the length of the chosen lists, else 1. Each record's ``meta["dataset_indices"]`` lists
+    the training-set indices of its batch.
+
+    Returns the records, the model the server sent (modified if ``attack`` is active) and the
+    server's secrets for the attack.
     """
-    if round < 0:
-        raise ValueError(f"round must be >= 0, got {round}")
-    if not clients or any(not 0 <= c < num_clients for c in clients):
-        raise ValueError(f"clients must be ids in [0, {num_clients}), got {list(clients)}")
+    check_int(round, "round", low=0)
+    check_positive_int(num_clients, "num_clients")
+    if indices is not None and positions is not None:
+        raise ValueError("pass indices (training-set indices) or positions (within each client's partition), not both")
     L.seed_everything(seed, verbose=False)
     datamodule.setup("fit")
+    chosen_name = "indices" if indices is not None else "positions" if positions is not None else None
+    chosen: list[list[int]] | None = None
+    if chosen_name is not None:
+        train_dataset = getattr(datamodule, "train_dataset", None)
+        if train_dataset is None:
+            raise ValueError(
+                f"{type(datamodule).__name__} has no train_dataset after setup('fit') to take {chosen_name} from"
+            )
+        high = len(train_dataset) - 1 if chosen_name == "indices" else None
+        chosen = _chosen_lists(indices if indices is not None else positions, chosen_name, high)
+    if clients is None:
+        clients = list(range(len(chosen))) if chosen is not None else [0]
+    clients = [_as_int(c) for c in clients]
+    if not clients or any(isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < num_clients for c in clients):
+        raise ValueError(f"clients must be ids in [0, {num_clients}), got {clients}")
+    if len(set(clients)) != len(clients):
+        raise ValueError(f"clients must be distinct, got {clients}")
+    if chosen is not None and len(chosen) != len(clients):
+        raise ValueError(
+            f"{chosen_name} needs one list per attacked client: clients {clients} but {len(chosen)} list(s) in "
+            f"{chosen_name}"
+        )
+    if local_batch_size is None:
+        local_batch_size = len(chosen[0]) if chosen is not None else 1
+    check_positive_int(local_batch_size, "local_batch_size")
+    if chosen is not None and len(chosen[0]) != local_batch_size:
+        raise ValueError(
+            f"local_batch_size={local_batch_size} disagrees with the {len(chosen[0])} image(s) per client in "
+            f"{chosen_name}: every client's batch holds local_batch_size images"
+        )
+
     secrets: dict[str, Any] = {}
-    if hasattr(attack, "modify_model"):
-        model, secrets = attack.modify_model(
-            model, datamodule.image_shape, datamodule.mean, datamodule.std, public_data=_public_batch(datamodule)
+    modify_model = getattr(attack, "modify_model", None)  # an active attack plays the malicious server
+    if modify_model is not None:
+        data = cast(Any, datamodule)
+        model, secrets = modify_model(
+            model, data.image_shape, data.mean, data.std, public_data=_public_batch(datamodule)
         )
     simulation = FederatedSimulation(
         model,
@@ -84,19 +220,26 @@ def tap_fedsgd_round(
         server_lr=1e-3,
         seed=seed,
     )
+    if chosen is not None:
+        for client, items in zip(clients, chosen):
+            simulation.choose_batch(round, client, items, by="index" if chosen_name == "indices" else "position")
     taps = [GradientTap(client_id=c, rounds=[round]) for c in clients]
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=round + 1,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[*defenses, *taps],
-    )
-    trainer.fit(simulation)
-    return [tap.latest() for tap in taps], model, secrets
+    with quiet_lightning():
+        trainer = L.Trainer(
+            accelerator="cpu",
+            max_steps=round + 1,
+            limit_val_batches=0,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[*defenses, *taps],
+        )
+        trainer.fit(simulation)
+    records = [tap.latest() for tap in taps]
+    for record in records:
+        record.meta["dataset_indices"] = simulation.local_indices(round, record.client_id)
+    return records, model, secrets
 
 
 def attack_record(
@@ -121,6 +264,8 @@ def attack_record(
         labels_known=labels_known,
         server_secrets=server_secrets,
     )
+    if record.inputs is None:
+        raise ValueError("the record holds no client batch to score against (tapped with record_data=False)")
     start = time.perf_counter()
     reconstruction = attack.reconstruct(view)
     seconds = time.perf_counter() - start

@@ -22,7 +22,7 @@ import lightning as L
 import torch
 
 from lightning_gp.attacks import IDLG, GradientAttack, InvertingGradients
-from lightning_gp.audit import AttackResult, attack_record, mean_scores, tap_fedsgd_round
+from lightning_gp.audit import AttackResult, attack_record, mean_scores, quiet_lightning, tap_fedsgd_round
 from lightning_gp.callbacks import CommunicationMeter, GradientTap, MagnitudePruning, ProgressPrinter
 from lightning_gp.data import FashionMNISTSampleDataModule
 from lightning_gp.federated import FederatedSimulation
@@ -46,21 +46,22 @@ def run_fedsgd(name: str, defenses: list[L.Callback], rounds: int, output_dir: P
         server_lr=1e-3,
         seed=seed,
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=rounds,
-        val_check_interval=max(1, rounds // 4),
-        check_val_every_n_epoch=None,
-        callbacks=[*defenses, tap, meter, ProgressPrinter(every_n_steps=max(1, rounds // 8))],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    start = time.perf_counter()
-    trainer.fit(simulation)
-    seconds = time.perf_counter() - start
-    test = trainer.test(simulation, verbose=False)[0]
+    with quiet_lightning():  # no device banner, tips or deprecation noise; ProgressPrinter reports
+        trainer = L.Trainer(
+            accelerator="cpu",
+            max_steps=rounds,
+            val_check_interval=max(1, rounds // 4),
+            check_val_every_n_epoch=None,
+            callbacks=[*defenses, tap, meter, ProgressPrinter(every_n_steps=max(1, rounds // 8))],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        start = time.perf_counter()
+        trainer.fit(simulation)
+        seconds = time.perf_counter() - start
+        test = trainer.test(simulation, verbose=False)[0]
     return {
         "name": name,
         "defenses": [repr(d) for d in defenses],
@@ -115,8 +116,8 @@ def audit(
             grid_rows.append(
                 (
                     setting,
-                    torch.cat([r.report.original_pixels for r in results]),
-                    torch.cat([r.report.reconstructed_pixels for r in results]),
+                    torch.cat([r.pixels()[0] for r in results]),
+                    torch.cat([r.pixels()[1] for r in results]),
                     [{"psnr": row.psnr, "ssim": row.ssim} for r in results for row in r.report.rows],
                 )
             )
@@ -199,7 +200,10 @@ def main(argv: list[str] | None = None) -> None:
         run_fedsgd("magnitude_pruning", [MagnitudePruning(rate=args.rate)], args.rounds, args.output_dir, args.seed),
     ]
     attacks = [IDLG(iterations=args.idlg_iterations), InvertingGradients(iterations=args.ig_iterations)]
-    settings = {"undefended": [], f"MagnitudePruning({args.rate})": [MagnitudePruning(rate=args.rate)]}
+    settings: dict[str, list[L.Callback]] = {
+        "undefended": [],
+        f"MagnitudePruning({args.rate})": [MagnitudePruning(rate=args.rate)],
+    }
     audit_rows = audit(attacks, settings, args.output_dir, args.seed)
     report = write_report(results, audit_rows, args.output_dir)
     print("\n" + report.read_text())

@@ -169,7 +169,7 @@ def test_mean_scores_averages_per_image_rows_across_results() -> None:
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"round": -1}, "round must be >= 0"),
+        ({"round": -1}, "round must be an int >= 0"),
         ({"clients": [4], "num_clients": 4}, r"clients must be ids in \[0, 4\)"),
         ({"clients": [-1], "num_clients": 4}, "clients must be ids"),
         ({"clients": [0, 10]}, "clients must be ids"),

@@ -252,3 +252,21 @@ def test_weighted_mean_of_nothing_is_a_value_error():
         weighted_mean([])
     with pytest.raises(ValueError, match="empty"):
         weighted_mean([], [])
+
+
+def test_a_chosen_batch_replaces_one_client_in_one_round_only():
+    rounds, reference = make_rounds(), make_rounds()
+    client = int(rounds.sample_clients(2)[0])
+    chosen = [5, 9, 13, 17, 21, 25, 29, 33]  # local_steps * local_batch_size = 8
+    rounds.choose(2, client, chosen)
+    item = rounds[2]
+    position = item["client_ids"].tolist().index(client)
+    assert item["inputs"][position, :, :, 0].flatten().tolist() == chosen  # sample i carries i
+    expected = reference[2]
+    others = [i for i in range(3) if i != position]
+    assert torch.equal(item["inputs"][others], expected["inputs"][others])
+    assert_items_equal(rounds[3], reference[3])
+    with pytest.raises(ValueError, match="needs local_steps \\* local_batch_size = 8 chosen samples"):
+        rounds.choose(2, client, [1, 2])
+    with pytest.raises(ValueError, match=r"chosen indices must be in \[0, 119\]"):
+        rounds.choose(2, client, [0, 1, 2, 3, 4, 5, 6, 120])

@@ -1,9 +1,10 @@
-"""Image-classification datamodules (built-in Fashion-MNIST sample, idx, CIFAR, SVHN, image folders).
+"""Image-classification datamodules (built-in Fashion-MNIST sample, idx, CIFAR, SVHN, image folders, your arrays).
 
 Every datamodule derives from :class:`ImageClassificationDataModule`; its datasets yield
 ``(image float32 [C, H, W], label int64)`` and carry a ``targets`` tensor for label-based partitioning.
 """
 
+from lightning_gp.data.arrays import ArrayDataModule
 from lightning_gp.data.base import CorruptDatasetError, DatasetNotFoundError, ImageClassificationDataModule
 from lightning_gp.data.builtin_sample import FashionMNISTSampleDataModule
 from lightning_gp.data.cifar import CIFAR10_CLASSES, CIFAR10DataModule, CIFAR100DataModule
@@ -17,6 +18,7 @@ from lightning_gp.data.svhn import SVHNDataModule
 __all__ = [
     "CIFAR10_CLASSES",
     "FASHION_MNIST_CLASSES",
+    "ArrayDataModule",
     "CIFAR10DataModule",
     "CIFAR100DataModule",
     "CorruptDatasetError",

@@ -1,6 +1,7 @@
 """The base datamodule shared by every image-classification dataset, and the data errors."""
 
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
+from typing import cast
 
 import lightning as L
 import numpy as np
@@ -8,6 +9,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_gp.data.datasets import ImageTensorDataset, TargetSubset
+from lightning_gp.validation import check_int, check_number, check_positive_int
 
 
 class DatasetNotFoundError(FileNotFoundError):
@@ -63,15 +65,9 @@ class ImageClassificationDataModule(L.LightningDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if num_workers < 0:
-            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
-        if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
-        self.batch_size = batch_size
-        self.num_workers = num_workers
-        self.val_fraction = val_fraction
+        self.batch_size = check_positive_int(batch_size, "batch_size")
+        self.num_workers = check_int(num_workers, "num_workers", low=0)
+        self.val_fraction = check_number(val_fraction, "val_fraction", low=0.0, high=1.0, high_open=True)
         self.normalize = normalize
         self.seed = seed
         self.train_dataset: Dataset | None = None
@@ -97,8 +93,11 @@ class ImageClassificationDataModule(L.LightningDataModule):
         if self.train_dataset is not None:
             return
         train, test = self.load_splits()
+        size = len(cast(Sized, train))
+        if size == 0:
+            raise CorruptDatasetError(f"{type(self).__name__}: the training split holds no images")
         if self.val_fraction > 0:
-            kept, held = split_indices(len(train), self.val_fraction, self.seed)
+            kept, held = split_indices(size, self.val_fraction, self.seed)
             self.train_dataset = TargetSubset(train, kept)
             self.val_dataset = TargetSubset(train, held)
         else:

@@ -1,6 +1,7 @@
 """In-memory image dataset, the labelled subset used for hold-outs, and the per-item scaling."""
 
 from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -67,4 +68,4 @@ class TargetSubset(Subset):
 
     def __init__(self, dataset: Dataset, indices: Sequence[int]) -> None:
         super().__init__(dataset, list(indices))
-        self.targets = torch.as_tensor(dataset.targets)[torch.as_tensor(self.indices, dtype=torch.long)]
+        self.targets = torch.as_tensor(cast(Any, dataset).targets)[torch.as_tensor(self.indices, dtype=torch.long)]

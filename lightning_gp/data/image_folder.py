@@ -18,6 +18,7 @@ from lightning_gp.data.base import (
 )
 from lightning_gp.data.datasets import channel_stats, scale_image
 from lightning_gp.data.readers import IMAGE_EXTENSIONS, list_images, read_image
+from lightning_gp.validation import check_number, check_positive_int
 
 _TEST_DIRS = ("test", "val")
 
@@ -111,15 +112,13 @@ class ImageFolderDataModule(ImageClassificationDataModule):
         super().__init__(
             batch_size=batch_size, num_workers=num_workers, val_fraction=val_fraction, normalize=normalize, seed=seed
         )
-        if image_size < 1:
-            raise ValueError(f"image_size must be >= 1, got {image_size}")
-        if not 0.0 < test_fraction < 1.0:
-            raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
         channels = 1 if grayscale else 3
         self.root = str(root)
-        self.image_size = image_size
+        self.image_size = check_positive_int(image_size, "image_size")
         self.grayscale = grayscale
-        self.test_fraction = test_fraction
+        self.test_fraction = check_number(
+            test_fraction, "test_fraction", low=0.0, high=1.0, low_open=True, high_open=True
+        )
         self.compute_stats = compute_stats
         self.image_shape = (channels, image_size, image_size)
         self.mean = tuple(mean) if mean is not None else (0.5,) * channels
@@ -128,12 +127,12 @@ class ImageFolderDataModule(ImageClassificationDataModule):
         channel_stats(self.std, channels, "std")
 
     @property
-    def classes(self) -> tuple[str, ...]:
+    def classes(self) -> tuple[str, ...]:  # type: ignore[override]  # read from the folders, not set
         """Class names (sorted folder names); index i is label i."""
         return self._layout.classes
 
     @property
-    def num_classes(self) -> int:
+    def num_classes(self) -> int:  # type: ignore[override]
         return len(self._layout.classes)
 
     @property

@@ -91,7 +91,7 @@ def _search(spec: DatasetFiles, candidates: list[Path]) -> tuple[dict[str, Path]
         }
         missing = [name for name, path in found.items() if path is None]
         if not missing:
-            return found, report
+            return {name: path for name, path in found.items() if path is not None}, report
         report.append(f"{directory} (missing: {', '.join(missing)})")
     return None, report
 

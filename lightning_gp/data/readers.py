@@ -58,6 +58,8 @@ def read_idx_split(images_path: str | Path, labels_path: str | Path, num_classes
     images, labels = read_idx(images_path), read_idx(labels_path)
     if images.ndim != 3 or images.dtype != np.uint8:
         raise CorruptDatasetError(f"{images_path}: expected uint8 images [N, H, W], got {images.dtype} {images.shape}")
+    if 0 in images.shape:
+        raise CorruptDatasetError(f"{images_path}: holds no images (the idx header declares shape {images.shape})")
     if labels.ndim != 1 or len(labels) != len(images):
         raise CorruptDatasetError(
             f"{labels_path}: expected {len(images)} labels to match {images_path}, got shape {labels.shape}"

@@ -26,7 +26,8 @@ class ClientRounds(Dataset):
     Returns a dict with ``round`` (int), ``client_ids`` (int64 ``[C]``, ascending), ``inputs``
     (``[C, S, B, ...]``) and ``targets`` (``[C, S, B]``), where C clients per round each draw S
     local batches of B samples from their own partition, without replacement when the client
-    holds at least ``S * B`` samples and with replacement otherwise.
+    holds at least ``S * B`` samples and with replacement otherwise. :meth:`choose` fixes a
+    client's local data in one round instead (an audit of chosen images).
     """
 
     def __init__(
@@ -54,6 +55,22 @@ class ClientRounds(Dataset):
         self.local_batch_size = local_batch_size
         self.local_steps = local_steps
         self.seed = seed
+        self.chosen: dict[tuple[int, int], Tensor] = {}
+
+    def choose(self, round_idx: int, client_id: int, indices: Sequence[int] | Tensor) -> None:
+        """Client ``client_id``'s local data in round ``round_idx`` is exactly these dataset
+        indices (``local_steps * local_batch_size`` of them, in order)."""
+        chosen = torch.as_tensor(indices, dtype=torch.long).flatten()
+        needed = self.local_steps * self.local_batch_size
+        if chosen.numel() != needed:
+            raise ValueError(
+                f"client {client_id} needs local_steps * local_batch_size = {needed} chosen samples in round "
+                f"{round_idx}, got {chosen.numel()}"
+            )
+        size = len(self.dataset)  # type: ignore[arg-type]
+        if bool(((chosen < 0) | (chosen >= size)).any()):
+            raise ValueError(f"chosen indices must be in [0, {size - 1}] (the training set), got {chosen.tolist()}")
+        self.chosen[(round_idx, client_id)] = chosen
 
     @property
     def num_clients(self) -> int:
@@ -67,6 +84,9 @@ class ClientRounds(Dataset):
         return order[: self.clients_per_round].sort().values
 
     def sample_local_indices(self, round_idx: int, client_id: int) -> Tensor:
+        chosen = self.chosen.get((round_idx, client_id))
+        if chosen is not None:
+            return chosen
         owned = self.client_indices[client_id]
         needed = self.local_steps * self.local_batch_size
         g = _round_generator(self.seed, round_idx, 1 + client_id)

@@ -9,8 +9,9 @@ sample clients -> each computes its gradient (FedSGD) or local update (FedAvg) o
 from __future__ import annotations
 
 import math
+import operator
 import warnings
-from collections.abc import Sized
+from collections.abc import Sequence, Sized
 from typing import Any, Literal, cast
 
 import lightning.pytorch as pl
@@ -34,6 +35,14 @@ from lightning_gp.federated.rounds import ClientRounds, RoundLoader, RoundSample
 from lightning_gp.validation import check_choice, check_int, check_number, check_positive, check_positive_int
 
 Algorithm = Literal["fedsgd", "fedavg"]
+
+
+def _as_index(value: Any) -> Any:
+    """Numpy and 0-d tensor integers as ``int`` (anything else unchanged, for the int check)."""
+    try:
+        return operator.index(value) if not isinstance(value, bool) else value
+    except TypeError:
+        return value
 
 
 def _defense_states(checkpoint: dict[str, Any]) -> set[str]:
@@ -157,6 +166,7 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
         self._rounds: ClientRounds | None = None
         self._restored_defense_states: set[str] = set()
         self._monitors: dict[int, str] = {}  # scheduler id -> the metric a ReduceLROnPlateau monitors
+        self._choices: dict[tuple[int, int], tuple[list[int], str]] = {}  # (round, client) -> chosen data
         self.save_hyperparameters(ignore=["module", "datamodule", "loss"])
 
     # ------------------------------------------------------------------ the client step
@@ -265,6 +275,7 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
             self.local_steps,
             seed=self.seed,
         )
+        self._apply_choices()
         small = [c for c, idx in enumerate(self.client_indices) if len(idx) < self.local_batch_size * self.local_steps]
         if small:
             warnings.warn(
@@ -272,6 +283,48 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
                 "samples and draw their local batches with replacement",
                 stacklevel=2,
             )
+
+    def _apply_choices(self) -> None:
+        """Give the rounds the data :meth:`choose_batch` fixed (positions resolved in the partitions)."""
+        assert self._rounds is not None and self.client_indices is not None
+        for (round_idx, client), (items, by) in self._choices.items():
+            if by == "position":
+                owned = self.client_indices[client]
+                outside = [p for p in items if not 0 <= p < len(owned)]
+                if outside:
+                    raise ValueError(
+                        f"positions {outside} are outside client {client}'s partition, which holds {len(owned)} "
+                        f"samples (positions 0..{len(owned) - 1})"
+                    )
+                items = owned[torch.as_tensor(items, dtype=torch.long)].tolist()
+            self._rounds.choose(round_idx, client, items)
+
+    def choose_batch(self, round: int, client: int, items: Sequence[int], *, by: str = "index") -> None:
+        """Fix client ``client``'s local data in round ``round`` (to audit chosen images).
+
+        ``items`` are ``local_steps * local_batch_size`` indices into the datamodule's
+        ``train_dataset`` (``by="index"``) or positions in that client's own partition
+        (``by="position"``); every other round and client keeps its seeded sample. The round still
+        runs the ordinary client step, defenses included. Call before ``Trainer.fit``.
+        """
+        check_int(round, "round", low=0)
+        check_int(client, "client", low=0, high=self.num_clients - 1)
+        check_choice(by, "by", ("index", "position"))
+        values = [check_int(_as_index(v), "items", low=0) for v in items]
+        if len(values) != self.local_steps * self.local_batch_size:
+            raise ValueError(
+                f"items must hold local_steps * local_batch_size = {self.local_steps * self.local_batch_size} "
+                f"samples, got {len(values)}"
+            )
+        self._choices[(round, client)] = (values, by)
+        if self._rounds is not None:  # already set up: apply now
+            self._apply_choices()
+
+    def local_indices(self, round: int, client: int) -> list[int]:
+        """The ``train_dataset`` indices of client ``client``'s local data in round ``round``."""
+        if self._rounds is None:
+            raise RuntimeError("local_indices() is only available after setup('fit')")
+        return self._rounds.sample_local_indices(round, client).tolist()
 
     def train_dataloader(self) -> RoundLoader:
         if self._rounds is None:
