@@ -519,12 +519,29 @@ def test_datamodules_expose_typed_signatures_for_the_cli() -> None:
 # -------------------------------------------------------------------------------------------- download
 
 
-def test_download_from_an_unreachable_mirror_fails_fast_and_clearly(tmp_path) -> None:
+def test_download_from_an_unreachable_mirror_fails_fast_and_clearly(tmp_path, monkeypatch) -> None:
+    # "Fast" without a clock: one connection attempt with a finite timeout, then the error. A retry
+    # loop, a backoff sleep, trying the other three files after the first failed, or a missing/None
+    # timeout (a blackholed mirror would then hang forever) each fail one of the checks below.
+    from lightning_gp.data import download
+
+    attempts, sleeps = [], []
+    real_urlopen = download.urllib.request.urlopen
+
+    def counting_urlopen(url, *args, **kwargs):
+        attempts.append((url, kwargs.get("timeout", args[1] if len(args) > 1 else None)))
+        return real_urlopen(url, *args, **kwargs)  # the real refusal from a closed local port
+
+    monkeypatch.setattr(download.urllib.request, "urlopen", counting_urlopen)
+    monkeypatch.setattr(time, "sleep", lambda seconds: sleeps.append(seconds))
     dm = FashionMNISTDataModule(data_dir=str(tmp_path / "fm"), download=True, mirror="http://127.0.0.1:9/")
-    start = time.monotonic()
     with pytest.raises(RuntimeError) as info:
         dm.prepare_data()
-    assert time.monotonic() - start < 10
+    assert len(attempts) == 1, attempts
+    ((url, timeout),) = attempts
+    assert url.startswith("http://127.0.0.1:9/")
+    assert isinstance(timeout, (int, float)) and 0 < timeout <= download.DOWNLOAD_TIMEOUT_S
+    assert sleeps == []
     message = str(info.value)
     assert "Downloading Fashion-MNIST from http://127.0.0.1:9/ failed" in message
     assert str(tmp_path / "fm") in message and all(name + ".gz" in message for name in IDX_NAMES)
