@@ -84,7 +84,10 @@ class GradientTap(SharedGradientObserver):
             round=round,
             client_id=client_id,
             gradients={n: g.detach().to("cpu", copy=True) for n, g in gradients.items()},
-            model_state={n: t.detach().to("cpu", copy=True) for n, t in model.state_dict().items()},
+            # tensors only: a module's extra state (e.g. Refiner's warm-start cache) is client-private
+            model_state={
+                n: t.detach().to("cpu", copy=True) for n, t in model.state_dict().items() if isinstance(t, Tensor)
+            },
             model_class=f"{type(model).__module__}.{type(model).__qualname__}",
             batch=_to_cpu(batch) if self.record_data else None,
             meta=dict(meta),

@@ -9,6 +9,7 @@ client. Both paths compute the same per-client quantities.
 from __future__ import annotations
 
 import copy
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -16,7 +17,29 @@ from torch.func import grad_and_value, vmap
 
 from lightning_gp.functional import LossFn, frozen_state, functional_loss, trainable_parameters, updates_running_stats
 
-__all__ = ["client_gradients", "client_local_updates", "trainable_parameters", "updates_running_stats"]
+__all__ = [
+    "ClientGradientProvider",
+    "client_gradients",
+    "client_local_updates",
+    "trainable_parameters",
+    "updates_running_stats",
+]
+
+
+@runtime_checkable
+class ClientGradientProvider(Protocol):
+    """A client model that computes its own FedSGD gradient (e.g. :class:`~lightning_gp.refiner.RefinerModule`
+    shares the projected gradient of robust data instead of the raw batch's).
+
+    The simulation calls :meth:`prepare_clients` once at setup and :meth:`client_gradient` per
+    client and round (no vmap: the client step is the provider's own).
+    """
+
+    def prepare_clients(self, datamodule: Any) -> None: ...
+
+    def client_gradient(
+        self, inputs: Tensor, targets: Tensor, *, client_id: int, round: int, sample_ids: Tensor | None = None
+    ) -> tuple[dict[str, Tensor], Tensor]: ...
 
 
 def client_gradients(

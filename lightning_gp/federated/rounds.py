@@ -98,9 +98,11 @@ class ClientRounds(Dataset):
 
     def __getitem__(self, round_idx: int) -> dict[str, Any]:
         client_ids = self.sample_clients(round_idx)
-        inputs, targets = [], []
+        inputs, targets, indices = [], [], []
         for client in client_ids.tolist():
-            items = [self.dataset[i] for i in self.sample_local_indices(round_idx, client).tolist()]
+            local = self.sample_local_indices(round_idx, client)
+            indices.append(local)
+            items = [self.dataset[i] for i in local.tolist()]
             inputs.append(torch.stack([torch.as_tensor(x) for x, _ in items]))
             targets.append(torch.stack([torch.as_tensor(y) for _, y in items]))
         shape = (self.clients_per_round, self.local_steps, self.local_batch_size)
@@ -111,6 +113,7 @@ class ClientRounds(Dataset):
             "client_ids": client_ids,
             "inputs": x.reshape(*shape, *x.shape[2:]),
             "targets": y.reshape(*shape, *y.shape[2:]),
+            "indices": torch.stack(indices).reshape(shape),
         }
 
 

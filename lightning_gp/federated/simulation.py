@@ -25,6 +25,7 @@ from lightning_gp.callbacks.pipeline import SharedGradientPipeline, trainer_call
 from lightning_gp.defenses.base import share_in_process
 from lightning_gp.federated.aggregation import weighted_mean
 from lightning_gp.federated.client_updates import (
+    ClientGradientProvider,
     client_gradients,
     client_local_updates,
     trainable_parameters,
@@ -146,6 +147,11 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
         self.server_optimizer = check_choice(server_optimizer, "server_optimizer", ("sgd", "adam"))
         self.server_lr = check_positive(server_lr, "server_lr")
         self.server_momentum = check_number(server_momentum, "server_momentum", low=0.0, high=1.0, high_open=True)
+        if isinstance(module, ClientGradientProvider) and algorithm != "fedsgd":
+            raise ValueError(
+                f"{type(module).__name__} computes each client's FedSGD gradient itself (one batch, one upload); "
+                "use algorithm='fedsgd'"
+            )
         if vectorize and updates_running_stats(module):
             raise ValueError(
                 "vectorize=True cannot update BatchNorm running statistics under vmap; pass vectorize=None/False "
@@ -241,6 +247,8 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
             )
         datamodule = self._require_datamodule()
         datamodule.setup(stage)
+        if isinstance(self.module, ClientGradientProvider):
+            self.module.prepare_clients(datamodule)
         if stage == "fit":
             self._build_clients(datamodule)
 
@@ -347,7 +355,10 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
         client_ids: list[int] = batch["client_ids"].tolist()
         inputs, targets = batch["inputs"], batch["targets"]
         self.module.train()
-        updates, losses, buffers = self._client_updates(inputs, targets)
+        if isinstance(self.module, ClientGradientProvider):
+            updates, losses, buffers = self._provided_gradients(batch, client_ids, round_idx)
+        else:
+            updates, losses, buffers = self._client_updates(inputs, targets)
 
         pipeline = SharedGradientPipeline.from_trainer(self.trainer)
         local = {client: {name: update[i] for name, update in updates.items()} for i, client in enumerate(client_ids)}
@@ -380,6 +391,29 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
         loss = losses.mean()
         self.log("train_loss", loss, prog_bar=True, batch_size=len(client_ids))
         return loss
+
+    def _provided_gradients(
+        self, batch: dict[str, Any], client_ids: list[int], round_idx: int
+    ) -> tuple[dict[str, Tensor], Tensor, None]:
+        """Each client's gradient from a :class:`ClientGradientProvider` module (one client at a time)."""
+        provider = cast(ClientGradientProvider, self.module)
+        per_client, losses = [], []
+        for i, client in enumerate(client_ids):
+            grads, loss = provider.client_gradient(
+                batch["inputs"][i, 0],
+                batch["targets"][i, 0],
+                client_id=client,
+                round=round_idx,
+                sample_ids=batch["indices"][i, 0] if "indices" in batch else None,
+            )
+            per_client.append(grads)
+            losses.append(loss.detach())
+        names = list(trainable_parameters(self.module))
+        missing = sorted(set(names) - set(per_client[0]))
+        if missing:
+            raise ValueError(f"{type(provider).__name__}.client_gradient returned no gradient for {missing}")
+        stacked = {n: torch.stack([client[n] for client in per_client]) for n in names}
+        return stacked, torch.stack(losses), None
 
     def _client_updates(
         self, inputs: Tensor, targets: Tensor

@@ -1,0 +1,30 @@
+"""Refiner (papers/refiner.txt): clients share the projected gradient of optimised robust data.
+
+* :class:`RefinerModule` wraps a model so each client's batch is replaced by robust data
+  (plain Trainer, DDP, and per client inside ``FederatedSimulation``);
+* :func:`refine`, :func:`project_upload`, :func:`utility_measure`: the algorithm in pure torch;
+* :class:`EvaluationNetwork`, :func:`load_evaluator`: the privacy measure ``D`` and its shipped checkpoints.
+"""
+
+from lightning_gp.refiner.module import IndexedDataset, RefinerModule
+from lightning_gp.refiner.robust_data import (
+    RefinedBatch,
+    RefinerConfig,
+    layer_index,
+    project_upload,
+    refine,
+    utility_measure,
+    utility_weights,
+)
+
+__all__ = [
+    "IndexedDataset",
+    "RefinedBatch",
+    "RefinerConfig",
+    "RefinerModule",
+    "layer_index",
+    "project_upload",
+    "refine",
+    "utility_measure",
+    "utility_weights",
+]
