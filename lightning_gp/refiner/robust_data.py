@@ -264,7 +264,7 @@ def refine(
     if evaluator.training:
         raise ValueError("evaluator must be in eval mode (a frozen, trained evaluation network)")
     with torch.enable_grad():
-        for step in range(steps + 1):
+        for _ in range(steps):
             robust, _ = parameter_gradients(
                 model, loss_fn, normalize(x, mean, std, sample_ndim=x.ndim - 1), targets, params, create_graph=True
             )
@@ -272,20 +272,21 @@ def refine(
             pm = evaluator(x).mean()
             utility.append(float(um.detach()))
             privacy.append(float(pm.detach()))
-            if step == steps:
-                break  # the last values are recorded for the final x*
-            objective = um - config.beta * pm
             optimizer.zero_grad(set_to_none=True)
-            (x.grad,) = torch.autograd.grad(objective, [x])
+            (x.grad,) = torch.autograd.grad(um - config.beta * pm, [x])
             optimizer.step()
             with torch.no_grad():
                 x.clamp_(0, 1)
     _restore_buffers(model, buffers)
     robust_pixels = x.detach()
     robust_inputs = normalize(robust_pixels, mean, std, sample_ndim=x.ndim - 1)
+    # The final x*: one plain gradient pass gives g* (what is shared) and the last UM; no graph.
     with torch.enable_grad():
         robust_grads, _ = parameter_gradients(model, loss_fn, robust_inputs, targets, params, create_graph=False)
     robust_grads = {n: g.detach() for n, g in robust_grads.items()}
+    with torch.no_grad():
+        utility.append(float(utility_measure(robust_grads, raw, weights, config.utility)))
+        privacy.append(float(evaluator(robust_pixels).mean()))
     upload, moved = project_upload(robust_grads, raw, config.eps, per_layer=config.projection == "layer")
     distance = math.sqrt(sum(float(torch.linalg.vector_norm((robust_grads[n] - raw[n]).double())) ** 2 for n in raw))
     return RefinedBatch(
