@@ -119,11 +119,13 @@ def write_outputs(results: list[AttackResult], output_dir: Path, attack: str, de
     output_dir.mkdir(parents=True, exist_ok=True)
     means = mean_scores(results)
     flags = privacy_flags(means, PRIVACY_THRESHOLDS)
+    unavailable = {k: v for r in results for k, v in r.report.unavailable.items()}  # metric -> why "n/a"
     payload = {
         "attack": attack,
         "defenses": defenses,
         "mean": {k: (str(v) if isinstance(v, float) and v == float("inf") else v) for k, v in means.items()},
         "private": flags,
+        "unavailable": unavailable,
         "clients": [
             {
                 "client_id": r.record.client_id,
@@ -138,10 +140,12 @@ def write_outputs(results: list[AttackResult], output_dir: Path, attack: str, de
     (output_dir / "report.json").write_text(json.dumps(payload, indent=2) + "\n")
     lines = [f"# {attack} against {', '.join(defenses) or 'no defense'}", ""]
     lines += ["| metric | mean | private? (threshold) |", "|---|---|---|"]
-    for metric in ("psnr", "ssim", "lpips", "mse", "nmi", "label_accuracy"):
+    for metric in ("psnr", "ssim", "lpips", "noise_ratio", "mse", "nmi", "label_accuracy"):
         value = means.get(metric)
         verdict = flags.get(metric)
         shown = "—" if value is None else f"{value:.4g}"
+        if value is None and metric in unavailable:
+            shown = f"n/a ({unavailable[metric]})"
         threshold = f"{'yes' if verdict else 'no'} ({PRIVACY_THRESHOLDS[metric]})" if verdict is not None else ""
         lines.append(f"| {metric} | {shown} | {threshold} |")
     for r in results:

@@ -274,10 +274,13 @@ def attack_record(
 
 
 def mean_scores(results: Sequence[AttackResult]) -> dict[str, float | None]:
-    """Per-image scores averaged over several clients' reports (PSNR of exact copies is inf)."""
+    """Per-image scores averaged over several clients' reports (PSNR of exact copies is inf).
+
+    A metric some report lacks (LPIPS skipped, a noise ratio "n/a") is ``None``.
+    """
     rows = [row for result in results for row in result.report.rows]
     means: dict[str, float | None] = {}
-    for metric in ("mse", "psnr", "ssim", "lpips", "nmi"):
+    for metric in ("mse", "psnr", "ssim", "lpips", "nmi", "noise_ratio"):
         values = [getattr(row, metric) for row in rows]
         means[metric] = (
             None if any(v is None for v in values) else float(torch.tensor(values, dtype=torch.float64).mean())

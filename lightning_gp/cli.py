@@ -4,6 +4,7 @@
     lightning-gp fit --config configs/fedsgd_magnitude_pruning.yaml --trainer.fast_dev_run=true
     lightning-gp test --config configs/fedsgd_undefended.yaml --ckpt_path=path/to/last.ckpt
     lightning-gp attack --config configs/attack_inverting_gradients.yaml
+    lightning-gp refiner train-evaluator --config configs/refiner_evaluator_1ch.yaml
 
 Models, datamodules and callbacks are chosen by class path in the YAML (``class_path:
 lightning_gp.callbacks.MagnitudePruning``); any importable LightningModule or datamodule works.
@@ -45,12 +46,17 @@ class LightningGPCLI(LightningCLI):
 
 
 def main(args: Any = None) -> None:
-    """Console entry point (``lightning-gp``): ``attack`` runs an audit, the rest is LightningCLI."""
+    """Console entry point (``lightning-gp``): ``attack`` (an audit), ``refiner`` (Refiner tools), else LightningCLI."""
     argv = sys.argv[1:] if args is None else args
     if isinstance(argv, list) and argv[:1] == ["attack"]:
         from lightning_gp.attack_cli import main as attack_main
 
         attack_main(argv[1:])
+        return
+    if isinstance(argv, list) and argv[:1] == ["refiner"]:
+        from lightning_gp.refiner.cli import main as refiner_main
+
+        refiner_main(argv[1:])
         return
     LightningGPCLI(args=args)
 

@@ -4,7 +4,8 @@
    every client's gradient — and measures test accuracy and the bytes each client uploaded.
 2. Privacy: attacks the gradients four clients shared in a FedSGD round (one image each, the
    model at initialisation) with iDLG and Inverting Gradients, without and with the defense,
-   and scores the reconstructions (PSNR, SSIM, LPIPS against the privacy thresholds).
+   and scores the reconstructions (PSNR, SSIM, LPIPS, Refiner's noise ratio against the privacy
+   thresholds).
 
 Writes ``demo_output/report.md`` (+ ``report.json``), one comparison grid per attack
 (``audit_<attack>.png``) and the tapped gradients of client 0, round 0 (``taps/``).
@@ -112,7 +113,11 @@ def audit(
                     "seconds_per_image": sum(r.seconds for r in results) / len(results),
                 }
             )
-            print(f"   PSNR {means['psnr']:.2f} dB, SSIM {means['ssim']:.3f}, LPIPS {means['lpips']:.3f}", flush=True)
+            print(
+                f"   PSNR {means['psnr']:.2f} dB, SSIM {means['ssim']:.3f}, LPIPS {means['lpips']:.3f}, "
+                f"noise ratio {_fmt(means['noise_ratio'])}",
+                flush=True,
+            )
             grid_rows.append(
                 (
                     setting,
@@ -123,6 +128,10 @@ def audit(
             )
         save_comparison_grid(grid_rows, output_dir / f"audit_{name}.png")
     return rows
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
 
 
 def write_report(results: list[dict[str, Any]], audit_rows: list[dict[str, Any]], output_dir: Path) -> Path:
@@ -162,17 +171,25 @@ def write_report(results: list[dict[str, Any]], audit_rows: list[dict[str, Any]]
             "Four clients, one image each, FedSGD round 0 (LeNetZhu at initialisation). The server "
             "attacks exactly the gradient each client shared. Private when PSNR < "
             f"{PRIVACY_THRESHOLDS['psnr']:g} dB, SSIM < {PRIVACY_THRESHOLDS['ssim']:g}, "
-            f"LPIPS > {PRIVACY_THRESHOLDS['lpips']:g}."
+            f"LPIPS > {PRIVACY_THRESHOLDS['lpips']:g}, noise ratio > {PRIVACY_THRESHOLDS['noise_ratio']:g} "
+            "(Refiner's evaluation network: the predicted share of noise in the reconstruction)."
         ),
         "",
-        "| attack | setting | PSNR (dB) | SSIM | LPIPS | label acc | private (PSNR/SSIM/LPIPS) | s/image | grid |",
-        "|---|---|---|---|---|---|---|---|---|",
+        (
+            "| attack | setting | PSNR (dB) | SSIM | LPIPS | noise ratio | label acc "
+            "| private (PSNR/SSIM/LPIPS/noise ratio) | s/image | grid |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in audit_rows:
-        verdict = "/".join("yes" if r["private"][m] else "no" for m in ("psnr", "ssim", "lpips"))
+        verdict = "/".join(
+            "n/a" if r["private"].get(m) is None else "yes" if r["private"][m] else "no"
+            for m in ("psnr", "ssim", "lpips", "noise_ratio")
+        )
         lines.append(
             f"| {r['attack']} | {r['setting']} | {r['psnr']:.2f} | {r['ssim']:.3f} | {r['lpips']:.3f} | "
-            f"{r['label_accuracy']:.2f} | {verdict} | {r['seconds_per_image']:.1f} | `audit_{r['attack']}.png` |"
+            f"{_fmt(r['noise_ratio'])} | {r['label_accuracy']:.2f} | {verdict} | {r['seconds_per_image']:.1f} | "
+            f"`audit_{r['attack']}.png` |"
         )
     lines += ["", "Tapped shared gradients of client 0, round 0 of the training runs are in `taps/`."]
     path = output_dir / "report.md"

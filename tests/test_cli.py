@@ -9,7 +9,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
-FIT_CONFIGS = [c for c in CONFIGS if not c.stem.startswith("attack_")]
+# attack_*: `lightning-gp attack`; refiner_evaluator_*: `lightning-gp refiner train-evaluator`
+FIT_CONFIGS = [c for c in CONFIGS if not c.stem.startswith(("attack_", "refiner_evaluator_"))]
 ATTACK_CONFIGS = [c for c in CONFIGS if c.stem.startswith("attack_")]
 
 

@@ -344,7 +344,7 @@ def test_report_thresholds_and_serialisation(sample, lpips_metric):
         _reconstruction(sample, 0.0, torch.arange(8), None), sample["images"], mean_std, lpips_fn=lpips_metric
     )
     assert math.isinf(exact.means["psnr"]) and exact.means["ssim"] == pytest.approx(1.0)
-    assert exact.private == {"psnr": False, "ssim": False, "lpips": False}
+    assert exact.private == {"psnr": False, "ssim": False, "lpips": False, "noise_ratio": False}
     data = exact.to_dict()
     assert data["means"]["psnr"] == "inf" and data["rows"][0]["psnr"] == "inf"
     json.dumps(data, allow_nan=False)  # strictly JSON-safe
@@ -355,7 +355,8 @@ def test_report_thresholds_and_serialisation(sample, lpips_metric):
         images=(torch.rand(sample["images"].shape, generator=g) - sample["mean"][0]) / sample["std"][0], labels=None
     )
     leak_free = reconstruction_report(noise, sample["images"], mean_std, lpips_fn=lpips_metric)
-    assert leak_free.private == {"psnr": True, "ssim": True, "lpips": True} and leak_free.private_on_all
+    assert leak_free.private == {"psnr": True, "ssim": True, "lpips": True, "noise_ratio": True}
+    assert leak_free.private_on_all
 
     no_lpips = reconstruction_report(noise, sample["images"], mean_std, lpips=False)
     assert no_lpips.means["lpips"] is None and no_lpips.private["lpips"] is None
@@ -363,11 +364,11 @@ def test_report_thresholds_and_serialisation(sample, lpips_metric):
 
 
 def test_privacy_flags_directions():
-    assert PRIVACY_THRESHOLDS == {"psnr": 15.0, "ssim": 0.5, "lpips": 0.05}
-    private = privacy_flags({"psnr": 14.9, "ssim": 0.49, "lpips": 0.051}, PRIVACY_THRESHOLDS)
-    leaky = privacy_flags({"psnr": 15.1, "ssim": 0.51, "lpips": 0.049}, PRIVACY_THRESHOLDS)
-    assert private == {"psnr": True, "ssim": True, "lpips": True}
-    assert leaky == {"psnr": False, "ssim": False, "lpips": False}
+    assert PRIVACY_THRESHOLDS == {"psnr": 15.0, "ssim": 0.5, "lpips": 0.05, "noise_ratio": 0.4}
+    private = privacy_flags({"psnr": 14.9, "ssim": 0.49, "lpips": 0.051, "noise_ratio": 0.41}, PRIVACY_THRESHOLDS)
+    leaky = privacy_flags({"psnr": 15.1, "ssim": 0.51, "lpips": 0.049, "noise_ratio": 0.39}, PRIVACY_THRESHOLDS)
+    assert private == {"psnr": True, "ssim": True, "lpips": True, "noise_ratio": True}
+    assert leaky == {"psnr": False, "ssim": False, "lpips": False, "noise_ratio": False}
     with pytest.raises(ValueError, match="unknown metric"):
         privacy_flags({}, {"noise": 0.4})
 

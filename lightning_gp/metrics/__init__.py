@@ -1,12 +1,14 @@
-"""Reconstruction metrics: MSE, PSNR, SSIM, LPIPS-AlexNet, PriPrune's NMI; batch matching; reports; figures.
+"""Reconstruction metrics: MSE, PSNR, SSIM, LPIPS-AlexNet, PriPrune's NMI, Refiner's noise ratio; matching; reports.
 
 All metrics take pixel images in [0, 1] (``[B, C, H, W]``; PSNR and SSIM: [0, data_range]) and
 return one value per image (``[B]``); normalised or 8-bit images, NaN and inf are refused.
 ``reconstruction_report`` denormalises an attack's output, matches it to the client's batch and
-checks the privacy thresholds (PSNR < 15, SSIM < 0.5, LPIPS > 0.05 are "private").
+checks the privacy thresholds (PSNR < 15, SSIM < 0.5, LPIPS > 0.05, noise ratio > 0.4 are
+"private"). ``noise_ratio`` scores a reconstruction alone with Refiner's evaluation network
+(shipped for 1- and 3-channel images; higher is noisier, more private).
 
-``ReconstructionPSNR``, ``ReconstructionSSIM``, ``ReconstructionLPIPS`` and ``ReconstructionNMI``
-are torchmetrics ``Metric`` classes over the same functions: they match each update's
+``ReconstructionPSNR``, ``ReconstructionSSIM``, ``ReconstructionLPIPS``, ``ReconstructionNMI`` and
+``ReconstructionNoiseRatio`` are torchmetrics ``Metric`` classes over the same functions: they match each update's
 reconstructions to the originals, keep the per-image values (synced across processes) and
 compute their mean, the least private value (``reduction="worst"``) or all of them::
 
@@ -18,6 +20,7 @@ compute their mean, the least private value (``reduction="worst"``) or all of th
 from lightning_gp.metrics.classes import (
     ReconstructionLPIPS,
     ReconstructionNMI,
+    ReconstructionNoiseRatio,
     ReconstructionPSNR,
     ReconstructionSSIM,
 )
@@ -35,6 +38,7 @@ from lightning_gp.metrics.lpips import (
 )
 from lightning_gp.metrics.matching import MATCH_METRICS, match_reconstructions, pairwise_scores
 from lightning_gp.metrics.nmi import nmi
+from lightning_gp.metrics.noise_ratio import noise_ratio
 from lightning_gp.metrics.report import (
     HIGHER_IS_PRIVATE,
     PRIVACY_THRESHOLDS,
@@ -55,6 +59,7 @@ __all__ = [
     "LPIPSWeightsNotFoundError",
     "ReconstructionLPIPS",
     "ReconstructionNMI",
+    "ReconstructionNoiseRatio",
     "ReconstructionPSNR",
     "ReconstructionReport",
     "ReconstructionSSIM",
@@ -65,6 +70,7 @@ __all__ = [
     "match_reconstructions",
     "mse",
     "nmi",
+    "noise_ratio",
     "pairwise_scores",
     "privacy_flags",
     "psnr",

@@ -1,8 +1,8 @@
-"""torchmetrics ``Metric`` classes for reconstruction quality: PSNR, SSIM, LPIPS-AlexNet and NMI.
+"""torchmetrics ``Metric`` classes for reconstruction quality: PSNR, SSIM, LPIPS-AlexNet, NMI, noise ratio.
 
 They accumulate the per-image values of the functional metrics (:func:`~lightning_gp.metrics.psnr`,
 :func:`~lightning_gp.metrics.ssim`, :class:`~lightning_gp.metrics.LPIPS`,
-:func:`~lightning_gp.metrics.nmi`) over ``update`` calls, so reconstruction quality logs like any
+:func:`~lightning_gp.metrics.nmi`, :func:`~lightning_gp.metrics.noise_ratio`) over ``update`` calls, so reconstruction quality logs like any
 torchmetrics metric (``self.log("psnr", metric)`` in a LightningModule, ``update``/``compute``/
 ``reset``, states gathered across processes before ``compute``)::
 
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torchmetrics import Metric
 from torchmetrics.utilities.data import dim_zero_cat
 
@@ -42,6 +42,7 @@ from lightning_gp.metrics.image_quality import check_image_pair, check_pixel_ran
 from lightning_gp.metrics.lpips import LPIPSNetwork, load_lpips_weights, lpips_with_network
 from lightning_gp.metrics.matching import MATCH_METRICS, match_reconstructions
 from lightning_gp.metrics.nmi import _AVERAGES, nmi
+from lightning_gp.metrics.noise_ratio import noise_ratio, shipped_evaluator
 from lightning_gp.metrics.report import HIGHER_IS_PRIVATE
 from lightning_gp.validation import check_bool, check_choice, check_int
 
@@ -228,3 +229,58 @@ class ReconstructionLPIPS(_ReconstructionMetric):
 
     def _score(self, reconstructions: Tensor, originals: Tensor) -> Tensor:
         return self._lpips(reconstructions, originals)
+
+
+class ReconstructionNoiseRatio(_ReconstructionMetric):
+    """Refiner's noise ratio of reconstructions per image: the evaluation network's score (Sec. 3.3, App. N).
+
+    No reference is needed for the value (``originals`` only align the batch when ``match``);
+    higher is more private, and Refiner counts a reconstruction below 0.4 as leaking. The shipped
+    network for the images' channel count (1 or 3) is used unless ``checkpoint`` names a file
+    written by ``lightning-gp refiner train-evaluator``; it is loaded on the first update onto the
+    inputs' device and is not part of the metric's ``state_dict``.
+
+    Args:
+        checkpoint: an evaluation network checkpoint file, or None for the shipped networks.
+        reduction, match, match_metric, kwargs: as :class:`ReconstructionPSNR` ("worst" is the
+            smallest noise ratio).
+    """
+
+    metric_name = "noise_ratio"
+    higher_is_better = not HIGHER_IS_PRIVATE["noise_ratio"]
+    plot_lower_bound = 0.0
+    plot_upper_bound = 1.0
+
+    def __init__(
+        self,
+        checkpoint: str | Path | None = None,
+        reduction: str = "mean",
+        match: bool = True,
+        match_metric: str = "mse",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(reduction, match, match_metric, **kwargs)
+        if checkpoint is not None:
+            if not isinstance(checkpoint, (str, Path)):
+                raise TypeError(f"checkpoint must be a file path or None, got {type(checkpoint).__name__}")
+            if not Path(checkpoint).is_file():
+                raise FileNotFoundError(f"checkpoint {str(checkpoint)!r}: no such evaluation network file")
+        self.checkpoint = None if checkpoint is None else str(checkpoint)
+        # Plain dict, not submodules: the pretrained networks stay out of state_dict and DDP.
+        self._evaluators: dict[tuple[int, str], nn.Module] = {}
+
+    def evaluator(self, channels: int, device: torch.device) -> nn.Module:
+        """The evaluation network for ``channels``-channel images on ``device`` (loaded once)."""
+        key = (channels, str(device))
+        if key not in self._evaluators:
+            if self.checkpoint is None:
+                self._evaluators[key] = shipped_evaluator(channels, str(device))
+            else:
+                from lightning_gp.refiner.evaluator import load_evaluator
+
+                self._evaluators[key] = load_evaluator(channels, path=self.checkpoint, map_location=device)
+        return self._evaluators[key]
+
+    def _score(self, reconstructions: Tensor, originals: Tensor) -> Tensor:
+        evaluator = self.evaluator(reconstructions.shape[1], reconstructions.device)
+        return noise_ratio(reconstructions, evaluator=evaluator)

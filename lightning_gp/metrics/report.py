@@ -1,8 +1,11 @@
 """Score one reconstruction against the client's batch: per-image metrics, means, thresholds.
 
-Thresholds (Refiner, Sec. 5 "Privacy protection" and App. N): below PSNR 15, below SSIM 0.5 and
-above LPIPS 0.05 a human no longer sees the private image. A defense is "private" on a metric
-when the batch mean crosses that threshold in the private direction.
+Thresholds (Refiner, Sec. 5 "Privacy protection" and App. N): below PSNR 15, below SSIM 0.5,
+above LPIPS 0.05 and above a noise ratio of 0.4 (Refiner's evaluation network, see
+:mod:`lightning_gp.metrics.noise_ratio`) a human no longer sees the private image. A defense is
+"private" on a metric when the batch mean crosses that threshold in the private direction. The
+noise ratio is "n/a" (with the reason in ``ReconstructionReport.unavailable``) for images with a
+channel count no shipped evaluation network takes.
 """
 
 from __future__ import annotations
@@ -24,10 +27,17 @@ from lightning_gp.metrics.matching import MATCH_METRICS, match_reconstructions
 from lightning_gp.metrics.nmi import nmi
 from lightning_gp.normalization import denormalize, per_channel
 
-PRIVACY_THRESHOLDS: dict[str, float] = {"psnr": 15.0, "ssim": 0.5, "lpips": 0.05}
-# True: a higher value means more private (less similar to the original).
-HIGHER_IS_PRIVATE: dict[str, bool] = {"mse": True, "psnr": False, "ssim": False, "lpips": True, "nmi": False}
-METRICS = ("mse", "psnr", "ssim", "lpips", "nmi")
+PRIVACY_THRESHOLDS: dict[str, float] = {"psnr": 15.0, "ssim": 0.5, "lpips": 0.05, "noise_ratio": 0.4}
+# True: a higher value means more private (less similar to the original; for the noise ratio: noisier).
+HIGHER_IS_PRIVATE: dict[str, bool] = {
+    "mse": True,
+    "psnr": False,
+    "ssim": False,
+    "lpips": True,
+    "nmi": False,
+    "noise_ratio": True,
+}
+METRICS = ("mse", "psnr", "ssim", "lpips", "nmi", "noise_ratio")
 
 
 @dataclass
@@ -43,6 +53,7 @@ class ImageScores:
     nmi: float
     true_label: int | None = None
     predicted_label: int | None = None  # the matched reconstruction's label, if the attack gave labels
+    noise_ratio: float | None = None  # the evaluation network's score of the reconstruction (None: not computed)
 
 
 @dataclass
@@ -61,6 +72,8 @@ class ReconstructionReport:
             right label (meaningful for attacks that optimise one label per image, e.g. DLG).
         private: per thresholded metric, whether the mean crosses the threshold in the private
             direction (``None`` when the metric was not computed).
+        unavailable: metric -> why it could not be computed (e.g. no evaluation network for the
+            images' channel count); such a metric shows as "n/a".
         permutation: ``reconstruction.images[permutation]`` aligns with the originals.
         original_pixels, reconstructed_pixels: the aligned images in [0, 1] (for figures; not
             part of ``to_dict``).
@@ -77,6 +90,7 @@ class ReconstructionReport:
     permutation: list[int]
     original_pixels: Tensor | None = field(default=None, repr=False, compare=False)
     reconstructed_pixels: Tensor | None = field(default=None, repr=False, compare=False)
+    unavailable: dict[str, str] = field(default_factory=dict)
 
     @property
     def batch_size(self) -> int:
@@ -100,6 +114,7 @@ class ReconstructionReport:
             "thresholds": dict(self.thresholds),
             "private": dict(self.private),
             "private_on_all": self.private_on_all,
+            "unavailable": dict(self.unavailable),
             "permutation": list(self.permutation),
             "rows": [asdict(row) for row in self.rows],
         }
@@ -120,16 +135,24 @@ class ReconstructionReport:
             side = "-" if threshold is None else ("> " if HIGHER_IS_PRIVATE[name] else "< ") + f"{threshold:g}"
             flag = self.private.get(name)
             verdict = "-" if flag is None else ("yes" if flag else "no")
-            lines.append(f"| {name} | {_fmt(self.means.get(name))} | {side} | {verdict} |")
+            mean = _fmt(self.means.get(name))
+            if name in self.unavailable:
+                mean = verdict = "n/a"
+            lines.append(f"| {name} | {mean} | {side} | {verdict} |")
+        for name, reason in self.unavailable.items():
+            lines += ["", f"{name} n/a: {reason}"]
         lines.append("")
         lines.append(
             f"Label accuracy (multiset): {_fmt(self.label_accuracy)}; per matched image: {_fmt(self.matched_label_accuracy)}"
         )
-        lines += ["", "| # | matched | mse | psnr | ssim | lpips | nmi | label | predicted |", "| --- " * 9 + "|"]
+        header = "| # | matched | mse | psnr | ssim | lpips | nmi | noise ratio | label | predicted |"
+        lines += ["", header, "| --- " * 10 + "|"]
+        ratio_na = "noise_ratio" in self.unavailable
         for r in self.rows:
+            ratio = "n/a" if ratio_na else _fmt(r.noise_ratio)
             lines.append(
                 f"| {r.index} | {r.matched_index} | {_fmt(r.mse)} | {_fmt(r.psnr)} | {_fmt(r.ssim)} | "
-                f"{_fmt(r.lpips)} | {_fmt(r.nmi)} | {_fmt(r.true_label)} | {_fmt(r.predicted_label)} |"
+                f"{_fmt(r.lpips)} | {_fmt(r.nmi)} | {ratio} | {_fmt(r.true_label)} | {_fmt(r.predicted_label)} |"
             )
         return "\n".join(lines) + "\n"
 
@@ -207,6 +230,8 @@ def reconstruction_report(
     thresholds: Mapping[str, float] = PRIVACY_THRESHOLDS,
     match_metric: str = "mse",
     lpips_fn: torch.nn.Module | None = None,
+    noise_ratio: bool = True,
+    evaluator: torch.nn.Module | None = None,
 ) -> ReconstructionReport:
     """Score an attack's reconstruction against the client's (normalised) batch.
 
@@ -214,7 +239,8 @@ def reconstruction_report(
     ``(mean, std)``), the reconstructions are matched to the originals
     (:func:`~lightning_gp.metrics.matching.match_reconstructions` on ``match_metric``), and every
     matched pair is scored with MSE, PSNR, SSIM, LPIPS-AlexNet (unless ``lpips=False``) and
-    PriPrune's NMI.
+    PriPrune's NMI; each reconstruction gets Refiner's noise ratio (unless ``noise_ratio=False``;
+    "n/a" with the reason in ``unavailable`` when no evaluation network takes its channel count).
 
     Args:
         reconstruction: the attack's output (``images`` normalised, in the attack's order).
@@ -225,6 +251,8 @@ def reconstruction_report(
         thresholds: metric -> threshold for the privacy verdicts (default Refiner's).
         match_metric: similarity used to align the batches ("mse", "psnr", "ssim", "lpips").
         lpips_fn: an LPIPS module to reuse (default: :class:`~lightning_gp.metrics.lpips.LPIPS`).
+        noise_ratio: score each reconstruction with the evaluation network.
+        evaluator: the evaluation network to use (default: the shipped one for the channel count).
     """
     if not isinstance(reconstruction, Reconstruction):
         raise TypeError(f"reconstruction must be a Reconstruction, got {type(reconstruction).__name__}")
@@ -263,6 +291,13 @@ def reconstruction_report(
         }
         if lpips_fn is not None and lpips:
             scores["lpips"] = lpips_fn(matched, orig_px)
+        unavailable: dict[str, str] = {}
+        if noise_ratio:
+            ratio = _noise_ratio_or_reason(matched, evaluator)
+            if isinstance(ratio, str):
+                unavailable["noise_ratio"] = ratio
+            else:
+                scores["noise_ratio"] = ratio
 
     true = None if true_labels is None else [int(v) for v in true_labels.detach().cpu().tolist()]
     predicted_all = (
@@ -285,6 +320,7 @@ def reconstruction_report(
             nmi=float(scores["nmi"][i]),
             true_label=None if true is None else true[i],
             predicted_label=None if predicted is None else predicted[i],
+            noise_ratio=float(scores["noise_ratio"][i]) if "noise_ratio" in scores else None,
         )
         for i in range(batch)
     ]
@@ -305,4 +341,16 @@ def reconstruction_report(
         permutation=[int(v) for v in perm.tolist()],
         original_pixels=orig_px,
         reconstructed_pixels=matched,
+        unavailable=unavailable,
     )
+
+
+def _noise_ratio_or_reason(pixels: Tensor, evaluator: torch.nn.Module | None) -> Tensor | str:
+    """The noise ratio ``[B]`` of ``pixels``, or why no evaluation network can score them."""
+    from lightning_gp.metrics.noise_ratio import noise_ratio
+    from lightning_gp.refiner.evaluator import EvaluatorUnavailableError
+
+    try:
+        return noise_ratio(pixels, evaluator=evaluator)
+    except EvaluatorUnavailableError as err:
+        return str(err)

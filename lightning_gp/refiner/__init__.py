@@ -6,6 +6,7 @@
 * :class:`EvaluationNetwork`, :func:`load_evaluator`: the privacy measure ``D`` and its shipped checkpoints.
 """
 
+from lightning_gp.refiner.evaluator import EvaluationNetwork, EvaluatorUnavailableError, load_evaluator
 from lightning_gp.refiner.module import IndexedDataset, RefinerModule
 from lightning_gp.refiner.robust_data import (
     RefinedBatch,
@@ -18,11 +19,14 @@ from lightning_gp.refiner.robust_data import (
 )
 
 __all__ = [
+    "EvaluationNetwork",
+    "EvaluatorUnavailableError",
     "IndexedDataset",
     "RefinedBatch",
     "RefinerConfig",
     "RefinerModule",
     "layer_index",
+    "load_evaluator",
     "project_upload",
     "refine",
     "utility_measure",

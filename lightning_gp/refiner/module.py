@@ -38,7 +38,7 @@ from lightning_gp.functional import LossFn
 from lightning_gp.normalization import per_channel
 from lightning_gp.refiner.robust_data import RefinedBatch, RefinerConfig, refine
 from lightning_gp.seeding import seeded_generator
-from lightning_gp.validation import check_bool, check_positive
+from lightning_gp.validation import check_bool, check_choice, check_positive
 
 WarmCache = dict[int, dict[int, Tensor]]  # client -> dataset index -> robust pixels [C, H, W]
 
@@ -77,7 +77,9 @@ class RefinerModule(pl.LightningModule):
             utility: see :class:`~lightning_gp.refiner.RefinerConfig` (defaults: the paper's
             alpha 0.5, beta 1, I = 10, warm I = 5, tau 0.95, eps 0.1, global projection).
         warm_start: cache each sample's ``x*`` and start from it next time (Sec. 6.3).
-        learning_rate: the model's SGD learning rate when ``module`` configures no optimizer.
+        optimizer, learning_rate: the model's optimizer (``"sgd"`` or ``"adam"``) and its learning rate, used
+            when ``module`` configures none. In LightningCLI configs wrap a plain ``nn.Module`` and use these:
+            LightningCLI gives a LightningModule nested in another the outer one's hyperparameters.
         seed: seeds every client's noise blend (keyed by seed, client and step).
 
     Example::
@@ -90,7 +92,7 @@ class RefinerModule(pl.LightningModule):
         self,
         module: nn.Module,
         *,
-        loss_fn: LossFn | None = None,
+        loss_fn: nn.Module | LossFn | None = None,
         mean: Sequence[float] | float | None = None,
         std: Sequence[float] | float | None = None,
         evaluator: nn.Module | str | None = None,
@@ -105,6 +107,7 @@ class RefinerModule(pl.LightningModule):
         projection: Literal["global", "layer"] = "global",
         utility: Literal["printed", "sentence"] = "printed",
         warm_start: bool = False,
+        optimizer: Literal["sgd", "adam"] = "sgd",
         learning_rate: float = 0.1,
         seed: int = 0,
     ) -> None:
@@ -152,6 +155,7 @@ class RefinerModule(pl.LightningModule):
         self.__dict__["_evaluator_spec"] = evaluator
         self.__dict__["_evaluator"] = None
         self.warm_start = check_bool(warm_start, "warm_start")
+        self.optimizer_name = check_choice(optimizer, "optimizer", ("sgd", "adam"))
         self.learning_rate = check_positive(learning_rate, "learning_rate")
         self.seed = int(seed)
         self.cache: WarmCache = {}
@@ -312,6 +316,8 @@ class RefinerModule(pl.LightningModule):
             "configure_optimizers", self.module, pl.LightningModule
         ):
             return self.module.configure_optimizers()
+        if self.optimizer_name == "adam":
+            return torch.optim.Adam(self.module.parameters(), lr=self.learning_rate)
         return torch.optim.SGD(self.module.parameters(), lr=self.learning_rate)
 
     # ------------------------------------------------------------------ warm-start state
