@@ -13,6 +13,7 @@ from lightning_gp.attacks.gradient_matching import (
 )
 from lightning_gp.attacks.labels import classification_layer, recover_labels
 from lightning_gp.attacks.optimization import DLG, IDLG, GradInversion, InvertingGradients, optimize_images
+from lightning_gp.attacks.refiner_aware import RefinerAwareInversion
 from lightning_gp.attacks.rgap import RGAP
 from lightning_gp.attacks.robbing_the_fed import ImprintBlock, ImprintedModel, RobbingTheFed
 from lightning_gp.attacks.view import ServerView
@@ -27,6 +28,7 @@ __all__ = [
     "ImprintedModel",
     "InvertingGradients",
     "Reconstruction",
+    "RefinerAwareInversion",
     "RobbingTheFed",
     "ServerView",
     "classification_layer",

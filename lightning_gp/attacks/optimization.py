@@ -74,6 +74,10 @@ class DLG(GradientAttack):
         """Fixed labels (iDLG); ``None`` to optimise soft labels jointly (DLG)."""
         return view.labels
 
+    def gradient_distance(self, guess: dict[str, Tensor], shared: dict[str, Tensor]) -> Tensor:
+        """The objective L-BFGS minimises: DLG's squared L2 distance (a subclass may swap it)."""
+        return squared_l2_distance(guess, shared)
+
     def reconstruct(self, view: ServerView) -> Reconstruction:
         view, generator = self._prepare(view)
         fixed = self._labels(view)
@@ -105,7 +109,7 @@ class DLG(GradientAttack):
             optimizer.zero_grad()
             targets = fixed if fixed is not None else label_logits.softmax(dim=-1)
             guess = parameter_gradients(view.model, view.loss_fn, images, targets)
-            loss = squared_l2_distance(guess, view.gradients)
+            loss = self.gradient_distance(guess, view.gradients)
             loss.backward()
             return loss
 
