@@ -16,12 +16,14 @@ from lightning_gp.attacks.optimization import DLG, IDLG, GradInversion, Invertin
 from lightning_gp.attacks.refiner_aware import RefinerAwareInversion
 from lightning_gp.attacks.rgap import RGAP
 from lightning_gp.attacks.robbing_the_fed import ImprintBlock, ImprintedModel, RobbingTheFed
+from lightning_gp.attacks.sgi import SGI, received_weights, recover_mask
 from lightning_gp.attacks.view import ServerView
 
 __all__ = [
     "DLG",
     "IDLG",
     "RGAP",
+    "SGI",
     "GradInversion",
     "GradientAttack",
     "ImprintBlock",
@@ -35,7 +37,9 @@ __all__ = [
     "cosine_distance",
     "optimize_images",
     "parameter_gradients",
+    "received_weights",
     "recover_labels",
+    "recover_mask",
     "squared_l2_distance",
     "total_variation",
 ]

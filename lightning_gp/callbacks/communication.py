@@ -36,6 +36,12 @@ class CommunicationMeter(SharedGradientObserver):
     Upload: each client's shared gradient. Download: the aggregated update, which every
     participating client receives; DGP's aggregate is as dense as the union of the clients'
     supports, ADGP's lies in the round's mask. Both use :func:`encoded_nbytes`.
+
+    Clients that share weights (FedAvg through a ``ClientUpdateProvider``, marked by
+    ``meta["upload"] == "weights"``, e.g. pruned FedAvg and PriPrune) are counted by what is on
+    their wire: upload = the weights sent, ``w_shared = w_global - update`` (zero where base or
+    defense pruning removed a weight, so a pruned upload costs its kept entries), download = the
+    (pruned) global model the client received that round, both encoded per layer as above.
     Logs ``comm/upload_bytes`` and ``comm/download_bytes`` (per client in the step) and the
     ratios to dense; :attr:`total_upload_bytes`, :attr:`total_download_bytes` and
     :attr:`total_dense_bytes` sum over client-rounds, :attr:`uploads` counts client uploads.
@@ -50,6 +56,7 @@ class CommunicationMeter(SharedGradientObserver):
         self._step_download = 0
         self._step_dense = 0
         self._step_uploads = 0
+        self._weights_round = False
 
     def observe(
         self,
@@ -61,11 +68,21 @@ class CommunicationMeter(SharedGradientObserver):
         batch: Any,
         meta: Mapping[str, Any],
     ) -> None:
-        self._step_upload += sum(encoded_nbytes(g) for g in gradients.values())
+        if meta.get("upload") == "weights":
+            params = dict(model.named_parameters())
+            with torch.no_grad():
+                sent = {n: params[n].detach() for n in gradients}
+                self._step_upload += sum(encoded_nbytes(sent[n] - g.to(sent[n].dtype)) for n, g in gradients.items())
+                self._step_download += sum(encoded_nbytes(w) for w in sent.values())
+            self._weights_round = True
+        else:
+            self._step_upload += sum(encoded_nbytes(g) for g in gradients.values())
         self._step_dense += sum(dense_nbytes(g) for g in gradients.values())
         self._step_uploads += 1
 
     def observe_aggregate(self, update: Mapping[str, Tensor], *, round: int, clients: int) -> None:
+        if self._weights_round:  # weight-sharing clients download the model (counted in observe)
+            return
         self._step_download += clients * sum(encoded_nbytes(u) for u in update.values())
 
     def on_train_batch_end(
@@ -84,6 +101,7 @@ class CommunicationMeter(SharedGradientObserver):
         pl_module.log("comm/download_bytes", self._step_download * per_client, on_step=True, on_epoch=False)
         pl_module.log("comm/download_ratio", self._step_download / dense, on_step=True, on_epoch=False)
         self._step_upload = self._step_download = self._step_dense = self._step_uploads = 0
+        self._weights_round = False
 
     @property
     def upload_ratio(self) -> float:

@@ -9,6 +9,7 @@ client. Both paths compute the same per-client quantities.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -19,6 +20,7 @@ from lightning_gp.functional import LossFn, frozen_state, functional_loss, train
 
 __all__ = [
     "ClientGradientProvider",
+    "ClientUpdateProvider",
     "client_gradients",
     "client_local_updates",
     "trainable_parameters",
@@ -40,6 +42,41 @@ class ClientGradientProvider(Protocol):
     def client_gradient(
         self, inputs: Tensor, targets: Tensor, *, client_id: int, round: int, sample_ids: Tensor | None = None
     ) -> tuple[dict[str, Tensor], Tensor]: ...
+
+
+@runtime_checkable
+class ClientUpdateProvider(Protocol):
+    """A client model that runs its own FedAvg client step and owns per-client state (e.g.
+    :class:`~lightning_gp.priprune.PriPruneModule`: pruned local training, a defense mask per client,
+    withheld weights kept on the client).
+
+    A client shares weights ``w_shared``; :meth:`client_update` returns them as the pseudo-gradient
+    ``w_global - w_shared`` (named like the module's trainable parameters), so the server's SGD at
+    lr 1 on the aggregate is FedAvg. Per round the simulation calls :meth:`begin_round` (server side,
+    before any client: e.g. a new pruning mask applied to the global weights), :meth:`client_update`
+    per client (inputs ``[S, B, ...]``, targets ``[S, B]``), and :meth:`aggregate_updates` on the
+    shared (post-defense) pseudo-gradients instead of the plain weighted mean. :meth:`prepare_clients`
+    runs once at setup.
+    """
+
+    def prepare_clients(self, datamodule: Any, *, num_clients: int) -> None: ...
+
+    def begin_round(self, round: int) -> None: ...
+
+    def client_update(
+        self,
+        inputs: Tensor,
+        targets: Tensor,
+        *,
+        client_id: int,
+        round: int,
+        lr: float,
+        sample_ids: Tensor | None = None,
+    ) -> tuple[dict[str, Tensor], Tensor]: ...
+
+    def aggregate_updates(
+        self, updates: Sequence[Mapping[str, Tensor]], weights: Sequence[float] | None
+    ) -> dict[str, Tensor]: ...
 
 
 def client_gradients(

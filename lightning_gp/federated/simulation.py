@@ -26,6 +26,7 @@ from lightning_gp.defenses.base import share_in_process
 from lightning_gp.federated.aggregation import weighted_mean
 from lightning_gp.federated.client_updates import (
     ClientGradientProvider,
+    ClientUpdateProvider,
     client_gradients,
     client_local_updates,
     trainable_parameters,
@@ -67,7 +68,8 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
     Args:
         module: the client model, an ``nn.Module`` or a ``LightningModule``; its ``forward(x)``
             gives the outputs, and a LightningModule's ``configure_optimizers`` (if it defines
-            one) builds the server optimizer.
+            one) builds the server optimizer. A ``ClientGradientProvider`` (FedSGD, e.g. RefinerModule)
+            or ``ClientUpdateProvider`` (FedAvg, e.g. PriPruneModule) runs its own client step.
         datamodule: where the data comes from: its ``train_dataset`` is split among the clients
             and its val/test loaders evaluate the global model. Pass it here, not to ``fit``.
         loss: the client loss (mean over the batch); default: ``module.loss_fn`` if present,
@@ -151,6 +153,11 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
             raise ValueError(
                 f"{type(module).__name__} computes each client's FedSGD gradient itself (one batch, one upload); "
                 "use algorithm='fedsgd'"
+            )
+        if isinstance(module, ClientUpdateProvider) and algorithm != "fedavg":
+            raise ValueError(
+                f"{type(module).__name__} runs each client's FedAvg local training itself and shares weights; "
+                "use algorithm='fedavg'"
             )
         if vectorize and updates_running_stats(module):
             raise ValueError(
@@ -249,6 +256,8 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
         datamodule.setup(stage)
         if isinstance(self.module, ClientGradientProvider):
             self.module.prepare_clients(datamodule)
+        if isinstance(self.module, ClientUpdateProvider):
+            self.module.prepare_clients(datamodule, num_clients=self.num_clients)
         if stage == "fit":
             self._build_clients(datamodule)
 
@@ -355,8 +364,11 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
         client_ids: list[int] = batch["client_ids"].tolist()
         inputs, targets = batch["inputs"], batch["targets"]
         self.module.train()
+        provider = self.module if isinstance(self.module, ClientUpdateProvider) else None
         if isinstance(self.module, ClientGradientProvider):
             updates, losses, buffers = self._provided_gradients(batch, client_ids, round_idx)
+        elif provider is not None:
+            updates, losses, buffers = self._provided_updates(provider, batch, client_ids, round_idx)
         else:
             updates, losses, buffers = self._client_updates(inputs, targets)
 
@@ -370,6 +382,8 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
             "local_steps": self.local_steps,
             "local_lr": self.local_lr,
         }
+        if provider is not None:
+            meta["upload"] = "weights"  # the client sends w_shared = w_global - update (CommunicationMeter)
         shared = [
             pipeline.process(
                 local[client],
@@ -384,7 +398,7 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
         weights = None
         if self.weighting == "num_samples" and self.client_indices is not None:
             weights = [len(self.client_indices[c]) for c in client_ids]
-        aggregate = weighted_mean(shared, weights)
+        aggregate = weighted_mean(shared, weights) if provider is None else provider.aggregate_updates(shared, weights)
         pipeline.finish_round(aggregate, round=round_idx, clients=len(client_ids))
         self._server_step(aggregate, buffers)
 
@@ -408,12 +422,33 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
             )
             per_client.append(grads)
             losses.append(loss.detach())
+        return self._stack_provided(per_client, f"{type(provider).__name__}.client_gradient"), torch.stack(losses), None
+
+    def _provided_updates(
+        self, provider: ClientUpdateProvider, batch: dict[str, Any], client_ids: list[int], round_idx: int
+    ) -> tuple[dict[str, Tensor], Tensor, None]:
+        """Each client's pseudo-gradient from a :class:`ClientUpdateProvider` module (one client at a time)."""
+        provider.begin_round(round_idx)
+        per_client, losses = [], []
+        for i, client in enumerate(client_ids):
+            update, loss = provider.client_update(
+                batch["inputs"][i],
+                batch["targets"][i],
+                client_id=client,
+                round=round_idx,
+                lr=self.local_lr,
+                sample_ids=batch["indices"][i] if "indices" in batch else None,
+            )
+            per_client.append(update)
+            losses.append(loss.detach())
+        return self._stack_provided(per_client, f"{type(provider).__name__}.client_update"), torch.stack(losses), None
+
+    def _stack_provided(self, per_client: list[dict[str, Tensor]], source: str) -> dict[str, Tensor]:
         names = list(trainable_parameters(self.module))
         missing = sorted(set(names) - set(per_client[0]))
         if missing:
-            raise ValueError(f"{type(provider).__name__}.client_gradient returned no gradient for {missing}")
-        stacked = {n: torch.stack([client[n] for client in per_client]) for n in names}
-        return stacked, torch.stack(losses), None
+            raise ValueError(f"{source} returned nothing for {missing}")
+        return {n: torch.stack([client[n] for client in per_client]) for n in names}
 
     def _client_updates(
         self, inputs: Tensor, targets: Tensor
