@@ -253,8 +253,15 @@ def attack_record(
     server_secrets: dict[str, Any] | None = None,
     labels_known: bool = False,
     lpips: bool = True,
+    noise_ratio: bool = True,
+    lpips_fn: nn.Module | None = None,
 ) -> AttackResult:
-    """Attack one tapped gradient from the server's view and score it against the client's batch."""
+    """Attack one tapped gradient from the server's view and score it against the client's batch.
+
+    ``model`` is deep-copied and given the record's weights, so the caller's model (e.g. one
+    still training, see :class:`~lightning_gp.privacy_audit.PrivacyAudit`) is never touched.
+    ``lpips``/``noise_ratio``/``lpips_fn`` go to :func:`~lightning_gp.metrics.reconstruction_report`.
+    """
     view = ServerView.from_tap(
         record,
         copy.deepcopy(model),
@@ -269,7 +276,15 @@ def attack_record(
     start = time.perf_counter()
     reconstruction = attack.reconstruct(view)
     seconds = time.perf_counter() - start
-    report = reconstruction_report(reconstruction, record.inputs, view, true_labels=record.targets, lpips=lpips)
+    report = reconstruction_report(
+        reconstruction,
+        record.inputs,
+        view,
+        true_labels=record.targets,
+        lpips=lpips,
+        lpips_fn=lpips_fn,
+        noise_ratio=noise_ratio,
+    )
     return AttackResult(record, view, reconstruction, report, seconds)
 
 

@@ -3,7 +3,14 @@
 Give them to a ``Trainer`` in the order the defenses should apply; observers (taps, meters)
 always see the gradient after every defense. :mod:`lightning_gp.callbacks.interfaces` defines the
 three roles (runs the client step, defends, observes) the pipeline is built from.
+
+``PrivacyAudit`` (attack the shared gradients during training and log the scores) lives in
+:mod:`lightning_gp.privacy_audit`, a layer above the callbacks and the metrics; it is exported
+here lazily, loaded on first access, so importing the callbacks does not import the metrics.
 """
+
+import importlib
+from typing import Any
 
 from lightning_gp.callbacks.base import GradientDefense, SharedGradientCallback, SharedGradientObserver
 from lightning_gp.callbacks.communication import CommunicationMeter, dense_nbytes, encoded_nbytes
@@ -47,6 +54,7 @@ __all__ = [
     "OptimalDPSGD",
     "OptimalGradientNoise",
     "OptimalGradientPruning",
+    "PrivacyAudit",
     "ProgressPrinter",
     "RandomPruning",
     "SensitivityGradientDefense",
@@ -58,3 +66,10 @@ __all__ = [
     "dense_nbytes",
     "encoded_nbytes",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``PrivacyAudit`` from :mod:`lightning_gp.privacy_audit`, imported on first use."""
+    if name == "PrivacyAudit":
+        return importlib.import_module("lightning_gp.privacy_audit").PrivacyAudit
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -64,7 +64,7 @@ class GradientTap(SharedGradientObserver):
         for old in [s for s in self._local_batches if s < step]:
             del self._local_batches[old]
         if not self._batches_given and self.record_data and self.wants(trainer.global_rank, step):
-            self._local_batches.setdefault(step, []).append(_to_cpu(batch))
+            self._local_batches.setdefault(step, []).append(batch_to_cpu(batch))
 
     def observe(
         self,
@@ -79,18 +79,14 @@ class GradientTap(SharedGradientObserver):
         if not self.wants(client_id, round):
             return
         if batch is None and round in self._local_batches:
-            batch = _concat_batches(self._local_batches.pop(round))
-        record = TappedGradient(
-            round=round,
+            batch = concat_batches(self._local_batches.pop(round))
+        record = tapped_record(
+            gradients,
             client_id=client_id,
-            gradients={n: g.detach().to("cpu", copy=True) for n, g in gradients.items()},
-            # tensors only: a module's extra state (e.g. Refiner's warm-start cache) is client-private
-            model_state={
-                n: t.detach().to("cpu", copy=True) for n, t in model.state_dict().items() if isinstance(t, Tensor)
-            },
-            model_class=f"{type(model).__module__}.{type(model).__qualname__}",
-            batch=_to_cpu(batch) if self.record_data else None,
-            meta=dict(meta),
+            round=round,
+            model=model,
+            batch=batch if self.record_data else None,
+            meta=meta,
         )
         self.records.append(record)
         if self.dirpath is not None:
@@ -104,17 +100,44 @@ class GradientTap(SharedGradientObserver):
         return self.records[-1]
 
 
-def _to_cpu(batch: Any) -> Any:
+def tapped_record(
+    gradients: Mapping[str, Tensor],
+    *,
+    client_id: int,
+    round: int,
+    model: nn.Module,
+    batch: Any,
+    meta: Mapping[str, Any],
+) -> TappedGradient:
+    """A :class:`TappedGradient` of one shared gradient: CPU copies of the gradient, the model's
+    tensors (its weights that round) and ``batch`` (``None``: not recorded), detached from training."""
+    return TappedGradient(
+        round=round,
+        client_id=client_id,
+        gradients={n: g.detach().to("cpu", copy=True) for n, g in gradients.items()},
+        # tensors only: a module's extra state (e.g. Refiner's warm-start cache) is client-private
+        model_state={
+            n: t.detach().to("cpu", copy=True) for n, t in model.state_dict().items() if isinstance(t, Tensor)
+        },
+        model_class=f"{type(model).__module__}.{type(model).__qualname__}",
+        batch=None if batch is None else batch_to_cpu(batch),
+        meta=dict(meta),
+    )
+
+
+def batch_to_cpu(batch: Any) -> Any:
+    """A detached CPU copy of a batch (tensors in tuples, lists and mappings; anything else as is)."""
     if isinstance(batch, Tensor):
         return batch.detach().to("cpu", copy=True)
     if isinstance(batch, (tuple, list)):
-        return type(batch)(_to_cpu(b) for b in batch)
+        return type(batch)(batch_to_cpu(b) for b in batch)
     if isinstance(batch, Mapping):
-        return {k: _to_cpu(v) for k, v in batch.items()}
+        return {k: batch_to_cpu(v) for k, v in batch.items()}
     return batch
 
 
-def _concat_batches(batches: list[Any]) -> Any:
+def concat_batches(batches: list[Any]) -> Any:
+    """The micro-batches of one optimizer step as one batch (tuples/lists of tensors concatenated)."""
     if len(batches) == 1:
         return batches[0]
     first = batches[0]

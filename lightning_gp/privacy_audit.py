@@ -1,0 +1,439 @@
+"""``PrivacyAudit``: attack what clients really share during a user's own training, and log the scores.
+
+client batch -> defenses -> **shared gradient** -> PrivacyAudit (copy) -> ServerView -> attacks -> reports -> logger
+
+The callback is an observer on the shared-gradient pipeline (like
+:class:`~lightning_gp.callbacks.GradientTap`): at the chosen steps (rounds) it keeps a copy of the
+chosen clients' shared gradient (after every defense), the weights it was computed at and the
+client's batch. After the optimizer step (``on_train_batch_end``, outside the training
+computation) it builds the server's view the way the audit does
+(:func:`~lightning_gp.audit.attack_record`: a deep copy of the model given the round's weights),
+runs each attack, scores it (:func:`~lightning_gp.metrics.reconstruction_report`) and takes the
+worst case over the attacks (:func:`~lightning_gp.metrics.worst_case_report`). Metrics go to
+every logger of the trainer (``log_metrics`` at the audited step), image grids to
+``<log_dir>/privacy_audit/`` (and to TensorBoard's ``add_image`` when a ``TensorBoardLogger`` is
+attached).
+
+The run is not changed: the attacks work on copies of the model, gradient and batch, and the
+torch (CPU and CUDA), numpy and Python ``random`` generator states are saved before the audit and
+restored after it, so the weights after training are bit-identical to a run without the callback.
+
+What is attacked is what the runner shares: a gradient on the local and DDP paths and in FedSGD;
+in a FedAvg simulation (``local_steps > 1``) the shared update of several local steps, which the
+default attacks treat as one gradient (``ServerView.meta`` says which algorithm produced it).
+
+Paths: the local path (one process is one client, id 0) and
+:class:`~lightning_gp.federated.FederatedSimulation` (client ids of the simulation; a client not
+sampled in an audited round shares nothing then, which is reported at the end of the fit). Under
+DDP each rank is one client and audits its own shared gradient when its rank is in ``clients``;
+Lightning's loggers write on rank 0 only, so other ranks' scores stay in ``results`` of that
+rank's callback.
+
+Import it as ``lightning_gp.callbacks.PrivacyAudit``. The module sits above
+:mod:`lightning_gp.callbacks` and :mod:`lightning_gp.metrics` (the metrics depend on the Refiner
+evaluation network, whose package depends on the callbacks), so ``lightning_gp.callbacks``
+re-exports it lazily.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from lightning_gp.attacks import IDLG, GradientAttack, InvertingGradients
+from lightning_gp.audit import AttackResult, attack_record
+from lightning_gp.callbacks.base import SharedGradientObserver
+from lightning_gp.callbacks.interfaces import ClientSetup
+from lightning_gp.callbacks.tap import batch_to_cpu, concat_batches, tapped_record
+from lightning_gp.metrics.figures import save_comparison_grid
+from lightning_gp.metrics.report import PRIVACY_THRESHOLDS
+from lightning_gp.metrics.worst_case import (
+    LEAK_THRESHOLDS,
+    WorstCaseReport,
+    check_metric_thresholds,
+    worst_case_report,
+)
+from lightning_gp.records import TappedGradient
+from lightning_gp.validation import check_bool, check_int
+
+#: Metrics logged per attack and for the worst case (LPIPS and the noise ratio when computed).
+LOGGED_METRICS = ("psnr", "ssim", "lpips", "noise_ratio")
+
+
+def default_attacks(batch_size: int) -> list[GradientAttack]:
+    """The audit's default attackers, on a small budget: iDLG for one image, else Inverting Gradients."""
+    if batch_size == 1:
+        return [IDLG(iterations=30)]
+    return [InvertingGradients(iterations=200)]
+
+
+@dataclass
+class AuditResult:
+    """One audited shared gradient: each attack's result and the worst case over them."""
+
+    round: int
+    client_id: int
+    attacks: list[AttackResult]
+    worst: WorstCaseReport
+    metrics: dict[str, float]
+    image_path: Path | None = None
+
+
+class _RandomState:
+    """The global generators' states (torch CPU and CUDA, numpy, Python ``random``), restorable."""
+
+    def __init__(self) -> None:
+        self.torch = torch.get_rng_state()
+        self.cuda = (
+            torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        )
+        self.numpy = np.random.get_state()
+        self.python = random.getstate()
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.torch)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+        np.random.set_state(self.numpy)
+        random.setstate(self.python)
+
+
+def _int_list(value: int | Sequence[int], name: str) -> list[int]:
+    if isinstance(value, (str, bytes)):
+        raise ValueError(f"{name} must be an int or a sequence of ints, got {value!r}")
+    values = list(value) if isinstance(value, Sequence) else [value]
+    if not values:
+        raise ValueError(f"{name} must name at least one entry, got an empty sequence")
+    return sorted({check_int(v, name, low=0) for v in values})
+
+
+class PrivacyAudit(SharedGradientObserver):
+    """Attack the chosen clients' shared gradients at chosen steps of a run and log how much leaks.
+
+    Args:
+        steps: the steps (optimizer steps; rounds of a ``FederatedSimulation``) to audit.
+        clients: the client ids to audit (0 on the local path; the rank under DDP).
+        attacks: the attackers (``GradientAttack`` instances), all run on every audited gradient;
+            ``None``: :func:`default_attacks` for the batch size (iDLG for one image, else
+            Inverting Gradients, small budgets).
+        num_classes, mean, std: what the server knows (classes; the inputs' per-channel
+            normalisation); ``None`` takes them from the datamodule (``trainer.datamodule``, or
+            the simulation's ``source_datamodule``).
+        labels_known: the threat model grants the server the client's labels.
+        lpips: score LPIPS (needs the pretrained weights, see :mod:`lightning_gp.metrics.lpips`).
+        noise_ratio: score Refiner's noise ratio (n/a for channel counts without a shipped network).
+        thresholds, leak_thresholds, max_leak_fraction: the worst-case verdict's rule
+            (see :func:`~lightning_gp.metrics.worst_case_report`).
+        save_images: write a grid (originals, each attack, the best per image) per audited gradient.
+        dirpath: where the grids go (default ``<logger.log_dir>/privacy_audit``, or the trainer's
+            ``default_root_dir`` without a logger).
+        prefix: the logged metrics' name prefix.
+
+    Logged per audited gradient (at the audited step), for each attack ``A`` and for ``worst``:
+    ``{prefix}/client{c}/{A}/{psnr,ssim,lpips,noise_ratio,leak_fraction}``, plus
+    ``{prefix}/client{c}/worst/private`` (1 private, 0 leaks) and
+    ``{prefix}/client{c}/baseline_blank/psnr`` (and ``baseline_dataset_mean/psnr``: a constant image
+    of the known per-channel mean). ``results`` keeps every :class:`AuditResult`.
+    """
+
+    def __init__(
+        self,
+        steps: int | Sequence[int] = 0,
+        clients: int | Sequence[int] = 0,
+        attacks: Sequence[GradientAttack] | None = None,
+        *,
+        num_classes: int | None = None,
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
+        labels_known: bool = False,
+        lpips: bool = True,
+        noise_ratio: bool = True,
+        thresholds: Mapping[str, float] = PRIVACY_THRESHOLDS,
+        leak_thresholds: Mapping[str, float] = LEAK_THRESHOLDS,
+        max_leak_fraction: float = 0.0,
+        save_images: bool = True,
+        dirpath: str | Path | None = None,
+        prefix: str = "privacy_audit",
+    ) -> None:
+        self.steps = _int_list(steps, "steps")
+        self.clients = _int_list(clients, "clients")
+        if attacks is not None:
+            attacks = list(attacks)
+            if not attacks:
+                raise ValueError("attacks must hold at least one GradientAttack (or be None for the defaults)")
+            for i, attack in enumerate(attacks):
+                if not isinstance(attack, GradientAttack):
+                    raise TypeError(f"attacks[{i}] must be a GradientAttack instance, got {type(attack).__name__}")
+        self.attacks = attacks
+        self.num_classes = None if num_classes is None else check_int(num_classes, "num_classes", low=2)
+        self.mean = None if mean is None else tuple(float(v) for v in mean)
+        self.std = None if std is None else tuple(float(v) for v in std)
+        self.labels_known = check_bool(labels_known, "labels_known")
+        self.lpips = check_bool(lpips, "lpips")
+        self.noise_ratio = check_bool(noise_ratio, "noise_ratio")
+        self.thresholds = check_metric_thresholds(thresholds, "thresholds")
+        self.leak_thresholds = check_metric_thresholds(leak_thresholds, "leak_thresholds")
+        if not self.leak_thresholds:
+            raise ValueError("leak_thresholds is empty: the leak rule needs at least one metric")
+        if isinstance(max_leak_fraction, bool) or not 0.0 <= float(max_leak_fraction) <= 1.0:
+            raise ValueError(f"max_leak_fraction must be in [0, 1], got {max_leak_fraction!r}")
+        self.max_leak_fraction = float(max_leak_fraction)
+        self.save_images = check_bool(save_images, "save_images")
+        self.dirpath = None if dirpath is None else Path(dirpath)
+        if not isinstance(prefix, str) or not prefix:
+            raise ValueError(f"prefix must be a non-empty string, got {prefix!r}")
+        self.prefix = prefix
+        self.results: list[AuditResult] = []
+        self._pending: list[tuple[TappedGradient, nn.Module]] = []
+        self._local_batches: dict[int, list[Any]] = {}
+        self._batches_given = False
+        self._lpips_fn: nn.Module | None = None
+        self._server: tuple[int, tuple[float, ...], tuple[float, ...]] | None = None
+
+    # ------------------------------------------------------------------ pipeline
+    def wants(self, client_id: int, round: int) -> bool:
+        return client_id in self.clients and round in self.steps
+
+    def bind(self, setup: ClientSetup) -> None:
+        never = [c for c in self.clients if c >= setup.num_clients]
+        if never:
+            raise ValueError(
+                f"PrivacyAudit(clients={self.clients}): client(s) {never} never share a gradient: this run has "
+                f"{setup.num_clients} client(s), ids 0..{setup.num_clients - 1} (on the local path the one client is 0; "
+                "under DDP the client id is the rank)"
+            )
+        self._batches_given = setup.passes_client_batches
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        max_steps = trainer.max_steps
+        if max_steps is not None and max_steps >= 0:
+            outside = [s for s in self.steps if s >= max_steps]
+            if outside:
+                raise ValueError(
+                    f"PrivacyAudit(steps={self.steps}): step(s) {outside} are outside this run, which stops after "
+                    f"max_steps={max_steps} (steps 0..{max_steps - 1})"
+                )
+        else:
+            self._check_estimated_steps(trainer)
+        past = [s for s in self.steps if s < trainer.global_step]
+        if past:
+            warnings.warn(
+                f"PrivacyAudit: step(s) {past} were run before this fit started (resumed at step "
+                f"{trainer.global_step}); they will not be audited",
+                stacklevel=2,
+            )
+        self._server = self._server_knowledge(trainer, pl_module)
+        if self.lpips and self._lpips_fn is None:  # fail at fit start, not mid-run, without LPIPS weights
+            state = _RandomState()  # building a network draws initial weights from the global generator
+            try:
+                from lightning_gp.metrics.lpips import LPIPS
+
+                self._lpips_fn = LPIPS()
+            finally:
+                state.restore()
+
+    def _check_estimated_steps(self, trainer: pl.Trainer) -> None:
+        """Without ``max_steps``, warn about steps past Lightning's estimate of the run's length."""
+        try:
+            estimate = trainer.estimated_stepping_batches
+        except Exception:  # no sized dataloader: the length is unknown, nothing to check
+            return
+        if isinstance(estimate, (int, float)) and math.isfinite(estimate):
+            outside = [s for s in self.steps if s >= estimate]
+            if outside:
+                warnings.warn(
+                    f"PrivacyAudit(steps={self.steps}): step(s) {outside} are past the estimated end of this run "
+                    f"({int(estimate)} optimizer steps); they will not be audited unless the run goes on longer",
+                    stacklevel=2,
+                )
+
+    def _server_knowledge(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule
+    ) -> tuple[int, tuple[float, ...], tuple[float, ...]]:
+        sources = [getattr(trainer, "datamodule", None), getattr(pl_module, "source_datamodule", None)]
+
+        def find(value: Any, attribute: str) -> Any:
+            if value is not None:
+                return value
+            for source in sources:
+                found = getattr(source, attribute, None)
+                if found is not None:
+                    return found
+            raise ValueError(
+                f"PrivacyAudit needs {attribute} (what the server knows of the data): pass {attribute}=... or use a "
+                f"datamodule with a {attribute!r} attribute"
+            )
+
+        num_classes = check_int(find(self.num_classes, "num_classes"), "num_classes", low=2)
+        mean = tuple(float(v) for v in find(self.mean, "mean"))
+        std = tuple(float(v) for v in find(self.std, "std"))
+        return num_classes, mean, std
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        # As GradientTap: where the runner does not hand batches to the stages, keep the batches of
+        # the optimizer step in progress (several with gradient accumulation).
+        step = trainer.global_step
+        for old in [s for s in self._local_batches if s < step]:
+            del self._local_batches[old]
+        if not self._batches_given and self.wants(trainer.global_rank, step):
+            self._local_batches.setdefault(step, []).append(batch_to_cpu(batch))
+
+    def observe(
+        self,
+        gradients: Mapping[str, Tensor],
+        *,
+        client_id: int,
+        round: int,
+        model: nn.Module,
+        batch: Any,
+        meta: Mapping[str, Any],
+    ) -> None:
+        if not self.wants(client_id, round):
+            return
+        if batch is None and round in self._local_batches:
+            batch = concat_batches(self._local_batches.pop(round))
+        record = tapped_record(gradients, client_id=client_id, round=round, model=model, batch=batch, meta=meta)
+        if record.inputs is None or record.targets is None:
+            raise ValueError(
+                f"PrivacyAudit has no client batch for client {client_id} at step {round} (path "
+                f"{meta.get('path', '?')!r}): scoring a reconstruction needs the client's (inputs, targets), as a "
+                "GradientTap with record_data=True keeps them; this runner handed none and none was seen in "
+                "on_train_batch_start"
+            )
+        self._pending.append((record, model))
+
+    # ------------------------------------------------------------------ the audit, after the step
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._run_pending(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._run_pending(trainer)
+        audited = {(r.round, r.client_id) for r in self.results}
+        missing = [
+            (s, c) for s in self.steps for c in self.clients if (s, c) not in audited and s < trainer.global_step
+        ]
+        if missing:
+            warnings.warn(
+                "PrivacyAudit: no shared gradient was seen for (step, client) "
+                f"{missing} (a simulated client not sampled in that round, or a step skipped); nothing was audited "
+                "there",
+                stacklevel=2,
+            )
+
+    def _run_pending(self, trainer: pl.Trainer) -> None:
+        pending, self._pending = self._pending, []
+        for record, model in pending:
+            state = _RandomState()
+            try:
+                with torch.enable_grad(), torch.inference_mode(False):
+                    result = self.audit(record, model)
+            finally:
+                state.restore()
+            self.results.append(result)
+            self._log(trainer, result)
+
+    def audit(self, record: TappedGradient, model: nn.Module) -> AuditResult:
+        """Attack one recorded shared gradient with every attack and take the worst case (no logging)."""
+        if self._server is None:
+            raise RuntimeError("PrivacyAudit.audit runs inside a fit (the server's knowledge is read at fit start)")
+        num_classes, mean, std = self._server
+        assert record.inputs is not None
+        attacks = self.attacks if self.attacks is not None else default_attacks(int(record.inputs.shape[0]))
+        if self.lpips and self._lpips_fn is None:
+            from lightning_gp.metrics.lpips import LPIPS
+
+            self._lpips_fn = LPIPS()
+        results = [
+            attack_record(
+                record,
+                model,
+                attack,
+                num_classes=num_classes,
+                mean=mean,
+                std=std,
+                labels_known=self.labels_known,
+                lpips=self.lpips,
+                noise_ratio=self.noise_ratio,
+                lpips_fn=self._lpips_fn,
+            )
+            for attack in attacks
+        ]
+        worst = worst_case_report(
+            [r.report for r in results],
+            thresholds=self.thresholds,
+            leak_thresholds=self.leak_thresholds,
+            max_leak_fraction=self.max_leak_fraction,
+            # the normalisation mean is the data's per-channel pixel mean: the "dataset mean" guess
+            dataset_mean=mean if all(0.0 <= v <= 1.0 for v in mean) else None,
+        )
+        return AuditResult(record.round, record.client_id, results, worst, self._metrics(record.client_id, worst))
+
+    def _metrics(self, client_id: int, worst: WorstCaseReport) -> dict[str, float]:
+        base = f"{self.prefix}/client{client_id}"
+        metrics: dict[str, float] = {}
+        for name, means in [*worst.attack_means.items(), ("worst", worst.means)]:
+            for metric in LOGGED_METRICS:
+                value = means.get(metric)
+                if value is not None:
+                    metrics[f"{base}/{name}/{metric}"] = float(value)
+        for name in worst.attacks:
+            leaked = sum(name in row.leaked_by for row in worst.rows)
+            metrics[f"{base}/{name}/leak_fraction"] = leaked / worst.batch_size
+        metrics[f"{base}/worst/leak_fraction"] = worst.leak_fraction
+        metrics[f"{base}/worst/private"] = 1.0 if worst.is_private else 0.0
+        for baseline in worst.baselines:
+            metrics[f"{base}/baseline_{baseline.name.replace(' ', '_')}/psnr"] = baseline.means["psnr"]
+        return metrics
+
+    def _log(self, trainer: pl.Trainer, result: AuditResult) -> None:
+        for logger in trainer.loggers:
+            logger.log_metrics(result.metrics, step=result.round)
+        if not self.save_images:
+            return
+        folder = self.dirpath
+        if folder is None:
+            log_dir = next((lg.log_dir for lg in trainer.loggers if getattr(lg, "log_dir", None)), None)
+            folder = Path(log_dir or trainer.default_root_dir) / "privacy_audit"
+        result.image_path = self._save_grid(result, folder / f"step{result.round}_client{result.client_id}.png")
+        if result.image_path is None:
+            return
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                from matplotlib.image import imread
+
+                image = imread(str(result.image_path))[..., :3]
+                logger.experiment.add_image(
+                    f"{self.prefix}/client{result.client_id}", image, global_step=result.round, dataformats="HWC"
+                )
+
+    def _save_grid(self, result: AuditResult, path: Path) -> Path | None:
+        worst = result.worst
+        rows: list[tuple[str, Tensor, Tensor, Any]] = []
+        for name, attack_result in zip(worst.attacks, result.attacks):
+            original, reconstructed = attack_result.pixels()
+            rows.append((name, original, reconstructed, attack_result.report))
+        if len(rows) > 1 and worst.original_pixels is not None and worst.best_psnr_pixels is not None:
+            scores = [{"psnr": r.values["psnr"], "ssim": r.values["ssim"]} for r in worst.rows]
+            rows.append(("best per image", worst.original_pixels, worst.best_psnr_pixels, scores))
+        try:
+            return save_comparison_grid(rows, path)
+        except ValueError as err:  # e.g. a channel count a grid cannot show
+            warnings.warn(f"PrivacyAudit: no image grid for step {result.round}: {err}", stacklevel=2)
+            return None

@@ -1,0 +1,175 @@
+"""PrivacyAudit: attacks the shared gradient during training, logs through a real CSVLogger, changes nothing.
+
+Tiny real runs (a 12x12 CNN, 1-3 steps, attack budgets of a few iterations) on the local path and
+in a FederatedSimulation; each audited run is compared bit for bit with the same run without it.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from helpers import RandomImages, quiet_trainer, small_cnn
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_gp.attacks import IDLG, InvertingGradients
+from lightning_gp.callbacks import MagnitudePruning, PrivacyAudit
+from lightning_gp.federated import FederatedSimulation
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+KNOWN = dict(num_classes=4, mean=(0.5,), std=(0.25,))  # what the server knows of the tiny task
+
+
+class TinyModule(L.LightningModule):
+    """A CNN with dropout: training draws from the global RNG every step, so an audit that moved the
+    generator (e.g. by building the noise-ratio network) would change the weights after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = small_cnn()
+        self.dropout = nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(self.dropout(x))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def loader(batch_size: int = 1) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    images = (torch.rand(8, 1, 12, 12, generator=g) - 0.5) / 0.25  # pixels in [0, 1], normalised
+    return DataLoader(TensorDataset(images, torch.randint(0, 4, (8,), generator=g)), batch_size=batch_size)
+
+
+def tiny_attacks() -> list:
+    return [IDLG(iterations=2, max_iter=3), InvertingGradients(iterations=4)]
+
+
+def fit_local(callbacks: list, logger=False, steps: int = 3) -> TinyModule:
+    L.seed_everything(0)
+    module = TinyModule()
+    quiet_trainer(max_steps=steps, logger=logger, log_every_n_steps=1, callbacks=callbacks).fit(module, loader())
+    return module
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def assert_same_weights(a: nn.Module, b: nn.Module) -> None:
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert pa.keys() == pb.keys()
+    for name in pa:
+        assert torch.equal(pa[name], pb[name]), name
+
+
+def test_local_path_logs_to_a_csv_logger_and_leaves_the_weights_bit_identical(tmp_path) -> None:
+    baseline = fit_local([MagnitudePruning(0.5)])
+    audit = PrivacyAudit(steps=[0, 2], attacks=tiny_attacks(), **KNOWN)
+    logger = CSVLogger(tmp_path, name="run")
+    audited = fit_local([MagnitudePruning(0.5), audit], logger=logger)
+    assert_same_weights(baseline, audited)
+
+    assert [(r.round, r.client_id) for r in audit.results] == [(0, 0), (2, 0)]
+    rows = read_csv(Path(logger.log_dir) / "metrics.csv")
+    columns = set(rows[0])
+    for name in ("IDLG", "InvertingGradients", "worst"):
+        for metric in ("psnr", "ssim", "lpips", "noise_ratio", "leak_fraction"):
+            assert f"privacy_audit/client0/{name}/{metric}" in columns, (name, metric)
+    assert "privacy_audit/client0/worst/private" in columns and "privacy_audit/client0/baseline_blank/psnr" in columns
+    assert "privacy_audit/client0/baseline_dataset_mean/psnr" in columns  # a constant image of the known mean
+    logged = {int(r["step"]): r for r in rows if r.get("privacy_audit/client0/worst/psnr")}
+    assert sorted(logged) == [0, 2]
+    for result in audit.results:
+        row = logged[result.round]
+        worst = result.worst
+        assert float(row["privacy_audit/client0/worst/psnr"]) == pytest.approx(worst.means["psnr"], rel=1e-6)
+        per_attack = [float(row[f"privacy_audit/client0/{n}/psnr"]) for n in ("IDLG", "InvertingGradients")]
+        assert float(row["privacy_audit/client0/worst/psnr"]) == pytest.approx(max(per_attack), rel=1e-6)  # batch of 1
+        assert float(row["privacy_audit/client0/worst/leak_fraction"]) == worst.leak_fraction
+        # what was attacked is what left the client: the pruned gradient at that step's weights
+        shared = result.attacks[0].record.gradients
+        assert math.isclose(float((shared["net.3.weight"] == 0).float().mean()), 0.5, abs_tol=0.02)
+        assert result.image_path is not None and result.image_path.is_file()
+        assert result.image_path.parent == Path(logger.log_dir) / "privacy_audit"
+
+
+def test_simulation_path_audits_chosen_clients_without_changing_the_run(tmp_path) -> None:
+    def simulation() -> FederatedSimulation:
+        torch.manual_seed(0)
+        return FederatedSimulation(
+            small_cnn(),
+            datamodule=RandomImages(),
+            num_clients=4,
+            clients_per_round=4,
+            local_batch_size=2,
+            server_optimizer="sgd",
+            server_lr=0.5,
+            seed=3,
+        )
+
+    def fit(callbacks: list, logger=False) -> FederatedSimulation:
+        L.seed_everything(0)
+        sim = simulation()
+        quiet_trainer(max_steps=2, logger=logger, log_every_n_steps=1, callbacks=callbacks).fit(sim)
+        return sim
+
+    baseline = fit([])
+    audit = PrivacyAudit(
+        steps=1, clients=[0, 2], attacks=[InvertingGradients(iterations=3)], lpips=False, noise_ratio=False, **KNOWN
+    )
+    logger = CSVLogger(tmp_path, name="sim")
+    audited = fit([audit], logger=logger)
+    assert_same_weights(baseline.module, audited.module)
+
+    assert sorted((r.round, r.client_id) for r in audit.results) == [(1, 0), (1, 2)]
+    for result in audit.results:
+        record = result.attacks[0].record
+        assert record.inputs.shape == (2, 1, 12, 12) and record.meta["path"] == "simulation"
+        assert result.worst.batch_size == 2 and 0.0 <= result.worst.leak_fraction <= 1.0
+    columns = set(read_csv(Path(logger.log_dir) / "metrics.csv")[0])
+    for client in (0, 2):
+        assert f"privacy_audit/client{client}/InvertingGradients/psnr" in columns
+        assert f"privacy_audit/client{client}/worst/leak_fraction" in columns
+    assert "privacy_audit/client0/worst/noise_ratio" not in columns  # noise_ratio=False: not scored, not logged
+
+
+def test_bad_inputs_are_clear_errors(tmp_path) -> None:
+    with pytest.raises(ValueError, match="attacks must hold at least one"):
+        PrivacyAudit(attacks=[])
+    with pytest.raises(TypeError, match=r"attacks\[0\] must be a GradientAttack"):
+        PrivacyAudit(attacks=[IDLG])  # the class, not an instance
+    with pytest.raises(ValueError, match="steps"):
+        PrivacyAudit(steps=[])
+    with pytest.raises(ValueError, match="clients"):
+        PrivacyAudit(clients=-1)
+    with pytest.raises(ValueError, match="leak_thresholds: unknown metric"):
+        PrivacyAudit(leak_thresholds={"accuracy": 0.9})
+    with pytest.raises(ValueError, match=r"client\(s\) \[3\] never share"):
+        fit_local([PrivacyAudit(clients=[0, 3], attacks=tiny_attacks(), **KNOWN)], steps=1)
+    with pytest.raises(ValueError, match=r"step\(s\) \[5\] are outside this run.*max_steps=2"):
+        fit_local([PrivacyAudit(steps=[1, 5], attacks=tiny_attacks(), **KNOWN)], steps=2)
+    with pytest.raises(ValueError, match="needs num_classes"):
+        fit_local([PrivacyAudit(attacks=tiny_attacks(), mean=(0.5,), std=(0.25,))], steps=1)
+    L.seed_everything(0)
+    late = PrivacyAudit(steps=[0, 20], attacks=tiny_attacks(), lpips=False, noise_ratio=False, **KNOWN)
+    with pytest.warns(UserWarning, match=r"step\(s\) \[20\] are past the estimated end of this run \(8"):
+        quiet_trainer(max_epochs=1, default_root_dir=tmp_path, callbacks=[late]).fit(TinyModule(), loader())
+    assert [r.round for r in late.results] == [0]
+    assert (tmp_path / "privacy_audit" / "step0_client0.png").is_file()  # no logger: grids under default_root_dir
+    audit = PrivacyAudit(attacks=tiny_attacks(), **KNOWN)
+    with pytest.raises(ValueError, match="record_data=True"):
+        audit.observe({}, client_id=0, round=0, model=small_cnn(), batch=None, meta={"path": "local"})
