@@ -54,7 +54,7 @@ from lightning_gp.attacks import IDLG, GradientAttack, InvertingGradients
 from lightning_gp.audit import AttackResult, attack_record
 from lightning_gp.callbacks.base import SharedGradientObserver
 from lightning_gp.callbacks.interfaces import ClientSetup
-from lightning_gp.callbacks.tap import batch_to_cpu, concat_batches, tapped_record
+from lightning_gp.callbacks.tap import StepBatches, tapped_record
 from lightning_gp.metrics.figures import save_comparison_grid
 from lightning_gp.metrics.report import PRIVACY_THRESHOLDS
 from lightning_gp.metrics.worst_case import (
@@ -195,8 +195,7 @@ class PrivacyAudit(SharedGradientObserver):
         self.prefix = prefix
         self.results: list[AuditResult] = []
         self._pending: list[tuple[TappedGradient, nn.Module]] = []
-        self._local_batches: dict[int, list[Any]] = {}
-        self._batches_given = False
+        self.batches = StepBatches()
         self._lpips_fn: nn.Module | None = None
         self._server: tuple[int, tuple[float, ...], tuple[float, ...]] | None = None
 
@@ -212,7 +211,7 @@ class PrivacyAudit(SharedGradientObserver):
                 f"{setup.num_clients} client(s), ids 0..{setup.num_clients - 1} (on the local path the one client is 0; "
                 "under DDP the client id is the rank)"
             )
-        self._batches_given = setup.passes_client_batches
+        self.batches.given = setup.passes_client_batches
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
@@ -283,13 +282,8 @@ class PrivacyAudit(SharedGradientObserver):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        # As GradientTap: where the runner does not hand batches to the stages, keep the batches of
-        # the optimizer step in progress (several with gradient accumulation).
         step = trainer.global_step
-        for old in [s for s in self._local_batches if s < step]:
-            del self._local_batches[old]
-        if not self._batches_given and self.wants(trainer.global_rank, step):
-            self._local_batches.setdefault(step, []).append(batch_to_cpu(batch))
+        self.batches.keep(step, batch, wanted=self.wants(trainer.global_rank, step))
 
     def observe(
         self,
@@ -303,8 +297,7 @@ class PrivacyAudit(SharedGradientObserver):
     ) -> None:
         if not self.wants(client_id, round):
             return
-        if batch is None and round in self._local_batches:
-            batch = concat_batches(self._local_batches.pop(round))
+        batch = self.batches.take(round, batch)
         record = tapped_record(gradients, client_id=client_id, round=round, model=model, batch=batch, meta=meta)
         if record.inputs is None or record.targets is None:
             raise ValueError(

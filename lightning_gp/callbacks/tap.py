@@ -40,8 +40,7 @@ class GradientTap(SharedGradientObserver):
         self.dirpath = dirpath
         self.record_data = check_bool(record_data, "record_data")
         self.records: list[TappedGradient] = []
-        self._local_batches: dict[int, list[Any]] = {}
-        self._batches_given = False
+        self.batches = StepBatches()
 
     def wants(self, client_id: int, round: int) -> bool:
         return client_id == self.client_id and (self.rounds is None or round in self.rounds)
@@ -52,19 +51,13 @@ class GradientTap(SharedGradientObserver):
                 f"GradientTap(client_id={self.client_id}) would never record: this run has {setup.num_clients} "
                 f"client(s), ids 0..{setup.num_clients - 1} (under DDP the client id is the rank)"
             )
-        self._batches_given = setup.passes_client_batches
+        self.batches.given = setup.passes_client_batches
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        # When the runner does not hand the batch to the stages (local, DDP), the hook that sees the
-        # gradient does not see the batch: keep the batches of the optimizer step in progress
-        # (several with gradient accumulation).
         step = trainer.global_step
-        for old in [s for s in self._local_batches if s < step]:
-            del self._local_batches[old]
-        if not self._batches_given and self.record_data and self.wants(trainer.global_rank, step):
-            self._local_batches.setdefault(step, []).append(batch_to_cpu(batch))
+        self.batches.keep(step, batch, wanted=self.record_data and self.wants(trainer.global_rank, step))
 
     def observe(
         self,
@@ -78,8 +71,7 @@ class GradientTap(SharedGradientObserver):
     ) -> None:
         if not self.wants(client_id, round):
             return
-        if batch is None and round in self._local_batches:
-            batch = concat_batches(self._local_batches.pop(round))
+        batch = self.batches.take(round, batch)
         record = tapped_record(
             gradients,
             client_id=client_id,
@@ -98,6 +90,31 @@ class GradientTap(SharedGradientObserver):
                 f"GradientTap recorded nothing: client {self.client_id} shared no gradient in rounds {self.rounds}"
             )
         return self.records[-1]
+
+
+class StepBatches:
+    """The client's batches of the optimizer step in progress, for observers that need them.
+
+    When the runner does not hand the batch to the stages (local, DDP), the hook that sees the
+    gradient does not see the batch: observers keep it from ``on_train_batch_start`` (several
+    micro-batches with gradient accumulation) and take it back when the gradient arrives.
+    """
+
+    def __init__(self) -> None:
+        self.given = False  # the runner passes each client's batch to the stages itself
+        self._steps: dict[int, list[Any]] = {}
+
+    def keep(self, step: int, batch: Any, *, wanted: bool) -> None:
+        for old in [s for s in self._steps if s < step]:
+            del self._steps[old]
+        if wanted and not self.given:
+            self._steps.setdefault(step, []).append(batch_to_cpu(batch))
+
+    def take(self, step: int, batch: Any) -> Any:
+        """``batch`` if the runner gave one, else the kept batches of ``step`` as one (or ``None``)."""
+        if batch is None and step in self._steps:
+            return concat_batches(self._steps.pop(step))
+        return batch
 
 
 def tapped_record(
