@@ -174,6 +174,42 @@ def optimize_images(
     return images.detach(), trace
 
 
+def best_of_restarts(
+    objective: Callable[[Tensor], Tensor],
+    start: Callable[[], Tensor],
+    *,
+    restarts: int,
+    iterations: int,
+    lr: float,
+    signed: bool,
+    bounds: tuple[Tensor, Tensor] | None,
+    lr_decay: bool,
+    report: Callable[[int, int, float], None],
+) -> tuple[Tensor, list[float], float, int, list[float]]:
+    """Run :func:`optimize_images` from ``restarts`` starts (``start()`` draws each) and keep the run
+    with the lowest final objective (the attacker's own criterion; a non-finite one never wins).
+
+    Returns ``(images, loss_trace, objective, best_restart, objectives)``.
+    """
+    runs = []
+    for restart in range(restarts):
+        images, trace = optimize_images(
+            objective,
+            start(),
+            iterations=iterations,
+            lr=lr,
+            signed=signed,
+            bounds=bounds,
+            lr_decay=lr_decay,
+            report=report,
+        )
+        with torch.enable_grad():
+            final = float(objective(images).detach())
+        runs.append((final if math.isfinite(final) else math.inf, restart, images, trace))
+    final, restart, images, trace = min(runs, key=lambda r: r[0])
+    return images, trace, final, restart, [r[0] for r in runs]
+
+
 class InvertingGradients(GradientAttack):
     """Inverting Gradients (Geiping et al., NeurIPS 2020, Eq. 4).
 
@@ -225,28 +261,23 @@ class InvertingGradients(GradientAttack):
         view, generator = self._prepare(view)
         labels = view.labels if view.labels is not None else recover_labels(view).to(view.device)
         objective = self.objective(view, labels)
-        runs = []
-        for restart in range(self.restarts):
-            images, trace = optimize_images(
-                objective,
-                _random_images(view, generator),
-                iterations=self.iterations,
-                lr=self.lr,
-                signed=self.signed,
-                bounds=view.data_bounds() if self.boxed else None,
-                lr_decay=self.lr_decay,
-                report=self._report,
-            )
-            with torch.enable_grad():
-                final = float(objective(images).detach())
-            runs.append((final if math.isfinite(final) else math.inf, restart, images, trace))
-        final, restart, images, trace = min(runs, key=lambda r: r[0])
+        images, trace, final, restart, objectives = best_of_restarts(
+            objective,
+            lambda: _random_images(view, generator),
+            restarts=self.restarts,
+            iterations=self.iterations,
+            lr=self.lr,
+            signed=self.signed,
+            bounds=view.data_bounds() if self.boxed else None,
+            lr_decay=self.lr_decay,
+            report=self._report,
+        )
         return Reconstruction(
             images=images,
             labels=labels,
             loss_trace=trace,
             attack=type(self).__name__,
-            meta={"objective": final, "best_restart": restart, "objectives": [r[0] for r in runs]},
+            meta={"objective": final, "best_restart": restart, "objectives": objectives},
         )
 
 

@@ -57,7 +57,7 @@ from torch import Tensor
 from lightning_gp.attacks.base import GradientAttack, Reconstruction
 from lightning_gp.attacks.gradient_matching import cosine_distance, parameter_gradients, total_variation
 from lightning_gp.attacks.labels import recover_labels
-from lightning_gp.attacks.optimization import IDLG, optimize_images
+from lightning_gp.attacks.optimization import IDLG, best_of_restarts
 from lightning_gp.attacks.view import ServerView
 from lightning_gp.normalization import normalize
 from lightning_gp.validation import check_bool, check_choice, check_nonnegative, check_positive, check_positive_int
@@ -255,23 +255,17 @@ class RefinerAwareInversion(GradientAttack):
         """Restarts of the IG optimiser from N(0, 1), drawn from a generator seeded with ``seed``
         (so ``"invert"`` repeats :class:`InvertingGradients` exactly); the lowest objective wins."""
         generator = torch.Generator(device=view.device).manual_seed(self.seed)
-        runs = []
-        for restart in range(self.restarts):
-            init = torch.randn((view.batch_size, *view.input_shape), generator=generator, device=view.device)
-            images, trace = optimize_images(
-                objective,
-                init,
-                iterations=self.iterations,
-                lr=self.lr,
-                signed=self.signed,
-                bounds=view.data_bounds() if self.boxed else None,
-                lr_decay=self.lr_decay,
-                report=self._report,
-            )
-            with torch.enable_grad():
-                final = float(objective(images).detach())
-            runs.append((final if math.isfinite(final) else math.inf, restart, images, trace))
-        final, restart, images, trace = min(runs, key=lambda r: r[0])
+        images, trace, final, restart, _ = best_of_restarts(
+            objective,
+            lambda: torch.randn((view.batch_size, *view.input_shape), generator=generator, device=view.device),
+            restarts=self.restarts,
+            iterations=self.iterations,
+            lr=self.lr,
+            signed=self.signed,
+            bounds=view.data_bounds() if self.boxed else None,
+            lr_decay=self.lr_decay,
+            report=self._report,
+        )
         return images, trace, final, restart
 
     def _ball_lbfgs(self, view: ServerView, labels: Tensor) -> tuple[Tensor, list[float], float]:

@@ -32,7 +32,7 @@ from torch.func import functional_call
 from lightning_gp.attacks.base import GradientAttack, Reconstruction
 from lightning_gp.attacks.gradient_matching import cosine_distance, parameter_gradients, total_variation
 from lightning_gp.attacks.labels import recover_labels
-from lightning_gp.attacks.optimization import optimize_images
+from lightning_gp.attacks.optimization import best_of_restarts
 from lightning_gp.attacks.view import ServerView
 from lightning_gp.validation import check_choice, check_nonnegative, check_positive, check_positive_int
 
@@ -207,26 +207,24 @@ class SGI(GradientAttack):
                 torch.cat([low.expand(shape).flatten(), -label_room.to(low)]),
                 torch.cat([high.expand(shape).flatten(), label_room.to(high)]),
             )
-        runs = []
-        for restart in range(self.restarts):
-            images = torch.randn(shape, generator=generator, device=view.device)
-            parts = [images.flatten()]
+
+        def start() -> Tensor:
+            parts = [torch.randn(shape, generator=generator, device=view.device).flatten()]
             if fixed is None:
                 parts.append(torch.randn((view.batch_size, view.num_classes), generator=generator, device=view.device))
-            packed, trace = optimize_images(
-                objective,
-                torch.cat([p.flatten() for p in parts]),
-                iterations=self.iterations,
-                lr=self.lr,
-                signed=self.signed,
-                bounds=bounds,
-                lr_decay=self.lr_decay,
-                report=self._report,
-            )
-            with torch.enable_grad():
-                final = float(objective(packed).detach())
-            runs.append((final if math.isfinite(final) else math.inf, restart, packed, trace))
-        final, restart, packed, trace = min(runs, key=lambda r: r[0])
+            return torch.cat([p.flatten() for p in parts])
+
+        packed, trace, final, restart, objectives = best_of_restarts(
+            objective,
+            start,
+            restarts=self.restarts,
+            iterations=self.iterations,
+            lr=self.lr,
+            signed=self.signed,
+            bounds=bounds,
+            lr_decay=self.lr_decay,
+            report=self._report,
+        )
         images, label_logits = self.unpack(view, packed, fixed is None)
         labels = fixed if fixed is not None else label_logits.argmax(dim=-1)
         sent = sum(int(m.sum()) for m in mask.values())
@@ -240,7 +238,7 @@ class SGI(GradientAttack):
             meta={
                 "objective": final,
                 "best_restart": restart,
-                "objectives": [r[0] for r in runs],
+                "objectives": objectives,
                 "update": self.update_kind(view),
                 "support_fraction": sent / total if total else 0.0,
                 "local_steps": steps,
