@@ -708,6 +708,12 @@ def plot(table: list[dict], output_dir: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------- main
+def _fill_unset(args: argparse.Namespace, defaults: dict[str, Any]) -> None:
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
 def configure(args: argparse.Namespace) -> None:
     if args.tiny:
         args.quick = True
@@ -722,9 +728,7 @@ def configure(args: argparse.Namespace) -> None:
             "repeats": 3,
             "bn_round": 2,
         }
-        for key, value in defaults.items():
-            if getattr(args, key) is None:
-                setattr(args, key, value)
+        _fill_unset(args, defaults)
         args.alphas = args.alphas or [0.0, 0.5, 0.9]
         args.epsilons = args.epsilons or [0.01, 0.1]
     if args.tiny:
@@ -741,9 +745,7 @@ def configure(args: argparse.Namespace) -> None:
         "repeats": 10,
         "bn_round": 10,
     }
-    for key, value in full_defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    _fill_unset(args, full_defaults)
     args.alphas = args.alphas or list(ALPHAS)
     args.epsilons = args.epsilons or list(EPSILONS)
 

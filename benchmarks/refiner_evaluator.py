@@ -40,15 +40,8 @@ from lightning_gp.refiner.training import (
     random_crops,
     read_photo,
     scikit_image_photo_dir,
+    smooth_images,
 )
-
-
-def smooth_images(n: int, channels: int, size: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    grid = torch.rand(n, channels, 4, 4, generator=g)
-    images = torch.nn.functional.interpolate(grid, size=(size, size), mode="bilinear", align_corners=True)
-    ramp = torch.linspace(-0.2, 0.2, size).view(1, 1, 1, size) * torch.randn(n, 1, 1, 1, generator=g)
-    return (images + ramp).clamp(0, 1)
 
 
 def image_sets(limit: int) -> list[tuple[int, str, torch.Tensor]]:

@@ -32,6 +32,7 @@ from lightning_gp.refiner.training import (
     mix_with_noise,
     random_crops,
     read_photo,
+    smooth_images,
     train_evaluator,
 )
 
@@ -46,15 +47,6 @@ def chance_bound(n: int, tail: float = CHANCE_TAIL) -> int:
         total += math.comb(n, k) / 2**n
         k -= 1
     return k + 1
-
-
-def smooth_images(n: int, channels: int, size: int, seed: int) -> torch.Tensor:
-    """Smooth synthetic pictures in [0, 1]: a random 4x4 colour grid upsampled bilinearly plus a gradient."""
-    g = torch.Generator().manual_seed(seed)
-    grid = torch.rand(n, channels, 4, 4, generator=g)
-    images = torch.nn.functional.interpolate(grid, size=(size, size), mode="bilinear", align_corners=True)
-    ramp = torch.linspace(-0.2, 0.2, size).view(1, 1, 1, size) * torch.randn(n, 1, 1, 1, generator=g)
-    return (images + ramp).clamp(0, 1)
 
 
 def fraction_ranked(network: EvaluationNetwork, images: torch.Tensor, seed: int) -> tuple[float, float, float]:

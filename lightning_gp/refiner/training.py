@@ -193,6 +193,16 @@ def _pyramid(photo: np.ndarray, size: int) -> list[np.ndarray]:
     return levels
 
 
+def smooth_images(n: int, channels: int, size: int, seed: int) -> Tensor:
+    """Smooth synthetic pictures in [0, 1]: a random 4x4 colour grid upsampled bilinearly plus a gradient
+    (images no evaluation network trained on, for checks that need no dataset)."""
+    g = torch.Generator().manual_seed(seed)
+    grid = torch.rand(n, channels, 4, 4, generator=g)
+    images = torch.nn.functional.interpolate(grid, size=(size, size), mode="bilinear", align_corners=True)
+    ramp = torch.linspace(-0.2, 0.2, size).view(1, 1, 1, size) * torch.randn(n, 1, 1, 1, generator=g)
+    return (images + ramp).clamp(0, 1)
+
+
 def random_crops(photos: Sequence[np.ndarray], count: int, size: int, seed: int, tint_grey: bool = True) -> Tensor:
     """``count`` random ``size`` x ``size`` crops (uint8 ``[count, 3, size, size]``) at several scales.
 
