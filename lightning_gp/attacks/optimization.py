@@ -74,6 +74,10 @@ class DLG(GradientAttack):
         """Fixed labels (iDLG); ``None`` to optimise soft labels jointly (DLG)."""
         return view.labels
 
+    def dummy_gradient(self, view: ServerView, images: Tensor, targets: Tensor) -> dict[str, Tensor]:
+        """The gradient the dummy batch would share (a subclass may put a known defense on it)."""
+        return parameter_gradients(view.model, view.loss_fn, images, targets)
+
     def gradient_distance(self, guess: dict[str, Tensor], shared: dict[str, Tensor]) -> Tensor:
         """The objective L-BFGS minimises: DLG's squared L2 distance (a subclass may swap it)."""
         return squared_l2_distance(guess, shared)
@@ -108,7 +112,7 @@ class DLG(GradientAttack):
         def closure() -> Tensor:
             optimizer.zero_grad()
             targets = fixed if fixed is not None else label_logits.softmax(dim=-1)
-            guess = parameter_gradients(view.model, view.loss_fn, images, targets)
+            guess = self.dummy_gradient(view, images, targets)
             loss = self.gradient_distance(guess, view.gradients)
             loss.backward()
             return loss

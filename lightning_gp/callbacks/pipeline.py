@@ -76,6 +76,16 @@ class SharedGradientPipeline:
         for member in self.members:
             member.bind(setup)
 
+    def describe_defenses(self) -> list[dict[str, Any]]:
+        """What the server is assumed to know of the defenses (recorded as ``meta["defenses"]``, read by
+        the adaptive attacks): each stage's defense class name and configuration, in order."""
+        described = []
+        for stage in self.defenses:
+            inner: Any = getattr(stage, "defense", stage)
+            config = inner.config() if callable(getattr(inner, "config", None)) else {}
+            described.append({"name": type(inner).__name__, "config": dict(config)})
+        return described
+
     def begin_round(
         self, round: int, clients: list[int], local_gradients: Mapping[int, Gradients], share: Share
     ) -> None:
@@ -95,7 +105,7 @@ class SharedGradientPipeline:
     ) -> Gradients:
         """Defend one client's gradient and show the shared result to every observer."""
         shared = dict(gradients)
-        meta = meta or {}
+        meta = {**(meta or {}), "defenses": self.describe_defenses()}
         for defense in self.defenses:
             shared = defense.defend(shared, client_id=client_id, round=round, model=model, batch=batch, meta=meta)
         for observer in self.observers:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from lightning_gp.defenses.base import Defense, Gradients
 from lightning_gp.validation import check_bool, check_int
@@ -34,25 +35,27 @@ class GradientQuantization(Defense):
     def transform(
         self, gradients: Gradients, state: Gradients, generator: torch.Generator
     ) -> tuple[Gradients, Gradients]:
-        levels = max(1, 2 ** (self.bits - 1) - 1)
-        shared = {}
-        for n, g in gradients.items():
-            if g.numel() == 0:
-                shared[n] = g.clone()
-                continue
-            bound = g.abs().max()
-            if bound == 0:
-                shared[n] = g.clone()
-                continue
-            if self.bits == 1:
-                shared[n] = g.sign() * bound
-                continue
-            position = g * (levels / bound)  # in [-levels, levels]
-            if self.stochastic_rounding:
-                low = position.floor()
-                up = torch.rand(g.shape, generator=generator, device=g.device, dtype=g.dtype) < position - low
-                level = low + up
-            else:
-                level = position.round()
-            shared[n] = level.clamp(-levels, levels) * (bound / levels)
-        return shared, state
+        generator_or_none = generator if self.stochastic_rounding else None
+        return {n: quantize(g, self.bits, generator_or_none) for n, g in gradients.items()}, state
+
+
+def quantize(values: Tensor, bits: int, generator: torch.Generator | None = None) -> Tensor:
+    """:class:`GradientQuantization` of one layer: ``round(g / m * L) * m / L`` with ``m = max|g|`` and
+    ``L = 2**(bits - 1) - 1`` (``sign(g) * m`` at one bit); stochastic rounding when a ``generator``
+    is given. A zero (or empty) layer is returned as a copy."""
+    if values.numel() == 0:
+        return values.clone()
+    bound = values.abs().max()
+    if bound == 0:
+        return values.clone()
+    if bits == 1:
+        return values.sign() * bound
+    levels = 2 ** (bits - 1) - 1
+    position = values * (levels / bound)  # in [-levels, levels]
+    if generator is not None:
+        low = position.floor()
+        up = torch.rand(values.shape, generator=generator, device=values.device, dtype=values.dtype) < position - low
+        level = low + up
+    else:
+        level = position.round()
+    return level.clamp(-levels, levels) * (bound / levels)

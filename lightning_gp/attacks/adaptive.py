@@ -1,0 +1,368 @@
+"""Defense-aware gradient matching: the attacker who knows the defense (DESIGN.md, "defense-aware IG").
+
+A defense is credible only against the attacker who knows it (Carlini et al., "On Evaluating
+Adversarial Robustness", 2019: adaptive attacks). What the server knows of a defense is a
+:class:`DefenseKnowledge`; two attacks use it, so the worst case sees both optimisers:
+
+- :class:`DefenseAwareInversion`: Inverting Gradients (Geiping et al. 2020, Eq. 4: cosine + TV,
+  Adam on signed gradients, in the data box);
+- :class:`DefenseAwareIDLG`: iDLG (Zhao et al. 2020: analytic labels, squared L2, L-BFGS), with
+  restarts. On a pruned gradient the sent entries of the true batch match exactly, so the L2 match
+  on the support reaches the client's image where L-BFGS converges (restarts pick the run with the
+  lowest objective).
+
+The dummy gradient goes through what the server knows of the defense before it is compared with
+the shared one:
+
+- **support** (every pruning defense, quantisation, Soteria-style column pruning): a pruned
+  gradient reveals which entries were kept, as exact zeros; only the sent entries are compared
+  (PriPrune's SGI mask, :func:`~lightning_gp.attacks.sgi.recover_mask`, on a FedSGD gradient);
+- **known transform** (clipping, quantisation): the defense's deterministic part is applied to the
+  dummy gradient (:func:`coordinate_clip`, :func:`straight_through_quantization`,
+  ``per_example_clip`` for DP-SGD's per-example clipping), so the true batch reproduces the
+  shared gradient up to the noise;
+- **known noise** (Gaussian/Laplace/optimal noise, DP-SGD): with the per-coordinate noise std
+  ``sigma`` known, each layer is weighted by its Wiener gain ``max(0, 1 - n_l sigma^2 / ||g_l||^2)``
+  estimated from the shared gradient, so layers the noise swamps stop steering the match;
+- **skipped layers**: layers a defense is known to perturb (e.g. the layer Soteria defends) are
+  left out of the match.
+
+Which of these applies is declared per defense in :mod:`lightning_gp.attacks.registry`. An attack
+given a view whose recorded defenses (``meta["defenses"]``, written by the shared-gradient
+pipeline) include one it does not model says so (:class:`UnmodelledDefenseWarning`), runs the
+published attack instead and marks the result ``meta["fallback"]``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_gp.attacks.base import Reconstruction
+from lightning_gp.attacks.gradient_matching import (
+    cosine_distance,
+    parameter_gradients,
+    squared_l2_distance,
+    total_variation,
+)
+from lightning_gp.attacks.optimization import IDLG, InvertingGradients
+from lightning_gp.attacks.sgi import recover_mask
+from lightning_gp.attacks.view import ServerView
+from lightning_gp.defenses.quantization import quantize
+from lightning_gp.validation import check_nonnegative, check_positive, check_positive_int
+
+#: A differentiable map of the dummy gradient: the deterministic part of a defense.
+KnownTransform = Callable[[dict[str, Tensor]], dict[str, Tensor]]
+#: The noise std per coordinate of the shared gradient, fixed or read from the view (DP-SGD's
+#: ``sigma C / B`` depends on the batch size).
+NoiseStd = float | Callable[[ServerView], float]
+
+
+class UnmodelledDefenseWarning(UserWarning):
+    """An adaptive attack met a defense it does not model and fell back to the published attack."""
+
+
+def coordinate_clip(clip: float) -> KnownTransform:
+    """Clip every coordinate to ``[-clip, clip]`` (GaussianNoise(clip=...), OptimalDPSGD, Eq. 9)."""
+    clip = check_positive(clip, "clip")
+
+    def transform(gradients: dict[str, Tensor]) -> dict[str, Tensor]:
+        return {n: g.clamp(-clip, clip) for n, g in gradients.items()}
+
+    return transform
+
+
+def straight_through_quantization(bits: int) -> KnownTransform:
+    """:class:`~lightning_gp.defenses.GradientQuantization`'s rounding in the forward pass, the
+    identity in the backward pass (straight-through), so the match sees the quantised dummy
+    gradient and can still move the images."""
+    bits = check_positive_int(bits, "bits")
+
+    def transform(gradients: dict[str, Tensor]) -> dict[str, Tensor]:
+        return {n: g + (quantize(g.detach(), bits) - g).detach() for n, g in gradients.items()}
+
+    transform.straight_through = True  # type: ignore[attr-defined]  # read by DefenseKnowledge.dummy_gradient
+    return transform
+
+
+def layer_noise_weights(
+    shared: Mapping[str, Tensor], noise_std: float, support: Mapping[str, Tensor]
+) -> dict[str, float]:
+    """Per-layer Wiener gains ``max(0, 1 - n_l sigma^2 / ||g_l||^2)`` over each layer's sent entries.
+
+    ``||g_l||^2`` of the shared gradient is ``||signal||^2 + n_l sigma^2`` in expectation, so the gain
+    estimates the share of the layer's energy that is signal. When every layer is swamped, all
+    weights are 1 (there is nothing better to do than the published match).
+    """
+    weights = {}
+    for name, g in shared.items():
+        count = int(support[name].sum())
+        energy = float(g.double().pow(2).sum())
+        weights[name] = 0.0 if energy == 0 else max(0.0, 1.0 - count * noise_std**2 / energy)
+    if not any(w > 0 for w in weights.values()):
+        return dict.fromkeys(shared, 1.0)
+    return weights
+
+
+@dataclass
+class MatchPlan:
+    """How one view is matched: the layers compared, the sent entries, and each layer's weight."""
+
+    names: list[str]
+    support: dict[str, Tensor]
+    scale: dict[str, float]
+    target: dict[str, Tensor]
+
+    def restrict(self, guess: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """The dummy gradient on the compared layers and sent entries, weighted like the target."""
+        return {
+            n: torch.where(self.support[n], guess[n], torch.zeros_like(guess[n])) * self.scale[n] for n in self.names
+        }
+
+
+@dataclass
+class DefenseKnowledge:
+    """What the server knows of the defense a client ran (the adaptive attacker's model of it).
+
+    Attributes:
+        defense: the name of the defense modelled (for reports), e.g. ``"TopKPruning"``.
+        models: defense class names this knowledge covers. When a view's ``meta["defenses"]`` names
+            one outside the list, the attack falls back to the published one (and says so). Empty:
+            no check.
+        support: compare only the entries the client sent (nonzero in the shared gradient).
+        transform: the defense's deterministic part, applied to the dummy gradient.
+        per_example_clip: DP-SGD's per-example L2 bound ``C``: each dummy example's gradient is
+            scaled by ``min(1, C / ||g_b||)`` before averaging.
+        noise_std: per-coordinate std of the defense's noise (a number or a function of the view);
+            enables the per-layer Wiener weights of :func:`layer_noise_weights`.
+        skip_layers: parameter names (or prefixes ending in ``.``) left out of the match.
+        fallback_reason: set when nothing models the defense: the published attack runs and every
+            result is marked ``meta["fallback"]``.
+    """
+
+    defense: str = ""
+    models: tuple[str, ...] = ()
+    support: bool = True
+    transform: KnownTransform | None = None
+    per_example_clip: float | None = None
+    noise_std: NoiseStd | None = None
+    skip_layers: tuple[str, ...] = ()
+    fallback_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        self.models = tuple(str(m) for m in self.models)
+        self.skip_layers = tuple(str(s) for s in self.skip_layers)
+        if self.per_example_clip is not None:
+            self.per_example_clip = check_positive(self.per_example_clip, "per_example_clip")
+        if self.noise_std is not None and not callable(self.noise_std):
+            self.noise_std = check_nonnegative(self.noise_std, "noise_std")
+        if self.transform is not None and not callable(self.transform):
+            raise TypeError(
+                f"transform must be callable (a map of named gradients), got {type(self.transform).__name__}"
+            )
+
+    def describe(self) -> str:
+        parts = [f"defense={self.defense!r}"] if self.defense else []
+        parts += ["support"] if self.support else []
+        parts += ["transform"] if self.transform is not None else []
+        parts += [f"per_example_clip={self.per_example_clip:g}"] if self.per_example_clip is not None else []
+        parts += ["noise_std"] if self.noise_std is not None else []
+        parts += [f"skip_layers={list(self.skip_layers)}"] if self.skip_layers else []
+        parts += ["fallback"] if self.fallback_reason else []
+        return ", ".join(parts)
+
+    def unmodelled(self, view: ServerView) -> list[str]:
+        """Defenses recorded with the view that this knowledge does not cover."""
+        if not self.models:
+            return []
+        recorded = [d["name"] if isinstance(d, Mapping) else str(d) for d in view.meta.get("defenses", [])]
+        return [name for name in recorded if name not in self.models]
+
+    def fallback(self, view: ServerView, attack: str) -> str | None:
+        """Why ``attack`` must run the published attack on ``view`` (warned here), or ``None``."""
+        missing = self.unmodelled(view)
+        if missing:
+            warnings.warn(
+                f"{attack}({self.describe()}) models {list(self.models)}, but the client also ran {missing}: falling "
+                "back to the published attack (the result is marked meta['fallback'])",
+                UnmodelledDefenseWarning,
+                stacklevel=3,
+            )
+            return f"not modelled: {missing}"
+        return self.fallback_reason
+
+    def noise_level(self, view: ServerView) -> float | None:
+        if self.noise_std is None:
+            return None
+        return float(self.noise_std(view)) if callable(self.noise_std) else float(self.noise_std)
+
+    def plan(self, view: ServerView) -> MatchPlan:
+        """The layers, entries and per-layer weights of the match, from the shared gradient alone."""
+        names = [
+            n
+            for n in view.gradients
+            if not any(n == s or (s.endswith(".") and n.startswith(s)) for s in self.skip_layers)
+        ]
+        if not names:
+            raise ValueError(f"skip_layers {list(self.skip_layers)} leave no layer of the shared gradient to match")
+        if self.support:
+            support = recover_mask(view.gradients)
+        else:
+            support = {n: torch.ones_like(g, dtype=torch.bool) for n, g in view.gradients.items()}
+        sigma = self.noise_level(view)
+        weights = layer_noise_weights(view.gradients, sigma, support) if sigma else dict.fromkeys(view.gradients, 1.0)
+        names = [n for n in names if weights[n] > 0] or names
+        scale = {n: math.sqrt(weights[n]) for n in names}
+        return MatchPlan(names, support, scale, {n: view.gradients[n] * scale[n] for n in names})
+
+    def dummy_gradient(
+        self, view: ServerView, images: Tensor, targets: Tensor, *, straight_through: bool = True
+    ) -> dict[str, Tensor]:
+        """The gradient the dummy batch would share, through the defense's known deterministic part
+        (without a straight-through transform when ``straight_through`` is false)."""
+        if self.per_example_clip is None:
+            guess = parameter_gradients(view.model, view.loss_fn, images, targets)
+        else:
+            clipped = []
+            for x, y in zip(images, targets):
+                g = parameter_gradients(view.model, view.loss_fn, x[None], y[None])
+                norm = torch.stack([t.pow(2).sum() for t in g.values()]).sum().add(1e-24).sqrt()
+                factor = torch.clamp(self.per_example_clip / norm, max=1.0)
+                clipped.append({n: t * factor for n, t in g.items()})
+            guess = {n: torch.stack([c[n] for c in clipped]).mean(0) for n in clipped[0]}
+        if self.transform is None or (not straight_through and getattr(self.transform, "straight_through", False)):
+            return guess
+        return self.transform(guess)
+
+
+def _mark(
+    result: Reconstruction, knowledge: DefenseKnowledge, view: ServerView, plan: MatchPlan | None, reason: str | None
+) -> Reconstruction:
+    if reason is not None:
+        result.meta.update(
+            fallback=True, fallback_reason=reason, unmodelled=knowledge.unmodelled(view), defense=knowledge.defense
+        )
+        return result
+    assert plan is not None
+    sent = sum(int(plan.support[n].sum()) for n in plan.names)
+    total = sum(view.gradients[n].numel() for n in plan.names)
+    result.meta.update(
+        fallback=False,
+        defense=knowledge.defense,
+        support_fraction=sent / total if total else 0.0,
+        matched_layers=plan.names,
+    )
+    return result
+
+
+class DefenseAwareInversion(InvertingGradients):
+    """Inverting Gradients that models the defense the client ran (see the module docstring).
+
+    Args:
+        knowledge: what the server knows of the defense.
+        iterations, lr, tv_weight, restarts, signed, boxed, lr_decay: as :class:`InvertingGradients`.
+    """
+
+    def __init__(
+        self,
+        knowledge: DefenseKnowledge,
+        iterations: int = 4800,
+        lr: float = 0.1,
+        tv_weight: float = 1e-4,
+        restarts: int = 1,
+        signed: bool = True,
+        boxed: bool = True,
+        lr_decay: bool = True,
+        **kwargs,
+    ) -> None:
+        if not isinstance(knowledge, DefenseKnowledge):
+            raise TypeError(f"knowledge must be a DefenseKnowledge, got {type(knowledge).__name__}")
+        super().__init__(iterations, lr, tv_weight, restarts, signed, boxed, lr_decay, support_only=False, **kwargs)
+        self.knowledge = knowledge
+        self._plan: MatchPlan | None = None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.knowledge.describe()})"
+
+    def objective(self, view: ServerView, labels: Tensor) -> Callable[[Tensor], Tensor]:
+        plan = self._plan if self._plan is not None else self.knowledge.plan(view)
+
+        def loss(images: Tensor) -> Tensor:
+            guess = plan.restrict(self.knowledge.dummy_gradient(view, images, labels))
+            return cosine_distance(guess, plan.target, plan.names) + self.tv_weight * total_variation(images)
+
+        return loss
+
+    def reconstruct(self, view: ServerView) -> Reconstruction:
+        reason = self.knowledge.fallback(view, type(self).__name__)
+        if reason is not None:
+            published = InvertingGradients(
+                self.iterations, self.lr, self.tv_weight, self.restarts, self.signed, self.boxed, self.lr_decay,
+                seed=self.seed, device=self.device, progress_every=self.progress_every,
+            )  # fmt: skip
+            result = published.reconstruct(view)
+            result.attack = type(self).__name__
+            return _mark(result, self.knowledge, view, None, reason)
+        view, _ = self._prepare(view)
+        self._plan = self.knowledge.plan(view)
+        try:
+            result = super().reconstruct(view)
+        finally:
+            plan, self._plan = self._plan, None
+        return _mark(result, self.knowledge, view, plan, None)
+
+
+class DefenseAwareIDLG(IDLG):
+    """iDLG (analytic labels, squared L2 distance, L-BFGS) that models the defense: the L2 match runs
+    on the layers and entries of :meth:`DefenseKnowledge.plan`, each layer weighted by its Wiener
+    gain when the noise is known. A straight-through transform (quantisation) is not applied here:
+    its piecewise-constant forward pass stalls L-BFGS' line search; the support still is.
+
+    Args:
+        knowledge: what the server knows of the defense.
+        iterations, restarts, lr, max_iter, line_search, tolerance: as :class:`~lightning_gp.attacks.DLG`
+            (restarts matter here: an L-BFGS run either converges to the client's image or stalls).
+    """
+
+    def __init__(self, knowledge: DefenseKnowledge, iterations: int = 300, restarts: int = 4, **kwargs) -> None:
+        if not isinstance(knowledge, DefenseKnowledge):
+            raise TypeError(f"knowledge must be a DefenseKnowledge, got {type(knowledge).__name__}")
+        super().__init__(iterations=iterations, restarts=restarts, **kwargs)
+        self.knowledge = knowledge
+        self._plan: MatchPlan | None = None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.knowledge.describe()})"
+
+    def dummy_gradient(self, view: ServerView, images: Tensor, targets: Tensor) -> dict[str, Tensor]:
+        return self.knowledge.dummy_gradient(view, images, targets, straight_through=False)
+
+    def gradient_distance(self, guess: dict[str, Tensor], shared: dict[str, Tensor]) -> Tensor:
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("DefenseAwareIDLG.gradient_distance runs inside reconstruct only")
+        return squared_l2_distance(plan.restrict(guess), plan.target, plan.names)
+
+    def reconstruct(self, view: ServerView) -> Reconstruction:
+        reason = self.knowledge.fallback(view, type(self).__name__)
+        if reason is not None:
+            published = IDLG(
+                iterations=self.iterations, restarts=self.restarts, lr=self.lr, max_iter=self.max_iter,
+                line_search=self.line_search, tolerance=self.tolerance,
+                seed=self.seed, device=self.device, progress_every=self.progress_every,
+            )  # fmt: skip
+            result = published.reconstruct(view)
+            result.attack = type(self).__name__
+            return _mark(result, self.knowledge, view, None, reason)
+        view, _ = self._prepare(view)
+        self._plan = self.knowledge.plan(view)
+        try:
+            result = super().reconstruct(view)
+        finally:
+            plan, self._plan = self._plan, None
+        return _mark(result, self.knowledge, view, plan, None)
