@@ -23,7 +23,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import lightning as L
 import torch
@@ -145,9 +145,14 @@ def tap_fedsgd_round(
     local_batch_size: int | None = None,
     indices: Sequence[Sequence[int]] | None = None,
     positions: Sequence[Sequence[int]] | None = None,
+    algorithm: Literal["fedsgd", "fedavg"] = "fedsgd",
+    local_lr: float = 0.1,
     seed: int = 0,
 ) -> tuple[list[TappedGradient], nn.Module, dict[str, Any]]:
     """Run FedSGD through ``round`` and return the shared gradients of ``clients`` in that round.
+
+    With ``algorithm="fedavg"`` each client runs one local SGD step at ``local_lr`` instead and
+    shares that update (a module that shares weights, e.g. PriPrune, needs FedAvg).
 
     Every client takes part in every round, and each client's batch is drawn by the simulation's
     sampler, except where the attacked images are chosen:
@@ -218,6 +223,8 @@ def tap_fedsgd_round(
         local_batch_size=local_batch_size,
         server_optimizer="adam",
         server_lr=1e-3,
+        algorithm=algorithm,
+        local_lr=local_lr,
         seed=seed,
     )
     if chosen is not None:

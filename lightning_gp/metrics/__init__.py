@@ -45,6 +45,7 @@ from lightning_gp.metrics.report import (
     PRIVACY_THRESHOLDS,
     ImageScores,
     ReconstructionReport,
+    concatenate_reports,
     privacy_flags,
     reconstruction_report,
 )
@@ -77,6 +78,7 @@ __all__ = [
     "ReconstructionSSIM",
     "WorstCaseReport",
     "WorstImage",
+    "concatenate_reports",
     "load_lpips_weights",
     "lpips_distance",
     "lpips_network",

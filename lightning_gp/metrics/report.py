@@ -10,6 +10,7 @@ channel count no shipped evaluation network takes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections import Counter
@@ -354,3 +355,58 @@ def _noise_ratio_or_reason(pixels: Tensor, evaluator: torch.nn.Module | None) ->
         return noise_ratio(pixels, evaluator=evaluator)
     except EvaluatorUnavailableError as err:
         return str(err)
+
+
+def concatenate_reports(reports: Sequence[ReconstructionReport]) -> ReconstructionReport:
+    """One attack's reports on several clients' batches as one report over all their images.
+
+    Rows are renumbered in order (client after client), means are recomputed over every image, the
+    label accuracies are averaged weighted by batch size, and the pixels are concatenated, so a
+    worst case over attacks (:func:`~lightning_gp.metrics.worst_case.worst_case_report`) can judge
+    several clients together.
+    """
+    reports = list(reports)
+    if not reports:
+        raise ValueError("reports is empty: give at least one client's report")
+    names = {r.attack for r in reports}
+    if len(names) > 1:
+        raise ValueError(f"concatenate one attack's reports at a time, got attacks {sorted(names)}")
+    first = reports[0]
+    rows: list[ImageScores] = []
+    for report in reports:
+        offset = len(rows)
+        rows += [dataclasses.replace(row, index=offset + row.index) for row in report.rows]
+    means: dict[str, float | None] = {}
+    for name in METRICS:
+        values = [getattr(row, name) for row in rows]
+        means[name] = (
+            None if any(v is None for v in values) else float(torch.tensor(values, dtype=torch.float64).mean())
+        )
+
+    def weighted(attribute: str) -> float | None:
+        values = [(getattr(r, attribute), r.batch_size) for r in reports]
+        if any(v is None for v, _ in values):
+            return None
+        return sum(v * n for v, n in values) / sum(n for _, n in values)
+
+    def pixels(attribute: str) -> Tensor | None:
+        parts = [getattr(r, attribute) for r in reports]
+        return None if any(p is None for p in parts) else torch.cat(parts)
+
+    unavailable: dict[str, str] = {}
+    for report in reports:
+        unavailable.update(report.unavailable)
+    return ReconstructionReport(
+        attack=first.attack,
+        match_metric=first.match_metric,
+        rows=rows,
+        means=means,
+        label_accuracy=weighted("label_accuracy"),
+        matched_label_accuracy=weighted("matched_label_accuracy"),
+        thresholds=dict(first.thresholds),
+        private=privacy_flags(means, first.thresholds),
+        permutation=[row.matched_index for row in rows],
+        original_pixels=pixels("original_pixels"),
+        reconstructed_pixels=pixels("reconstructed_pixels"),
+        unavailable=unavailable,
+    )

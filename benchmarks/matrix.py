@@ -1,0 +1,283 @@
+"""Every defense against every attack, judged by the worst case (issue 12, part 4).
+
+Rows: every defense of the catalogue (``lightning_gp.catalog``, so Refiner, PriPrune and the
+baselines join as they register) at its default setting. Columns: DLG, iDLG, Inverting Gradients,
+GradInversion (its BatchNorm prior only where the model has BatchNorm), R-GAP (where the model
+allows it), Robbing the Fed, each defense's adaptive attack(s), and the worst case last. LeNetZhu
+at initialisation, FedSGD round 0, ``--images`` clients with one training image each (chosen by
+``--seed``, never tuned), on the full Fashion-MNIST when installed, else the built-in sample.
+
+A cell is the mean PSNR over the images with, in the Markdown, the fraction of images that attack
+leaks (PSNR > 20 dB or SSIM > 0.5); ``n/a`` cells say why the attack does not apply, ``fallback``
+cells ran the published attack because nothing models the defense, ``error`` cells failed (printed).
+The worst case takes, per image, the attacker's best over every column; a defense is private only
+if no image leaks. Each row also reports the accuracy after ``--rounds`` FedSGD rounds as a
+fraction of the undefended run's (PMM) and the bytes a client uploads per round.
+
+Writes benchmarks/results/matrix.{csv,md} and matrix_heatmap.png (``--output-dir`` to change).
+``--quick`` is a CI-sized smoke run (2 images, tiny budgets, 10 rounds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from _common import RESULTS_DIR, fashion_mnist_datasets, markdown_table
+
+from lightning_gp.attacks import UnmodelledDefenseWarning
+from lightning_gp.catalog import TrainingResult, defense_catalog, train_setting
+from lightning_gp.defense_audit import AttackBudget, SettingAudit, audit_setting, published_attacks
+from lightning_gp.metrics.lpips import LPIPS
+from lightning_gp.models import LeNetZhu
+
+
+def choose_images(datamodule: Any, count: int, seed: int) -> list[list[int]]:
+    """``count`` training images drawn by ``seed`` (one per client)."""
+    datamodule.setup("fit")
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(datamodule.train_dataset), generator=generator)[:count]
+    return [[int(i)] for i in order]
+
+
+def cell_text(audit: SettingAudit, attack: str) -> str:
+    try:
+        cell = audit.cell(attack)
+    except KeyError:
+        return "-"
+    if cell.status in ("n/a", "error"):
+        return cell.status
+    text = f"{cell.means['psnr']:.1f} ({cell.leak_fraction:.0%})"
+    return text + " fb" if cell.status == "fallback" else text
+
+
+def rows_for(audits: list[SettingAudit], columns: list[str], training: dict[str, TrainingResult]) -> list[dict]:
+    base = training.get("undefended")
+    rows = []
+    for audit in audits:
+        row: dict[str, Any] = {"defense": audit.setting}
+        for column in columns:
+            row[column] = cell_text(audit, column)
+        adaptive = [c for c in audit.cells if c.kind == "adaptive" and c.status in ("ok", "fallback")]
+        row["adaptive (best)"] = (
+            max(f"{c.means['psnr']:.1f} ({c.leak_fraction:.0%})" for c in adaptive) if adaptive else "-"
+        )
+        worst = audit.worst
+        if worst is not None:
+            row["worst PSNR"] = f"{worst.means['psnr']:.1f}"
+            row["worst SSIM"] = f"{worst.means['ssim']:.3f}"
+            row["leak fraction"] = f"{worst.leak_fraction:.0%}"
+            row["verdict"] = worst.verdict
+            row["strongest"] = ", ".join(sorted({a for r in worst.rows for a in r.leaked_by})) or "-"
+        result = training.get(audit.setting)
+        if result is not None:
+            row["test acc"] = f"{result.test_acc:.3f}"
+            row["PMM"] = f"{result.test_acc / base.test_acc:.3f}" if base is not None else "-"
+            row["upload/client-round"] = (
+                f"{result.upload_bytes_per_client_round / 1024:.1f} KiB ({result.upload_ratio:.0%})"
+            )
+        rows.append(row)
+    return rows
+
+
+def csv_rows(audits: list[SettingAudit], training: dict[str, TrainingResult]) -> list[dict]:
+    out = []
+    for audit in audits:
+        result = training.get(audit.setting)
+        for cell in audit.cells:
+            out.append(
+                {
+                    "defense": audit.setting,
+                    "attack": cell.attack,
+                    "kind": cell.kind,
+                    "status": cell.status,
+                    "psnr": cell.means.get("psnr", math.nan),
+                    "ssim": cell.means.get("ssim", math.nan),
+                    "lpips": cell.means.get("lpips", math.nan),
+                    "leak_fraction": cell.leak_fraction if cell.leak_fraction is not None else math.nan,
+                    "seconds": cell.seconds,
+                    "note": cell.note,
+                }
+            )
+        if audit.worst is not None:
+            worst = audit.worst
+            out.append(
+                {
+                    "defense": audit.setting,
+                    "attack": "worst case",
+                    "kind": "worst",
+                    "status": worst.verdict,
+                    "psnr": worst.means["psnr"],
+                    "ssim": worst.means["ssim"],
+                    "lpips": worst.means.get("lpips") if worst.means.get("lpips") is not None else math.nan,
+                    "leak_fraction": worst.leak_fraction,
+                    "seconds": sum(c.seconds for c in audit.cells),
+                    "note": f"test_acc={result.test_acc:.4f}; upload={result.upload_bytes_per_client_round:.0f}B"
+                    if result
+                    else "",
+                }
+            )
+    return out
+
+
+def heatmap(audits: list[SettingAudit], columns: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [*columns, "adaptive", "worst case"]
+    values = torch.full((len(audits), len(names)), math.nan)
+    labels = [["" for _ in names] for _ in audits]
+    for i, audit in enumerate(audits):
+        for j, column in enumerate(columns):
+            try:
+                cell = audit.cell(column)
+            except KeyError:
+                continue
+            if cell.status in ("ok", "fallback"):
+                values[i, j] = min(cell.means["psnr"], 60.0)
+                labels[i][j] = f"{cell.means['psnr']:.0f}\n{cell.leak_fraction:.0%}"
+            else:
+                labels[i][j] = cell.status
+        adaptive = [c for c in audit.cells if c.kind == "adaptive" and c.status in ("ok", "fallback")]
+        if adaptive:
+            best = max(adaptive, key=lambda c: c.means["psnr"])
+            values[i, -2] = min(best.means["psnr"], 60.0)
+            labels[i][-2] = f"{best.means['psnr']:.0f}\n{best.leak_fraction:.0%}"
+        if audit.worst is not None:
+            values[i, -1] = min(audit.worst.means["psnr"], 60.0)
+            labels[i][-1] = f"{audit.worst.means['psnr']:.0f}\n{audit.worst.leak_fraction:.0%}"
+    fig, ax = plt.subplots(figsize=(1.3 * len(names) + 3, 0.55 * len(audits) + 1.5))
+    image = ax.imshow(values.numpy(), cmap="magma_r", vmin=0, vmax=60, aspect="auto")
+    ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
+    ax.set_yticks(range(len(audits)), [a.setting for a in audits])
+    for i in range(len(audits)):
+        for j in range(len(names)):
+            ax.text(j, i, labels[i][j], ha="center", va="center", fontsize=7, color="tab:cyan")
+    fig.colorbar(image, ax=ax, label="mean PSNR (dB, capped at 60); text: PSNR / images leaked")
+    ax.set_title("Defense x attack (LeNetZhu, FedSGD round 0); worst case = per image, best attack")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="CI-sized: 2 images, tiny attack budgets, 10 rounds")
+    parser.add_argument(
+        "--sample", action="store_true", help="use the built-in sample even if the full set is installed"
+    )
+    parser.add_argument("--defenses", nargs="*", default=None, help="catalogue names (default: all)")
+    parser.add_argument("--attacks", nargs="*", default=None, help="published attacks (default: all)")
+    parser.add_argument("--images", type=int, default=None, help="attacked clients, one image each (default 4)")
+    parser.add_argument("--ig-iterations", type=int, default=None, help="Adam attacks' steps (default 1000)")
+    parser.add_argument("--lbfgs-iterations", type=int, default=None, help="L-BFGS attacks' steps (default 100)")
+    parser.add_argument("--rounds", type=int, default=None, help="training rounds for accuracy/bytes (default 200)")
+    parser.add_argument("--no-lpips", action="store_true", help="skip LPIPS")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args()
+    quick = args.quick
+    images = args.images or (2 if quick else 4)
+    budget = AttackBudget(
+        ig_iterations=args.ig_iterations or (40 if quick else 1000),
+        lbfgs_iterations=args.lbfgs_iterations or (4 if quick else 100),
+        rtf_bins=16 if quick else 64,
+    )
+    rounds = args.rounds or (10 if quick else 200)
+    for flag, value in (("--images", images), ("--rounds", rounds)):
+        if value < 1:
+            parser.error(f"{flag} must be >= 1")
+    torch.set_num_threads(args.threads)
+    datasets = fashion_mnist_datasets(full=not args.sample)
+    dataset_name = "fashion-mnist" if "fashion-mnist" in datasets else "sample"
+    datamodule = datasets[dataset_name]
+    datamodule.batch_size = 500
+    entries = defense_catalog(args.defenses)
+    published = published_attacks(budget, args.attacks)
+    columns = [s.name for s in published]
+    indices = choose_images(datamodule, images, args.seed)
+    lpips_fn = None if args.no_lpips else LPIPS()
+    print(
+        f"matrix: {len(entries)} defenses x {len(columns)} published attacks + adaptive, {images} images of "
+        f"{dataset_name} {[i[0] for i in indices]}, IG {budget.ig_iterations} / L-BFGS {budget.lbfgs_iterations} "
+        f"iterations, {rounds} training rounds",
+        flush=True,
+    )
+    audits, training = [], {}
+    for entry in entries:
+        start = time.perf_counter()
+        setting = entry.build(args.seed, 1)
+        print(f"\n== {setting.name}", flush=True)
+        L.seed_everything(args.seed, verbose=False)
+        model = LeNetZhu()
+        with warnings.catch_warnings():
+            warnings.simplefilter("always", UnmodelledDefenseWarning)
+            audit = audit_setting(
+                setting,
+                model,
+                datamodule,
+                indices=indices,
+                published=published,
+                budget=budget,
+                seed=args.seed,
+                lpips_fn=lpips_fn,
+                log=lambda line: print(line, flush=True),
+            )
+        audits.append(audit)
+        for cell in audit.cells:
+            psnr = f"{cell.means['psnr']:.1f} dB, leaks {cell.leak_fraction:.0%}" if cell.means else cell.note
+            print(f"   {cell.attack:32s} {cell.status:8s} {psnr} ({cell.seconds:.0f} s)", flush=True)
+        if audit.worst is not None:
+            print(
+                f"   worst case: {audit.worst.means['psnr']:.1f} dB, {audit.worst.leak_fraction:.0%} of images leak -> "
+                f"{audit.worst.verdict}",
+                flush=True,
+            )
+        L.seed_everything(args.seed, verbose=False)
+        training[setting.name] = train_setting(setting, LeNetZhu(), datamodule, rounds=rounds, seed=args.seed)
+        result = training[setting.name]
+        print(
+            f"   trained {rounds} rounds: test acc {result.test_acc:.3f}, upload "
+            f"{result.upload_bytes_per_client_round / 1024:.1f} KiB/client-round; {time.perf_counter() - start:.0f} s",
+            flush=True,
+        )
+
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    rows = rows_for(audits, columns, training)
+    table = markdown_table(rows)
+    preamble = (
+        f"LeNetZhu at initialisation, FedSGD round 0, {images} clients x 1 image of {dataset_name} (training indices "
+        f"{[i[0] for i in indices]}, drawn with seed {args.seed}); attacks: IG/GradInversion/adaptive Adam "
+        f"{budget.ig_iterations} iterations, DLG/iDLG/adaptive L-BFGS {budget.lbfgs_iterations} (adaptive L-BFGS: 4 "
+        f"restarts), Robbing the Fed {budget.rtf_bins} bins. Cells: mean PSNR (dB) over the images (fraction of "
+        "images that attack leaks: PSNR > 20 dB or SSIM > 0.5). 'adaptive (best)': the best of the defense's "
+        "adaptive attacks; 'fb': it fell back to the published attack. Worst case: per image the attacker's best "
+        "over every column; the verdict is 'private' only if no image leaks and the worst-case means pass "
+        f"the thresholds. Accuracy after {rounds} FedSGD rounds (10 clients x 8 images, server Adam 1e-3; PriPrune: "
+        "FedAvg, local lr 0.25; DP-SGD: one batch of 80 per step); PMM = accuracy / undefended accuracy."
+        + (" QUICK RUN: budgets far too small for conclusions." if quick else "")
+    )
+    suffix = "_quick" if quick else ""
+    (args.output_dir / f"matrix{suffix}.md").write_text(f"# matrix\n\n{preamble}\n\n{table}\n")
+    detailed = csv_rows(audits, training)
+    with open(args.output_dir / f"matrix{suffix}.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(detailed[0]))
+        writer.writeheader()
+        writer.writerows(detailed)
+    heatmap(audits, columns, args.output_dir / f"matrix{suffix}_heatmap.png")
+    print("\n" + table)
+    print(f"\nwritten: {args.output_dir / f'matrix{suffix}.md'}, .csv, matrix{suffix}_heatmap.png")
+
+
+if __name__ == "__main__":
+    main()
