@@ -35,7 +35,8 @@ from lightning_gp.attacks import (
 )
 from lightning_gp.audit import AttackResult, attack_record
 from lightning_gp.catalog import DefenseSetting, tap_defended_round
-from lightning_gp.metrics import WorstCaseReport, concatenate_reports, worst_case_report
+from lightning_gp.metrics import LEAK_THRESHOLDS, WorstCaseReport, concatenate_reports, worst_case_report
+from lightning_gp.metrics.worst_case import leaks_on
 from lightning_gp.records import TappedGradient
 from lightning_gp.validation import check_positive_int
 
@@ -145,8 +146,13 @@ class SettingAudit:
 
 
 def _leak_fraction(results: Sequence[AttackResult]) -> float:
+    """Fraction of the images one attack leaks by the worst case's rule (:data:`LEAK_THRESHOLDS`)."""
     rows = [row for r in results for row in r.report.rows]
-    return sum(row.psnr > 20.0 or row.ssim > 0.5 for row in rows) / len(rows)
+    leaked = [
+        any(getattr(row, m) is not None and leaks_on(m, getattr(row, m), t) for m, t in LEAK_THRESHOLDS.items())
+        for row in rows
+    ]
+    return sum(leaked) / len(rows)
 
 
 def _run_attack(

@@ -118,7 +118,7 @@ def test_attack_command_reports_a_bad_config_by_name(tmp_path):
     assert result.returncode != 0 and "iterations must be a positive int" in result.stderr
 
 
-def test_demo_writes_a_report_with_accuracy_bytes_and_the_audit(tmp_path):
+def test_demo_reports_cost_and_worst_case_verdicts_with_the_adaptive_attacks(tmp_path):
     run(
         [
             sys.executable,
@@ -130,26 +130,42 @@ def test_demo_writes_a_report_with_accuracy_bytes_and_the_audit(tmp_path):
             "5",
             "--idlg-iterations",
             "15",
+            "--no-lpips",
             "--output-dir",
             str(tmp_path / "out"),
         ],
         tmp_path,
     )
     report = json.loads((tmp_path / "out" / "report.json").read_text())
-    results = report["training"]
-    assert [r["name"] for r in results] == ["undefended", "magnitude_pruning"]
-    audit = {(r["attack"], r["setting"]): r for r in report["audit"]}
-    assert set(audit) == {
-        (a, s) for a in ("IDLG", "InvertingGradients") for s in ("undefended", "MagnitudePruning(0.8)")
-    }
-    # iDLG breaks the undefended client and not the pruned one, even at the demo's budget
-    assert audit["IDLG", "undefended"]["psnr"] > 40 > 20 > audit["IDLG", "MagnitudePruning(0.8)"]["psnr"]
-    assert (tmp_path / "out" / "audit_IDLG.png").exists()
-    undefended, pruned = results
-    assert 0.0 <= pruned["test_acc"] <= 1.0
+    training = report["training"]
+    assert [r["setting"] for r in training] == ["undefended", "TopKPruning(k=0.2)", "DualGradientPruning(default)"]
+    undefended, topk, dgp = training
     assert undefended["upload_ratio"] == pytest.approx(1.0)
-    assert pruned["upload_ratio"] < 0.35
-    assert undefended["download_ratio"] == pytest.approx(1.0)
-    assert pruned["upload_ratio"] <= pruned["download_ratio"] <= 1.0  # the aggregate is the union of client masks
-    assert "| magnitude_pruning |" in (tmp_path / "out" / "report.md").read_text()
-    assert (tmp_path / "out" / "taps" / "magnitude_pruning" / "round0_client0.pt").exists()
+    assert topk["upload_ratio"] < 0.35 and dgp["upload_ratio"] < 0.35
+    assert all(0.0 <= r["test_acc"] <= 1.0 for r in training)
+    audits = {a["defense"]: a for a in report["audit"]}
+    assert list(audits) == [r["setting"] for r in training]
+    kinds = {(c["attack"], c["kind"]) for c in audits["TopKPruning(k=0.2)"]["cells"]}
+    assert {("iDLG", "published"), ("IG", "published")} <= kinds
+    assert {("adaptive:DefenseAwareInversion", "adaptive"), ("adaptive:DefenseAwareIDLG", "adaptive")} <= kinds
+    assert not any(c["kind"] == "adaptive" for c in audits["undefended"]["cells"])
+    # iDLG breaks the undefended clients and not the pruned ones, even at the demo's smallest budget
+    idlg = {d: next(c for c in a["cells"] if c["attack"] == "iDLG") for d, a in audits.items()}
+    assert idlg["undefended"]["means"]["psnr"] > 40 > 20 > idlg["TopKPruning(k=0.2)"]["means"]["psnr"]
+    worst = audits["undefended"]["worst_case"]
+    assert worst["verdict"] == "leaks" and worst["leak_fraction"] == 1.0
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert "**worst case**" in text and "## Verdicts" in text and "Trivial baseline" in text
+    assert (tmp_path / "out" / "audit_TopKPruning_k_0_2.png").exists()
+    assert (tmp_path / "out" / "taps" / "TopKPruning_k_0_2" / "round0_client0.pt").exists()
+
+
+def test_demo_refuses_an_unknown_defense(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_gp.demo", "--defenses", "Nope", "--output-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert result.returncode != 0 and "the catalogue has" in result.stderr

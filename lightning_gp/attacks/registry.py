@@ -59,9 +59,9 @@ def register_adaptive_attack(defense_type: type | str, factory: AdaptiveFactory,
 def modelled_defense(defense: Any) -> Any:
     """The object whose class declares the attack: a callback's inner defense (``.defense``), or ``defense``."""
     inner = getattr(defense, "defense", None)
-    if inner is not None and _factory(inner) is not None:
-        return inner
-    return defense
+    if inner is None or (_factory(inner) is None and _factory(defense) is not None):
+        return defense
+    return inner
 
 
 def _factory(defense: Any) -> AdaptiveFactory | None:

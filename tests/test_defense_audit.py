@@ -1,0 +1,188 @@
+"""The defense catalogue, the audit engine behind the matrix and the demo, and the matrix script."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_gp.attacks import Reconstruction, ServerView, UnmodelledDefenseWarning
+from lightning_gp.callbacks import GradientDefense
+from lightning_gp.catalog import _CATALOG as CATALOG
+from lightning_gp.catalog import CatalogEntry, DefenseSetting, defense_catalog, register_defense, tap_defended_round
+from lightning_gp.data import FashionMNISTSampleDataModule
+from lightning_gp.defense_audit import AttackBudget, audit_setting, published_attacks
+from lightning_gp.defenses import Defense
+from lightning_gp.metrics import concatenate_reports, reconstruction_report
+from lightning_gp.models import LeNetZhu
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = AttackBudget(ig_iterations=5, lbfgs_iterations=2, rtf_bins=8)
+
+
+@pytest.fixture(scope="module")
+def datamodule() -> FashionMNISTSampleDataModule:
+    return FashionMNISTSampleDataModule()
+
+
+def seeded_model() -> LeNetZhu:
+    L.seed_everything(0, verbose=False)
+    return LeNetZhu()
+
+
+def test_the_catalogue_holds_at_least_ten_defenses_each_with_its_adaptive_attack():
+    entries = [e for e in defense_catalog() if e.name != "undefended"]
+    assert len(entries) >= 10
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnmodelledDefenseWarning)
+        for entry in entries:
+            setting = entry.build(0, 1)
+            assert setting.adaptive_attacks(LeNetZhu(), iterations=3), entry.name
+    assert defense_catalog(["undefended"])[0].build(0, 1).adaptive_attacks() == []
+
+
+@pytest.mark.parametrize(
+    ("name", "algorithm"), [("TopKPruning", "fedsgd"), ("DPSGD", None), ("PriPrune", "fedavg"), ("Refiner", "fedsgd")]
+)
+def test_every_runner_taps_the_defended_upload_in_the_bare_model_names(datamodule, name, algorithm):
+    setting = defense_catalog([name])[0].build(0, 1)
+    model = seeded_model()
+    records, _, _ = tap_defended_round(setting, model, datamodule, indices=[[3], [5]], seed=0)
+    names = [n for n, p in model.named_parameters()]
+    assert [r.client_id for r in records] == [0, 1]
+    for record, index in zip(records, (3, 5)):
+        assert list(record.gradients) == names
+        assert record.meta["dataset_indices"] == [index]
+        assert record.meta.get("algorithm") == algorithm
+        torch.testing.assert_close(record.inputs[0], torch.as_tensor(datamodule.train_dataset[index][0]))
+    sent_fraction = sum(int(g.ne(0).sum()) for g in records[0].gradients.values()) / sum(
+        g.numel() for g in records[0].gradients.values()
+    )
+    if name == "TopKPruning":
+        assert sent_fraction == pytest.approx(0.2, abs=0.01)  # per layer ceil/floor of 20%
+    else:
+        assert sent_fraction > 0.5
+
+
+class _Unmodelled(Defense):
+    """A defense nobody registered an adaptive attack for."""
+
+    def transform(self, gradients, state, generator):
+        return {n: g * 0.5 for n, g in gradients.items()}, state
+
+
+def test_the_audit_marks_cells_that_do_not_apply_and_adaptive_fallbacks(datamodule):
+    entry = CatalogEntry(
+        "HalfScale",
+        "test",
+        "",
+        lambda seed, channels: DefenseSetting("HalfScale", [GradientDefense(_Unmodelled(seed=0))]),
+    )
+    register_defense(entry)
+    try:
+        with pytest.raises(ValueError, match="already has a defense named"):
+            register_defense(entry)
+        setting = defense_catalog(["HalfScale"])[0].build(0, 1)
+        with pytest.warns(UnmodelledDefenseWarning, match="_Unmodelled"):
+            audit = audit_setting(
+                setting,
+                seeded_model(),
+                datamodule,
+                indices=[[0], [1]],
+                published=published_attacks(TINY, ["iDLG", "R-GAP"]),
+                budget=TINY,
+                lpips_fn=None,
+                log=lambda line: None,
+            )
+    finally:
+        CATALOG.pop("HalfScale", None)
+    assert audit.cell("R-GAP").status == "n/a" and "bias" in audit.cell("R-GAP").note
+    adaptive = [c for c in audit.cells if c.kind == "adaptive"]
+    assert adaptive and all(c.status == "fallback" for c in adaptive)
+    # the worst case covers every image of every client, from the attacks that ran
+    assert audit.worst is not None and audit.worst.batch_size == 2
+    assert "R-GAP" not in audit.worst.attacks
+
+
+def test_concatenated_reports_keep_every_image_and_recompute_the_means():
+    generator = torch.Generator().manual_seed(0)
+    originals = [torch.rand(2, 1, 12, 12, generator=generator), torch.rand(3, 1, 12, 12, generator=generator)]
+    reports = [
+        reconstruction_report(
+            Reconstruction(images=(o + 0.1 * torch.randn(o.shape, generator=generator)).clamp(0, 1), labels=None),
+            o,
+            ((0.0,), (1.0,)),
+            lpips=False,
+            noise_ratio=False,
+        )
+        for o in originals
+    ]
+    joined = concatenate_reports(reports)
+    assert [row.index for row in joined.rows] == [0, 1, 2, 3, 4]
+    psnrs = [row.psnr for r in reports for row in r.rows]
+    assert joined.means["psnr"] == pytest.approx(sum(psnrs) / 5)
+    assert joined.original_pixels.shape[0] == 5
+    with pytest.raises(ValueError, match="empty"):
+        concatenate_reports([])
+
+
+def test_unknown_catalogue_or_attack_names_are_errors_that_list_the_choices():
+    with pytest.raises(ValueError, match="the catalogue has"):
+        defense_catalog(["Nope"])
+    with pytest.raises(ValueError, match="published attacks"):
+        published_attacks(TINY, ["Nope"])
+    with pytest.raises(ValueError, match="ig_iterations"):
+        AttackBudget(ig_iterations=0)
+
+
+def test_matrix_quick_writes_the_table_the_csv_and_the_heatmap(tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "matrix.py"),
+            "--quick",
+            "--sample",
+            "--defenses",
+            "undefended",
+            "TopKPruning",
+            "--attacks",
+            "iDLG",
+            "R-GAP",
+            "--images",
+            "1",
+            "--rounds",
+            "2",
+            "--no-lpips",
+            "--output-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT / "benchmarks",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = (tmp_path / "matrix_quick.md").read_text()
+    assert "| undefended |" in table and "| TopKPruning(k=0.2) |" in table and "worst PSNR" in table
+    with open(tmp_path / "matrix_quick.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    cells = {(r["defense"], r["attack"]): r for r in rows}
+    assert cells["TopKPruning(k=0.2)", "R-GAP"]["status"] == "n/a"
+    assert cells["TopKPruning(k=0.2)", "adaptive:DefenseAwareIDLG"]["kind"] == "adaptive"
+    assert cells["undefended", "worst case"]["status"] in ("leaks", "private")
+    assert (tmp_path / "matrix_quick_heatmap.png").stat().st_size > 0
+
+
+def test_tap_sees_the_client_images_not_a_shuffled_batch(datamodule):
+    """ServerView from a tapped record of the catalogue keeps the model's shapes (a smoke check of the
+    view an attack gets)."""
+    setting = defense_catalog(["MagnitudePruning"])[0].build(0, 1)
+    records, _, _ = tap_defended_round(setting, seeded_model(), datamodule, indices=[[2]], seed=0)
+    view = ServerView.from_tap(records[0], LeNetZhu(), num_classes=10, mean=datamodule.mean, std=datamodule.std)
+    assert view.batch_size == 1 and view.input_shape == (1, 28, 28)
