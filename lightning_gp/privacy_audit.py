@@ -50,10 +50,10 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from lightning_gp.attacks import IDLG, GradientAttack, InvertingGradients
+from lightning_gp.attacks import IDLG, GradientAttack, InvertingGradients, adaptive_attacks, has_adaptive_attack
 from lightning_gp.audit import AttackResult, attack_record
 from lightning_gp.callbacks.base import SharedGradientObserver
-from lightning_gp.callbacks.interfaces import ClientSetup
+from lightning_gp.callbacks.interfaces import ClientSetup, DefenseStage
 from lightning_gp.callbacks.tap import StepBatches, tapped_record
 from lightning_gp.metrics.figures import save_comparison_grid
 from lightning_gp.metrics.report import PRIVACY_THRESHOLDS
@@ -68,6 +68,10 @@ from lightning_gp.validation import check_bool, check_int
 
 #: Metrics logged per attack and for the worst case (LPIPS and the noise ratio when computed).
 LOGGED_METRICS = ("psnr", "ssim", "lpips", "noise_ratio")
+
+
+#: The adaptive attacks' default budget in an audit (small: audits run during training).
+DEFAULT_ADAPTIVE_BUDGET = {"iterations": 200, "lbfgs_iterations": 30}
 
 
 def default_attacks(batch_size: int) -> list[GradientAttack]:
@@ -134,6 +138,11 @@ class PrivacyAudit(SharedGradientObserver):
         noise_ratio: score Refiner's noise ratio (n/a for channel counts without a shipped network).
         thresholds, leak_thresholds, max_leak_fraction: the worst-case verdict's rule
             (see :func:`~lightning_gp.metrics.worst_case_report`).
+        adaptive: also run the adaptive attacks the run's defenses declare
+            (:func:`~lightning_gp.attacks.adaptive_attacks` of each defense callback, of DP-SGD, and of
+            a defending module such as ``RefinerModule``), so the worst case covers the attacker who
+            knows the defense; ``adaptive_budget`` is their budget (``iterations``,
+            ``lbfgs_iterations``, ``restarts``).
         save_images: write a grid (originals, each attack, the best per image) per audited gradient.
         dirpath: where the grids go (default ``<logger.log_dir>/privacy_audit``, or the trainer's
             ``default_root_dir`` without a logger).
@@ -161,6 +170,8 @@ class PrivacyAudit(SharedGradientObserver):
         thresholds: Mapping[str, float] = PRIVACY_THRESHOLDS,
         leak_thresholds: Mapping[str, float] = LEAK_THRESHOLDS,
         max_leak_fraction: float = 0.0,
+        adaptive: bool = True,
+        adaptive_budget: Mapping[str, int] | None = None,
         save_images: bool = True,
         dirpath: str | Path | None = None,
         prefix: str = "privacy_audit",
@@ -188,6 +199,14 @@ class PrivacyAudit(SharedGradientObserver):
         if isinstance(max_leak_fraction, bool) or not 0.0 <= float(max_leak_fraction) <= 1.0:
             raise ValueError(f"max_leak_fraction must be in [0, 1], got {max_leak_fraction!r}")
         self.max_leak_fraction = float(max_leak_fraction)
+        self.adaptive = check_bool(adaptive, "adaptive")
+        self.adaptive_budget = dict(DEFAULT_ADAPTIVE_BUDGET if adaptive_budget is None else adaptive_budget)
+        unknown = sorted(set(self.adaptive_budget) - {"iterations", "lbfgs_iterations", "restarts"})
+        if unknown:
+            raise ValueError(f"adaptive_budget takes iterations, lbfgs_iterations and restarts, got {unknown}")
+        for key, value in self.adaptive_budget.items():
+            check_int(value, f"adaptive_budget[{key!r}]", low=1)
+        self._adaptive_attacks: list[GradientAttack] = []
         self.save_images = check_bool(save_images, "save_images")
         self.dirpath = None if dirpath is None else Path(dirpath)
         if not isinstance(prefix, str) or not prefix:
@@ -233,6 +252,7 @@ class PrivacyAudit(SharedGradientObserver):
                 stacklevel=2,
             )
         self._server = self._server_knowledge(trainer, pl_module)
+        self._adaptive_attacks = self._declared_adaptive_attacks(trainer, pl_module) if self.adaptive else []
         if self.lpips and self._lpips_fn is None:  # fail at fit start, not mid-run, without LPIPS weights
             state = _RandomState()  # building a network draws initial weights from the global generator
             try:
@@ -241,6 +261,24 @@ class PrivacyAudit(SharedGradientObserver):
                 self._lpips_fn = LPIPS()
             finally:
                 state.restore()
+
+    def _declared_adaptive_attacks(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[GradientAttack]:
+        """The adaptive attacks of the run's defenses: every defense callback (an unmodelled one gets
+        the marked fallback, with a warning), DP-SGD, and a defending module (or the module a
+        ``FederatedSimulation`` wraps)."""
+        state = _RandomState()  # building attacks must not move the run's random streams
+        try:
+            attacks: list[GradientAttack] = []
+            candidates: list[Any] = [cb for cb in trainer.callbacks if cb is not self]  # type: ignore[attr-defined]
+            candidates += [pl_module, getattr(pl_module, "module", None)]
+            for candidate in candidates:
+                if candidate is None:
+                    continue
+                if isinstance(candidate, DefenseStage) or has_adaptive_attack(candidate):
+                    attacks += adaptive_attacks(candidate, **self.adaptive_budget)
+            return attacks
+        finally:
+            state.restore()
 
     def _check_estimated_steps(self, trainer: pl.Trainer) -> None:
         """Without ``max_steps``, warn about steps past Lightning's estimate of the run's length."""
@@ -347,6 +385,7 @@ class PrivacyAudit(SharedGradientObserver):
         num_classes, mean, std = self._server
         assert record.inputs is not None
         attacks = self.attacks if self.attacks is not None else default_attacks(int(record.inputs.shape[0]))
+        attacks = [*attacks, *self._adaptive_attacks]
         if self.lpips and self._lpips_fn is None:
             from lightning_gp.metrics.lpips import LPIPS
 

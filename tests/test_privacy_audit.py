@@ -78,7 +78,8 @@ def assert_same_weights(a: nn.Module, b: nn.Module) -> None:
 
 def test_local_path_logs_to_a_csv_logger_and_leaves_the_weights_bit_identical(tmp_path) -> None:
     baseline = fit_local([MagnitudePruning(0.5)])
-    audit = PrivacyAudit(steps=[0, 2], attacks=tiny_attacks(), **KNOWN)
+    tiny_adaptive = {"iterations": 3, "lbfgs_iterations": 2}
+    audit = PrivacyAudit(steps=[0, 2], attacks=tiny_attacks(), adaptive_budget=tiny_adaptive, **KNOWN)
     logger = CSVLogger(tmp_path, name="run")
     audited = fit_local([MagnitudePruning(0.5), audit], logger=logger)
     assert_same_weights(baseline, audited)
@@ -86,7 +87,8 @@ def test_local_path_logs_to_a_csv_logger_and_leaves_the_weights_bit_identical(tm
     assert [(r.round, r.client_id) for r in audit.results] == [(0, 0), (2, 0)]
     rows = read_csv(Path(logger.log_dir) / "metrics.csv")
     columns = set(rows[0])
-    for name in ("IDLG", "InvertingGradients", "worst"):
+    attacks = ("IDLG", "InvertingGradients", "DefenseAwareInversion", "DefenseAwareIDLG")  # + the pruning's adaptive
+    for name in (*attacks, "worst"):
         for metric in ("psnr", "ssim", "lpips", "noise_ratio", "leak_fraction"):
             assert f"privacy_audit/client0/{name}/{metric}" in columns, (name, metric)
     assert "privacy_audit/client0/worst/private" in columns and "privacy_audit/client0/baseline_blank/psnr" in columns
@@ -97,7 +99,7 @@ def test_local_path_logs_to_a_csv_logger_and_leaves_the_weights_bit_identical(tm
         row = logged[result.round]
         worst = result.worst
         assert float(row["privacy_audit/client0/worst/psnr"]) == pytest.approx(worst.means["psnr"], rel=1e-6)
-        per_attack = [float(row[f"privacy_audit/client0/{n}/psnr"]) for n in ("IDLG", "InvertingGradients")]
+        per_attack = [float(row[f"privacy_audit/client0/{n}/psnr"]) for n in attacks]
         assert float(row["privacy_audit/client0/worst/psnr"]) == pytest.approx(max(per_attack), rel=1e-6)  # batch of 1
         assert float(row["privacy_audit/client0/worst/leak_fraction"]) == worst.leak_fraction
         # what was attacked is what left the client: the pruned gradient at that step's weights
@@ -158,6 +160,10 @@ def test_bad_inputs_are_clear_errors(tmp_path) -> None:
         PrivacyAudit(clients=-1)
     with pytest.raises(ValueError, match="leak_thresholds: unknown metric"):
         PrivacyAudit(leak_thresholds={"accuracy": 0.9})
+    with pytest.raises(ValueError, match="adaptive_budget takes"):
+        PrivacyAudit(adaptive_budget={"epochs": 3})
+    with pytest.raises(ValueError, match="adaptive_budget"):
+        PrivacyAudit(adaptive_budget={"iterations": 0})
     with pytest.raises(ValueError, match=r"client\(s\) \[3\] never share"):
         fit_local([PrivacyAudit(clients=[0, 3], attacks=tiny_attacks(), **KNOWN)], steps=1)
     with pytest.raises(ValueError, match=r"step\(s\) \[5\] are outside this run.*max_steps=2"):
