@@ -235,8 +235,7 @@ def main() -> None:
             )
         audits.append(audit)
         for cell in audit.cells:
-            psnr = f"{cell.means['psnr']:.1f} dB, leaks {cell.leak_fraction:.0%}" if cell.means else cell.note
-            print(f"   {cell.attack:32s} {cell.status:8s} {psnr} ({cell.seconds:.0f} s)", flush=True)
+            print(f"   {cell.summary()}", flush=True)
         if audit.worst is not None:
             print(
                 f"   worst case: {audit.worst.means['psnr']:.1f} dB, {audit.worst.leak_fraction:.0%} of images leak -> "

@@ -126,6 +126,16 @@ class Cell:
     leak_fraction: float | None = None
     seconds: float = 0.0
 
+    def summary(self) -> str:
+        """One line for progress output: the scores, or the status and why."""
+        if not self.means:
+            return f"{self.attack:32s} {self.status}: {self.note[:100]} ({self.seconds:.0f} s)"
+        marked = " (fallback)" if self.status == "fallback" else ""
+        return (
+            f"{self.attack:32s} PSNR {self.means['psnr']:.1f} dB, SSIM {self.means['ssim']:.3f}, "
+            f"{self.leak_fraction:.0%} of images leak{marked} ({self.seconds:.0f} s)"
+        )
+
 
 @dataclass
 class SettingAudit:

@@ -80,8 +80,7 @@ def audit(name: str, budget: AttackBudget, lpips_fn: Any, output_dir: Path, seed
         log=lambda line: None,
     )
     for cell in result.cells:
-        scores = f"PSNR {cell.means['psnr']:.1f} dB, {cell.leak_fraction:.0%} leak" if cell.means else cell.note
-        print(f"   {cell.attack:32s} {scores} ({cell.seconds:.0f} s)", flush=True)
+        print(f"   {cell.summary()}", flush=True)
     if result.worst is not None:
         print(
             f"   worst case: PSNR {result.worst.means['psnr']:.1f} dB, {result.worst.leak_fraction:.0%} of images "

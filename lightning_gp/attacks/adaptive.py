@@ -39,11 +39,12 @@ import math
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import Tensor
 
-from lightning_gp.attacks.base import Reconstruction
+from lightning_gp.attacks.base import GradientAttack, Reconstruction
 from lightning_gp.attacks.gradient_matching import (
     cosine_distance,
     parameter_gradients,
@@ -260,7 +261,45 @@ def _mark(
     return result
 
 
-class DefenseAwareInversion(InvertingGradients):
+class _KnowsTheDefense:
+    """What both defense-aware attacks share: the knowledge, the match plan of the running
+    reconstruction, and the fallback to the published attack."""
+
+    knowledge: DefenseKnowledge
+    _plan: MatchPlan | None
+
+    def _init_knowledge(self, knowledge: DefenseKnowledge) -> None:
+        if not isinstance(knowledge, DefenseKnowledge):
+            raise TypeError(f"knowledge must be a DefenseKnowledge, got {type(knowledge).__name__}")
+        self.knowledge = knowledge
+        self._plan = None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.knowledge.describe()})"
+
+    def _reconstruct_knowing(
+        self,
+        view: ServerView,
+        published: Callable[[], GradientAttack],
+        run: Callable[[ServerView], Reconstruction],
+    ) -> Reconstruction:
+        """``run`` with the match plan of ``view`` in place, or the ``published`` attack (marked) when the
+        knowledge does not cover what the client ran."""
+        reason = self.knowledge.fallback(view, type(self).__name__)
+        if reason is not None:
+            result = published().reconstruct(view)
+            result.attack = type(self).__name__
+            return _mark(result, self.knowledge, view, None, reason)
+        prepared, _ = cast(GradientAttack, self)._prepare(view)
+        self._plan = self.knowledge.plan(prepared)
+        try:
+            result = run(prepared)
+        finally:
+            plan, self._plan = self._plan, None
+        return _mark(result, self.knowledge, prepared, plan, None)
+
+
+class DefenseAwareInversion(_KnowsTheDefense, InvertingGradients):
     """Inverting Gradients that models the defense the client ran (see the module docstring).
 
     Args:
@@ -280,14 +319,8 @@ class DefenseAwareInversion(InvertingGradients):
         lr_decay: bool = True,
         **kwargs,
     ) -> None:
-        if not isinstance(knowledge, DefenseKnowledge):
-            raise TypeError(f"knowledge must be a DefenseKnowledge, got {type(knowledge).__name__}")
         super().__init__(iterations, lr, tv_weight, restarts, signed, boxed, lr_decay, support_only=False, **kwargs)
-        self.knowledge = knowledge
-        self._plan: MatchPlan | None = None
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.knowledge.describe()})"
+        self._init_knowledge(knowledge)
 
     def objective(self, view: ServerView, labels: Tensor) -> Callable[[Tensor], Tensor]:
         plan = self._plan if self._plan is not None else self.knowledge.plan(view)
@@ -299,25 +332,16 @@ class DefenseAwareInversion(InvertingGradients):
         return loss
 
     def reconstruct(self, view: ServerView) -> Reconstruction:
-        reason = self.knowledge.fallback(view, type(self).__name__)
-        if reason is not None:
-            published = InvertingGradients(
+        def published() -> GradientAttack:
+            return InvertingGradients(
                 self.iterations, self.lr, self.tv_weight, self.restarts, self.signed, self.boxed, self.lr_decay,
                 seed=self.seed, device=self.device, progress_every=self.progress_every,
             )  # fmt: skip
-            result = published.reconstruct(view)
-            result.attack = type(self).__name__
-            return _mark(result, self.knowledge, view, None, reason)
-        view, _ = self._prepare(view)
-        self._plan = self.knowledge.plan(view)
-        try:
-            result = super().reconstruct(view)
-        finally:
-            plan, self._plan = self._plan, None
-        return _mark(result, self.knowledge, view, plan, None)
+
+        return self._reconstruct_knowing(view, published, super().reconstruct)
 
 
-class DefenseAwareIDLG(IDLG):
+class DefenseAwareIDLG(_KnowsTheDefense, IDLG):
     """iDLG (analytic labels, squared L2 distance, L-BFGS) that models the defense: the L2 match runs
     on the layers and entries of :meth:`DefenseKnowledge.plan`, each layer weighted by its Wiener
     gain when the noise is known. A straight-through transform (quantisation) is not applied here:
@@ -330,14 +354,8 @@ class DefenseAwareIDLG(IDLG):
     """
 
     def __init__(self, knowledge: DefenseKnowledge, iterations: int = 300, restarts: int = 4, **kwargs) -> None:
-        if not isinstance(knowledge, DefenseKnowledge):
-            raise TypeError(f"knowledge must be a DefenseKnowledge, got {type(knowledge).__name__}")
         super().__init__(iterations=iterations, restarts=restarts, **kwargs)
-        self.knowledge = knowledge
-        self._plan: MatchPlan | None = None
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.knowledge.describe()})"
+        self._init_knowledge(knowledge)
 
     def dummy_gradient(self, view: ServerView, images: Tensor, targets: Tensor) -> dict[str, Tensor]:
         return self.knowledge.dummy_gradient(view, images, targets, straight_through=False)
@@ -349,20 +367,11 @@ class DefenseAwareIDLG(IDLG):
         return squared_l2_distance(plan.restrict(guess), plan.target, plan.names)
 
     def reconstruct(self, view: ServerView) -> Reconstruction:
-        reason = self.knowledge.fallback(view, type(self).__name__)
-        if reason is not None:
-            published = IDLG(
+        def published() -> GradientAttack:
+            return IDLG(
                 iterations=self.iterations, restarts=self.restarts, lr=self.lr, max_iter=self.max_iter,
                 line_search=self.line_search, tolerance=self.tolerance,
                 seed=self.seed, device=self.device, progress_every=self.progress_every,
             )  # fmt: skip
-            result = published.reconstruct(view)
-            result.attack = type(self).__name__
-            return _mark(result, self.knowledge, view, None, reason)
-        view, _ = self._prepare(view)
-        self._plan = self.knowledge.plan(view)
-        try:
-            result = super().reconstruct(view)
-        finally:
-            plan, self._plan = self._plan, None
-        return _mark(result, self.knowledge, view, plan, None)
+
+        return self._reconstruct_knowing(view, published, super().reconstruct)
