@@ -23,8 +23,10 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import multiprocessing
 import time
 import warnings
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +171,50 @@ def heatmap(audits: list[SettingAudit], columns: list[str], path: Path) -> None:
     plt.close(fig)
 
 
+def run_defense(job: tuple) -> tuple[SettingAudit, TrainingResult]:
+    """One row: audit the defense's default setting, then train it (run in a worker process with ``--jobs``)."""
+    name, dataset_name, indices, published_names, budget, rounds, args = job
+    torch.set_num_threads(args.threads)
+    datamodule = fashion_mnist_datasets(full=dataset_name == "fashion-mnist")[dataset_name]
+    datamodule.batch_size = 500
+    lpips_fn = None if args.no_lpips else LPIPS()
+    start = time.perf_counter()
+    setting = defense_catalog([name])[0].build(args.seed, 1)
+    tag = f"[{setting.name}]"
+    print(f"\n== {setting.name}", flush=True)
+    L.seed_everything(args.seed, verbose=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", UnmodelledDefenseWarning)
+        audit = audit_setting(
+            setting,
+            LeNetZhu(),
+            datamodule,
+            indices=indices,
+            published=published_attacks(budget, published_names),
+            budget=budget,
+            seed=args.seed,
+            lpips_fn=lpips_fn,
+            log=lambda line: print(f"{tag} {line.strip()}", flush=True),
+        )
+    for cell in audit.cells:
+        print(f"{tag} {cell.summary()}", flush=True)
+    if audit.worst is not None:
+        print(
+            f"{tag} worst case: {audit.worst.means['psnr']:.1f} dB, {audit.worst.leak_fraction:.0%} of images leak -> "
+            f"{audit.worst.verdict}",
+            flush=True,
+        )
+    L.seed_everything(args.seed, verbose=False)
+    result = train_setting(setting, LeNetZhu(), datamodule, rounds=rounds, seed=args.seed)
+    print(
+        f"{tag} trained {rounds} rounds: test acc {result.test_acc:.3f}, upload "
+        f"{result.upload_bytes_per_client_round / 1024:.1f} KiB/client-round; {time.perf_counter() - start:.0f} s",
+        flush=True,
+    )
+    audit.results = {}  # the per-attack reconstructions stay in the worker (not needed for the tables)
+    return audit, result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="CI-sized: 2 images, tiny attack budgets, 10 rounds")
@@ -183,7 +229,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None, help="training rounds for accuracy/bytes (default 200)")
     parser.add_argument("--no-lpips", action="store_true", help="skip LPIPS")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads per process")
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="defenses run in parallel processes (e.g. 2 with --threads 1)"
+    )
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args()
     quick = args.quick
@@ -206,50 +255,21 @@ def main() -> None:
     published = published_attacks(budget, args.attacks)
     columns = [s.name for s in published]
     indices = choose_images(datamodule, images, args.seed)
-    lpips_fn = None if args.no_lpips else LPIPS()
+    published_names = [s.name for s in published]
     print(
         f"matrix: {len(entries)} defenses x {len(columns)} published attacks + adaptive, {images} images of "
         f"{dataset_name} {[i[0] for i in indices]}, IG {budget.ig_iterations} / L-BFGS {budget.lbfgs_iterations} "
         f"iterations, {rounds} training rounds",
         flush=True,
     )
-    audits, training = [], {}
-    for entry in entries:
-        start = time.perf_counter()
-        setting = entry.build(args.seed, 1)
-        print(f"\n== {setting.name}", flush=True)
-        L.seed_everything(args.seed, verbose=False)
-        model = LeNetZhu()
-        with warnings.catch_warnings():
-            warnings.simplefilter("always", UnmodelledDefenseWarning)
-            audit = audit_setting(
-                setting,
-                model,
-                datamodule,
-                indices=indices,
-                published=published,
-                budget=budget,
-                seed=args.seed,
-                lpips_fn=lpips_fn,
-                log=lambda line: print(line, flush=True),
-            )
-        audits.append(audit)
-        for cell in audit.cells:
-            print(f"   {cell.summary()}", flush=True)
-        if audit.worst is not None:
-            print(
-                f"   worst case: {audit.worst.means['psnr']:.1f} dB, {audit.worst.leak_fraction:.0%} of images leak -> "
-                f"{audit.worst.verdict}",
-                flush=True,
-            )
-        L.seed_everything(args.seed, verbose=False)
-        training[setting.name] = train_setting(setting, LeNetZhu(), datamodule, rounds=rounds, seed=args.seed)
-        result = training[setting.name]
-        print(
-            f"   trained {rounds} rounds: test acc {result.test_acc:.3f}, upload "
-            f"{result.upload_bytes_per_client_round / 1024:.1f} KiB/client-round; {time.perf_counter() - start:.0f} s",
-            flush=True,
-        )
+    jobs = [(name, dataset_name, indices, published_names, budget, rounds, args) for name in [e.name for e in entries]]
+    if args.jobs > 1:
+        with ProcessPoolExecutor(max_workers=args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            done = list(pool.map(run_defense, jobs))
+    else:
+        done = [run_defense(job) for job in jobs]
+    audits = [audit for audit, _ in done]
+    training = {result.setting: result for _, result in done}
 
     args.output_dir.mkdir(parents=True, exist_ok=True)
     rows = rows_for(audits, columns, training)
