@@ -21,7 +21,14 @@ from torch import nn
 from lightning_gp.attacks import GradientAttack
 from lightning_gp.audit import AttackResult, attack_record, mean_scores, tap_fedsgd_round
 from lightning_gp.data import ImageClassificationDataModule
-from lightning_gp.metrics import PRIVACY_THRESHOLDS, privacy_flags, save_reconstruction_grid
+from lightning_gp.metrics import (
+    HIGHER_IS_PRIVATE,
+    PRIVACY_THRESHOLDS,
+    concatenate_reports,
+    privacy_flags,
+    save_reconstruction_grid,
+    worst_case_report,
+)
 from lightning_gp.records import TappedGradient
 
 
@@ -120,11 +127,18 @@ def write_outputs(results: list[AttackResult], output_dir: Path, attack: str, de
     means = mean_scores(results)
     flags = privacy_flags(means, PRIVACY_THRESHOLDS)
     unavailable = {k: v for r in results for k, v in r.report.unavailable.items()}  # metric -> why "n/a"
+    # one attack: its leak fraction and the trivial baselines (the worst case over several attacks is
+    # benchmarks/matrix.py's and PrivacyAudit's)
+    judged = worst_case_report([concatenate_reports([r.report for r in results])], dataset_mean=_pixel_mean(results))
     payload = {
         "attack": attack,
         "defenses": defenses,
         "mean": {k: (str(v) if isinstance(v, float) and v == float("inf") else v) for k, v in means.items()},
         "private": flags,
+        "leak_fraction": judged.leak_fraction,
+        "leaked": judged.leaked,
+        "verdict": judged.verdict,
+        "baselines": {b.name: b.means for b in judged.baselines},
         "unavailable": unavailable,
         "clients": [
             {
@@ -148,6 +162,16 @@ def write_outputs(results: list[AttackResult], output_dir: Path, attack: str, de
             shown = f"n/a ({unavailable[metric]})"
         threshold = f"{'yes' if verdict else 'no'} ({PRIVACY_THRESHOLDS[metric]})" if verdict is not None else ""
         lines.append(f"| {metric} | {shown} | {threshold} |")
+    rule = " or ".join(
+        f"{m.upper()} {'<' if HIGHER_IS_PRIVATE[m] else '>'} {t:g}" for m, t in judged.leak_thresholds.items()
+    )
+    lines += [
+        "",
+        (
+            f"Images leaked ({rule}): {judged.leaked} of {judged.batch_size} ({judged.leak_fraction:.0%}); verdict of this "
+            f"attack alone: {judged.verdict}. A blank guess scores PSNR {judged.baseline('blank').means['psnr']:.2f} dB."
+        ),
+    ]
     for r in results:
         lines += [
             "",
@@ -179,3 +203,9 @@ def main(argv: list[str] | None = None) -> list[AttackResult]:
     print(report.read_text())
     print(f"written to {report.parent}/ (report.md, report.json, reconstructions.png)")
     return results
+
+
+def _pixel_mean(results: list[AttackResult]) -> tuple[float, ...] | None:
+    """The per-channel mean the server knows (the inputs' normalisation), when it is a pixel mean."""
+    mean = results[0].view.mean
+    return tuple(mean) if all(0.0 <= v <= 1.0 for v in mean) else None

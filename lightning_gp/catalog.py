@@ -24,7 +24,7 @@ from typing import Any, Literal, cast
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
-from torch import Tensor, nn
+from torch import nn
 from torch.utils.data import DataLoader, Subset
 
 from lightning_gp.attacks import GradientAttack, adaptive_attacks
@@ -64,7 +64,7 @@ class DefenseSetting:
         runner: ``"simulation"`` (:class:`~lightning_gp.federated.FederatedSimulation`) or
             ``"trainer"`` (a plain ``Trainer`` per client, for a callback that runs its own client
             step, i.e. DP-SGD).
-        local_lr: the clients' local learning rate under FedAvg (and the plain Trainer's).
+        local_lr: the clients' local learning rate under FedAvg (and of the plain Trainer's tapped step).
         server_optimizer, server_lr: how the server applies the aggregate in training runs.
         declared: the object whose adaptive attacks apply (default: the first callback, or the
             wrapping module once built); ``None`` with no callbacks and no wrapper: undefended.
@@ -230,13 +230,6 @@ def tap_defended_round(
     if setting.wrap is not None:
         records = [_strip_wrapper(r, "module.") for r in records]
     return records, model, secrets
-
-
-def bare_inputs(record: TappedGradient) -> Tensor:
-    """The client's batch of a record (an error naming the record when it holds none)."""
-    if record.inputs is None:
-        raise ValueError(f"the record of client {record.client_id}, round {record.round} holds no batch")
-    return record.inputs
 
 
 # ------------------------------------------------------------------------------------- training

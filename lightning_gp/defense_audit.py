@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import lightning as L
-from torch import Tensor, nn
+from torch import nn
 
 from lightning_gp.attacks import (
     DLG,
@@ -293,11 +293,3 @@ def audit_setting(
     reports = [concatenate_reports([r.report for r in out]) for out in results.values()]
     worst = worst_case_report(reports, dataset_mean=tuple(data.mean)) if reports else None
     return SettingAudit(setting.name, cells, worst, results)
-
-
-def originals_and_best(audit: SettingAudit) -> tuple[Tensor, Tensor] | None:
-    """The attacked images and, per image, the best reconstruction of any attack (pixels), for grids."""
-    worst = audit.worst
-    if worst is None or worst.original_pixels is None or worst.best_psnr_pixels is None:
-        return None
-    return worst.original_pixels, worst.best_psnr_pixels

@@ -3,8 +3,10 @@
 Why the margins hold: for every case here the adaptive objective is exactly zero at the client's
 image (the sent entries, the clipped values, the unperturbed layers of the true gradient match the
 shared ones), while the published objective is not (it compares with entries the defense changed),
-so the published attack's optimum is some other image. The tests assert a 10 dB gap between the
-two reconstructions: the adaptive runs reach 20-70 dB on these images, the published 5-15 dB.
+so the published attack's optimum is some other image. The tests assert the audit issue's target,
+the adaptive reconstruction at least 5 dB above the published one; on this machine the gaps were
+56 (Top-k, L-BFGS), 20 (random pruning, Adam), 13 (clipping, Adam), 64 (clipping, L-BFGS) and
+69 dB (skipped layer, L-BFGS).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from lightning_gp.data import FashionMNISTSampleDataModule
 from lightning_gp.metrics.image_quality import psnr
 from lightning_gp.models import LeNetZhu
 
-MARGIN_DB = 10.0
+MARGIN_DB = 5.0  # issue 12's target for the adaptive attacks
 
 
 @pytest.fixture(scope="module")

@@ -101,8 +101,11 @@ def test_every_attack_config_writes_its_report(config, tmp_path):
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["attack"] and len(report["clients"]) == 1
     assert set(report["private"]) >= {"psnr", "ssim", "lpips"}
+    assert 0.0 <= report["leak_fraction"] <= 1.0 and report["verdict"] in ("leaks", "private")
+    assert "blank" in report["baselines"]
     assert (tmp_path / "out" / "reconstructions.png").stat().st_size > 1000
-    assert "| psnr |" in (tmp_path / "out" / "report.md").read_text()
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert "| psnr |" in text and "Images leaked (PSNR > 20 or SSIM > 0.5)" in text
 
 
 def test_attack_command_reports_a_bad_config_by_name(tmp_path):
