@@ -42,6 +42,7 @@ from lightning_gp.callbacks import (
     OptimalGradientNoise,
     OptimalGradientPruning,
     RandomPruning,
+    Soteria,
     TopKPruning,
 )
 from lightning_gp.records import TappedGradient
@@ -426,6 +427,12 @@ for _entry in (
             lambda s: [DPSGD(noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False, accountant="rdp")],
             runner="trainer",
         ),
+    ),
+    CatalogEntry(
+        "Soteria",
+        "baseline",
+        "Sun et al. CVPR 2021",
+        _callbacks("Soteria(rate=0.8)", lambda s: [Soteria(0.8, seed=s)]),
     ),
     CatalogEntry("Refiner", "robust data", "Refiner", _refiner),
     CatalogEntry("PriPrune", "pruning", "PriPrune", _priprune),

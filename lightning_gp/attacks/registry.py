@@ -181,6 +181,8 @@ def _sgi(target: Any, kwargs: dict[str, Any]) -> list[GradientAttack]:
 for _name, _build in {
     "lightning_gp.defenses.sparsification.SparsifyingDefense": _pruning,
     "lightning_gp.defenses.optimal.OptimalGradientPruning": _pruning,
+    # Soteria's pruned columns arrive as exact zeros: the support-restricted match skips them
+    "lightning_gp.defenses.soteria.Soteria": _pruning,
     "lightning_gp.defenses.quantization.GradientQuantization": _quantization,
     "lightning_gp.defenses.noise.GaussianNoise": _gaussian,
     "lightning_gp.defenses.noise.LaplaceNoise": _laplace,

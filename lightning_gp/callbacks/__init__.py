@@ -14,6 +14,7 @@ from typing import Any
 
 from lightning_gp.callbacks.base import GradientDefense, SharedGradientCallback, SharedGradientObserver
 from lightning_gp.callbacks.communication import CommunicationMeter, dense_nbytes, encoded_nbytes
+from lightning_gp.callbacks.data_dependent import DataDependentGradientDefense
 from lightning_gp.callbacks.dp_sgd import DPSGD
 from lightning_gp.callbacks.interfaces import ClientSetup, ClientStepRunner, DefenseStage, ObserverStage
 from lightning_gp.callbacks.noise import GaussianNoise, GradientQuantization, LaplaceNoise
@@ -32,6 +33,7 @@ from lightning_gp.callbacks.pruning import (
     RandomPruning,
     TopKPruning,
 )
+from lightning_gp.callbacks.soteria import Soteria
 from lightning_gp.callbacks.tap import GradientTap
 from lightning_gp.records import TappedGradient  # re-exported: it moved to lightning_gp.records
 
@@ -41,6 +43,7 @@ __all__ = [
     "ClientSetup",
     "ClientStepRunner",
     "CommunicationMeter",
+    "DataDependentGradientDefense",
     "DefenseStage",
     "DualGradientPruning",
     "GaussianNoise",
@@ -61,6 +64,7 @@ __all__ = [
     "SharedGradientCallback",
     "SharedGradientObserver",
     "SharedGradientPipeline",
+    "Soteria",
     "TappedGradient",
     "TopKPruning",
     "dense_nbytes",

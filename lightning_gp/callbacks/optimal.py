@@ -1,13 +1,8 @@
 """Callbacks for the data-dependent optimal defenses: they estimate the sensitivity, then defend.
 
-Where the sensitivity comes from depends on the path (DESIGN.md, "Where a defense runs"):
-
-* single device and DDP: at ``on_train_batch_start``, from the module and the batch about to be
-  trained on (the weights the backward pass will use). With gradient accumulation the
-  micro-batches' sensitivities add up (``g = mean_b g_b``, so ``s = sum_b s_b / A^2``). Under
-  DDP the defense itself then runs in the communication hook, with no autograd work inside it.
-* :class:`~lightning_gp.federated.FederatedSimulation`: per client, from the server model and
-  that client's batch (FedSGD only: a FedAvg update is not the gradient of one batch).
+Where the sensitivity is estimated (each client's batch, on every path) is the job of
+:class:`~lightning_gp.callbacks.data_dependent.DataDependentGradientDefense`. With gradient
+accumulation the micro-batches' sensitivities add up (``g = mean_b g_b``, so ``s = sum_b s_b / A^2``).
 """
 
 from __future__ import annotations
@@ -18,8 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 from torch import Tensor, nn
 
-from lightning_gp.callbacks.base import GradientDefense
-from lightning_gp.callbacks.interfaces import ClientSetup
+from lightning_gp.callbacks.data_dependent import DataDependentGradientDefense
 from lightning_gp.defenses import optimal
 from lightning_gp.defenses.base import Gradients
 from lightning_gp.defenses.sensitivity import gradient_sensitivity
@@ -28,7 +22,7 @@ from lightning_gp.seeding import seeded_generator
 from lightning_gp.validation import check_positive_int
 
 
-class SensitivityGradientDefense(GradientDefense):
+class SensitivityGradientDefense(DataDependentGradientDefense):
     """Adapts a :class:`~lightning_gp.defenses.SensitivityDefense`: estimates ``s`` with
     ``num_probes`` jvp probes on the client's batch, then defends.
 
@@ -41,8 +35,8 @@ class SensitivityGradientDefense(GradientDefense):
             must be ``(inputs, targets, ...)`` with floating-point inputs.
     """
 
-    reads_client_data = True  # the sensitivity comes from the client's raw batch
     defense: optimal.SensitivityDefense
+    statistic_name = "sensitivity"
 
     def __init__(
         self,
@@ -64,15 +58,6 @@ class SensitivityGradientDefense(GradientDefense):
         self.chunk_size = chunk_size
         self.loss_fn = loss_fn
         self._module_loss: LossFn | None = None
-        self._pending: Gradients | None = None
-        self._pending_step: int | None = None
-        self._micro_batches = 0
-        self._batches_given = False
-
-    # ---------------------------------------------------------------- Lightning hooks
-    def bind(self, setup: ClientSetup) -> None:
-        super().bind(setup)
-        self._batches_given = setup.passes_client_batches
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
@@ -84,55 +69,22 @@ class SensitivityGradientDefense(GradientDefense):
                 f"{type(pl_module).__name__} has no callable `loss_fn` attribute: pass loss_fn=... (loss(logits, "
                 "targets), averaged over the batch, the loss the module trains with) or give the module a `loss_fn`"
             )
-        self._pending, self._pending_step, self._micro_batches = None, None, 0
 
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        if self._batches_given:
-            return  # the runner hands each client's batch to defend()
-        step = trainer.global_step
-        if self._pending_step != step:
-            self._pending, self._pending_step, self._micro_batches = None, step, 0
-        inputs, targets = _inputs_and_targets(batch)
-        s = self.estimate(pl_module, inputs, targets, seed_words=(step, trainer.global_rank, self._micro_batches))
-        self._pending = s if self._pending is None else {n: self._pending[n] + s[n] for n in s}
-        self._micro_batches += 1
+    # ---------------------------------------------------------------- the statistic
+    def batch_statistic(
+        self, module: nn.Module, inputs: Tensor, targets: Tensor, *, seed_words: tuple[int, ...]
+    ) -> Any:
+        return self.estimate(module, inputs, targets, seed_words=seed_words)
 
-    # ---------------------------------------------------------------- pipeline
-    def defend(
-        self,
-        gradients: Mapping[str, Tensor],
-        *,
-        client_id: int,
-        round: int,
-        model: nn.Module,
-        batch: Any,
-        meta: Mapping[str, Any],
-    ) -> dict[str, Tensor]:
-        if self._batches_given:
-            if meta.get("algorithm", "fedsgd") != "fedsgd":
-                raise ValueError(
-                    f"{type(self).__name__} defends the gradient of one batch; FedAvg shares a multi-step model "
-                    "update, whose sensitivity this estimate does not give. Use algorithm='fedsgd'"
-                )
-            inputs, targets = _inputs_and_targets(batch)
-            sensitivity = self.estimate(model, inputs, targets, seed_words=(round, client_id, 0))
-        else:
-            if self._pending is None:
-                raise RuntimeError(
-                    f"{type(self).__name__} saw no training batch for this optimizer step, so it has no sensitivity "
-                    "to defend with (manual optimization is not supported)"
-                )
-            accumulated = self._micro_batches
-            sensitivity = (
-                {n: s / accumulated**2 for n, s in self._pending.items()} if accumulated > 1 else self._pending
-            )
-            self._pending, self._pending_step, self._micro_batches = None, None, 0
-        missing = [n for n in gradients if n not in sensitivity]
+    def accumulated(self, total: Any, micro_batches: int) -> Any:
+        # g = mean_b g_b over A micro-batches, so s = sum_b s_b / A^2
+        return {n: s / micro_batches**2 for n, s in total.items()} if micro_batches > 1 else total
+
+    def apply(self, gradients: Mapping[str, Tensor], client_id: int, statistic: Any) -> dict[str, Tensor]:
+        missing = [n for n in gradients if n not in statistic]
         if missing:
             raise ValueError(f"no sensitivity for the shared layers {missing[:5]}: the model and the gradient disagree")
-        return self.defense(gradients, client_id, sensitivity={n: sensitivity[n] for n in gradients})
+        return self.defense(gradients, client_id, sensitivity={n: statistic[n] for n in gradients})
 
     def estimate(self, module: nn.Module, inputs: Tensor, targets: Tensor, *, seed_words: tuple[int, ...]) -> Gradients:
         """``s`` for one batch; the probes are seeded by the defense's seed and ``seed_words``."""
@@ -149,20 +101,6 @@ class SensitivityGradientDefense(GradientDefense):
             chunk_size=self.chunk_size,
             generator=generator,
         )
-
-
-def _inputs_and_targets(batch: Any) -> tuple[Tensor, Tensor]:
-    if (
-        isinstance(batch, (tuple, list))
-        and len(batch) >= 2
-        and isinstance(batch[0], Tensor)
-        and isinstance(batch[1], Tensor)
-    ):
-        return batch[0], batch[1]
-    raise TypeError(
-        "the optimal defenses estimate the sensitivity from (inputs, targets, ...) batches; got "
-        f"{type(batch).__name__}. Return such tuples from the dataloader, or pass the batch through a collate_fn"
-    )
 
 
 class OptimalGradientNoise(SensitivityGradientDefense):

@@ -30,6 +30,7 @@ from lightning_gp.defenses.selection import (
     magnitude_band_mask,
 )
 from lightning_gp.defenses.sensitivity import gradient_sensitivity
+from lightning_gp.defenses.soteria import Soteria, defended_layer, representation_scores
 from lightning_gp.defenses.sparsification import SparsifyingDefense
 from lightning_gp.defenses.validation import NonFiniteGradientError, check_rate
 
@@ -49,11 +50,13 @@ __all__ = [
     "RandomPruning",
     "SensitivityDefense",
     "Share",
+    "Soteria",
     "SparsifyingDefense",
     "TopKPruning",
     "check_rate",
     "count_for_rate",
     "count_sent",
+    "defended_layer",
     "gradient_sensitivity",
     "kth_largest",
     "largest_entries_mask",
@@ -61,5 +64,6 @@ __all__ = [
     "magnitude_band_mask",
     "optimal_noise_variance",
     "optimal_pruning_scores",
+    "representation_scores",
     "share_in_process",
 ]

@@ -1,0 +1,133 @@
+"""The callback base of defenses that read the client's raw batch (the optimal defenses, Soteria).
+
+Such a defense needs a statistic of the batch behind the gradient (the sensitivity, Soteria's
+feature scores). Where it comes from depends on the path (DESIGN.md, "Where a defense runs"):
+
+* single device and DDP: at ``on_train_batch_start``, from the module and the batch about to be
+  trained on (the weights the backward pass will use); with gradient accumulation the
+  micro-batches' statistics are combined (:meth:`DataDependentGradientDefense.combine`,
+  :meth:`~DataDependentGradientDefense.accumulated`). Under DDP the defense itself then runs in the
+  communication hook, with no autograd work inside it.
+* :class:`~lightning_gp.federated.FederatedSimulation`: per client, from the server model and that
+  client's batch (FedSGD only: a FedAvg update is not the gradient of one batch).
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import lightning.pytorch as pl
+from torch import Tensor, nn
+
+from lightning_gp.callbacks.base import GradientDefense
+from lightning_gp.callbacks.interfaces import ClientSetup
+from lightning_gp.defenses.base import Defense
+
+
+class DataDependentGradientDefense(GradientDefense):
+    """A :class:`GradientDefense` whose defense needs a statistic of the client's batch.
+
+    Subclasses implement :meth:`batch_statistic` (the statistic of one batch) and :meth:`apply`
+    (defend with it); :meth:`combine` and :meth:`accumulated` say how micro-batches add up.
+    """
+
+    reads_client_data = True  # the statistic comes from the client's raw batch
+    #: what the statistic is called in error messages
+    statistic_name: ClassVar[str] = "statistic"
+
+    def __init__(self, defense: Defense) -> None:
+        super().__init__(defense)
+        self._pending: Any = None
+        self._pending_step: int | None = None
+        self._micro_batches = 0
+        self._batches_given = False
+
+    # ---------------------------------------------------------------- subclass API
+    @abstractmethod
+    def batch_statistic(
+        self, module: nn.Module, inputs: Tensor, targets: Tensor, *, seed_words: tuple[int, ...]
+    ) -> Any:
+        """The statistic of one batch under ``module``'s current weights (random draws seeded by
+        the defense's seed and ``seed_words``)."""
+
+    @abstractmethod
+    def apply(self, gradients: Mapping[str, Tensor], client_id: int, statistic: Any) -> dict[str, Tensor]:
+        """Defend one client's gradient with the statistic of its batch."""
+
+    def combine(self, total: Any, new: Any) -> Any:
+        """Two micro-batches' statistics together (default: sum per layer)."""
+        return {n: total[n] + new[n] for n in new}
+
+    def accumulated(self, total: Any, micro_batches: int) -> Any:
+        """The statistic of the optimizer step from the combined micro-batches (default: as is)."""
+        return total
+
+    # ---------------------------------------------------------------- Lightning hooks
+    def bind(self, setup: ClientSetup) -> None:
+        super().bind(setup)
+        self._batches_given = setup.passes_client_batches
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        self._pending, self._pending_step, self._micro_batches = None, None, 0
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._batches_given:
+            return  # the runner hands each client's batch to defend()
+        step = trainer.global_step
+        if self._pending_step != step:
+            self._pending, self._pending_step, self._micro_batches = None, step, 0
+        inputs, targets = inputs_and_targets(batch)
+        new = self.batch_statistic(
+            pl_module, inputs, targets, seed_words=(step, trainer.global_rank, self._micro_batches)
+        )
+        self._pending = new if self._pending is None else self.combine(self._pending, new)
+        self._micro_batches += 1
+
+    # ---------------------------------------------------------------- pipeline
+    def defend(
+        self,
+        gradients: Mapping[str, Tensor],
+        *,
+        client_id: int,
+        round: int,
+        model: nn.Module,
+        batch: Any,
+        meta: Mapping[str, Any],
+    ) -> dict[str, Tensor]:
+        if self._batches_given:
+            if meta.get("algorithm", "fedsgd") != "fedsgd":
+                raise ValueError(
+                    f"{type(self).__name__} defends the gradient of one batch; FedAvg shares a multi-step model "
+                    f"update, whose {self.statistic_name} this defense does not have. Use algorithm='fedsgd'"
+                )
+            inputs, targets = inputs_and_targets(batch)
+            statistic = self.batch_statistic(model, inputs, targets, seed_words=(round, client_id, 0))
+        else:
+            if self._pending is None:
+                raise RuntimeError(
+                    f"{type(self).__name__} saw no training batch for this optimizer step, so it has no "
+                    f"{self.statistic_name} to defend with (manual optimization is not supported)"
+                )
+            statistic = self.accumulated(self._pending, self._micro_batches)
+            self._pending, self._pending_step, self._micro_batches = None, None, 0
+        return self.apply(gradients, client_id, statistic)
+
+
+def inputs_and_targets(batch: Any) -> tuple[Tensor, Tensor]:
+    """``(inputs, targets)`` of an ``(inputs, targets, ...)`` batch; a clear error for anything else."""
+    if (
+        isinstance(batch, (tuple, list))
+        and len(batch) >= 2
+        and isinstance(batch[0], Tensor)
+        and isinstance(batch[1], Tensor)
+    ):
+        return batch[0], batch[1]
+    raise TypeError(
+        "the data-dependent defenses read (inputs, targets, ...) batches; got "
+        f"{type(batch).__name__}. Return such tuples from the dataloader, or pass the batch through a collate_fn"
+    )

@@ -1,0 +1,60 @@
+"""The Soteria callback: scores the defended layer's features on the client's batch, then prunes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import Tensor, nn
+
+from lightning_gp.callbacks.data_dependent import DataDependentGradientDefense
+from lightning_gp.defenses import soteria
+from lightning_gp.validation import check_choice
+
+
+class Soteria(DataDependentGradientDefense):
+    """Soteria (Sun et al., CVPR 2021) on every path (plain Trainer, DDP, FederatedSimulation).
+
+    For each client's batch, scores the features of the representation feeding ``layer`` (default:
+    the model's first ``nn.Linear``) and zeroes that layer's weight-gradient columns of the ``rate``
+    fraction with the smallest scores. See :class:`lightning_gp.defenses.Soteria`. It defends one
+    layer only and, like every data-dependent defense here, carries no formal guarantee; the
+    literature reports it fails against Robbing the Fed.
+
+    Args:
+        rate: fraction of the layer's input features pruned, in [0, 1] (the paper's 80%).
+        layer: the defended ``nn.Linear``'s module name (a wrapper's prefix may be left out, e.g.
+            ``"fc"`` for ``ImageClassifier(model).model.fc``); ``None``: the first ``nn.Linear``.
+        method: ``"jacobian"`` (one vmapped forward-mode Jacobian) or ``"loop"`` (the official one
+            backward pass per feature); the scores agree to float precision.
+    """
+
+    defense: soteria.Soteria
+    statistic_name = "feature scores"
+
+    def __init__(
+        self,
+        rate: float = 0.8,
+        layer: str | None = None,
+        method: str = "jacobian",
+        seed: int | None = None,
+        nonfinite: str = "error",
+    ) -> None:
+        super().__init__(soteria.Soteria(rate, seed=seed, nonfinite=nonfinite))
+        if layer is not None and (not isinstance(layer, str) or not layer):
+            raise ValueError(f"layer must be a module name or None, got {layer!r}")
+        self.layer = layer
+        self.method = check_choice(method, "method", ("jacobian", "loop"))
+
+    def batch_statistic(
+        self, module: nn.Module, inputs: Tensor, targets: Tensor, *, seed_words: tuple[int, ...]
+    ) -> Any:
+        name, _ = soteria.defended_layer(module, self.layer)
+        return name, soteria.representation_scores(module, inputs, name, method=self.method)  # type: ignore[arg-type]
+
+    def combine(self, total: Any, new: Any) -> Any:
+        return total[0], total[1] + new[1]  # the score is a sum over the step's examples
+
+    def apply(self, gradients: Mapping[str, Tensor], client_id: int, statistic: Any) -> dict[str, Tensor]:
+        name, scores = statistic
+        return self.defense(dict(gradients), client_id, scores=scores, layer=name)

@@ -1,0 +1,177 @@
+"""Soteria (Sun et al., CVPR 2021): prune the defended layer's gradient along the features that reveal the input.
+
+For the representation ``r`` feeding one fully-connected layer (default: the model's first
+``nn.Linear``), each feature ``f`` is scored over the client's batch by
+
+    score_f = sum_b ||d r_{b,f} / d x_b|| / (r_{b,f} + 0.1)
+
+(the official code's per-feature ratio, DESIGN.md "Baselines"), and the columns of that layer's
+WEIGHT gradient belonging to the ``rate`` fraction of features with the SMALLEST scores are zeroed.
+Only that layer is defended; every other layer is shared as is.
+
+The official code runs one backward pass per feature (:func:`representation_scores` with
+``method="loop"``, kept as the reference). ``method="jacobian"`` (default) gets every ``d r_f / d x``
+at once with ``torch.func``: a forward-mode Jacobian of each example's representation, vmapped over
+the batch (examples are independent; with BatchNorm in training mode they are not, and the loop
+runs instead).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+from torch.func import jacfwd, vmap
+
+from lightning_gp.defenses.base import Defense, Gradients
+from lightning_gp.defenses.selection import count_for_rate
+from lightning_gp.defenses.validation import check_rate
+from lightning_gp.validation import check_choice
+
+ScoreMethod = Literal["jacobian", "loop"]
+#: the official code's offset in the denominator (keeps features near 0 from dominating)
+FEATURE_OFFSET = 0.1
+
+
+def defended_layer(model: nn.Module, layer: str | None) -> tuple[str, nn.Linear]:
+    """``(name, module)`` of the fully-connected layer Soteria defends: ``layer`` by its name in
+    ``model.named_modules()``, or the first ``nn.Linear``. An error names the argument otherwise."""
+    modules = dict(model.named_modules())
+    if layer is None:
+        for name, module in modules.items():
+            if isinstance(module, nn.Linear):
+                return name, module
+        raise ValueError(f"Soteria defends a fully-connected layer, and {type(model).__name__} has no nn.Linear")
+    if layer not in modules:
+        # a wrapper (e.g. ImageClassifier's ``model.``) prefixes the user's names: accept a unique suffix
+        wrapped = [n for n in modules if n.endswith("." + layer)]
+        if len(wrapped) != 1:
+            linear = [n for n, m in modules.items() if isinstance(m, nn.Linear)]
+            raise ValueError(
+                f"layer {layer!r} is not a module of {type(model).__name__}; its nn.Linear layers: {linear}"
+            )
+        layer = wrapped[0]
+    module = modules[layer]
+    if not isinstance(module, nn.Linear):
+        raise ValueError(f"layer {layer!r} is a {type(module).__name__}; Soteria defends an nn.Linear layer")
+    return layer, module
+
+
+def _representation_fn(model: nn.Module, layer: nn.Linear) -> Any:
+    """``x -> r``: the input of ``layer`` when ``model`` runs on the batch ``x`` (the rest of the
+    forward pass is not needed, so it is cut short)."""
+
+    class _Stop(Exception):
+        pass
+
+    def representation(x: Tensor) -> Tensor:
+        captured: list[Tensor] = []
+
+        def hook(module: nn.Module, inputs: tuple[Tensor, ...]) -> None:
+            captured.append(inputs[0])
+            raise _Stop
+
+        handle = layer.register_forward_pre_hook(hook)
+        try:
+            model(x)
+        except _Stop:
+            pass
+        finally:
+            handle.remove()
+        if not captured:
+            raise RuntimeError("the defended layer was not called in the model's forward pass")
+        return captured[0].flatten(1)
+
+    return representation
+
+
+def representation_scores(
+    model: nn.Module, inputs: Tensor, layer: str | None = None, *, method: ScoreMethod = "jacobian"
+) -> Tensor:
+    """Soteria's feature scores ``[d]`` for the batch ``inputs`` (see the module docstring)."""
+    check_choice(method, "method", ("jacobian", "loop"))
+    _, module = defended_layer(model, layer)
+    if method == "jacobian" and any(
+        isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in model.modules()
+    ):
+        method = "loop"  # BatchNorm in training mode couples the examples: one example at a time is wrong
+    representation = _representation_fn(model, module)
+    inputs = inputs.detach()
+    if method == "loop":
+        x = inputs.clone().requires_grad_(True)
+        r = representation(x)
+        norms = torch.empty_like(r)
+        for f in range(r.shape[1]):  # the official code: one backward pass per feature
+            (grad,) = torch.autograd.grad(r[:, f].sum(), x, retain_graph=f < r.shape[1] - 1)
+            norms[:, f] = grad.flatten(1).norm(dim=1)
+        r = r.detach()
+    else:
+        with torch.no_grad():
+            r = representation(inputs)
+
+        def one_example(x: Tensor) -> Tensor:
+            return representation(x.unsqueeze(0)).squeeze(0)
+
+        jacobian = vmap(jacfwd(one_example))(inputs)  # [B, d, *input_shape]
+        norms = jacobian.flatten(2).norm(dim=2)
+    return (norms / (r + FEATURE_OFFSET)).sum(dim=0)
+
+
+class Soteria(Defense):
+    """Zero the defended layer's weight-gradient columns of the ``rate`` fraction of lowest-scoring
+    features (Sun et al. 2021; scores from :func:`representation_scores`).
+
+    Call it as ``defense(gradients, client_id, scores=s, layer="fc")`` with the scores of the
+    client's batch (the callback :class:`~lightning_gp.callbacks.Soteria` computes them); ``layer``
+    is the defended layer's module name in the gradient's naming (its weight is ``layer.weight``).
+    Exactly ``round(rate * d)`` columns are zeroed; ties are broken by feature index.
+
+    Args:
+        rate: fraction of the layer's input features whose columns are zeroed, in [0, 1] (the paper's 80%).
+    """
+
+    def __init__(self, rate: float = 0.8, *, seed: int | None = None, nonfinite: str = "error") -> None:
+        super().__init__(seed=seed, nonfinite=nonfinite)
+        self.rate = check_rate(rate, "rate")
+        self._call: tuple[Tensor, str] | None = None
+
+    def config(self) -> dict[str, Any]:
+        return {"rate": self.rate}
+
+    def __call__(  # type: ignore[override]
+        self, gradients: Gradients, client_id: int = 0, *, scores: Tensor | None = None, layer: str | None = None
+    ) -> Gradients:
+        if scores is None or layer is None:
+            raise TypeError(
+                "Soteria is data-dependent: pass scores=representation_scores(model, inputs, layer) and layer=<the "
+                "defended nn.Linear's name> (the Soteria callback does this for you)"
+            )
+        weight = f"{layer}.weight"
+        if weight not in gradients:
+            raise ValueError(f"the gradient has no {weight!r}: layer must name the defended nn.Linear in its naming")
+        columns = gradients[weight].shape[1]
+        if not isinstance(scores, Tensor) or scores.shape != (columns,):
+            raise ValueError(f"scores must be a [{columns}] tensor (one per input feature of {layer!r})")
+        if not bool(torch.isfinite(scores).all()):
+            raise ValueError("scores must be finite")
+        self._call = (scores.detach(), weight)
+        try:
+            return super().__call__(gradients, client_id)
+        finally:
+            self._call = None
+
+    def transform(
+        self, gradients: Gradients, state: Gradients, generator: torch.Generator
+    ) -> tuple[Gradients, Gradients]:
+        if self._call is None:
+            raise RuntimeError("Soteria.transform runs inside a call with scores=")
+        scores, weight = self._call
+        pruned = count_for_rate(self.rate, scores.numel())
+        order = torch.argsort(scores.to(torch.float64).cpu(), stable=True)  # lowest first; ties by index
+        keep = torch.ones(scores.numel(), dtype=torch.bool)
+        keep[order[:pruned]] = False
+        shared = dict(gradients)
+        g = gradients[weight]
+        shared[weight] = g * keep.to(device=g.device, dtype=g.dtype).unsqueeze(0)
+        return shared, state
