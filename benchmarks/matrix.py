@@ -196,14 +196,8 @@ def run_defense(job: tuple) -> tuple[SettingAudit, TrainingResult]:
             lpips_fn=lpips_fn,
             log=lambda line: print(f"{tag} {line.strip()}", flush=True),
         )
-    for cell in audit.cells:
-        print(f"{tag} {cell.summary()}", flush=True)
-    if audit.worst is not None:
-        print(
-            f"{tag} worst case: {audit.worst.means['psnr']:.1f} dB, {audit.worst.leak_fraction:.0%} of images leak -> "
-            f"{audit.worst.verdict}",
-            flush=True,
-        )
+    for line in audit.summary_lines():
+        print(f"{tag} {line}", flush=True)
     L.seed_everything(args.seed, verbose=False)
     result = train_setting(setting, LeNetZhu(), datamodule, rounds=rounds, seed=args.seed)
     print(

@@ -73,6 +73,22 @@ def quiet_lightning() -> Iterator[None]:
                 logger.setLevel(level)
 
 
+def internal_trainer(*, max_steps: int, callbacks: Sequence[Callback], **kwargs: Any) -> L.Trainer:
+    """A ``Trainer`` for this package's own short runs (taps, catalogue training): CPU, no validation,
+    logger, checkpoints, progress bar or model summary. Build it inside :func:`quiet_lightning`."""
+    return L.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=list(callbacks),
+        **kwargs,
+    )
+
+
 @dataclass
 class AttackResult:
     """One client's round: what it shared, what the attack rebuilt, and the scores."""
@@ -232,17 +248,7 @@ def tap_fedsgd_round(
             simulation.choose_batch(round, client, items, by="index" if chosen_name == "indices" else "position")
     taps = [GradientTap(client_id=c, rounds=[round]) for c in clients]
     with quiet_lightning():
-        trainer = L.Trainer(
-            accelerator="cpu",
-            max_steps=round + 1,
-            limit_val_batches=0,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[*defenses, *taps],
-        )
-        trainer.fit(simulation)
+        internal_trainer(max_steps=round + 1, callbacks=[*defenses, *taps]).fit(simulation)
     records = [tap.latest() for tap in taps]
     for record in records:
         record.meta["dataset_indices"] = simulation.local_indices(round, record.client_id)

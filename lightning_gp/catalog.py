@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset
 
 from lightning_gp.attacks import GradientAttack, adaptive_attacks
-from lightning_gp.audit import _public_batch, quiet_lightning, tap_fedsgd_round
+from lightning_gp.audit import _public_batch, internal_trainer, quiet_lightning, tap_fedsgd_round
 from lightning_gp.callbacks import (
     DPSGD,
     AlignedDualGradientPruning,
@@ -168,16 +168,7 @@ def _tap_with_trainer(
         tap = GradientTap(rounds=[0])
         callbacks = [copy.deepcopy(cb) for cb in setting.callbacks]
         with quiet_lightning():
-            trainer = L.Trainer(
-                accelerator="cpu",
-                max_steps=1,
-                limit_val_batches=0,
-                logger=False,
-                enable_checkpointing=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
-                callbacks=[*callbacks, tap],
-            )
+            trainer = internal_trainer(max_steps=1, callbacks=[*callbacks, tap])
             trainer.fit(module, datamodule=_ChosenImages(datamodule.train_dataset, chosen))
         record = tap.latest()
         record = dataclasses.replace(record, client_id=client)
@@ -299,17 +290,7 @@ def train_setting(
             seed=seed,
         )
     with quiet_lightning():
-        trainer = L.Trainer(
-            accelerator="cpu",
-            max_steps=rounds,
-            limit_val_batches=0,
-            num_sanity_val_steps=0,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[*defenses, meter, *callbacks],
-        )
+        trainer = internal_trainer(max_steps=rounds, callbacks=[*defenses, meter, *callbacks], num_sanity_val_steps=0)
         start = time.perf_counter()
         trainer.fit(module, **fit_kwargs)
         seconds = time.perf_counter() - start

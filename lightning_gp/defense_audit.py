@@ -146,6 +146,16 @@ class SettingAudit:
     worst: WorstCaseReport | None
     results: dict[str, list[AttackResult]] = field(default_factory=dict, repr=False)
 
+    def summary_lines(self) -> list[str]:
+        """Progress output: one line per attack, then the worst case and the verdict."""
+        lines = [cell.summary() for cell in self.cells]
+        if self.worst is not None:
+            lines.append(
+                f"worst case: PSNR {self.worst.means['psnr']:.1f} dB, {self.worst.leak_fraction:.0%} of images leak "
+                f"-> {self.worst.verdict}"
+            )
+        return lines
+
     def cell(self, attack: str) -> Cell:
         for cell in self.cells:
             if cell.attack == attack:

@@ -79,14 +79,8 @@ def audit(name: str, budget: AttackBudget, lpips_fn: Any, output_dir: Path, seed
         lpips_fn=lpips_fn,
         log=lambda line: None,
     )
-    for cell in result.cells:
-        print(f"   {cell.summary()}", flush=True)
-    if result.worst is not None:
-        print(
-            f"   worst case: PSNR {result.worst.means['psnr']:.1f} dB, {result.worst.leak_fraction:.0%} of images "
-            f"leak -> {result.worst.verdict}",
-            flush=True,
-        )
+    for line in result.summary_lines():
+        print(f"   {line}", flush=True)
     save_grid(result, output_dir / f"audit_{slug(setting.name)}.png")
     return result
 
