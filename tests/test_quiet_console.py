@@ -20,7 +20,7 @@ BEGIN, END = "=== audit begins ===", "=== audit ends ==="
 # Imports torch and Lightning, snapshots logging and warnings, imports every lightning_gp module,
 # snapshots again, runs a tiny audit between two markers on stderr, then builds a plain Trainer.
 SCRIPT = f"""
-import importlib, json, logging, pkgutil, sys, warnings
+import importlib, importlib.util, json, logging, pkgutil, sys, warnings
 import lightning as L
 import torch
 
@@ -35,7 +35,9 @@ def snapshot():
 
 before_import = snapshot()
 import lightning_gp
-for module in pkgutil.walk_packages(lightning_gp.__path__, "lightning_gp."):
+for module in pkgutil.walk_packages(lightning_gp.__path__, "lightning_gp.", onerror=lambda name: None):
+    if module.name.startswith("lightning_gp.flower") and importlib.util.find_spec("flwr") is None:
+        continue  # the optional Flower extra is not installed
     importlib.import_module(module.name)
 after_import = snapshot()
 

@@ -1,0 +1,1 @@
+"""A Flower app that trains LeNet on lightning-gp's built-in Fashion-MNIST sample with defended updates."""
