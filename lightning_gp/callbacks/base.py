@@ -67,6 +67,10 @@ class GradientDefense(SharedGradientCallback, DefenseStage):
             raise TypeError(f"defense must be a lightning_gp.defenses.Defense, got {type(defense).__name__}")
         self.defense = defense
 
+    @property
+    def layerwise(self) -> bool:
+        return self.defense.layerwise
+
     def bind(self, setup: ClientSetup) -> None:
         self.defense.set_num_clients(setup.num_clients)
         self.defense.check_layer_shapes(setup.shapes)
@@ -89,6 +93,11 @@ class GradientDefense(SharedGradientCallback, DefenseStage):
         """One client's gradient through this defense (the pipeline calls this; data-dependent
         defenses also use the model and the client's batch)."""
         return self.defense(gradients, client_id)
+
+    def defend_layers(
+        self, gradients: Mapping[str, Tensor], *, client_id: int, round: int, model: nn.Module, meta: Mapping[str, Any]
+    ) -> dict[str, Tensor]:
+        return self.defense.defend_layers(gradients, client_id)
 
     @property
     def state_key(self) -> str:

@@ -5,17 +5,30 @@ gradients, so the raw per-rank gradient has already left the rank; the defense m
 the communication hook. Lightning registers ``ddp_comm_hook`` only on CUDA, so the hook is
 registered here on the DDP-wrapped model, which works on CPU/gloo as well.
 
-DDP hands the hook one bucket of gradients at a time, but defenses may need the whole model
-(global thresholds, per-model masks). The hook therefore holds every bucket until the last one
-arrives, defends the complete named gradient once, then all-reduces each bucket and completes
-the futures DDP is waiting on. This gives up DDP's overlap of communication with the backward
-pass: the price of defending the full gradient.
+DDP hands the hook one bucket of gradients at a time, while the backward pass goes on. Two ways
+to defend them:
+
+* **bucket by bucket** (:attr:`DefendedAllReduce.bucketwise`, chosen when every defense is
+  :attr:`~lightning_gp.callbacks.interfaces.DefenseStage.layerwise`: per-layer Top-k, magnitude,
+  random and dual gradient pruning, Gaussian/Laplace noise, quantisation): each bucket's layers
+  are defended as the bucket arrives, written into the bucket and all-reduced asynchronously
+  (``all_reduce(..., async_op=True).get_future().then(...)``, as torch's default
+  ``allreduce_hook``), so communication overlaps the rest of the backward pass. The defended
+  buckets are collected and the observers (taps, meters) see the whole shared gradient once,
+  after the last bucket. Defending layers part by part in bucket order is bit-identical to
+  defending them at once (state and random streams included);
+* **held** (any defense that needs the whole model: global thresholds, sensitivity estimates,
+  ADGP's shared mask, anything that prepares a round across clients): the hook holds every
+  bucket until the last one arrives, defends the complete named gradient once, then all-reduces
+  each bucket and completes the futures DDP is waiting on, giving up the overlap.
 
 Two things DDP would otherwise get wrong for a defense:
 
 * a failure on one rank (say a NaN gradient) would raise there only, and the other ranks would
   die later inside gloo with "connection closed": the ranks agree on failure after defending,
-  and every rank raises the same :class:`DistributedDefenseError`;
+  and every rank raises the same :class:`DistributedDefenseError` (bucket by bucket, a rank
+  whose pipeline failed sends zeros for its remaining buckets, never an undefended gradient, and
+  the ranks agree once the last bucket is sent);
 * with ``find_unused_parameters=True``, DDP leaves ``.grad`` at ``None`` for a parameter no rank
   used this step, even though error feedback may have sent residual mass for it: the runner
   writes the aggregate into such gradients before the optimizer step, so nothing counted as sent
@@ -24,7 +37,8 @@ Two things DDP would otherwise get wrong for a defense:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -76,8 +90,29 @@ class DDPClientStep(ClientStepRunner):
                 p.grad = aggregate[name].to(p.dtype).clone()
 
 
+@dataclass
+class _BucketwiseStep:
+    """One optimizer step of the bucket-by-bucket path, from its first bucket to its last."""
+
+    round: int
+    meta: dict[str, Any]
+    shared: dict[str, Tensor] = field(default_factory=dict)
+    buckets: list[tuple[dict[str, Tensor], Future]] = field(default_factory=list)
+    failure: Exception | None = None
+
+
 class DefendedAllReduce:
-    """State of the communication hook of one rank (one client)."""
+    """State of the communication hook of one rank (one client).
+
+    Attributes:
+        bucketwise: defend and all-reduce each bucket as it arrives (True when every defense is
+            layerwise), else hold every bucket and defend the whole gradient once. Setting it to
+            False on a layerwise pipeline holds the buckets anyway (the comparison of
+            ``benchmarks/distributed.py``); setting it to True on another pipeline is refused.
+        last_aggregate: the aggregate of the last step (what every rank downloads), by layer; on
+            the bucket-by-bucket path these are views of DDP's buckets, valid until the next backward.
+        last_buckets: how many buckets DDP handed over in the last step.
+    """
 
     def __init__(
         self,
@@ -92,10 +127,20 @@ class DefendedAllReduce:
         self.process_group = process_group
         self.names = {id(p): n for n, p in module.named_parameters()}
         self._pending: list[tuple[list[Tensor], list[Tensor], Tensor, Future]] = []
+        self._step: _BucketwiseStep | None = None
         self.broadcasts = 0
         self.last_aggregate: dict[str, Tensor] = {}
+        self.last_buckets = 0
+        self.bucketwise = pipeline.layerwise
 
     def on_bucket(self, bucket: dist.GradBucket) -> Future:
+        if self.bucketwise:
+            if not self.pipeline.layerwise:
+                raise RuntimeError(
+                    "bucketwise=True needs every defense to be layerwise; a defense of this pipeline needs the "
+                    "whole model's gradient at once"
+                )
+            return self._defend_bucket(bucket)
         future: Future = Future()
         self._pending.append((bucket.parameters(), bucket.gradients(), bucket.buffer(), future))
         if bucket.is_last():
@@ -131,10 +176,72 @@ class DefendedAllReduce:
             flat.div_(world)
             aggregate.update(unflatten_named(flat, named))
             future.set_result(flat)
-        self.last_aggregate = aggregate
+        self.last_aggregate, self.last_buckets = aggregate, len(pending)
         pipeline.finish_round(aggregate, round=round, clients=world)
 
-    def _agree_on_failure(self, failure: Exception | None) -> None:
+    @torch.no_grad()
+    def _defend_bucket(self, bucket: dist.GradBucket) -> Future:
+        """Defend one bucket's layers, write them into the bucket and all-reduce it asynchronously."""
+        round = self.trainer.global_step
+        step = self._step
+        if step is None or step.round != round:  # the first bucket of this optimizer step
+            self._check_same_round(round)
+            meta = {"path": DDPClientStep.execution_path, "world_size": self.trainer.world_size}
+            step = self._step = _BucketwiseStep(round, meta)
+        grads = bucket.gradients()  # views into bucket.buffer()
+        gradients = {self.names[id(p)]: g for p, g in zip(bucket.parameters(), grads)}
+        if step.failure is None:
+            try:
+                shared = self.pipeline.defend(
+                    gradients,
+                    client_id=self.trainer.global_rank,
+                    round=round,
+                    model=self.module,
+                    meta=step.meta,
+                    part=True,
+                )
+            except Exception as err:  # agreed on after the last bucket, then raised on every rank
+                step.failure = err
+        buffer = bucket.buffer()
+        if step.failure is None:
+            step.shared.update(shared)
+            for g, name in zip(grads, gradients):
+                g.copy_(shared[name])
+        else:
+            buffer.zero_()  # a failed rank sends nothing of its gradient
+        world = dist.get_world_size(self.process_group)
+        work = dist.all_reduce(buffer, group=self.process_group, async_op=True)
+        assert work is not None
+        # sum, then divide: the held path's arithmetic, so both give the same bits
+        future = work.get_future().then(lambda fut: fut.value()[0].div_(world))
+        step.buckets.append((gradients, future))
+        if bucket.is_last():
+            self._step = None
+            self._finish_bucketwise(step)
+        return future
+
+    def _finish_bucketwise(self, step: _BucketwiseStep) -> None:
+        """After the last bucket: the observers see the whole shared gradient, the ranks agree on
+        failure once nothing is in flight, and the aggregate is recorded."""
+        if step.failure is None:
+            try:
+                self.pipeline.observe(
+                    step.shared, client_id=self.trainer.global_rank, round=step.round, model=self.module, meta=step.meta
+                )
+            except Exception as err:
+                step.failure = err
+        torch.futures.wait_all([future for _, future in step.buckets])
+        self._agree_on_failure(
+            step.failure,
+            consequence="so this step is not applied (a failed rank sent zeros, never an undefended gradient)",
+        )
+        aggregate: dict[str, Tensor] = {}
+        for gradients, future in step.buckets:
+            aggregate.update(unflatten_named(future.value(), gradients))
+        self.last_aggregate, self.last_buckets = aggregate, len(step.buckets)
+        self.pipeline.finish_round(aggregate, round=step.round, clients=dist.get_world_size(self.process_group))
+
+    def _agree_on_failure(self, failure: Exception | None, consequence: str = "so no rank shares this step") -> None:
         """Every rank learns whether any rank failed; then all raise the same error, or none does."""
         failed = torch.tensor([0 if failure is None else 1], dtype=torch.int64)
         dist.all_reduce(failed, group=self.process_group)
@@ -146,8 +253,7 @@ class DefendedAllReduce:
         report = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None)
         raise DistributedDefenseError(
             f"the shared-gradient pipeline failed at step {self.trainer.global_step} on "
-            f"{sum(m is not None for m in messages)} of {len(messages)} DDP ranks, so no rank shares this step "
-            f"({report})"
+            f"{sum(m is not None for m in messages)} of {len(messages)} DDP ranks, {consequence} ({report})"
         ) from failure
 
     def _check_same_round(self, round: int) -> None:

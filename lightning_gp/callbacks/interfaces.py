@@ -74,6 +74,32 @@ class Pipeline(Protocol):
 
     def finish_round(self, update: Mapping[str, Tensor], *, round: int, clients: int) -> None: ...
 
+    @property
+    def layerwise(self) -> bool: ...
+
+    def defend(
+        self,
+        gradients: Mapping[str, Tensor],
+        *,
+        client_id: int,
+        round: int,
+        model: nn.Module,
+        batch: Any = None,
+        meta: Mapping[str, Any] | None = None,
+        part: bool = False,
+    ) -> Gradients: ...
+
+    def observe(
+        self,
+        shared: Mapping[str, Tensor],
+        *,
+        client_id: int,
+        round: int,
+        model: nn.Module,
+        batch: Any = None,
+        meta: Mapping[str, Any] | None = None,
+    ) -> None: ...
+
 
 class ClientStepRunner(ABC):
     """Owns the client step: computes each client's gradient and sends it through the pipeline.
@@ -114,6 +140,13 @@ class DefenseStage(ABC):
     #: after a runner with a formal privacy guarantee
     reads_client_data: ClassVar[bool] = False
 
+    @property
+    def layerwise(self) -> bool:
+        """The stage defends each layer from that layer alone (and per-layer state), and needs no
+        :meth:`begin_round`: a runner may then call :meth:`defend_layers` part after part (the DDP
+        hook, bucket by bucket, overlapping the all-reduce with the backward pass). Default: False."""
+        return False
+
     def bind(self, setup: ClientSetup) -> None:
         """Declare the run's clients and shared layers (checks restored state against them)."""
         return
@@ -136,6 +169,13 @@ class DefenseStage(ABC):
         meta: Mapping[str, Any],
     ) -> dict[str, Tensor]:
         """One client's gradient through this stage."""
+
+    def defend_layers(
+        self, gradients: Mapping[str, Tensor], *, client_id: int, round: int, model: nn.Module, meta: Mapping[str, Any]
+    ) -> dict[str, Tensor]:
+        """Some of one client's layers through a :attr:`layerwise` stage, called part after part in
+        layer order within a step (default: :meth:`defend` on the part, without a batch)."""
+        return self.defend(gradients, client_id=client_id, round=round, model=model, batch=None, meta=meta)
 
 
 class ObserverStage(ABC):

@@ -93,6 +93,11 @@ class SharedGradientPipeline:
         for stage in self.defenses:
             stage.begin_round(round, clients, local_gradients, share)
 
+    @property
+    def layerwise(self) -> bool:
+        """Every defense is layerwise, so a client's gradient may be defended part by part."""
+        return all(stage.layerwise for stage in self.defenses)
+
     def process(
         self,
         gradients: Mapping[str, Tensor],
@@ -104,13 +109,52 @@ class SharedGradientPipeline:
         meta: Mapping[str, Any] | None = None,
     ) -> Gradients:
         """Defend one client's gradient and show the shared result to every observer."""
+        shared = self.defend(gradients, client_id=client_id, round=round, model=model, batch=batch, meta=meta)
+        self.observe(shared, client_id=client_id, round=round, model=model, batch=batch, meta=meta)
+        return shared
+
+    def defend(
+        self,
+        gradients: Mapping[str, Tensor],
+        *,
+        client_id: int,
+        round: int,
+        model: nn.Module,
+        batch: Any = None,
+        meta: Mapping[str, Any] | None = None,
+        part: bool = False,
+    ) -> Gradients:
+        """The defenses of :meth:`process` alone. With ``part``, ``gradients`` holds some of the
+        client's layers (a DDP bucket) and every defense must be :attr:`layerwise`; the observers
+        then see the assembled gradient through :meth:`observe` once the last part is defended."""
+        if part and not self.layerwise:
+            raise RuntimeError("a gradient can be defended part by part only when every defense is layerwise")
         shared = dict(gradients)
-        meta = {**(meta or {}), "defenses": self.describe_defenses()}
+        meta = self._meta(meta)
         for defense in self.defenses:
-            shared = defense.defend(shared, client_id=client_id, round=round, model=model, batch=batch, meta=meta)
+            if part:
+                shared = defense.defend_layers(shared, client_id=client_id, round=round, model=model, meta=meta)
+            else:
+                shared = defense.defend(shared, client_id=client_id, round=round, model=model, batch=batch, meta=meta)
+        return shared
+
+    def observe(
+        self,
+        shared: Mapping[str, Tensor],
+        *,
+        client_id: int,
+        round: int,
+        model: nn.Module,
+        batch: Any = None,
+        meta: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Show one client's whole shared gradient to every observer (the observers of :meth:`process`)."""
+        meta = self._meta(meta)
         for observer in self.observers:
             observer.observe(shared, client_id=client_id, round=round, model=model, batch=batch, meta=meta)
-        return shared
+
+    def _meta(self, meta: Mapping[str, Any] | None) -> dict[str, Any]:
+        return {**(meta or {}), "defenses": self.describe_defenses()}
 
     def finish_round(self, update: Mapping[str, Tensor], *, round: int, clients: int) -> None:
         """Show the aggregated update (what every client downloads) to the observers."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -51,6 +51,22 @@ class Defense(ABC):
         nonfinite: what to do with NaN/inf gradients: ``"error"`` raises
             :class:`NonFiniteGradientError`; ``"zero"`` replaces them with 0 and warns.
     """
+
+    #: The defense is layer-separable: its output and new state for a layer depend only on that
+    #: layer's gradient, that layer's own state (state is keyed by layer name, or empty) and the
+    #: client's random stream drawn layer after layer, and :meth:`begin_round` shares nothing. Then
+    #: defending the layers in consecutive parts, in order (:meth:`defend_layers`, e.g. one DDP
+    #: bucket at a time), gives bit for bit what defending them at once gives. False by default:
+    #: global thresholds, sensitivity estimates and cross-client masks need the whole model.
+    layerwise: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.layerwise and cls.begin_round is not Defense.begin_round:
+            raise TypeError(
+                f"{cls.__name__} declares layerwise = True but overrides begin_round: a defense that prepares "
+                "its rounds across clients needs the whole model and cannot be layerwise"
+            )
 
     def __init__(self, *, seed: int | None = None, nonfinite: str = "error") -> None:
         if seed is None:
@@ -101,12 +117,43 @@ class Defense(ABC):
 
     # ---------------------------------------------------------------- public API
     def __call__(self, gradients: Mapping[str, Tensor], client_id: int = 0) -> Gradients:
+        return self._defend(gradients, client_id, part=False)
+
+    def defend_layers(self, gradients: Mapping[str, Tensor], client_id: int = 0) -> Gradients:
+        """Defend some of a client's layers, e.g. one DDP bucket (only for :attr:`layerwise` defenses).
+
+        The layers must be among those declared (:meth:`check_layer_shapes`, which a Trainer does
+        at fit start); only their state is read and replaced. Called part after part, in the order
+        the whole gradient would list its layers, this gives bit for bit what one call with all
+        layers gives, state and random stream included.
+        """
+        if not self.layerwise:
+            raise TypeError(
+                f"{type(self).__name__} is not layerwise (it needs the whole model's gradient at once); "
+                "call it with every layer"
+            )
+        return self._defend(gradients, client_id, part=True)
+
+    def _defend(self, gradients: Mapping[str, Tensor], client_id: int, *, part: bool) -> Gradients:
         check_gradients(gradients)
         client_id = check_client_id(client_id, self.num_clients)
         gradients = self._apply_nonfinite_policy(dict(gradients), client_id)
-        self._check_layer_shapes({n: g.shape for n, g in gradients.items()}, f"the gradients of client {client_id}")
-        state = self._states.get(client_id)
-        state = self.init_client_state(gradients) if state is None else _aligned(state, gradients)
+        shapes = {n: g.shape for n, g in gradients.items()}
+        if part:
+            self._check_part_shapes(shapes, client_id)
+        else:
+            self._check_layer_shapes(shapes, f"the gradients of client {client_id}")
+        stored = self._states.get(client_id)
+        if not part:
+            state = self.init_client_state(gradients) if stored is None else _aligned(stored, gradients)
+        else:
+            # a layerwise defense's state is keyed by layer: take this part's, create what is missing
+            stored = {} if stored is None else stored
+            state = {n: stored[n] for n in gradients if n in stored}
+            new_layers = {n: g for n, g in gradients.items() if n not in stored}
+            if new_layers:
+                state.update(self.init_client_state(new_layers))
+            state = _aligned(state, gradients)
         generator = self._generator(client_id, next(iter(gradients.values())).device)
         shared, new_state = self.transform(gradients, state, generator)
         if shared.keys() != gradients.keys():
@@ -114,7 +161,7 @@ class Defense(ABC):
         changed = [n for n, g in gradients.items() if (shared[n].dtype, shared[n].device) != (g.dtype, g.device)]
         if changed:
             raise RuntimeError(f"{type(self).__name__}.transform changed the dtype or device of {changed}")
-        self._states[client_id] = new_state
+        self._states[client_id] = {**stored, **new_state} if part and stored is not None else new_state
         return shared
 
     def set_num_clients(self, num_clients: int | None) -> None:
@@ -253,6 +300,20 @@ class Defense(ABC):
         return {
             n: torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0) if n in bad else g for n, g in gradients.items()
         }
+
+    def _check_part_shapes(self, shapes: dict[str, torch.Size], client_id: int) -> None:
+        known = self._layer_shapes
+        if known is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.defend_layers needs the model's layers declared first "
+                "(check_layer_shapes; a Trainer does this at fit start)"
+            )
+        wrong = [f"{n}: {tuple(s)}" for n, s in shapes.items() if known.get(n) != s]
+        if wrong:
+            raise ValueError(
+                f"{type(self).__name__}: layers {wrong} of client {client_id}'s gradient are not layers of the "
+                "declared model (or have another shape)"
+            )
 
     def _check_layer_shapes(self, shapes: dict[str, torch.Size], where: str) -> None:
         if self._layer_shapes is None:

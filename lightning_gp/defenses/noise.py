@@ -29,6 +29,8 @@ class GaussianNoise(Defense):
     :class:`~lightning_gp.callbacks.DPSGD` for that.
     """
 
+    layerwise = True  # per-coordinate clip and noise, drawn in layer order
+
     def __init__(
         self, scale: float = 0.01, *, clip: float | None = None, seed: int | None = None, nonfinite: str = "error"
     ) -> None:
@@ -48,6 +50,8 @@ class GaussianNoise(Defense):
 
 class LaplaceNoise(Defense):
     """Add Laplace noise of scale ``b = scale`` (density ``exp(-|z| / b) / 2b``, std ``sqrt(2) b``) to every coordinate."""
+
+    layerwise = True  # per-coordinate noise, drawn in layer order
 
     def __init__(self, scale: float = 0.01, *, seed: int | None = None, nonfinite: str = "error") -> None:
         super().__init__(seed=seed, nonfinite=nonfinite)

@@ -63,6 +63,8 @@ class MagnitudePruning(_LayerwisePruning):
         error_feedback: keep the pruned remainder per client and add it to the next gradient.
     """
 
+    layerwise = True  # each layer's mask and residual from that layer alone
+
     def __init__(
         self, rate: float = 0.8, *, error_feedback: bool = False, seed: int | None = None, nonfinite: str = "error"
     ) -> None:
@@ -85,6 +87,8 @@ class TopKPruning(_LayerwisePruning):
     the client's next round. ``k = 0`` sends nothing.
     """
 
+    layerwise = True  # each layer's mask and residual from that layer alone
+
     def __init__(
         self, k: float = 0.2, *, error_feedback: bool = True, seed: int | None = None, nonfinite: str = "error"
     ) -> None:
@@ -100,6 +104,8 @@ class TopKPruning(_LayerwisePruning):
 
 class RandomPruning(SparsifyingDefense):
     """Zero a uniformly random ``rate`` fraction of every layer (from the client's seeded stream)."""
+
+    layerwise = True  # one permutation per layer, drawn in layer order
 
     def __init__(
         self, rate: float = 0.8, *, error_feedback: bool = True, seed: int | None = None, nonfinite: str = "error"
@@ -131,6 +137,8 @@ class DualGradientPruning(_LayerwisePruning):
     sent would grow without bound. Defaults are the paper's: ``k1 = 5%``, ``k2 = 75%``, a send
     rate of 20% and ``p = k1 / k2 = 1/15``.
     """
+
+    layerwise = True  # the top-k1 and bottom-k2 cuts are per layer (Alg. 1)
 
     def __init__(
         self,

@@ -22,6 +22,8 @@ class GradientQuantization(Defense):
     Each upload then costs ``bits`` per entry plus one float per layer.
     """
 
+    layerwise = True  # one scale per layer; stochastic rounding drawn in layer order
+
     def __init__(
         self, bits: int = 8, *, stochastic_rounding: bool = False, seed: int | None = None, nonfinite: str = "error"
     ) -> None:
