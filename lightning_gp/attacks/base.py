@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +51,13 @@ class GradientAttack(ABC):
     @abstractmethod
     def reconstruct(self, view: ServerView) -> Reconstruction:
         """Recover the client's inputs (and labels) from the view alone."""
+
+    def reconstruct_many(self, views: Sequence[ServerView]) -> list[Reconstruction]:
+        """One reconstruction per view, each as :meth:`reconstruct` gives it. Attacks whose problems
+        can share one optimisation override this (:meth:`InvertingGradients.reconstruct_many`)."""
+        if isinstance(views, ServerView) or not isinstance(views, Sequence):
+            raise TypeError(f"views must be a sequence of ServerView, got {type(views).__name__}")
+        return [self.reconstruct(view) for view in views]
 
     def _prepare(self, view: ServerView) -> tuple[ServerView, torch.Generator]:
         """The view on the attack's device and a seeded generator there. The model keeps the mode

@@ -9,13 +9,14 @@ image priors and matches BatchNorm statistics.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import torch
 from torch import Tensor, nn
 
 from lightning_gp.attacks.base import GradientAttack, Reconstruction
+from lightning_gp.attacks.batched import check_batchable, inverting_gradients_objective, stack_problems
 from lightning_gp.attacks.gradient_matching import (
     cosine_distance,
     parameter_gradients,
@@ -24,11 +25,16 @@ from lightning_gp.attacks.gradient_matching import (
 )
 from lightning_gp.attacks.labels import recover_labels
 from lightning_gp.attacks.view import ServerView
-from lightning_gp.validation import check_nonnegative, check_positive, check_positive_int
+from lightning_gp.validation import check_bool, check_nonnegative, check_positive, check_positive_int
 
 
 def _random_images(view: ServerView, generator: torch.Generator) -> Tensor:
     return torch.randn((view.batch_size, *view.input_shape), generator=generator, device=view.device)
+
+
+def known_or_recovered_labels(view: ServerView) -> Tensor:
+    """The labels the threat model grants (``view.labels``), else :func:`recover_labels`'."""
+    return view.labels if view.labels is not None else recover_labels(view).to(view.device)
 
 
 # ---------------------------------------------------------------------------------------- DLG
@@ -136,10 +142,13 @@ class IDLG(DLG):
     last layer's gradient (Sec. 3), then run DLG on the inputs alone with that label."""
 
     def _labels(self, view: ServerView) -> Tensor:
-        return view.labels if view.labels is not None else recover_labels(view).to(view.device)
+        return known_or_recovered_labels(view)
 
 
 # ----------------------------------------------------------------------- Adam image optimisation
+Observer = Callable[[int, Tensor], None]
+
+
 def optimize_images(
     objective: Callable[[Tensor], Tensor],
     init: Tensor,
@@ -150,21 +159,77 @@ def optimize_images(
     bounds: tuple[Tensor, Tensor] | None,
     lr_decay: bool,
     report: Callable[[int, int, float], None],
+    observer: Observer | None = None,
 ) -> tuple[Tensor, list[float]]:
     """Adam on the images (Inverting Gradients' optimiser, Sec. 4 and App.).
 
     ``signed``: step on the sign of the gradient; ``bounds``: project into the data box after
-    every step; ``lr_decay``: divide the learning rate by 10 at 3/8, 5/8 and 7/8 of the run.
+    every step; ``lr_decay``: divide the learning rate by 10 at 3/8, 5/8 and 7/8 of the run;
+    ``observer(iteration, images[None])`` sees the images after every step. The run stops
+    early once the objective is not finite.
     """
+    images, traces = _adam_on_images(
+        objective, init, batched=False, iterations=iterations, lr=lr, signed=signed, bounds=bounds,
+        lr_decay=lr_decay, report=report, observer=observer,
+    )  # fmt: skip
+    return images, traces[0]
+
+
+def optimize_image_batch(
+    objective: Callable[[Tensor], Tensor],
+    init: Tensor,
+    *,
+    iterations: int,
+    lr: float,
+    signed: bool,
+    bounds: tuple[Tensor, Tensor] | None,
+    lr_decay: bool,
+    report: Callable[[int, int, float], None],
+    observer: Observer | None = None,
+) -> tuple[Tensor, list[list[float]]]:
+    """:func:`optimize_images` for ``P`` independent problems in one run: ``init`` is ``[P, ...]``,
+    ``objective`` maps it to the ``[P]`` per-problem objectives and the run minimises their sum.
+
+    Every problem gets the trajectory it gets alone: the sum's gradient in row ``p`` is problem
+    ``p``'s own; Adam, the sign and the box act elementwise; the learning-rate schedule counts
+    iterations, which all problems share. Early stopping is per problem: a problem whose objective
+    stops being finite keeps the images of that step (as :func:`optimize_images` returns them)
+    and its trace ends there; the run ends when every problem has stopped or the budget is spent.
+    ``report`` gets the mean objective of the problems still running; ``observer`` all rows.
+    Returns the ``[P, ...]`` images and one loss trace per problem.
+    """
+    return _adam_on_images(
+        objective, init, batched=True, iterations=iterations, lr=lr, signed=signed, bounds=bounds,
+        lr_decay=lr_decay, report=report, observer=observer,
+    )  # fmt: skip
+
+
+def _adam_on_images(
+    objective: Callable[[Tensor], Tensor],
+    init: Tensor,
+    *,
+    batched: bool,
+    iterations: int,
+    lr: float,
+    signed: bool,
+    bounds: tuple[Tensor, Tensor] | None,
+    lr_decay: bool,
+    report: Callable[[int, int, float], None],
+    observer: Observer | None,
+) -> tuple[Tensor, list[list[float]]]:
+    """The one Adam loop behind :func:`optimize_images` (one problem, scalar objective) and
+    :func:`optimize_image_batch` (``[P]`` objectives, leading problem dimension)."""
     images = init.clone().requires_grad_(True)
     optimizer = torch.optim.Adam([images], lr=lr)
     milestones = sorted({max(1, int(iterations * f)) for f in (3 / 8, 5 / 8, 7 / 8)}) if lr_decay else []
     scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=milestones, gamma=0.1)
-    trace: list[float] = []
+    problems = int(init.shape[0]) if batched else 1
+    traces: list[list[float]] = [[] for _ in range(problems)]
+    stopped: dict[int, Tensor] = {}  # problem -> its images at the step its objective stopped being finite
     for iteration in range(iterations):
         optimizer.zero_grad()
-        loss = objective(images)
-        loss.backward()
+        values = objective(images)
+        (values.sum() if batched else values).backward()
         if signed and images.grad is not None:
             images.grad.sign_()
         optimizer.step()
@@ -172,12 +237,23 @@ def optimize_images(
         if bounds is not None:
             with torch.no_grad():
                 images.copy_(torch.maximum(torch.minimum(images, bounds[1]), bounds[0]))
-        value = float(loss.detach())
-        trace.append(value)
-        report(iteration, iterations, value)
-        if not math.isfinite(value):
+        current = values.detach().reshape(-1).tolist() if batched else [float(values.detach())]
+        running = [p for p in range(problems) if p not in stopped]
+        for p in running:
+            traces[p].append(current[p])
+        report(iteration, iterations, sum(current[p] for p in running) / len(running))
+        if observer is not None:
+            observer(iteration, images.detach() if batched else images.detach().unsqueeze(0))
+        for p in running:
+            if not math.isfinite(current[p]):
+                stopped[p] = (images[p] if batched else images).detach().clone()
+        if len(stopped) == problems:
             break
-    return images.detach(), trace
+    result = images.detach()
+    if batched:
+        for p, frozen in stopped.items():
+            result[p] = frozen
+    return result, traces
 
 
 def best_of_restarts(
@@ -191,6 +267,7 @@ def best_of_restarts(
     bounds: tuple[Tensor, Tensor] | None,
     lr_decay: bool,
     report: Callable[[int, int, float], None],
+    observer: Observer | None = None,
 ) -> tuple[Tensor, list[float], float, int, list[float]]:
     """Run :func:`optimize_images` from ``restarts`` starts (``start()`` draws each) and keep the run
     with the lowest final objective (the attacker's own criterion; a non-finite one never wins).
@@ -208,12 +285,17 @@ def best_of_restarts(
             bounds=bounds,
             lr_decay=lr_decay,
             report=report,
+            observer=observer,
         )
         with torch.enable_grad():
             final = float(objective(images).detach())
-        runs.append((final if math.isfinite(final) else math.inf, restart, images, trace))
+        runs.append((_finite_or_inf(final), restart, images, trace))
     final, restart, images, trace = min(runs, key=lambda r: r[0])
     return images, trace, final, restart, [r[0] for r in runs]
+
+
+def _finite_or_inf(value: float) -> float:
+    return value if math.isfinite(value) else math.inf
 
 
 class InvertingGradients(GradientAttack):
@@ -224,12 +306,23 @@ class InvertingGradients(GradientAttack):
     rate divided by 10 at 3/8, 5/8, 7/8 of the budget; labels from ``view.labels`` or
     :func:`recover_labels`. Of ``restarts`` runs the one with the lowest objective wins.
 
+    Throughput: :meth:`reconstruct_many` attacks several clients' gradients in one vmapped
+    optimisation (:mod:`lightning_gp.attacks.batched`), and ``batch_restarts=True`` runs the
+    restarts of :meth:`reconstruct` together the same way. Each problem follows the trajectory it
+    follows alone (to float rounding), so the results are those of the sequential path.
+
     Args:
         iterations: Adam steps per restart (the authors' default is 4800; 24000 for ResNets).
         tv_weight: weight of the total-variation prior.
         support_only: compare only the entries the client sent (non-zero in the shared
             gradient). A pruned gradient reveals which positions were kept, so this is the
             natural adaptive attack on pruning defenses; off by default (the paper's attack).
+        batch_restarts: optimise the ``restarts`` of one view together (off: one after another,
+            the reference path; a subclass that changes the objective always runs them in turn).
+        observer: called after every step with ``(iteration, images)``, ``images`` shaped
+            ``[P, B, C, H, W]``: the running restart (``P = 1``) on the sequential path, every
+            problem of the running chunk (view-major, restarts inner) on the batched one. For
+            progress measurements (e.g. the time to reach a PSNR); it must not change the images.
     """
 
     def __init__(
@@ -242,6 +335,9 @@ class InvertingGradients(GradientAttack):
         boxed: bool = True,
         lr_decay: bool = True,
         support_only: bool = False,
+        *,
+        batch_restarts: bool = False,
+        observer: Observer | None = None,
         **kwargs,
     ) -> None:
         super().__init__(**kwargs)
@@ -251,6 +347,10 @@ class InvertingGradients(GradientAttack):
         self.restarts = check_positive_int(restarts, "restarts")
         self.signed, self.boxed, self.lr_decay = signed, boxed, lr_decay
         self.support_only = support_only
+        self.batch_restarts = check_bool(batch_restarts, "batch_restarts")
+        if observer is not None and not callable(observer):
+            raise TypeError(f"observer must be callable (iteration, images) or None, got {type(observer).__name__}")
+        self.observer = observer
 
     def objective(self, view: ServerView, labels: Tensor) -> Callable[[Tensor], Tensor]:
         support = {n: g.ne(0) for n, g in view.gradients.items()} if self.support_only else None
@@ -264,8 +364,10 @@ class InvertingGradients(GradientAttack):
         return loss
 
     def reconstruct(self, view: ServerView) -> Reconstruction:
+        if self.batch_restarts and self.restarts > 1 and self._not_batchable_because() is None:
+            return self.reconstruct_many([view])[0]
         view, generator = self._prepare(view)
-        labels = view.labels if view.labels is not None else recover_labels(view).to(view.device)
+        labels = known_or_recovered_labels(view)
         objective = self.objective(view, labels)
         images, trace, final, restart, objectives = best_of_restarts(
             objective,
@@ -277,6 +379,7 @@ class InvertingGradients(GradientAttack):
             bounds=view.data_bounds() if self.boxed else None,
             lr_decay=self.lr_decay,
             report=self._report,
+            observer=self.observer,
         )
         return Reconstruction(
             images=images,
@@ -285,6 +388,89 @@ class InvertingGradients(GradientAttack):
             attack=type(self).__name__,
             meta={"objective": final, "best_restart": restart, "objectives": objectives},
         )
+
+    def reconstruct_many(
+        self, views: Sequence[ServerView], *, batched: bool = True, chunk_size: int | None = None
+    ) -> list[Reconstruction]:
+        """Attack several clients' views; ``result[i]`` is what :meth:`reconstruct` gives for ``views[i]``.
+
+        With ``batched``, every view's restarts form one vmapped optimisation of
+        ``len(views) * restarts`` problems (:func:`optimize_image_batch`); the views must share
+        the architecture, input shape, batch size and loss (:func:`check_batchable`, which names
+        the first view that differs). ``chunk_size`` caps the problems optimised together (to
+        bound memory: each problem holds its own double-backward graph); chunks run one after
+        another and give the same per-problem results. A subclass that changes :meth:`objective`
+        or :meth:`reconstruct` (GradInversion, the defense-aware attacks) is attacked one view at
+        a time instead, its results marked ``meta["batched"] = False`` with the reason in
+        ``meta["not_batched_because"]``. ``batched=False`` is the sequential reference path.
+        """
+        check_bool(batched, "batched")
+        if chunk_size is not None:
+            check_positive_int(chunk_size, "chunk_size")
+        reason = self._not_batchable_because()
+        if not batched or reason is not None:
+            results = super().reconstruct_many(views)
+            if batched:
+                for result in results:
+                    result.meta.update(batched=False, not_batched_because=reason)
+            return results
+        check_batchable(views)
+        prepared = [self._prepare(view) for view in views]
+        views = [view for view, _ in prepared]
+        labels = [known_or_recovered_labels(view) for view in views]
+        # the same draws, in the same order, as the sequential path's restarts of each view
+        starts = torch.cat([torch.stack([_random_images(v, g) for _ in range(self.restarts)]) for v, g in prepared])
+        problems = stack_problems(views, labels, repeats=self.restarts, support_only=self.support_only)
+        chunk = problems.size if chunk_size is None else chunk_size
+        finals: list[float] = []
+        images: list[Tensor] = []
+        traces: list[list[float]] = []
+        for first in range(0, problems.size, chunk):
+            rows = slice(first, first + chunk)
+            part = problems.rows(rows)
+            objective = inverting_gradients_objective(part, self.tv_weight)
+            found, found_traces = optimize_image_batch(
+                objective,
+                starts[rows],
+                iterations=self.iterations,
+                lr=self.lr,
+                signed=self.signed,
+                bounds=(part.low, part.high) if self.boxed else None,
+                lr_decay=self.lr_decay,
+                report=self._report,
+                observer=self.observer,
+            )
+            with torch.no_grad():
+                finals += [_finite_or_inf(v) for v in objective(found).tolist()]
+            images += [row.clone() for row in found]  # each reconstruction owns its tensor
+            traces += found_traces
+        results = []
+        for i, view_labels in enumerate(labels):
+            own = range(i * self.restarts, (i + 1) * self.restarts)
+            best = min(own, key=lambda row: finals[row])  # the first of equal objectives, as min() in best_of_restarts
+            results.append(
+                Reconstruction(
+                    images=images[best],
+                    labels=view_labels,
+                    loss_trace=traces[best],
+                    attack=type(self).__name__,
+                    meta={
+                        "objective": finals[best],
+                        "best_restart": best - own.start,
+                        "objectives": [finals[row] for row in own],
+                        "batched": True,
+                    },
+                )
+            )
+        return results
+
+    def _not_batchable_because(self) -> str | None:
+        """Why the batched path cannot run this attack (``None`` when it can): it maps Inverting
+        Gradients' own objective, so an attack that changes it must run its own code per view."""
+        for method in ("objective", "reconstruct"):
+            if getattr(type(self), method) is not getattr(InvertingGradients, method):
+                return f"{type(self).__name__} overrides {method}(); the batched path computes InvertingGradients' objective"
+        return None
 
 
 class GradInversion(InvertingGradients):
