@@ -116,7 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--repeats", type=int, default=1, help="run every configuration this often, interleaved; keep the fastest"
     )
-    parser.add_argument("--defenses", nargs="+", help="a subset of: " + ", ".join(DEFENSE_NAMES))
+    parser.add_argument("--defenses", nargs="+", help="a subset of: " + ", ".join(DEFENSE_NAMES).replace("%", "%%"))
     parser.add_argument("--quick", action="store_true", help="tiny CI-size run")
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--worker-result", type=Path, help=argparse.SUPPRESS)  # internal: one world size

@@ -1,0 +1,305 @@
+"""What the defenses and attacks cost, as ratios to the undefended step measured in one process (issue 15).
+
+The README's performance table quotes this script. Every ratio is a pair of times taken in the
+same run on the same thread count, so a shared, noisy machine moves both alike.
+
+1. ``optimal``: one defended FedSGD step of ConvNet at batch 16 (forward, backward, sensitivity,
+   defense, optimizer step) for OptimalGradientNoise, OptimalGradientPruning and OptimalDPSGD,
+   for each way of estimating the sensitivity: the paper's batch estimator (k = 10), the
+   per-example estimator (k = 2), each fresh every step or refreshed every 4 steps (the time is
+   the mean over 8 consecutive steps, so the refresh is amortised as in training). Next to each
+   mode, its estimator error: the median relative error against the exact per-example Jacobian
+   of the same batch, mean over 3 probe seeds; for the refreshed modes also the error of a
+   3-steps-stale estimate against the exact sensitivity at the step that uses it (other batch,
+   weights after 3 Adam updates): the staleness the refresh buys its speed with.
+2. ``pruning``: Top-k, magnitude, DGP and ADGP on a ResNet18 gradient (batch 32, 3x32x32) as a
+   share of the training step (forward + backward); ADGP twice: with its own mask, and with a
+   round mask from another client (what every client but the provider does).
+3. ``attacks``: Inverting Gradients on LeNetZhu, one client at a time vs clients attacked together
+   in one vmapped optimisation (``benchmarks/attack_throughput.py``): ms per iteration and the time
+   to reach 25 dB mean PSNR.
+
+``--device cuda`` runs parts 1 and 2 on a GPU (absolute times are then meaningful too; the
+script synchronises before reading the clock). Writes benchmarks/results/speed.{csv,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from _common import RESULTS_DIR, write_results
+from torch import nn
+
+from lightning_gp import callbacks, defenses
+from lightning_gp.callbacks.data_dependent import DataDependentGradientDefense
+from lightning_gp.callbacks.interfaces import ClientSetup
+from lightning_gp.data import FashionMNISTSampleDataModule
+from lightning_gp.defenses import gradient_sensitivity
+from lightning_gp.defenses.base import share_in_process
+from lightning_gp.models import ConvNet, ResNet18
+
+CE = nn.functional.cross_entropy
+# (mode label, gradient_sensitivity/callback keyword arguments, refresh_every)
+SENSITIVITY_MODES: tuple[tuple[str, dict, int], ...] = (
+    ("batch k=10 (paper)", {"method": "batch", "num_probes": 10}, 1),
+    ("per-example k=2", {"method": "per_example", "num_probes": 2}, 1),
+    ("batch k=10, refresh every 4", {"method": "batch", "num_probes": 10}, 4),
+    ("per-example k=2, refresh every 4", {"method": "per_example", "num_probes": 2}, 4),
+)
+OPTIMAL_DEFENSES: tuple[tuple[str, Callable[..., DataDependentGradientDefense]], ...] = (
+    ("OptimalGradientNoise", lambda **kw: callbacks.OptimalGradientNoise(0.01, seed=0, loss_fn=CE, **kw)),
+    ("OptimalGradientPruning", lambda **kw: callbacks.OptimalGradientPruning(0.8, seed=0, loss_fn=CE, **kw)),
+    ("OptimalDPSGD", lambda **kw: callbacks.OptimalDPSGD(0.01, 0.01, seed=0, loss_fn=CE, **kw)),
+)
+
+
+def synchronized(device: torch.device) -> Callable[[], None]:
+    return torch.cuda.synchronize if device.type == "cuda" else lambda: None
+
+
+def median_of_means(fn: Callable[[], object], calls: int, repeats: int, sync: Callable[[], None]) -> float:
+    """Median over ``repeats`` of the mean time of ``calls`` consecutive calls (after one warm-up group)."""
+    means = []
+    for repeat in range(repeats + 1):
+        sync()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        if repeat:
+            means.append((time.perf_counter() - start) / calls)
+    return statistics.median(means)
+
+
+def sample_batches(count: int, size: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` consecutive batches of real Fashion-MNIST images (the built-in sample)."""
+    datamodule = FashionMNISTSampleDataModule()
+    datamodule.setup("fit")
+    dataset = datamodule.train_dataset
+    batches = []
+    for b in range(count):
+        items = [dataset[i] for i in range(b * size, (b + 1) * size)]
+        x = torch.stack([item[0] for item in items]).to(device)
+        y = torch.tensor([int(item[1]) for item in items], device=device)
+        batches.append((x, y))
+    return batches
+
+
+def median_relative_error(estimate: dict[str, torch.Tensor], exact: dict[str, torch.Tensor]) -> float:
+    """The per-coordinate median of |estimate - exact| / exact over the coordinates with exact > 0."""
+    relative = [((estimate[n] - exact[n]).abs() / exact[n])[exact[n] > 0] for n in exact]
+    return float(torch.cat([r.flatten() for r in relative]).median())
+
+
+def estimator_errors(batches: list, staleness: int, seeds: int) -> dict[str, tuple[float, float | None]]:
+    """Per mode: (error of a fresh estimate, error of one ``staleness`` steps old); exact Jacobians, CPU."""
+    torch.manual_seed(0)
+    model = ConvNet()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    (x0, y0), (xs, ys) = [(x.cpu(), y.cpu()) for x, y in (batches[0], batches[staleness])]
+    print("estimator: exact per-example Jacobians of two ConvNet batches (a minute on one core)", flush=True)
+    exact_now = gradient_sensitivity(model, CE, x0, y0, exact=True, method="per_example", chunk_size=196)
+    estimates = {
+        label: [
+            gradient_sensitivity(model, CE, x0, y0, generator=torch.Generator().manual_seed(seed), **kwargs)
+            for seed in range(seeds)
+        ]
+        for label, kwargs, _ in SENSITIVITY_MODES
+    }
+    for x, y in [(x.cpu(), y.cpu()) for x, y in batches[:staleness]]:
+        optimizer.zero_grad()
+        CE(model(x), y).backward()
+        optimizer.step()
+    exact_later = gradient_sensitivity(model, CE, xs, ys, exact=True, method="per_example", chunk_size=196)
+    # the floor of any stale estimate: the exact sensitivity of the earlier step
+    errors: dict[str, tuple[float, float | None]] = {"exact": (0.0, median_relative_error(exact_now, exact_later))}
+    print(f"estimator: the exact sensitivity {staleness} steps stale errs {errors['exact'][1]:.3f}")
+    for label, _, refresh in SENSITIVITY_MODES:
+        fresh = statistics.mean(median_relative_error(e, exact_now) for e in estimates[label])
+        stale = (
+            statistics.mean(median_relative_error(e, exact_later) for e in estimates[label]) if refresh > 1 else None
+        )
+        errors[label] = (fresh, stale)
+        print(f"estimator {label}: fresh {fresh:.3f}" + (f", {staleness} steps stale {stale:.3f}" if stale else ""))
+    return errors
+
+
+def optimal_rows(device: torch.device, repeats: int, errors: dict[str, tuple[float, float | None]]) -> list[dict]:
+    sync = synchronized(device)
+    batches = sample_batches(8, 16, device)
+    torch.manual_seed(0)
+    model = ConvNet().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    names = [n for n, _ in model.named_parameters()]
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    counter = {"step": 0}
+
+    def step(callback: DataDependentGradientDefense | None) -> None:
+        x, y = batches[counter["step"] % len(batches)]
+        optimizer.zero_grad()
+        gradients = dict(zip(names, torch.autograd.grad(CE(model(x), y), list(model.parameters()))))
+        if callback is not None:
+            gradients = callback.defend(
+                gradients, client_id=0, round=counter["step"], model=model, batch=(x, y), meta={"path": "benchmark"}
+            )
+        for name, p in model.named_parameters():
+            p.grad = gradients[name]
+        optimizer.step()
+        counter["step"] += 1
+
+    undefended = median_of_means(lambda: step(None), 8, repeats, sync)
+    rows = []
+    for defense_name, make in OPTIMAL_DEFENSES:
+        for label, kwargs, refresh in SENSITIVITY_MODES:
+            callback = make(refresh_every=refresh, **kwargs)
+            callback.bind(ClientSetup(1, model, shapes, passes_client_batches=True))
+            counter["step"] = 0
+            seconds = median_of_means(lambda c=callback: step(c), 8, repeats, sync)
+            fresh, stale = errors.get(label, (float("nan"), None))
+            target = 2.0 if refresh > 1 else 4.0
+            rows.append(
+                {
+                    "part": "optimal",
+                    "model": "ConvNet b16",
+                    "setting": f"{defense_name}, {label}",
+                    "estimator_error": fresh,
+                    "stale_error": float("nan") if stale is None else stale,
+                    "step_ms": 1e3 * undefended,
+                    "cost_ms": 1e3 * seconds,
+                    "ratio_to_step": seconds / undefended,
+                    "target": f"<= {target:g}x",
+                    "met": "yes" if seconds / undefended <= target else "no",
+                }
+            )
+            print(f"optimal {rows[-1]['setting']}: {seconds / undefended:.2f}x a step", flush=True)
+    return rows
+
+
+def pruning_rows(device: torch.device, repeats: int) -> list[dict]:
+    sync = synchronized(device)
+    torch.manual_seed(0)
+    model = ResNet18().to(device)
+    x, y = torch.randn(32, 3, 32, 32, device=device), torch.randint(0, 10, (32,), device=device)
+
+    def train_step() -> None:
+        model.zero_grad()
+        CE(model(x), y).backward()
+
+    step = median_of_means(train_step, 1, repeats, sync)
+    gradients = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    other = {n: torch.randn_like(g) * g.std() for n, g in gradients.items()}
+    foreign = defenses.AlignedDualGradientPruning(seed=0)
+    # a round whose mask another client (id 1) provides
+    provider = next(r for r in range(100) if foreign.provider(r, [0, 1]) == 1)
+    foreign.begin_round(provider, [0, 1], {1: other}, share_in_process)
+    rows = []
+    for label, defense, target in (
+        ("Top-k 20%", defenses.TopKPruning(0.2), 0.10),
+        ("magnitude 80%", defenses.MagnitudePruning(0.8), 0.10),
+        ("DGP (5%, 75%)", defenses.DualGradientPruning(), 0.10),
+        ("ADGP (20%, 5%), own mask", defenses.AlignedDualGradientPruning(), 0.15),
+        ("ADGP (20%, 5%), another client's mask", foreign, 0.15),
+    ):
+        seconds = median_of_means(lambda d=defense: d(gradients, 0), 1, repeats, sync)
+        rows.append(
+            {
+                "part": "pruning",
+                "model": "ResNet18 b32",
+                "setting": label,
+                "estimator_error": float("nan"),
+                "stale_error": float("nan"),
+                "step_ms": 1e3 * step,
+                "cost_ms": 1e3 * seconds,
+                "ratio_to_step": seconds / step,
+                "target": f"<= {target:.0%}",
+                "met": "yes" if seconds / step <= target else "no",
+            }
+        )
+        print(f"pruning {label}: {seconds / step:.1%} of a step", flush=True)
+    return rows
+
+
+def attack_rows(iterations: int, clients: int, threads: int, quick: bool) -> list[dict]:
+    from attack_throughput import measure
+
+    rows = []
+    for row in measure(iterations=iterations, clients=clients, threads=threads, quick=quick):
+        rows.append(
+            {
+                "part": "attacks",
+                "model": "LeNetZhu",
+                "setting": f"IG {row['mode']}, {row['clients']} clients",
+                "estimator_error": float("nan"),
+                "stale_error": float("nan"),
+                "step_ms": float("nan"),
+                "cost_ms": row["ms_per_iteration"],
+                "ratio_to_step": float("nan"),
+                # only the batched attack carries the target; the other rows are comparisons
+                "target": ">= 2x iterations/s" if row["mode"] == "batched" else "",
+                "met": ("yes" if row["speedup"] >= 2 else "no") if row["mode"] == "batched" else "",
+                "speedup": row["speedup"],
+                "mean_psnr": row["mean_psnr"],
+                "time_to_25db_s": row["time_to_25db_s"],
+            }
+        )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--parts", nargs="+", choices=("optimal", "pruning", "attacks"), default=("optimal", "pruning", "attacks")
+    )
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads (the issue's targets: 2)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (parts optimal and pruning)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--attack-iterations", type=int, default=2500)
+    parser.add_argument("--attack-clients", type=int, default=8)
+    parser.add_argument(
+        "--quick", action="store_true", help="a CI-size run: one repeat, estimator errors on 2-image batches"
+    )
+    parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible to torch")
+    repeats = 1 if args.quick else args.repeats
+    rows: list[dict] = []
+    stale_floor = ""
+    if "optimal" in args.parts:
+        # the quick run's exact Jacobians are of 2-image batches (the full run's take a minute each)
+        errors = estimator_errors(sample_batches(4, 2 if args.quick else 16, torch.device("cpu")), 3, 3)
+        rows += optimal_rows(device, repeats, errors)
+        stale_floor = (
+            f" The exact sensitivity itself, 3 steps stale, errs {errors['exact'][1]:.2f} (the floor of stale_error)."
+        )
+    if "pruning" in args.parts:
+        rows += pruning_rows(device, repeats)
+    if "attacks" in args.parts:
+        rows += attack_rows(args.attack_iterations, args.attack_clients, 1, args.quick)
+    columns = list(dict.fromkeys(c for row in rows for c in row))
+    rows = [{c: row.get(c, float("nan")) for c in columns} for row in rows]
+    where = f"{device.type}, {args.threads} threads" if device.type == "cpu" else str(torch.cuda.get_device_name())
+    write_results(
+        "speed_quick" if args.quick else "speed",
+        rows,
+        f"Ratios to the undefended step measured in one process ({where}). Optimal defenses: ConvNet, "
+        "batch 16, mean over 8 consecutive steps (refresh amortised), median of repeats; estimator_error: "
+        "median relative error vs the exact per-example Jacobian (mean of 3 probe seeds); stale_error: the same "
+        "estimate against the exact sensitivity 3 Adam steps later on another batch. Pruning: share of a "
+        "ResNet18 forward+backward at batch 32. Attacks: Inverting Gradients on LeNetZhu, 1 thread, ms per "
+        "iteration (cost_ms), speed-up over attacking the clients one at a time."
+        + stale_floor
+        + (" QUICK RUN: one repeat, estimator errors on 2-image batches; no conclusions." if args.quick else ""),
+        args.output_dir,
+    )
+
+
+if __name__ == "__main__":
+    main()
