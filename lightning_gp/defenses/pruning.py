@@ -20,11 +20,10 @@ from lightning_gp.defenses.selection import (
     Workspace,
     count_for_rate,
     count_sent,
-    largest_entries_mask,
     largest_magnitude_mask,
     largest_magnitude_mask_into,
+    location_bits,
     magnitude_band_mask_into,
-    magnitudes,
 )
 from lightning_gp.defenses.sparsification import SparsifyingDefense
 from lightning_gp.validation import check_nonnegative, check_rate
@@ -44,10 +43,26 @@ class _LayerwisePruning(SparsifyingDefense):
 
     def layer_masks(self, values: Mapping[str, Tensor], generator: torch.Generator) -> Iterator[tuple[str, Tensor]]:
         for name, v in values.items():
-            yield name, self.layer_mask(name, v, self._workspace.get("mask", v.numel(), torch.float32, v.device))
+            yield name, self.layer_mask(name, v, self._mask_buffer(v))
 
     def select(self, values: Mapping[str, Tensor], generator: torch.Generator) -> dict[str, Tensor]:
         return {n: mask.to(torch.bool).view(values[n].shape) for n, mask in self.layer_masks(values, generator)}
+
+    def transform(
+        self, gradients: Gradients, state: Gradients, generator: torch.Generator
+    ) -> tuple[Gradients, Gradients]:
+        """:meth:`SparsifyingDefense.transform` one layer at a time: ``P = g + e``, its mask, the
+        share and the residual, while the layer is still in cache (the same bits as accumulating
+        every layer first: each layer's mask depends on that layer alone)."""
+        self.check_inputs(gradients)
+        shared = {}
+        for name, g in gradients.items():
+            v = state[name].add_(g) if self.error_feedback else g
+            shared[name] = self.share_layer(v, self.layer_mask(name, v, self._mask_buffer(v)))
+        return shared, ({n: state[n] for n in gradients} if self.error_feedback else {})
+
+    def _mask_buffer(self, values: Tensor) -> Tensor:
+        return self._workspace.get("mask", values.numel(), torch.float32, values.device)
 
 
 class MagnitudePruning(_LayerwisePruning):
@@ -209,8 +224,8 @@ class AlignedDualGradientPruning(_LayerwisePruning):
         self.round_mask: dict[str, Tensor] | None = None
         self.mask_round: int | None = None
         self.mask_provider: int | None = None
-        # the round mask as flat float32, converted once per round
-        self._float_mask: tuple[dict[str, Tensor], dict[str, Tensor]] | None = None
+        # the round mask as flat location bits (selection.location_bits), converted once per round
+        self._location_bits: tuple[dict[str, Tensor], dict[str, Tensor]] | None = None
 
     def config(self) -> dict[str, Any]:
         return {"k": self.k, "k1": self.k1, "error_feedback": self.error_feedback}
@@ -270,31 +285,22 @@ class AlignedDualGradientPruning(_LayerwisePruning):
 
     def _location(self, name: str) -> Tensor:
         assert self.round_mask is not None
-        if self._float_mask is None or self._float_mask[0] is not self.round_mask:
-            self._float_mask = (self.round_mask, {})
-        converted = self._float_mask[1]
+        if self._location_bits is None or self._location_bits[0] is not self.round_mask:
+            self._location_bits = (self.round_mask, {})
+        converted = self._location_bits[1]
         if name not in converted:
-            converted[name] = self.round_mask[name].reshape(-1).to(torch.float32)
+            converted[name] = location_bits(self.round_mask[name])
         return converted[name]
 
     def _mask_within(self, location: Tensor, values: Tensor, own_top: int, out: Tensor) -> Tensor:
-        """The ``k`` largest magnitudes among the positions of ``location`` outside the own top-``k1``."""
-        n, workspace = values.numel(), self._workspace
-        ranks = MagnitudeRanks(values, workspace)
-        allowed = ranks.fill_rest(
-            workspace.get("allowed", n, torch.float32, values.device), ranks.cuts([own_top])[own_top]
-        )
-        allowed.mul_(location)
-        # a float32 sum of 0/1 entries is exact below 2**24 and much faster than count_nonzero
-        allowed_count = int(allowed.sum()) if n < 1 << 24 else int(torch.count_nonzero(allowed))
-        count = min(count_sent(self.k, n), allowed_count)
-        # disallowed positions score 0, below every allowed magnitude unless the cut reaches 0
-        exact = values.detach().reshape(-1).abs() if values.dtype == torch.float64 else ranks.magnitude
-        scores = torch.mul(exact, allowed.to(exact.dtype), out=workspace.get("scores", n, exact.dtype, values.device))
-        kept = MagnitudeRanks(scores, workspace)
-        cut = kept.cuts([count])[count]
-        if cut.value is None or bool(cut.value > 0):
-            return kept.fill_top(out, cut)
-        # allowed zeros tie with the disallowed positions: rank those below every magnitude
-        below = torch.where(allowed.bool(), magnitudes(values), torch.tensor(-1.0, device=values.device))
-        return out.copy_(largest_entries_mask(below, count))
+        """The ``k`` largest magnitudes among the positions of ``location`` outside the own top-``k1``.
+
+        Ranked among the located entries alone (one histogram with the ranks of all entries),
+        the own top-``k1`` takes the first ``taken`` located ranks, so the entries sent are the
+        band of located ranks ``taken .. taken + count - 1``.
+        """
+        everything, located = MagnitudeRanks.with_location(values, location, self._workspace)
+        taken = located.count_located(everything.cuts([own_top])[own_top])
+        count = min(count_sent(self.k, values.numel()), located.numel - taken)
+        cuts = located.cuts([taken, taken + count])
+        return located.fill_band(out, cuts[taken], cuts[taken + count])

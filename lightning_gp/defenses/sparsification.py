@@ -39,6 +39,17 @@ class SparsifyingDefense(Defense):
         one is drawn. Default: :meth:`select`'s masks."""
         return iter(self.select(values, generator).items())
 
+    def share_layer(self, values: Tensor, mask: Tensor) -> Tensor:
+        """``values * mask`` (a mask as :meth:`layer_masks` gives it); with error feedback,
+        ``values`` (the client's ``P``) becomes the residual ``P - shared`` in place."""
+        # A product with a 0/1 mask in the values' dtype is faster than torch.where on CPU and
+        # gives the same bits as a product with the bool mask (dropped entries are +-0, as v * 0).
+        # The values are finite here.
+        shared = values * (mask if mask.dtype == values.dtype else mask.to(values.dtype)).view(values.shape)
+        if self.error_feedback:
+            values.sub_(shared)  # each layer while its mask is valid
+        return shared
+
     def check_inputs(self, gradients: Gradients) -> None:
         """Raise on inputs :meth:`select` cannot take, before any state is touched (default: none)."""
 
@@ -55,15 +66,7 @@ class SparsifyingDefense(Defense):
         # place and they become e' = P - shared: fresh model-sized allocations (page faults)
         # cost more than the arithmetic on CPU.
         values = {n: state[n].add_(g) for n, g in gradients.items()} if self.error_feedback else gradients
-        shared = {}
-        for name, mask in self.layer_masks(values, generator):
-            v = values[name]
-            # A product with a 0/1 mask in v's dtype is faster than torch.where on CPU and gives
-            # the same bits as a product with the bool mask (dropped entries are +-0, as v * 0).
-            # The values are finite here.
-            shared[name] = v * (mask if mask.dtype == v.dtype else mask.to(v.dtype)).view(v.shape)
-            if self.error_feedback:
-                v.sub_(shared[name])  # the residual e' = P - shared, each layer while its mask is valid
+        shared = {name: self.share_layer(values[name], mask) for name, mask in self.layer_masks(values, generator)}
         if shared.keys() != values.keys():
             raise RuntimeError(f"{type(self).__name__}.layer_masks must give one mask per layer")
         return {n: shared[n] for n in values}, ({n: values[n] for n in values} if self.error_feedback else {})
