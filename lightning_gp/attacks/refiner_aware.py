@@ -56,8 +56,7 @@ from torch import Tensor
 
 from lightning_gp.attacks.base import GradientAttack, Reconstruction
 from lightning_gp.attacks.gradient_matching import cosine_distance, parameter_gradients, total_variation
-from lightning_gp.attacks.labels import recover_labels
-from lightning_gp.attacks.optimization import IDLG, best_of_restarts
+from lightning_gp.attacks.optimization import IDLG, best_of_restarts, known_or_recovered_labels
 from lightning_gp.attacks.view import ServerView
 from lightning_gp.normalization import normalize
 from lightning_gp.validation import check_bool, check_choice, check_nonnegative, check_positive, check_positive_int
@@ -294,7 +293,7 @@ class RefinerAwareInversion(GradientAttack):
 
     def reconstruct(self, view: ServerView) -> Reconstruction:
         view, _ = self._prepare(view)
-        labels = view.labels if view.labels is not None else recover_labels(view).to(view.device)
+        labels = known_or_recovered_labels(view)
         candidates: dict[str, Tensor] = {}
         traces: dict[str, list[float]] = {}
         objectives: dict[str, float] = {}
