@@ -298,7 +298,12 @@ def measure_world(args: argparse.Namespace) -> list[dict[str, Any]] | None:
             f"defense {1e3 * defense_s:.1f} ms",
             flush=True,
         )
-    if dist.get_rank() != 0:
+    rank = dist.get_rank()
+    # leave the group before the interpreter exits: gloo's threads torn down at exit can abort the
+    # process ("terminate called without an active exception", SIGABRT) after a successful run
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank != 0:
         return None
     fastest: dict[tuple[str, str], dict[str, Any]] = {}
     for row in rows:  # repeats: the fastest run of each configuration (the least disturbed by other load)
