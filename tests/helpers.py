@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import lightning as L
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gp.defenses import Defense
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def run_benchmark(
+    script: str, *args: str, cwd: Path = BENCHMARKS, timeout: float = 600
+) -> subprocess.CompletedProcess[str]:
+    """Run ``benchmarks/<script>`` with ``args`` in a fresh interpreter, output captured."""
+    return subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=timeout, cwd=cwd
+    )
 
 
 class LabelledTensorDataset(TensorDataset):

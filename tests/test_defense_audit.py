@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import csv
-import subprocess
-import sys
 import warnings
-from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
+from helpers import run_benchmark
 
 from lightning_gp.attacks import Reconstruction, ServerView, UnmodelledDefenseWarning
 from lightning_gp.callbacks import GradientDefense
@@ -22,7 +20,6 @@ from lightning_gp.defenses import Defense
 from lightning_gp.metrics import concatenate_reports, reconstruction_report
 from lightning_gp.models import LeNetZhu
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = AttackBudget(ig_iterations=5, lbfgs_iterations=2, rtf_bins=8)
 
 
@@ -142,34 +139,27 @@ def test_unknown_catalogue_or_attack_names_are_errors_that_list_the_choices():
 
 
 def test_matrix_quick_writes_the_table_the_csv_and_the_heatmap(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "matrix.py"),
-            "--quick",
-            "--sample",
-            "--defenses",
-            "undefended",
-            "TopKPruning",
-            "--attacks",
-            "iDLG",
-            "R-GAP",
-            "--images",
-            "1",
-            "--rounds",
-            "2",
-            "--lbfgs-iterations",
-            "1",
-            "--ig-iterations",
-            "5",
-            "--no-lpips",
-            "--output-dir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT / "benchmarks",
+    result = run_benchmark(
+        "matrix.py",
+        "--quick",
+        "--sample",
+        "--defenses",
+        "undefended",
+        "TopKPruning",
+        "--attacks",
+        "iDLG",
+        "R-GAP",
+        "--images",
+        "1",
+        "--rounds",
+        "2",
+        "--lbfgs-iterations",
+        "1",
+        "--ig-iterations",
+        "5",
+        "--no-lpips",
+        "--output-dir",
+        str(tmp_path),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     table = (tmp_path / "matrix_quick.md").read_text()
@@ -253,33 +243,26 @@ def test_a_setting_that_changes_the_model_is_sent_trained_and_attacked_as_change
 
 
 def test_baselines_quick_writes_the_summary_every_attack_and_soteria_cost(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "baselines.py"),
-            "--quick",
-            "--sample",
-            "--defenses",
-            "undefended",
-            "ATS",
-            "--images",
-            "1",
-            "--rounds",
-            "2",
-            "--repeats",
-            "1",
-            "--lbfgs-iterations",
-            "1",
-            "--ig-iterations",
-            "5",
-            "--no-lpips",
-            "--output-dir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT / "benchmarks",
+    result = run_benchmark(
+        "baselines.py",
+        "--quick",
+        "--sample",
+        "--defenses",
+        "undefended",
+        "ATS",
+        "--images",
+        "1",
+        "--rounds",
+        "2",
+        "--repeats",
+        "1",
+        "--lbfgs-iterations",
+        "1",
+        "--ig-iterations",
+        "5",
+        "--no-lpips",
+        "--output-dir",
+        str(tmp_path),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = (tmp_path / "baselines_quick.md").read_text()

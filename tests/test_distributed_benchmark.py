@@ -2,16 +2,14 @@
 
 import csv
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_benchmark
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "distributed.py"
 
-
-def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300, cwd=cwd)
+def run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return run_benchmark("distributed.py", *args, cwd=cwd, timeout=300)
 
 
 @pytest.mark.multiprocess

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import csv
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_benchmark
 from torch import Tensor, nn
 
 from lightning_gp.attacks import InvertingGradients, RefinerAwareInversion, ServerView, parameter_gradients
@@ -251,13 +250,7 @@ def test_alpha_one_works_without_unblend() -> None:
 def test_refiner_benchmark_smoke_run_writes_its_tables(tmp_path: Path) -> None:
     """benchmarks/refiner.py --tiny: taps Refiner's and the ablation's uploads in the simulation, runs
     the adaptive attack on them, trains the utility runs and writes the sweep table (toy budgets)."""
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "refiner.py"
-    result = subprocess.run(
-        [sys.executable, str(script), "--tiny", "--parts", "sweeps", "--output-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_benchmark("refiner.py", "--tiny", "--parts", "sweeps", "--output-dir", str(tmp_path), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     with open(tmp_path / "refiner_sweeps.csv") as handle:
         rows = list(csv.DictReader(handle))

@@ -4,31 +4,21 @@ from __future__ import annotations
 
 import csv
 import math
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import run_benchmark
 
 
 def test_speed_quick_measures_every_optimal_mode_with_its_estimator_error_and_every_pruning(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "speed.py"),
-            "--quick",
-            "--parts",
-            "optimal",
-            "pruning",
-            "--threads",
-            "1",
-            "--output-dir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT / "benchmarks",
+    result = run_benchmark(
+        "speed.py",
+        "--quick",
+        "--parts",
+        "optimal",
+        "pruning",
+        "--threads",
+        "1",
+        "--output-dir",
+        str(tmp_path),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     with open(tmp_path / "speed_quick.csv") as handle:

@@ -28,7 +28,8 @@ from lightning_gp.attacks.view import ServerView
 from lightning_gp.validation import check_bool, check_nonnegative, check_positive, check_positive_int
 
 
-def _random_images(view: ServerView, generator: torch.Generator) -> Tensor:
+def random_images(view: ServerView, generator: torch.Generator) -> Tensor:
+    """A batch of N(0, 1) images of the view's shape: the start of every optimisation attack."""
     return torch.randn((view.batch_size, *view.input_shape), generator=generator, device=view.device)
 
 
@@ -109,7 +110,7 @@ class DLG(GradientAttack):
         self, view: ServerView, generator: torch.Generator, fixed: Tensor | None, stop_below: float
     ) -> tuple[float, Tensor, Tensor, list[float]]:
         """One L-BFGS run from a random start: ``(final objective, images, labels, loss trace)``."""
-        images = _random_images(view, generator).requires_grad_(True)
+        images = random_images(view, generator).requires_grad_(True)
         label_logits = torch.randn((view.batch_size, view.num_classes), generator=generator, device=view.device)
         variables = [images] if fixed is not None else [images, label_logits.requires_grad_(True)]
         optimizer = torch.optim.LBFGS(
@@ -371,7 +372,7 @@ class InvertingGradients(GradientAttack):
         objective = self.objective(view, labels)
         images, trace, final, restart, objectives = best_of_restarts(
             objective,
-            lambda: _random_images(view, generator),
+            lambda: random_images(view, generator),
             restarts=self.restarts,
             iterations=self.iterations,
             lr=self.lr,
@@ -419,7 +420,7 @@ class InvertingGradients(GradientAttack):
         views = [view for view, _ in prepared]
         labels = [known_or_recovered_labels(view) for view in views]
         # the same draws, in the same order, as the sequential path's restarts of each view
-        starts = torch.cat([torch.stack([_random_images(v, g) for _ in range(self.restarts)]) for v, g in prepared])
+        starts = torch.cat([torch.stack([random_images(v, g) for _ in range(self.restarts)]) for v, g in prepared])
         problems = stack_problems(views, labels, repeats=self.restarts, support_only=self.support_only)
         chunk = problems.size if chunk_size is None else chunk_size
         finals: list[float] = []

@@ -39,7 +39,7 @@ from torch.func import functional_call
 from lightning_gp.attacks.base import GradientAttack, Reconstruction
 from lightning_gp.attacks.gradient_matching import cosine_distance, total_variation
 from lightning_gp.attacks.labels import classification_layer, recover_labels
-from lightning_gp.attacks.optimization import best_of_restarts
+from lightning_gp.attacks.optimization import best_of_restarts, random_images
 from lightning_gp.attacks.view import ServerView
 from lightning_gp.validation import check_nonnegative, check_positive, check_positive_int
 
@@ -208,7 +208,7 @@ class PRECODEAwareInversion(GradientAttack):
         objective = self.objective(view)
         images, trace, final, restart, objectives = best_of_restarts(
             objective,
-            lambda: torch.randn((view.batch_size, *view.input_shape), generator=generator, device=view.device),
+            lambda: random_images(view, generator),
             restarts=self.restarts,
             iterations=self.iterations,
             lr=self.lr,

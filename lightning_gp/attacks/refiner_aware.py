@@ -56,7 +56,7 @@ from torch import Tensor
 
 from lightning_gp.attacks.base import GradientAttack, Reconstruction
 from lightning_gp.attacks.gradient_matching import cosine_distance, parameter_gradients, total_variation
-from lightning_gp.attacks.optimization import IDLG, best_of_restarts, known_or_recovered_labels
+from lightning_gp.attacks.optimization import IDLG, best_of_restarts, known_or_recovered_labels, random_images
 from lightning_gp.attacks.view import ServerView
 from lightning_gp.normalization import normalize
 from lightning_gp.validation import check_bool, check_choice, check_nonnegative, check_positive, check_positive_int
@@ -256,7 +256,7 @@ class RefinerAwareInversion(GradientAttack):
         generator = torch.Generator(device=view.device).manual_seed(self.seed)
         images, trace, final, restart, _ = best_of_restarts(
             objective,
-            lambda: torch.randn((view.batch_size, *view.input_shape), generator=generator, device=view.device),
+            lambda: random_images(view, generator),
             restarts=self.restarts,
             iterations=self.iterations,
             lr=self.lr,
