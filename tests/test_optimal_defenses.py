@@ -21,6 +21,7 @@ from lightning_gp.defenses import (
     gradient_sensitivity,
     optimal_noise_variance,
 )
+from lightning_gp.defenses.optimal import water_fill
 from lightning_gp.federated import FederatedSimulation
 
 CE = nn.functional.cross_entropy
@@ -192,6 +193,33 @@ def test_the_variance_cap_moves_power_to_the_other_coordinates():
     torch.testing.assert_close(variance["a"], torch.tensor([1.0, 0.0, 1.0, 0.0]))
     with pytest.warns(UserWarning, match="caps all"):
         optimal_noise_variance(g, s, scale=1.0, max_variance=1.0)
+
+
+def sorted_water_fill(w: torch.Tensor, total: float, cap: float) -> torch.Tensor:
+    """Closed form: the j largest weights capped, lambda_j = (total - j cap) / (sum of the others),
+    for the first j at which the largest uncapped weight stays within the cap."""
+    order = w.sort(descending=True).values
+    rest = order.flip(0).cumsum(0).flip(0)  # rest[j]: sum of the weights ranked j and below
+    for j in range(order.numel()):
+        lam = (total - j * cap) / float(rest[j])
+        if lam * float(order[j]) <= cap:
+            return torch.where(lam * w > cap, torch.full_like(w, cap), lam * w)
+    raise AssertionError("the cap binds everywhere")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_water_filling_matches_the_sorted_closed_form(seed):
+    g = torch.Generator().manual_seed(seed)
+    # heavy-tailed weights (as sqrt(s) / |g| is) with exact zeros: the cap binds for a few
+    pareto = torch.rand(5000, generator=g, dtype=torch.float64).pow(-1 / 0.7)
+    w = pareto * (torch.rand(5000, generator=g) > 0.1)
+    total = 5000 * 1.0
+    cap = float(torch.tensor([2.0, 5.0, 20.0, 100.0, 1e3, 1e9])[seed])
+    variance = water_fill({"a": w[:3000].view(30, 100), "b": w[3000:]}, total, cap)
+    flat = torch.cat([variance["a"].flatten(), variance["b"]])
+    torch.testing.assert_close(flat, sorted_water_fill(w, total, cap), rtol=1e-12, atol=0)
+    assert math.isclose(float(flat.sum()), total, rel_tol=1e-12)
+    assert float(flat.max()) <= cap
 
 
 def test_sampled_noise_has_the_optimal_variance_and_the_gaussian_total_power():

@@ -125,15 +125,21 @@ def water_fill(weights: Gradients, total: float, cap: float) -> Gradients:
             )
             variance = torch.where(positive, torch.full_like(flat, cap), torch.zeros_like(flat))
         else:
-            capped = torch.zeros_like(positive)
+            # free (not capped): 0/1 in float64, so each pass is one comparison, and the free weight
+            # one dot product (boolean indexing costs several times that on CPU; a sum of the free
+            # weights, not the total minus the capped ones, which could cancel). The capped set
+            # only grows (intersect with the last pass: a rounding-level drop of lambda must not
+            # shrink it), and an unchanged count means an unchanged set.
+            free = torch.ones_like(flat)
+            capped_count, free_weight = 0, float(flat.sum())
             while True:
-                free = positive & ~capped
-                lam = (total - cap * int(capped.sum())) / float(flat[free].sum())
-                now = capped | (positive & (lam * flat > cap))
-                if torch.equal(now, capped):
+                lam = (total - cap * capped_count) / free_weight
+                torch.minimum(free, torch.mul(flat, lam).le_(cap), out=free)
+                count = flat.numel() - int(free.sum())
+                if count == capped_count:
                     break
-                capped = now
-            variance = torch.where(capped, torch.full_like(flat, cap), lam * flat)
+                capped_count, free_weight = count, float(flat.dot(free))
+            variance = torch.where(free > 0, flat.mul_(lam), cap)
     return unflatten_named(variance, weights)
 
 
