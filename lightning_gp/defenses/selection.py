@@ -21,6 +21,7 @@ fresh layer-sized memory costs page faults, often more than the arithmetic.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -103,6 +104,14 @@ def _keys(flat: Tensor, workspace: Workspace, shift: int = _KEY_SHIFT) -> Tensor
     the order inside a bucket uses the exact values).
     """
     n = flat.numel()
+    key = workspace.get("key", n, torch.int16, flat.device)
+    if flat.dtype == torch.float32 and flat.is_contiguous() and sys.byteorder == "little":
+        # the high half-word of every float32 (a strided int16 view: no copy) holds sign, exponent
+        # and the top 7 mantissa bits: the key is one masking pass (plus a shift with a location)
+        high = flat.view(torch.int16)[1::2]
+        if shift == _KEY_SHIFT:
+            return torch.bitwise_and(high, 0x7FFF, out=key)  # clear the sign
+        return torch.bitwise_and(high, 0x7FFF & ~((1 << (shift - 16)) - 1), out=key).bitwise_right_shift_(shift - 16)
     if flat.dtype == torch.float32:
         bits = flat.view(torch.int32)
     else:
@@ -111,7 +120,6 @@ def _keys(flat: Tensor, workspace: Workspace, shift: int = _KEY_SHIFT) -> Tensor
         bits = magnitude.view(torch.int32)
     # every op writes its own dtype: an out= of another dtype costs a temporary (page faults)
     shifted = torch.bitwise_right_shift(bits, shift, out=workspace.get("shifted", n, torch.int32, flat.device))
-    key = workspace.get("key", n, torch.int16, flat.device)
     return key.copy_(shifted).bitwise_and_((1 << (31 - shift)) - 1)  # clear the sign
 
 
