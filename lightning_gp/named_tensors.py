@@ -1,4 +1,4 @@
-"""Named per-layer tensors as one flat vector and back.
+"""Named per-layer tensors as one flat vector and back (and into caller-given tensors).
 
 Global thresholds across layers, one broadcast of a whole model's mask, and one all-reduce per
 DDP bucket all need the model's named tensors as a single vector, then split again in the same
@@ -42,3 +42,13 @@ def unflatten_named(flat: Tensor, like: Mapping[str, Tensor]) -> dict[str, Tenso
         out[name] = part if part.dtype == t.dtype else part.to(t.dtype)
         offset += t.numel()
     return out
+
+
+def write_into(out: Mapping[str, Tensor], shared: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Copy ``shared`` into the tensors of ``out`` (skipping those that already are them); ``out`` as a dict."""
+    if shared.keys() != out.keys():
+        raise ValueError(f"out names other layers than the shared gradient: {sorted(set(out) ^ set(shared))[:5]}")
+    for name, target in out.items():
+        if shared[name] is not target:
+            target.copy_(shared[name])
+    return dict(out)

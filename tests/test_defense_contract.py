@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_gp import defenses
 from lightning_gp.defenses import Defense, MagnitudePruning, NonFiniteGradientError
 
 
@@ -527,3 +528,71 @@ def test_stored_state_is_not_aliased_to_the_returned_gradients():
     residual = d.client_state(0)["w"].clone()
     out["w"].mul_(100)
     assert torch.equal(d.client_state(0)["w"], residual)
+
+
+# ------------------------------------------------------------------ out=: writing into given tensors
+
+BIG = {"conv.weight": (8, 4, 3, 3), "fc.weight": (40, 160), "fc.bias": (40,)}  # a layer past the histogram path
+
+
+def sensitivity_of(g: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: t.abs() + 0.5 for n, t in g.items()}
+
+
+OUT_CASES = {
+    "magnitude": (lambda: MagnitudePruning(0.5), None),
+    "magnitude+ef": (lambda: MagnitudePruning(0.5, error_feedback=True), None),
+    "topk": (lambda: defenses.TopKPruning(0.1, seed=0), None),
+    "dgp": (lambda: defenses.DualGradientPruning(seed=0), None),
+    "adgp": (lambda: defenses.AlignedDualGradientPruning(seed=0), None),
+    "random": (lambda: defenses.RandomPruning(0.5, seed=0, error_feedback=True), None),
+    "gaussian": (lambda: defenses.GaussianNoise(0.1, seed=0), None),
+    "quantization": (lambda: defenses.GradientQuantization(seed=0), None),
+    "optimal-pruning": (lambda: defenses.OptimalGradientPruning(0.5, seed=0), sensitivity_of),
+    "optimal-noise": (lambda: defenses.OptimalGradientNoise(0.1, seed=0), sensitivity_of),
+    "test-local": (lambda: AddNoise(seed=0), None),
+}
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["into-other", "in-place"])
+@pytest.mark.parametrize("case", list(OUT_CASES))
+def test_out_receives_exactly_what_a_fresh_call_returns_and_the_state_evolves_alike(case, in_place):
+    make, extra = OUT_CASES[case]
+    fresh, into = make(), make()
+    for r in range(3):
+        g = grads(r, BIG)
+        kwargs = {"sensitivity": extra(g)} if extra else {}
+        expected = fresh({n: t.clone() for n, t in g.items()}, **kwargs)
+        out = g if in_place else {n: torch.full_like(t, float("nan")) for n, t in g.items()}
+        targets = dict(out)
+        got = into(g, out=out, **kwargs)
+        assert all(got[n] is targets[n] for n in g), "the shared gradient is returned in the out tensors"
+        assert_same(got, expected)
+        for client in fresh.clients:
+            assert_same(fresh.client_state(client), into.client_state(client))
+
+
+def test_out_defends_in_place_without_touching_the_other_tensors_of_the_caller():
+    d, g = MagnitudePruning(0.5, error_feedback=True), grads(0, BIG)
+    kept = {n: t.clone() for n, t in g.items()}
+    d(kept, out={n: torch.empty_like(t) for n, t in kept.items()})
+    assert_same(kept, g)  # out elsewhere: the input is read only
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (lambda g: list(g.values()), "out must be a mapping"),
+        (lambda g: {n: t for n, t in g.items() if n != "fc.bias"}, r"missing \['fc.bias'\]"),
+        (lambda g: {**g, "extra": torch.zeros(1)}, r"unexpected \['extra'\]"),
+        (lambda g: {**g, "fc.bias": torch.zeros(4)}, r"out\['fc.bias'\] must be a tensor of the gradient's shape"),
+        (lambda g: {**g, "fc.bias": g["fc.bias"].double()}, "dtype"),
+        (lambda g: {**g, "fc.bias": 0.0}, "float"),
+    ],
+)
+def test_out_that_does_not_match_the_gradient_is_refused_before_anything_is_written(bad, match):
+    d, g = MagnitudePruning(0.5, error_feedback=True), grads()
+    out = bad({n: t.clone() for n, t in g.items()})
+    with pytest.raises((TypeError, ValueError), match=match):
+        d(g, out=out)
+    assert d.clients == []  # no state created

@@ -8,6 +8,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gp.callbacks import GradientDefense, GradientTap, MagnitudePruning
+from lightning_gp.callbacks.base import SharedGradientObserver
 from lightning_gp.defenses import MagnitudePruning as MagnitudePruningTransform
 
 
@@ -91,6 +92,44 @@ def test_defenses_compose_in_the_given_order_and_taps_see_the_final_gradient():
     for name in raw:
         torch.testing.assert_close(tap.latest().gradients[name], expected[name])
     assert any(not torch.allclose(expected[n], other_order[n]) for n in raw)
+
+
+class GradStorage(L.Callback):
+    """Records where each parameter's .grad lives when its on_before_optimizer_step runs."""
+
+    def __init__(self) -> None:
+        self.pointers: list[dict[str, int]] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.pointers.append({n: p.grad.data_ptr() for n, p in pl_module.named_parameters()})
+
+
+class SharedStorage(SharedGradientObserver):
+    """Records where the shared gradients the observers see live."""
+
+    def __init__(self) -> None:
+        self.pointers: list[dict[str, int]] = []
+
+    def observe(self, gradients, *, client_id, round, model, batch, meta) -> None:
+        self.pointers.append({n: g.data_ptr() for n, g in gradients.items()})
+
+
+@pytest.mark.parametrize("second", [None, "shift"], ids=["one-defense", "shift-then-prune"])
+def test_the_local_path_defends_grad_in_place(second):
+    L.seed_everything(0)
+    model = TinyClassifier()
+    raw = raw_gradient(model, next(iter(loader())))
+    before, after, tap, seen = GradStorage(), GradStorage(), GradientTap(rounds=[0]), SharedStorage()
+    defenses = [MagnitudePruning(rate=0.5, error_feedback=True)]
+    expected = MagnitudePruningTransform(0.5, error_feedback=True)(AddConstant(1.0)(raw) if second else raw)
+    if second:
+        defenses.insert(0, GradientDefense(AddConstant(1.0)))
+    quiet_trainer(max_steps=1, callbacks=[before, *defenses, after, tap, seen]).fit(model, loader())
+    # the last defense wrote the shared gradient into the .grad tensors autograd made: what the
+    # observers see is .grad itself, not a fresh tensor copied into it afterwards
+    assert before.pointers == after.pointers == seen.pointers
+    for name in raw:
+        torch.testing.assert_close(tap.latest().gradients[name], expected[name])
 
 
 def test_more_than_one_optimizer_is_refused():

@@ -94,6 +94,25 @@ class GradientDefense(SharedGradientCallback, DefenseStage):
         defenses also use the model and the client's batch)."""
         return self.defense(gradients, client_id)
 
+    def defend_into(
+        self,
+        gradients: Mapping[str, Tensor],
+        out: Mapping[str, Tensor],
+        *,
+        client_id: int,
+        round: int,
+        model: nn.Module,
+        batch: Any,
+        meta: Mapping[str, Any],
+    ) -> dict[str, Tensor]:
+        if type(self).defend is not GradientDefense.defend:
+            # a subclass hands the defense more than the gradient (a sensitivity, the weights):
+            # its own defend, then a copy
+            return super().defend_into(
+                gradients, out, client_id=client_id, round=round, model=model, batch=batch, meta=meta
+            )
+        return self.defense(gradients, client_id, out=out)
+
     def defend_layers(
         self, gradients: Mapping[str, Tensor], *, client_id: int, round: int, model: nn.Module, meta: Mapping[str, Any]
     ) -> dict[str, Tensor]:

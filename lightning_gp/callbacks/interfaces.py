@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_gp.defenses.base import Gradients, Share
+from lightning_gp.named_tensors import write_into
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -70,6 +71,7 @@ class Pipeline(Protocol):
         model: nn.Module,
         batch: Any = None,
         meta: Mapping[str, Any] | None = None,
+        out: Mapping[str, Tensor] | None = None,
     ) -> Gradients: ...
 
     def finish_round(self, update: Mapping[str, Tensor], *, round: int, clients: int) -> None: ...
@@ -169,6 +171,23 @@ class DefenseStage(ABC):
         meta: Mapping[str, Any],
     ) -> dict[str, Tensor]:
         """One client's gradient through this stage."""
+
+    def defend_into(
+        self,
+        gradients: Mapping[str, Tensor],
+        out: Mapping[str, Tensor],
+        *,
+        client_id: int,
+        round: int,
+        model: nn.Module,
+        batch: Any,
+        meta: Mapping[str, Any],
+    ) -> dict[str, Tensor]:
+        """:meth:`defend` with the result written into ``out`` (tensors like the gradients, possibly
+        the gradients themselves) and returned. Default: :meth:`defend`, then a copy; a stage that
+        can write ``out`` directly saves the fresh memory (see ``Defense.__call__``)."""
+        shared = self.defend(gradients, client_id=client_id, round=round, model=model, batch=batch, meta=meta)
+        return write_into(out, shared)
 
     def defend_layers(
         self, gradients: Mapping[str, Tensor], *, client_id: int, round: int, model: nn.Module, meta: Mapping[str, Any]

@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 
 from lightning_gp.callbacks.interfaces import ClientSetup, ClientStepRunner, DefenseStage, ObserverStage, Pipeline
 from lightning_gp.defenses.base import Gradients, Share, share_in_process
+from lightning_gp.named_tensors import write_into
 
 
 def trainer_callbacks(trainer: pl.Trainer) -> list[Callback]:
@@ -107,9 +108,11 @@ class SharedGradientPipeline:
         model: nn.Module,
         batch: Any = None,
         meta: Mapping[str, Any] | None = None,
+        out: Mapping[str, Tensor] | None = None,
     ) -> Gradients:
-        """Defend one client's gradient and show the shared result to every observer."""
-        shared = self.defend(gradients, client_id=client_id, round=round, model=model, batch=batch, meta=meta)
+        """Defend one client's gradient and show the shared result to every observer (``out``: see
+        :meth:`defend`)."""
+        shared = self.defend(gradients, client_id=client_id, round=round, model=model, batch=batch, meta=meta, out=out)
         self.observe(shared, client_id=client_id, round=round, model=model, batch=batch, meta=meta)
         return shared
 
@@ -123,20 +126,32 @@ class SharedGradientPipeline:
         batch: Any = None,
         meta: Mapping[str, Any] | None = None,
         part: bool = False,
+        out: Mapping[str, Tensor] | None = None,
     ) -> Gradients:
         """The defenses of :meth:`process` alone. With ``part``, ``gradients`` holds some of the
         client's layers (a DDP bucket) and every defense must be :attr:`layerwise`; the observers
-        then see the assembled gradient through :meth:`observe` once the last part is defended."""
+        then see the assembled gradient through :meth:`observe` once the last part is defended.
+
+        With ``out`` (tensors like the gradients; the gradients themselves to defend in place) the
+        last defense writes the shared gradient into them (:meth:`DefenseStage.defend_into`) and
+        they are returned: the local runner defends ``.grad`` so, with no fresh model-sized memory.
+        """
         if part and not self.layerwise:
             raise RuntimeError("a gradient can be defended part by part only when every defense is layerwise")
+        if part and out is not None:
+            raise ValueError("out is not supported with part=True (a DDP bucket is copied into its buffer)")
         shared = dict(gradients)
         meta = self._meta(meta)
-        for defense in self.defenses:
+        for index, defense in enumerate(self.defenses):
             if part:
                 shared = defense.defend_layers(shared, client_id=client_id, round=round, model=model, meta=meta)
+            elif out is not None and index == len(self.defenses) - 1:
+                shared = defense.defend_into(
+                    shared, out, client_id=client_id, round=round, model=model, batch=batch, meta=meta
+                )
             else:
                 shared = defense.defend(shared, client_id=client_id, round=round, model=model, batch=batch, meta=meta)
-        return shared
+        return shared if out is None or not self.defenses else write_into(out, shared)
 
     def observe(
         self,
@@ -202,13 +217,14 @@ def defend_parameter_gradients(
     params = stepped_parameters(module, optimizer)
     gradients = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in params.items()}
     pipeline.begin_round(round, [client_id], {client_id: gradients}, share_in_process)
-    shared = pipeline.process(gradients, client_id=client_id, round=round, model=module, meta={"path": path})
+    # defended in place: .grad holds the shared gradient, with no model-sized temporaries
+    shared = pipeline.process(
+        gradients, client_id=client_id, round=round, model=module, meta={"path": path}, out=gradients
+    )
     pipeline.finish_round(shared, round=round, clients=1)  # one client: it downloads what it sent
     for name, p in params.items():
-        if p.grad is not None:
-            p.grad.copy_(shared[name])
-        elif shared[name].any():
-            p.grad = shared[name].clone()
+        if p.grad is None and shared[name].any():
+            p.grad = shared[name]  # the zeros made above, now holding what error feedback sent
 
 
 class LocalClientStep(ClientStepRunner):

@@ -297,6 +297,7 @@ class GradDefense(Defense):
         client_id: int = 0,
         *,
         sensitivity: Mapping[str, float | Tensor] | None = None,
+        out: Mapping[str, Tensor] | None = None,
     ) -> Gradients:
         if sensitivity is None:
             raise TypeError(
@@ -309,7 +310,7 @@ class GradDefense(Defense):
         self.slice_boundaries(gradients, sensitivity)  # validates before any state is touched
         self._sensitivity = sensitivity
         try:
-            return super().__call__(gradients, client_id)
+            return super().__call__(gradients, client_id, out=out)
         finally:
             self._sensitivity = None
 

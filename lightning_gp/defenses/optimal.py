@@ -56,7 +56,12 @@ class SensitivityDefense(Defense):
         return self._sensitivity
 
     def __call__(
-        self, gradients: Mapping[str, Tensor], client_id: int = 0, *, sensitivity: Mapping[str, Tensor] | None = None
+        self,
+        gradients: Mapping[str, Tensor],
+        client_id: int = 0,
+        *,
+        sensitivity: Mapping[str, Tensor] | None = None,
+        out: Mapping[str, Tensor] | None = None,
     ) -> Gradients:
         if sensitivity is None:
             raise TypeError(
@@ -67,7 +72,7 @@ class SensitivityDefense(Defense):
         check_sensitivity(sensitivity, gradients)
         self._sensitivity = {n: sensitivity[n].to(device=g.device, dtype=g.dtype) for n, g in gradients.items()}
         try:
-            return super().__call__(gradients, client_id)
+            return super().__call__(gradients, client_id, out=out)
         finally:
             self._sensitivity = None
 

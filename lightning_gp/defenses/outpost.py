@@ -124,7 +124,12 @@ class Outpost(Defense):
         return {STEP_KEY: torch.zeros((), dtype=torch.int64, device=device)}
 
     def __call__(
-        self, gradients: Mapping[str, Tensor], client_id: int = 0, *, weights: Mapping[str, Tensor] | None = None
+        self,
+        gradients: Mapping[str, Tensor],
+        client_id: int = 0,
+        *,
+        weights: Mapping[str, Tensor] | None = None,
+        out: Mapping[str, Tensor] | None = None,
     ) -> Gradients:
         if weights is None:
             raise TypeError(
@@ -145,7 +150,7 @@ class Outpost(Defense):
             raise ValueError(f"weights must be tensors shaped like the gradients: {wrong[:5]}")
         self._std = outpost_noise_std({n: weights[n] for n in gradients}, self.lam)
         try:
-            return super().__call__(gradients, client_id)
+            return super().__call__(gradients, client_id, out=out)
         finally:
             self._std = None
 

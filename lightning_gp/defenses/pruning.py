@@ -58,7 +58,7 @@ class _LayerwisePruning(SparsifyingDefense):
         shared = {}
         for name, g in gradients.items():
             v = state[name].add_(g) if self.error_feedback else g
-            shared[name] = self.share_layer(v, self.layer_mask(name, v, self._mask_buffer(v)))
+            shared[name] = self.share_layer(name, v, self.layer_mask(name, v, self._mask_buffer(v)))
         return shared, ({n: state[n] for n in gradients} if self.error_feedback else {})
 
     def _mask_buffer(self, values: Tensor) -> Tensor:

@@ -19,6 +19,7 @@ probes instead (unbiased; cheaper when the input is large, at the price of an es
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
@@ -200,7 +201,13 @@ class Soteria(Defense):
         return {"rate": self.rate}
 
     def __call__(  # type: ignore[override]
-        self, gradients: Gradients, client_id: int = 0, *, scores: Tensor | None = None, layer: str | None = None
+        self,
+        gradients: Gradients,
+        client_id: int = 0,
+        *,
+        scores: Tensor | None = None,
+        layer: str | None = None,
+        out: Mapping[str, Tensor] | None = None,
     ) -> Gradients:
         if scores is None or layer is None:
             raise TypeError(
@@ -217,7 +224,7 @@ class Soteria(Defense):
             raise ValueError("scores must be finite")
         self._call = (scores.detach(), weight)
         try:
-            return super().__call__(gradients, client_id)
+            return super().__call__(gradients, client_id, out=out)
         finally:
             self._call = None
 
