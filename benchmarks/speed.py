@@ -6,15 +6,19 @@ same run on the same thread count, so a shared, noisy machine moves both alike.
 1. ``optimal``: one defended FedSGD step of ConvNet at batch 16 (forward, backward, sensitivity,
    defense, optimizer step) for OptimalGradientNoise, OptimalGradientPruning and OptimalDPSGD,
    for each way of estimating the sensitivity: the paper's batch estimator (k = 10), the
-   per-example estimator (k = 2), each fresh every step or refreshed every 4 steps (the time is
-   the mean over 8 consecutive steps, so the refresh is amortised as in training). Next to each
-   mode, its estimator error: the median relative error against the exact per-example Jacobian
-   of the same batch, mean over 3 probe seeds; for the refreshed modes also the error of a
-   3-steps-stale estimate against the exact sensitivity at the step that uses it (other batch,
-   weights after 3 Adam updates): the staleness the refresh buys its speed with.
+   per-example estimator (k = 2), each fresh every step or refreshed every 4 steps, and the
+   per-example estimator refreshed every 8 steps (the time is the mean over 8 consecutive steps,
+   so the refresh is amortised as in training). Next to each mode, its estimator error: the
+   median relative error against the exact per-example Jacobian of the same batch, mean over 3
+   probe seeds; for a mode refreshed every N steps also the error of the estimate at its oldest,
+   N - 1 steps stale, against the exact sensitivity at the step that uses it (another batch,
+   weights after N - 1 Adam updates): the staleness the refresh buys its speed with.
 2. ``pruning``: Top-k, magnitude, DGP and ADGP on a ResNet18 gradient (batch 32, 3x32x32) as a
    share of the training step (forward + backward); ADGP twice: with its own mask, and with a
-   round mask from another client (what every client but the provider does).
+   round mask from another client (what every client but the provider does). Each defense writes
+   the shared gradient into the parameters' ``.grad`` tensors (``out=``), as the Trainer's local
+   path does; a call without ``out`` pays for fresh model-sized memory on top (page faults: about
+   3% of this step, measured on the issue's machine).
 3. ``attacks``: Inverting Gradients on LeNetZhu, one client at a time vs clients attacked together
    in one vmapped optimisation (``benchmarks/attack_throughput.py``): ms per iteration and the time
    to reach 25 dB mean PSNR.
@@ -50,6 +54,7 @@ SENSITIVITY_MODES: tuple[tuple[str, dict, int], ...] = (
     ("per-example k=2", {"method": "per_example", "num_probes": 2}, 1),
     ("batch k=10, refresh every 4", {"method": "batch", "num_probes": 10}, 4),
     ("per-example k=2, refresh every 4", {"method": "per_example", "num_probes": 2}, 4),
+    ("per-example k=2, refresh every 8", {"method": "per_example", "num_probes": 2}, 8),
 )
 OPTIMAL_DEFENSES: tuple[tuple[str, Callable[..., DataDependentGradientDefense]], ...] = (
     ("OptimalGradientNoise", lambda **kw: callbacks.OptimalGradientNoise(0.01, seed=0, loss_fn=CE, **kw)),
@@ -96,13 +101,23 @@ def median_relative_error(estimate: dict[str, torch.Tensor], exact: dict[str, to
     return float(torch.cat([r.flatten() for r in relative]).median())
 
 
-def estimator_errors(batches: list, staleness: int, seeds: int) -> dict[str, tuple[float, float | None]]:
-    """Per mode: (error of a fresh estimate, error of one ``staleness`` steps old); exact Jacobians, CPU."""
+def staleness_of(refresh: int) -> int | None:
+    """Steps the estimate of a mode refreshed every ``refresh`` steps is stale at its oldest."""
+    return refresh - 1 if refresh > 1 else None
+
+
+def estimator_errors(batches: list, seeds: int) -> dict[str, tuple[float, float | None]]:
+    """Per mode: (error of a fresh estimate, error at its oldest, ``refresh - 1`` steps stale);
+    ``"exact N"``: (0, error of the exact sensitivity N steps stale). Exact Jacobians, CPU."""
+    stalenesses = sorted({s for _, _, refresh in SENSITIVITY_MODES if (s := staleness_of(refresh))})
     torch.manual_seed(0)
     model = ConvNet()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    (x0, y0), (xs, ys) = [(x.cpu(), y.cpu()) for x, y in (batches[0], batches[staleness])]
-    print("estimator: exact per-example Jacobians of two ConvNet batches (a minute on one core)", flush=True)
+    x0, y0 = (t.cpu() for t in batches[0])
+    print(
+        f"estimator: exact per-example Jacobians of {1 + len(stalenesses)} ConvNet batches (a minute each on one core)",
+        flush=True,
+    )
     exact_now = gradient_sensitivity(model, CE, x0, y0, exact=True, method="per_example", chunk_size=196)
     estimates = {
         label: [
@@ -111,18 +126,28 @@ def estimator_errors(batches: list, staleness: int, seeds: int) -> dict[str, tup
         ]
         for label, kwargs, _ in SENSITIVITY_MODES
     }
-    for x, y in [(x.cpu(), y.cpu()) for x, y in batches[:staleness]]:
+    exact_later: dict[int, dict[str, torch.Tensor]] = {}
+    errors: dict[str, tuple[float, float | None]] = {}
+    for step in range(1, stalenesses[-1] + 1 if stalenesses else 1):
+        x, y = (t.cpu() for t in batches[step - 1])
         optimizer.zero_grad()
         CE(model(x), y).backward()
         optimizer.step()
-    exact_later = gradient_sensitivity(model, CE, xs, ys, exact=True, method="per_example", chunk_size=196)
-    # the floor of any stale estimate: the exact sensitivity of the earlier step
-    errors: dict[str, tuple[float, float | None]] = {"exact": (0.0, median_relative_error(exact_now, exact_later))}
-    print(f"estimator: the exact sensitivity {staleness} steps stale errs {errors['exact'][1]:.3f}")
+        if step in stalenesses:
+            xs, ys = (t.cpu() for t in batches[step])
+            exact_later[step] = gradient_sensitivity(
+                model, CE, xs, ys, exact=True, method="per_example", chunk_size=196
+            )
+            # the floor of any estimate this stale: the exact sensitivity of the earlier step
+            errors[f"exact {step}"] = (0.0, median_relative_error(exact_now, exact_later[step]))
+            print(f"estimator: the exact sensitivity {step} steps stale errs {errors[f'exact {step}'][1]:.3f}")
     for label, _, refresh in SENSITIVITY_MODES:
         fresh = statistics.mean(median_relative_error(e, exact_now) for e in estimates[label])
+        staleness = staleness_of(refresh)
         stale = (
-            statistics.mean(median_relative_error(e, exact_later) for e in estimates[label]) if refresh > 1 else None
+            None
+            if staleness is None
+            else statistics.mean(median_relative_error(e, exact_later[staleness]) for e in estimates[label])
         )
         errors[label] = (fresh, stale)
         print(f"estimator {label}: fresh {fresh:.3f}" + (f", {staleness} steps stale {stale:.3f}" if stale else ""))
@@ -192,6 +217,7 @@ def pruning_rows(device: torch.device, repeats: int) -> list[dict]:
 
     step = median_of_means(train_step, 1, repeats, sync)
     gradients = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    grads = {n: p.grad for n, p in model.named_parameters()}
     other = {n: torch.randn_like(g) * g.std() for n, g in gradients.items()}
     foreign = defenses.AlignedDualGradientPruning(seed=0)
     # a round whose mask another client (id 1) provides
@@ -205,7 +231,8 @@ def pruning_rows(device: torch.device, repeats: int) -> list[dict]:
         ("ADGP (20%, 5%), own mask", defenses.AlignedDualGradientPruning(), 0.15),
         ("ADGP (20%, 5%), another client's mask", foreign, 0.15),
     ):
-        seconds = median_of_means(lambda d=defense: d(gradients, 0), 1, repeats, sync)
+        # as the Trainer's local path calls it: the shared gradient written into the .grad tensors
+        seconds = median_of_means(lambda d=defense: d(gradients, 0, out=grads), 1, repeats, sync)
         rows.append(
             {
                 "part": "pruning",
@@ -274,10 +301,13 @@ def main() -> None:
     stale_floor = ""
     if "optimal" in args.parts:
         # the quick run's exact Jacobians are of 2-image batches (the full run's take a minute each)
-        errors = estimator_errors(sample_batches(4, 2 if args.quick else 16, torch.device("cpu")), 3, 3)
+        errors = estimator_errors(sample_batches(8, 2 if args.quick else 16, torch.device("cpu")), 3)
         rows += optimal_rows(device, repeats, errors)
+        floors = [(int(key.split()[1]), stale) for key, (_, stale) in errors.items() if key.startswith("exact ")]
         stale_floor = (
-            f" The exact sensitivity itself, 3 steps stale, errs {errors['exact'][1]:.2f} (the floor of stale_error)."
+            " The exact sensitivity itself errs "
+            + ", ".join(f"{stale:.2f} {steps} steps stale" for steps, stale in floors)
+            + " (the floors of stale_error)."
         )
     if "pruning" in args.parts:
         rows += pruning_rows(device, repeats)
@@ -292,8 +322,9 @@ def main() -> None:
         f"Ratios to the undefended step measured in one process ({where}). Optimal defenses: ConvNet, "
         "batch 16, mean over 8 consecutive steps (refresh amortised), median of repeats; estimator_error: "
         "median relative error vs the exact per-example Jacobian (mean of 3 probe seeds); stale_error: the same "
-        "estimate against the exact sensitivity 3 Adam steps later on another batch. Pruning: share of a "
-        "ResNet18 forward+backward at batch 32. Attacks: Inverting Gradients on LeNetZhu, 1 thread, ms per "
+        "estimate against the exact sensitivity N - 1 Adam steps later on another batch (refreshed every N "
+        "steps). Pruning: share of a ResNet18 forward+backward at batch 32, the shared gradient written into "
+        ".grad. Attacks: Inverting Gradients on LeNetZhu, 1 thread, ms per "
         "iteration (cost_ms), speed-up over attacking the clients one at a time."
         + stale_floor
         + (" QUICK RUN: one repeat, estimator errors on 2-image batches; no conclusions." if args.quick else ""),

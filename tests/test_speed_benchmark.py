@@ -24,7 +24,7 @@ def test_speed_quick_measures_every_optimal_mode_with_its_estimator_error_and_ev
     with open(tmp_path / "speed_quick.csv") as handle:
         rows = {r["setting"]: r for r in csv.DictReader(handle)}
     optimal = [r for r in rows.values() if r["part"] == "optimal"]
-    assert len(optimal) == 12  # 3 defenses x 4 sensitivity modes
+    assert len(optimal) == 15  # 3 defenses x 5 sensitivity modes
     for row in optimal:
         # a relative error of a non-negative estimate of a positive quantity: in [0, inf), finite
         assert 0.0 <= float(row["estimator_error"]) < math.inf
