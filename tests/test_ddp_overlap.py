@@ -5,12 +5,17 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch import nn
 
 from lightning_gp import defenses
 from lightning_gp.callbacks import AlignedDualGradientPruning, GaussianNoise, GradientTap, TopKPruning
+from lightning_gp.callbacks.ddp import DefendedAllReduce
+from lightning_gp.callbacks.interfaces import ObserverStage
 from lightning_gp.callbacks.pipeline import SharedGradientPipeline
 
 WORKER = Path(__file__).parent / "scripts" / "ddp_overlap_worker.py"
@@ -134,3 +139,58 @@ def test_two_process_bucketwise_aggregates_are_bit_identical_to_holding_every_bu
             for n, a in aggregate.items():
                 assert torch.equal(ranks[1][(setting, False)]["steps"][step]["aggregate"][n], a)
                 torch.testing.assert_close(a, (shared[0][n] + shared[1][n]) / 2)
+
+
+class KeepShared(ObserverStage):
+    """Keeps the tensors it is shown (as an observer must not, to expose aliasing)."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, torch.Tensor]] = []
+
+    def observe(self, gradients, **context) -> None:
+        self.seen.append(dict(gradients))
+
+
+class OneBucket:
+    """A GradBucket of a Linear(3, 2): its gradients are views into one flat buffer, as DDP's are."""
+
+    def __init__(self, module: nn.Linear, buffer: torch.Tensor) -> None:
+        self.module, self.flat = module, buffer
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [self.module.weight, self.module.bias]
+
+    def gradients(self) -> list[torch.Tensor]:
+        return [self.flat[:6].view(2, 3), self.flat[6:]]
+
+    def buffer(self) -> torch.Tensor:
+        return self.flat
+
+    def is_last(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("stages", ["no defense", "top-k"])
+def test_bucketwise_observers_see_what_the_rank_sent_not_the_bucket_ddp_reuses(tmp_path, stages):
+    # Regression: with no defense the shared layers were the bucket's own views, and the in-place
+    # asynchronous all-reduce averaged them before the observers (taps) copied them (a 2-process
+    # run tapped the other rank's mean about one time in three).
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        module, observer = nn.Linear(3, 2), KeepShared()
+        defense = [] if stages == "no defense" else [TopKPruning(k=0.5, seed=0)]
+        for stage in defense:
+            stage.defense.check_layer_shapes({n: p.shape for n, p in module.named_parameters()})
+        pipeline = SharedGradientPipeline(defense, [observer])
+        hook = DefendedAllReduce(SimpleNamespace(global_rank=0, global_step=0, world_size=1), module, pipeline, None)
+        buffer = torch.arange(1.0, 9.0)
+        expected = {"weight": buffer[:6].view(2, 3).clone(), "bias": buffer[6:].clone()}
+        if defense:
+            expected = defenses.TopKPruning(0.5, seed=0)(expected)
+        hook.on_bucket(OneBucket(module, buffer)).wait()
+        buffer.mul_(-1)  # DDP's memory: the next backward writes into it
+        assert len(observer.seen) == 1
+        for name, value in expected.items():
+            assert torch.equal(observer.seen[0][name], value), name
+    finally:
+        dist.destroy_process_group()

@@ -204,7 +204,13 @@ class DefendedAllReduce:
                 step.failure = err
         buffer = bucket.buffer()
         if step.failure is None:
-            step.shared.update(shared)
+            # the observers see the whole gradient after the last bucket, when this bucket's
+            # all-reduce (in place, asynchronous) may have averaged it: keep a copy of any layer
+            # that still lives in the bucket (no defense, or one that passed a layer through)
+            bucket_memory = buffer.untyped_storage().data_ptr()
+            step.shared.update(
+                {n: t.clone() if t.untyped_storage().data_ptr() == bucket_memory else t for n, t in shared.items()}
+            )
             for g, name in zip(grads, gradients):
                 g.copy_(shared[name])
         else:
