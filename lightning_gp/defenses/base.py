@@ -96,6 +96,13 @@ class Defense(ABC):
         the gradient itself.
         """
 
+    def output(self, name: str, like: Tensor) -> Tensor:
+        """Where :meth:`transform` may write layer ``name``'s shared gradient: the caller's ``out``
+        tensor, else a fresh tensor like ``like`` (see :meth:`transform` on aliasing)."""
+        if self._out is not None:
+            return self._out[name]
+        return torch.empty_like(like)
+
     def init_client_state(self, gradients: Gradients) -> Gradients:
         """The state of a client seen for the first time (empty for stateless defenses)."""
         return {}
@@ -150,13 +157,6 @@ class Defense(ABC):
                 "call it with every layer"
             )
         return self._defend(gradients, client_id, part=True, out=out)
-
-    def output(self, name: str, like: Tensor) -> Tensor:
-        """Where :meth:`transform` may write layer ``name``'s shared gradient: the caller's ``out``
-        tensor, else a fresh tensor like ``like`` (see :meth:`transform` on aliasing)."""
-        if self._out is not None:
-            return self._out[name]
-        return torch.empty_like(like)
 
     def _defend(
         self, gradients: Mapping[str, Tensor], client_id: int, *, part: bool, out: Mapping[str, Tensor] | None = None
