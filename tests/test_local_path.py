@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gp.callbacks import GradientDefense, GradientTap, MagnitudePruning
 from lightning_gp.callbacks.base import SharedGradientObserver
+from lightning_gp.callbacks.pipeline import SharedGradientPipeline
 from lightning_gp.defenses import MagnitudePruning as MagnitudePruningTransform
 
 
@@ -171,3 +172,12 @@ def test_tapped_gradient_round_trips_through_a_file(tmp_path):
     assert torch.equal(loaded.inputs, tap.latest().inputs)
     with pytest.raises(FileNotFoundError, match="no tapped gradient"):
         TappedGradient.load(tmp_path / "missing.pt")
+
+
+@pytest.mark.parametrize("stages", [[], [GradientDefense(AddConstant(1.0))]], ids=["no-defense", "one-defense"])
+def test_the_pipeline_writes_what_it_shares_into_out(stages):
+    g = {"w": torch.ones(3)}
+    out = {"w": torch.zeros(3)}
+    shared = SharedGradientPipeline(stages, []).defend(g, client_id=0, round=0, model=nn.Linear(1, 1), out=out)
+    assert shared["w"] is out["w"]
+    assert torch.equal(out["w"], torch.full((3,), 2.0 if stages else 1.0))

@@ -151,7 +151,7 @@ class SharedGradientPipeline:
                 )
             else:
                 shared = defense.defend(shared, client_id=client_id, round=round, model=model, batch=batch, meta=meta)
-        return shared if out is None or not self.defenses else write_into(out, shared)
+        return shared if out is None else write_into(out, shared)
 
     def observe(
         self,
