@@ -154,6 +154,33 @@ def estimator_errors(batches: list, seeds: int) -> dict[str, tuple[float, float 
     return errors
 
 
+def cost_row(
+    part: str,
+    model: str,
+    setting: str,
+    step: float,
+    seconds: float,
+    target: float,
+    target_text: str,
+    *,
+    estimator_error: float = float("nan"),
+    stale_error: float = float("nan"),
+) -> dict:
+    """One row of a cost measured as a ratio to the undefended ``step`` (seconds), met when ``<= target``."""
+    return {
+        "part": part,
+        "model": model,
+        "setting": setting,
+        "estimator_error": estimator_error,
+        "stale_error": stale_error,
+        "step_ms": 1e3 * step,
+        "cost_ms": 1e3 * seconds,
+        "ratio_to_step": seconds / step,
+        "target": target_text,
+        "met": "yes" if seconds / step <= target else "no",
+    }
+
+
 def optimal_rows(device: torch.device, repeats: int, errors: dict[str, tuple[float, float | None]]) -> list[dict]:
     sync = synchronized(device)
     batches = sample_batches(8, 16, device)
@@ -188,19 +215,11 @@ def optimal_rows(device: torch.device, repeats: int, errors: dict[str, tuple[flo
             fresh, stale = errors.get(label, (float("nan"), None))
             target = 2.0 if refresh > 1 else 4.0
             rows.append(
-                {
-                    "part": "optimal",
-                    "model": "ConvNet b16",
-                    "setting": f"{defense_name}, {label}",
-                    "estimator_error": fresh,
-                    "stale_error": float("nan") if stale is None else stale,
-                    "step_ms": 1e3 * undefended,
-                    "cost_ms": 1e3 * seconds,
-                    "ratio_to_step": seconds / undefended,
-                    "target": f"<= {target:g}x",
-                    "met": "yes" if seconds / undefended <= target else "no",
-                }
-            )
+                cost_row(
+                    "optimal", "ConvNet b16", f"{defense_name}, {label}", undefended, seconds, target,
+                    f"<= {target:g}x", estimator_error=fresh, stale_error=float("nan") if stale is None else stale,
+                )
+            )  # fmt: skip
             print(f"optimal {rows[-1]['setting']}: {seconds / undefended:.2f}x a step", flush=True)
     return rows
 
@@ -233,20 +252,7 @@ def pruning_rows(device: torch.device, repeats: int) -> list[dict]:
     ):
         # as the Trainer's local path calls it: the shared gradient written into the .grad tensors
         seconds = median_of_means(lambda d=defense: d(gradients, 0, out=grads), 1, repeats, sync)
-        rows.append(
-            {
-                "part": "pruning",
-                "model": "ResNet18 b32",
-                "setting": label,
-                "estimator_error": float("nan"),
-                "stale_error": float("nan"),
-                "step_ms": 1e3 * step,
-                "cost_ms": 1e3 * seconds,
-                "ratio_to_step": seconds / step,
-                "target": f"<= {target:.0%}",
-                "met": "yes" if seconds / step <= target else "no",
-            }
-        )
+        rows.append(cost_row("pruning", "ResNet18 b32", label, step, seconds, target, f"<= {target:.0%}"))
         print(f"pruning {label}: {seconds / step:.1%} of a step", flush=True)
     return rows
 
