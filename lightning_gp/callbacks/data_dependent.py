@@ -37,7 +37,9 @@ class DataDependentGradientDefense(GradientDefense):
     reuses its last one in between (``1``: every step): stale by design, up to ``N - 1`` steps old
     and from an earlier batch. Per client (the rank on the local and DDP paths, the client id in
     the simulation, where it is refreshed at the client's first round at least ``N`` rounds after
-    the last one); not checkpointed (a resumed run computes afresh).
+    the last one). The statistics kept for reuse are checkpointed, so a resumed run reuses them as
+    the uninterrupted run would (under DDP the checkpoint holds rank 0's: the other ranks refresh
+    theirs at the first step after the resume). ``refresh_every`` is part of :attr:`state_key`.
     """
 
     reads_client_data = True  # the statistic comes from the client's raw batch
@@ -82,6 +84,23 @@ class DataDependentGradientDefense(GradientDefense):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
         self._pending, self._pending_step, self._micro_batches = None, None, 0
+
+    # ---------------------------------------------------------------- settings and checkpointed state
+    def adapter_config(self) -> dict[str, Any]:
+        return {**super().adapter_config(), "refresh_every": self.refresh_every}
+
+    def adapter_state(self) -> dict[str, Any]:
+        # a step's micro-batch statistics in progress are not saved: Lightning does not save the
+        # gradient accumulated so far either
+        return {"latest": {client: (step, statistic) for client, (step, statistic) in self._latest.items()}}
+
+    def load_adapter_state(self, state: Mapping[str, Any]) -> None:
+        latest = state.get("latest")
+        if set(state) != {"latest"} or not isinstance(latest, Mapping):
+            raise ValueError(f"{type(self).__name__}: not a saved {self.statistic_name} state: keys {sorted(state)}")
+        self._latest = {int(client): (int(step), _cloned(statistic)) for client, (step, statistic) in latest.items()}
+
+    def reset_adapter_state(self) -> None:
         self._latest = {}
 
     def on_train_batch_start(
@@ -141,6 +160,17 @@ class DataDependentGradientDefense(GradientDefense):
         if latest is None or not 0 <= step - latest[0] < self.refresh_every:
             return None
         return latest[1]
+
+
+def _cloned(value: Any) -> Any:
+    """A copy of a statistic's tensors (dicts, tuples and lists of them; other values as they are)."""
+    if isinstance(value, Tensor):
+        return value.clone()
+    if isinstance(value, Mapping):
+        return {k: _cloned(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cloned(v) for v in value)
+    return value
 
 
 def inputs_and_targets(batch: Any) -> tuple[Tensor, Tensor]:

@@ -8,13 +8,15 @@ Where the sensitivity is computed (DESIGN.md, "Where a defense runs"):
   once per round for all of its clients (the root set and the weights are the same for each).
 
 It is recomputed every ``recompute_every`` rounds (default 1: every round, as Plato's trainer
-recomputes it at the start of each round's local training; the official demos compute it once).
+recomputes it at the start of each round's local training; the official demos compute it once);
+the sensitivity in use is checkpointed, so a resumed run reuses it as the uninterrupted run would.
 The root set is public, so unlike Soteria or the optimal defenses this defense reads no client
 data, and it may run after DP-SGD.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,10 @@ class GradDefense(GradientDefense):
         recompute_every: rounds between sensitivity updates, ``>= 1``.
         loss_fn: ``loss_fn(logits, targets)`` of the root set; default: the LightningModule's
             (or FederatedSimulation's) ``loss_fn`` attribute.
+
+    The root set (a datamodule split by name, any other root set by a digest of its tensors),
+    ``root_per_class`` and ``recompute_every`` are part of :attr:`state_key`: a resume with other
+    values is refused.
     """
 
     defense: graddefense.GradDefense
@@ -79,8 +85,11 @@ class GradDefense(GradientDefense):
         self.loss_fn = loss_fn
         self.root_data = root_data
         self._root: tuple[Tensor, Tensor] | None = None
-        if not (isinstance(root_data, str) and root_data in ROOT_SPLITS):
+        #: how the checkpoint names the root set: the split, else a digest of the root tensors
+        self._root_id = root_data if isinstance(root_data, str) and root_data in ROOT_SPLITS else ""
+        if not self._root_id:
             self._root = root_batch(root_data, self.root_per_class)  # fail early on a bad tensor, dataset or file
+            self._root_id = root_digest(*self._root)
         self._module_loss: LossFn | None = None
         self._batches_given = False
         self._cache: tuple[int, dict[str, Tensor]] | None = None
@@ -92,7 +101,6 @@ class GradDefense(GradientDefense):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
-        self._cache = None
         module_loss = getattr(pl_module, "loss_fn", None)
         self._module_loss = module_loss if callable(module_loss) else None
         if self.loss_fn is None and self._module_loss is None:
@@ -102,6 +110,33 @@ class GradDefense(GradientDefense):
             )
         if self._root is None:
             self.resolve_root_set(getattr(trainer, "datamodule", None) or getattr(pl_module, "source_datamodule", None))
+
+    # ---------------------------------------------------------------- settings and checkpointed state
+    def adapter_config(self) -> dict[str, Any]:
+        return {
+            **super().adapter_config(),
+            "root_data": self._root_id,
+            "root_per_class": self.root_per_class,
+            "recompute_every": self.recompute_every,
+        }
+
+    def adapter_state(self) -> dict[str, Any]:
+        return {"cache": self._cache}
+
+    def load_adapter_state(self, state: Mapping[str, Any]) -> None:
+        cache = state.get("cache")
+        valid = cache is None or (
+            isinstance(cache, (tuple, list))
+            and len(cache) == 2
+            and isinstance(cache[1], Mapping)
+            and all(isinstance(s, Tensor) for s in cache[1].values())
+        )
+        if set(state) != {"cache"} or not valid:
+            raise ValueError(f"GradDefense: not a saved sensitivity cache: keys {sorted(state)}")
+        self._cache = None if cache is None else (int(cache[0]), {n: s.clone() for n, s in cache[1].items()})
+
+    def reset_adapter_state(self) -> None:
+        self._cache = None
 
     def resolve_root_set(self, datamodule: pl.LightningDataModule | None) -> None:
         """Take the root set from ``datamodule`` when ``root_data`` names one of its splits (a fit does
@@ -209,6 +244,16 @@ def root_batch(
         f"root_data must be (inputs, targets) tensors, a Dataset, a file path or one of {list(ROOT_SPLITS)}, "
         f"got {type(root_data).__name__}"
     )
+
+
+def root_digest(inputs: Tensor, targets: Tensor) -> str:
+    """A short digest of a root set's tensors (dtype, shape and bytes), how checkpoints name it."""
+    digest = hashlib.sha256()
+    for tensor in (inputs, targets):
+        data = tensor.detach().cpu().contiguous()
+        digest.update(f"{data.dtype}{tuple(data.shape)}".encode())
+        digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return f"sha256:{digest.hexdigest()[:16]}"
 
 
 def _checked_pair(pair: Any, where: str) -> tuple[Tensor, Tensor]:

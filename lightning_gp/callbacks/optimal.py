@@ -48,6 +48,9 @@ class SensitivityGradientDefense(DataDependentGradientDefense):
             client's last estimate in between (``1``: every step); stale by design, see
             :class:`~lightning_gp.callbacks.DataDependentGradientDefense`. Gradient accumulation:
             a refreshed step combines its micro-batches.
+
+    ``num_probes``, ``method``, ``subset`` and ``refresh_every`` are part of :attr:`state_key`
+    (a resume with other values is refused); ``chunk_size`` (memory) and ``loss_fn`` are not.
     """
 
     defense: optimal.SensitivityDefense
@@ -85,6 +88,14 @@ class SensitivityGradientDefense(DataDependentGradientDefense):
         self.method = method
         self.subset = subset
         self._module_loss: LossFn | None = None
+
+    def adapter_config(self) -> dict[str, Any]:
+        return {
+            **super().adapter_config(),
+            "num_probes": self.num_probes,
+            "method": self.method,
+            "subset": self.subset,
+        }
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)

@@ -32,6 +32,9 @@ class Soteria(DataDependentGradientDefense):
             unbiased estimate of the squared Jacobian row norms from ``probes`` forward-mode probes
             (seeded by ``seed``, the step and the client).
         probes: the number of random probes of ``method="probes"``.
+
+    ``layer``, ``method`` and (with ``method="probes"``) ``probes`` are part of :attr:`state_key`:
+    a resume with other values is refused.
     """
 
     defense: soteria.Soteria
@@ -52,6 +55,12 @@ class Soteria(DataDependentGradientDefense):
         self.layer = layer
         self.method = check_choice(method, "method", soteria.METHODS)
         self.probes = check_positive_int(probes, "probes")
+
+    def adapter_config(self) -> dict[str, Any]:
+        config = {**super().adapter_config(), "layer": self.layer, "method": self.method}
+        if self.method == "probes":  # the exact methods use no probes
+            config["probes"] = self.probes
+        return config
 
     def batch_statistic(
         self, module: nn.Module, inputs: Tensor, targets: Tensor, *, seed_words: tuple[int, ...]
