@@ -5,12 +5,15 @@ model allows) and returns a :class:`Reconstruction`. Attacks never see the clien
 """
 
 from lightning_gp.attacks.adaptive import (
+    ComposedTransform,
     DefenseAwareIDLG,
     DefenseAwareInversion,
     DefenseKnowledge,
     UnmodelledDefenseWarning,
+    compose_knowledge,
     coordinate_clip,
     layer_noise_weights,
+    mark_fallback,
     straight_through_quantization,
 )
 from lightning_gp.attacks.ats_aware import ATSAwareInversion, ATSAwareRobbing
@@ -27,10 +30,16 @@ from lightning_gp.attacks.precode_aware import PRECODEAwareInversion, find_preco
 from lightning_gp.attacks.refiner_aware import RefinerAwareInversion
 from lightning_gp.attacks.registry import (
     adaptive_attacks,
+    adaptive_attacks_of,
+    composed_knowledge,
+    composition_fallback_reason,
     defense_aware_attacks,
+    defense_aware_inversion,
+    defense_knowledge,
     has_adaptive_attack,
     modelled_defense,
     register_adaptive_attack,
+    register_defense_knowledge,
 )
 from lightning_gp.attacks.rgap import RGAP
 from lightning_gp.attacks.robbing_the_fed import ImprintBlock, ImprintedModel, RobbingTheFed
@@ -44,6 +53,7 @@ __all__ = [
     "SGI",
     "ATSAwareInversion",
     "ATSAwareRobbing",
+    "ComposedTransform",
     "DefenseAwareIDLG",
     "DefenseAwareInversion",
     "DefenseKnowledge",
@@ -59,13 +69,20 @@ __all__ = [
     "ServerView",
     "UnmodelledDefenseWarning",
     "adaptive_attacks",
+    "adaptive_attacks_of",
     "classification_layer",
+    "compose_knowledge",
+    "composed_knowledge",
+    "composition_fallback_reason",
     "coordinate_clip",
     "cosine_distance",
     "defense_aware_attacks",
+    "defense_aware_inversion",
+    "defense_knowledge",
     "find_precode",
     "has_adaptive_attack",
     "layer_noise_weights",
+    "mark_fallback",
     "modelled_defense",
     "optimize_images",
     "parameter_gradients",
@@ -74,6 +91,7 @@ __all__ = [
     "recover_labels",
     "recover_mask",
     "register_adaptive_attack",
+    "register_defense_knowledge",
     "squared_l2_distance",
     "straight_through_quantization",
     "total_variation",

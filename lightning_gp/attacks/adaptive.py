@@ -31,15 +31,18 @@ Which of these applies is declared per defense in :mod:`lightning_gp.attacks.reg
 given a view whose recorded defenses (``meta["defenses"]``, written by the shared-gradient
 pipeline) include one it does not model says so (:class:`UnmodelledDefenseWarning`), runs the
 published attack instead and marks the result ``meta["fallback"]``.
+
+A client that runs several defenses is modelled by one knowledge, :func:`compose_knowledge` of the
+stages' knowledge in the order the pipeline applies them (see its docstring for what composes how).
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -158,6 +161,8 @@ class DefenseKnowledge:
             depends on the shared gradient (GradDefense's compensation projection).
         fallback_reason: set when nothing models the defense: the published attack runs and every
             result is marked ``meta["fallback"]``.
+        caveats: what the knowledge knows of the defense but cannot use (e.g. a composition whose
+            pruning a later noise hides); written to every result's ``meta["caveats"]``.
     """
 
     defense: str = ""
@@ -170,10 +175,12 @@ class DefenseKnowledge:
     coordinate_weights: CoordinateWeights | None = None
     view_transform: ViewTransform | None = None
     fallback_reason: str | None = None
+    caveats: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         self.models = tuple(str(m) for m in self.models)
         self.skip_layers = tuple(str(s) for s in self.skip_layers)
+        self.caveats = tuple(str(c) for c in self.caveats)
         if self.per_example_clip is not None:
             self.per_example_clip = check_positive(self.per_example_clip, "per_example_clip")
         if self.noise_std is not None and not callable(self.noise_std):
@@ -193,6 +200,7 @@ class DefenseKnowledge:
         parts += ["coordinate_weights"] if self.coordinate_weights is not None else []
         parts += ["view_transform"] if self.view_transform is not None else []
         parts += ["fallback"] if self.fallback_reason else []
+        parts += [f"caveats={len(self.caveats)}"] if self.caveats else []
         return ", ".join(parts)
 
     def unmodelled(self, view: ServerView) -> list[str]:
@@ -263,8 +271,12 @@ class DefenseKnowledge:
                 factor = torch.clamp(self.per_example_clip / norm, max=1.0)
                 clipped.append({n: t * factor for n, t in g.items()})
             guess = {n: torch.stack([c[n] for c in clipped]).mean(0) for n in clipped[0]}
-        if self.transform is None or (not straight_through and getattr(self.transform, "straight_through", False)):
+        if self.transform is None:
             return guess
+        if not straight_through and getattr(self.transform, "straight_through", False):
+            # a composed transform drops only its straight-through stages; a plain one is dropped
+            without = getattr(self.transform, "without_straight_through", None)
+            return guess if without is None else without()(guess)
         return self.transform(guess)
 
 
@@ -285,6 +297,8 @@ def _mark(
         support_fraction=sent / total if total else 0.0,
         matched_layers=plan.names,
     )
+    if knowledge.caveats:
+        result.meta["caveats"] = list(knowledge.caveats)
     return result
 
 
@@ -402,3 +416,175 @@ class DefenseAwareIDLG(_KnowsTheDefense, IDLG):
             )  # fmt: skip
 
         return self._reconstruct_knowing(view, published, super().reconstruct)
+
+
+# ------------------------------------------------------------------------------ compositions
+class ComposedTransform:
+    """Known transforms applied one after another, in the order the pipeline applies the defenses.
+
+    ``straight_through`` is true when any stage is straight-through (quantisation); iDLG's L-BFGS
+    then runs :meth:`without_straight_through`, the other stages alone (a clip before a
+    quantisation is still applied)."""
+
+    stages: tuple[KnownTransform, ...]
+
+    def __init__(self, stages: Sequence[KnownTransform]) -> None:
+        flat: list[KnownTransform] = []
+        for i, stage in enumerate(stages):
+            if not callable(stage):
+                raise TypeError(f"stages[{i}] must be a callable transform, got {type(stage).__name__}")
+            flat += list(stage.stages) if isinstance(stage, ComposedTransform) else [stage]
+        self.stages = tuple(flat)
+
+    @property
+    def straight_through(self) -> bool:
+        return any(getattr(stage, "straight_through", False) for stage in self.stages)
+
+    def without_straight_through(self) -> ComposedTransform:
+        return ComposedTransform([s for s in self.stages if not getattr(s, "straight_through", False)])
+
+    def __call__(self, gradients: dict[str, Tensor]) -> dict[str, Tensor]:
+        for stage in self.stages:
+            gradients = stage(gradients)
+        return gradients
+
+
+def _hides_zeros(stage: DefenseKnowledge) -> bool:
+    """The stage adds noise on every coordinate (no support of its own): earlier exact zeros are gone."""
+    if stage.support or stage.noise_std is None:
+        return False
+    return callable(stage.noise_std) or float(stage.noise_std) > 0
+
+
+def compose_knowledge(stages: Sequence[DefenseKnowledge]) -> DefenseKnowledge:
+    """One knowledge of a client that ran ``stages`` (each defense's knowledge) one after another,
+    in the order the pipeline applies them. One stage is returned as it is.
+
+    - **models**: the union of the stages' (empty, i.e. no check, if any stage has none);
+      ``defense`` is their names joined by ``+``.
+    - **per-example clip** (DP-SGD): the runner clips each example's gradient before any defense
+      stage runs, wherever it stands in the list, so that stage is moved first; two are refused.
+    - **transforms**: applied in order to the dummy gradient (e.g. a clip, then a quantisation). A
+      transform after a noising stage is applied to the noiseless dummy, not to the noised gradient
+      the client transformed (noted in ``caveats``).
+    - **noise**: independent noises add in variance, ``sigma = sqrt(sum sigma_i^2)`` (a function of
+      the view if any stage's is). The std is carried through later stages unchanged: exact for
+      pruning (a sent entry keeps its noise), an upper bound after a clip (1-Lipschitz); the
+      rounding error a later quantisation adds to the noise is not counted (as for quantisation
+      alone).
+    - **support**: used when a stage reveals one (exact zeros) and no later stage noises every
+      coordinate (GaussianNoise, LaplaceNoise, DP-SGD); a support such a stage hides is dropped:
+      every entry is matched with the Wiener weights of the total noise, and ``caveats`` says so.
+      A later quantisation keeps the zeros (its own rounded-to-zero entries then leave the match).
+    - **skip_layers**: the union; **fallback_reason**: the stages' reasons, joined.
+    - **coordinate weights / view transforms** (GradDefense, Outpost) are computed from the shared
+      gradient as if their defense ran alone: a composition with one is refused (``ValueError``).
+    """
+    if isinstance(stages, (str, bytes)) or not isinstance(stages, Sequence):
+        raise TypeError(f"stages must be a sequence of DefenseKnowledge, got {type(stages).__name__}")
+    for i, stage in enumerate(stages):
+        if not isinstance(stage, DefenseKnowledge):
+            raise TypeError(f"stages[{i}] must be a DefenseKnowledge, got {type(stage).__name__}")
+    if not stages:
+        raise ValueError("stages must hold at least one DefenseKnowledge")
+    if len(stages) == 1:
+        return stages[0]
+    names = [stage.defense or f"stage {i}" for i, stage in enumerate(stages)]
+    per_view = [
+        names[i] for i, s in enumerate(stages) if s.coordinate_weights is not None or s.view_transform is not None
+    ]
+    if per_view:
+        raise ValueError(
+            f"cannot compose {names}: the per-entry weights or view transform of {per_view} are computed from the "
+            "shared gradient as if that defense ran alone"
+        )
+    clipping = [i for i, s in enumerate(stages) if s.per_example_clip is not None]
+    if len(clipping) > 1:
+        raise ValueError(f"cannot compose {names}: {[names[i] for i in clipping]} all clip per example (one runner)")
+    order = clipping + [i for i in range(len(stages)) if i not in clipping]
+    stages, names = [stages[i] for i in order], [names[i] for i in order]
+
+    caveats: list[str] = [c for s in stages for c in s.caveats]
+    support = False
+    for i, stage in enumerate(stages):
+        if not stage.support:
+            continue
+        hiders = [names[j] for j in range(i + 1, len(stages)) if _hides_zeros(stages[j])]
+        if hiders:
+            caveats.append(f"{names[i]}'s pruned entries are noised over by {hiders[0]}: every entry is matched")
+        else:
+            support = True
+    transforms = [s.transform for s in stages if s.transform is not None]
+    for i, stage in enumerate(stages):
+        noised_before = [names[j] for j in range(i) if stages[j].noise_std is not None]
+        if stage.transform is not None and noised_before:
+            caveats.append(
+                f"{names[i]}'s transform is applied to the noiseless dummy gradient; the client applied it after the "
+                f"noise of {noised_before}"
+            )
+    noise = [s.noise_std for s in stages if s.noise_std is not None]
+    noise_std: NoiseStd | None
+    if not noise:
+        noise_std = None
+    elif all(not callable(n) for n in noise):
+        noise_std = math.sqrt(sum(float(cast(float, n)) ** 2 for n in noise))
+    else:
+
+        def noise_std(view: ServerView) -> float:
+            return math.sqrt(sum((float(n(view)) if callable(n) else float(n)) ** 2 for n in noise))
+
+    reasons = [s.fallback_reason for s in stages if s.fallback_reason]
+    return DefenseKnowledge(
+        defense="+".join(names),
+        models=() if any(not s.models for s in stages) else tuple(dict.fromkeys(m for s in stages for m in s.models)),
+        support=support,
+        transform=None if not transforms else transforms[0] if len(transforms) == 1 else ComposedTransform(transforms),
+        per_example_clip=stages[0].per_example_clip,
+        noise_std=noise_std,
+        skip_layers=tuple(dict.fromkeys(layer for s in stages for layer in s.skip_layers)),
+        fallback_reason="; ".join(reasons) if reasons else None,
+        caveats=tuple(dict.fromkeys(caveats)),
+    )
+
+
+_Attack = TypeVar("_Attack", bound=GradientAttack)
+_MARKED_CLASSES: dict[type, type] = {}
+
+
+def mark_fallback(attack: _Attack, reason: str, unmodelled: Sequence[str] = ()) -> _Attack:
+    """``attack`` (changed in place and returned) with every reconstruction marked
+    ``meta["fallback"] = True``, ``meta["fallback_reason"] = reason`` and ``meta["unmodelled"]``: an
+    attack that models part of what the client ran. Its class name stays the attack's own (reports
+    name attacks by it); a reason the attack gave itself is kept in front of ``reason``."""
+    if not isinstance(attack, GradientAttack):
+        raise TypeError(f"attack must be a GradientAttack, got {type(attack).__name__}")
+    if not isinstance(reason, str) or not reason:
+        raise ValueError(f"reason must be a non-empty string, got {reason!r}")
+    cls = type(attack)
+    base = cast(type[GradientAttack], getattr(cls, "_unmarked_class", cls))
+    marked = _MARKED_CLASSES.get(base)
+    if marked is None:
+
+        def reconstruct(self: GradientAttack, view: ServerView) -> Reconstruction:
+            result = base.reconstruct(self, view)
+            why, missing = self._fallback_marking  # type: ignore[attr-defined]
+            own = result.meta.get("fallback_reason") if result.meta.get("fallback") else None
+            unmodelled_before = list(result.meta.get("unmodelled", [])) if own else []
+            result.meta.update(
+                fallback=True,
+                fallback_reason=why if not own or own == why else f"{own}; {why}",
+                unmodelled=list(dict.fromkeys([*unmodelled_before, *missing])),
+            )
+            return result
+
+        namespace = {
+            "reconstruct": reconstruct,
+            "_unmarked_class": base,
+            "__module__": base.__module__,
+            "__qualname__": base.__qualname__,
+            "__doc__": base.__doc__,
+        }
+        marked = _MARKED_CLASSES[base] = type(base.__name__, (base,), namespace)
+    attack.__class__ = marked
+    attack._fallback_marking = (reason, tuple(str(u) for u in unmodelled))  # type: ignore[attr-defined]
+    return attack
