@@ -22,6 +22,11 @@ Images: 1000 of the full Fashion-MNIST training split (indices 59000-59999: not 
 sample, not in the classifier's training data, which is the sample's TEST split). ``--quick``:
 10 per class of the built-in sample's training split (no full dataset needed).
 
+The classifier is the shipped one (``lightning_gp/metrics/checkpoints/semantic_classifier.pt``,
+sha256-checked; nothing is trained here). ``--retrain-classifier PATH`` instead retrains it with
+the shipped recipe (one thread, about 75 s), writes PATH and says whether it reproduces the
+shipped file's sha256 (no calibration is run).
+
 Writes benchmarks/results/semantic_calibration.{csv,md,png} (quick: semantic_calibration_quick.*).
 """
 
@@ -38,12 +43,15 @@ from _common import RESULTS_DIR, write_results
 
 from lightning_gp.metrics.image_quality import psnr
 from lightning_gp.metrics.semantic import (
+    CLASSIFIER_FILE,
+    CLASSIFIER_SHA256,
     SEMANTIC_LINE,
     gaussian_blur,
     low_resolution,
     public_classifier,
     semantic_scores,
-    trivial_baselines,
+    trivial_guesses,
+    write_public_classifier,
 )
 
 NOT_RECOGNISABLE = ("zeros", "grey", "mean image", "uniform noise", "gaussian noise", "other class", "blob (blur 6)")
@@ -154,7 +162,7 @@ def quantiles(values: torch.Tensor) -> tuple[float, float, float]:
 
 def measure(x, labels, mean, seed) -> tuple[list[dict], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     classifier = public_classifier()
-    baselines = trivial_baselines(mean)
+    baselines = trivial_guesses(mean)
     lpips = lpips_fn()
     rows, scores, lpips_values = [], {}, {}
     for name, recon in groups(x, labels, mean, seed).items():
@@ -224,7 +232,22 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument(
+        "--retrain-classifier",
+        type=Path,
+        metavar="PATH",
+        help=f"retrain the classifier with the shipped recipe, write it to PATH and compare with {CLASSIFIER_FILE}",
+    )
     args = parser.parse_args()
+    if args.retrain_classifier is not None:
+        digest = write_public_classifier(args.retrain_classifier, threads=args.threads)
+        same = digest == CLASSIFIER_SHA256
+        print(f"wrote {args.retrain_classifier} (sha256 {digest})")
+        print(
+            f"{'identical to' if same else 'DIFFERENT from'} the shipped {CLASSIFIER_FILE} (sha256 {CLASSIFIER_SHA256})"
+            + ("" if same else "; another torch build, thread count or CPU can round differently")
+        )
+        return
     torch.set_num_threads(args.threads)
     images = 100 if args.quick and args.images == 1000 else args.images
     x, labels, mean, what = load_images(args.quick, images)
@@ -236,7 +259,8 @@ def main() -> None:
     preamble = (
         ("QUICK RUN (not the calibration). " if args.quick else "")
         + f"{what}, seed {args.seed}. Score: p(true class | image) minus the best trivial guess's (zeros, grey, "
-        "mean image, uniform and Gaussian noise) under a CNN trained on the built-in sample's test split only. "
+        "mean image, uniform and Gaussian noise) under a CNN trained on the built-in sample's test split only "
+        f"(the shipped weights, {CLASSIFIER_FILE}, sha256 {CLASSIFIER_SHA256[:12]}...). "
         f"Line SEMANTIC_LINE = {SEMANTIC_LINE}; the largest 99th percentile over the trivial guesses and other-class "
         f"images is {worst['score_p99']:.3f} ({worst['group']}); blobs (blur 6) reach {blob['score_p99']:.3f} at the "
         f"99th percentile and {blob['called_recognisable']:.1%} are called recognisable (the known weak spot). "

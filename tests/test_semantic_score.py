@@ -1,24 +1,39 @@
 """The semantic leak test (issue 22, item 4): trivial guesses are not recognisable, degraded originals are.
 
-Real Fashion-MNIST images from the built-in sample's TRAINING split (the classifier trains on its
-test split). The classifier is trained at first use (about a minute on one thread, then cached).
+Real Fashion-MNIST images from the built-in sample's TRAINING split (the classifier was trained on
+its test split). The classifier's weights ship in the package (sha256-checked); nothing here trains
+it or reads a cache file.
 """
 
 from __future__ import annotations
+
+import configparser
+import hashlib
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from lightning_gp.data.builtin_sample import load_sample_arrays
+from lightning_gp.metrics import semantic
 from lightning_gp.metrics.image_quality import psnr
 from lightning_gp.metrics.semantic import (
+    CLASSIFIER_SHA256,
     SEMANTIC_LINE,
+    ClassifierFileError,
+    PublicClassifier,
+    load_classifier,
     low_resolution,
     public_classifier,
     recognisable,
     semantic_scores,
-    trivial_baselines,
+    serialize_classifier,
+    shipped_classifier_file,
+    trivial_guesses,
 )
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +48,9 @@ def images(one_thread):
 
 
 @pytest.fixture(scope="module")
-def score(images, tmp_path_factory):
-    classifier = public_classifier(cache_dir=tmp_path_factory.mktemp("semantic_cache"))
-    baselines = trivial_baselines(images[2])
+def score(images):
+    classifier = public_classifier()
+    baselines = trivial_guesses(images[2])
     return lambda recon: semantic_scores(recon, images[1], classifier=classifier, baselines=baselines)
 
 
@@ -107,3 +122,66 @@ def test_calibration_benchmark_quick_writes_every_group(tmp_path):
         assert float(rows[name]["called_recognisable"]) == 0.0, name
     assert "QUICK RUN" in (tmp_path / "semantic_calibration_quick.md").read_text()
     assert (tmp_path / "semantic_calibration_quick.png").stat().st_size > 0
+
+
+@pytest.fixture
+def no_training(monkeypatch, tmp_path):
+    """Loading must not train nor read a cache: training raises, HOME and the cache variables are empty."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("train_public_classifier was called while loading the classifier")
+
+    monkeypatch.setattr(semantic, "train_public_classifier", refuse)
+    for var in ("HOME", "XDG_CACHE_HOME", "LIGHTNING_GP_CACHE"):
+        monkeypatch.setenv(var, str(tmp_path / "empty_home"))
+    semantic._shipped_classifier.cache_clear()
+    yield
+    semantic._shipped_classifier.cache_clear()  # later tests load the real shipped file again
+
+
+def test_the_shipped_weights_load_fast_match_their_sha256_and_are_not_trained(no_training, one_thread):
+    data = shipped_classifier_file().read_bytes()
+    assert hashlib.sha256(data).hexdigest() == CLASSIFIER_SHA256
+    assert len(data) < 2 * 2**20  # a state_dict of 421,642 float32 parameters, ~1.6 MiB
+    start = time.perf_counter()
+    net = public_classifier()
+    assert time.perf_counter() - start < 10  # training takes over a minute; loading well under a second
+    assert public_classifier() is net  # loaded once per process
+    assert isinstance(net, PublicClassifier) and not net.training
+    assert sum(p.numel() for p in net.parameters()) == 421_642
+    assert not any(p.requires_grad for p in net.parameters())
+    assert serialize_classifier(net) == data  # the bytes are the weights, reproducibly serialised
+    blank = semantic.class_probabilities(torch.zeros(1, 1, 28, 28))
+    assert blank.max() < 0.3  # outlier exposure: a blank image is near-uniform over the 10 classes
+
+
+def test_a_corrupt_or_different_weights_file_is_an_error_naming_it_never_a_retrain(no_training, tmp_path, monkeypatch):
+    data = bytearray(shipped_classifier_file().read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    corrupt = tmp_path / "corrupt_classifier.pt"
+    corrupt.write_bytes(bytes(data))
+    with pytest.raises(ClassifierFileError, match=r"corrupt_classifier\.pt.*sha256"):
+        load_classifier(corrupt, sha256=CLASSIFIER_SHA256)
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a checkpoint")
+    with pytest.raises(ClassifierFileError, match=r"garbage\.pt.*not a torch\.save file"):
+        load_classifier(garbage)
+    other = tmp_path / "three_classes.pt"
+    other.write_bytes(serialize_classifier(PublicClassifier(classes=3)))
+    with pytest.raises(ClassifierFileError, match=r"three_classes\.pt.*do not fit"):
+        load_classifier(other)
+    with pytest.raises(ClassifierFileError, match=r"missing\.pt.*cannot be read"):
+        load_classifier(tmp_path / "missing.pt")
+    # the default (shipped) path refuses a file that is not the recorded one, naming it
+    monkeypatch.setattr(semantic, "shipped_classifier_file", lambda: corrupt)
+    with pytest.raises(ClassifierFileError, match=r"corrupt_classifier\.pt.*expected " + CLASSIFIER_SHA256):
+        semantic_scores(torch.zeros(1, 1, 28, 28), torch.tensor([0]))
+
+
+def test_the_weights_are_package_data_and_trivial_guesses_is_the_only_name():
+    config = configparser.ConfigParser()
+    config.read(REPO / "setup.cfg")
+    patterns = config["options.package_data"][semantic.CLASSIFIER_PACKAGE].replace(",", " ").split()
+    assert "*.pt" in patterns
+    assert (REPO / "lightning_gp" / "metrics" / "checkpoints" / "__init__.py").is_file()
+    assert not hasattr(semantic, "trivial_baselines")  # the audit's trivial_baselines is another concept
