@@ -126,6 +126,14 @@ class GradientDefense(SharedGradientCallback, DefenseStage):
     def layerwise(self) -> bool:
         return self.defense.layerwise
 
+    @property
+    def prepares_rounds(self) -> bool:
+        """The wrapped defense (or this callback) overrides ``begin_round``, e.g. ADGP's round mask."""
+        return (
+            type(self.defense).begin_round is not Defense.begin_round
+            or type(self).begin_round is not GradientDefense.begin_round
+        )
+
     def bind(self, setup: ClientSetup) -> None:
         self.defense.set_num_clients(setup.num_clients)
         self.defense.check_layer_shapes(setup.shapes)

@@ -20,7 +20,11 @@ to defend them:
 * **held** (any defense that needs the whole model: global thresholds, sensitivity estimates,
   ADGP's shared mask, anything that prepares a round across clients): the hook holds every
   bucket until the last one arrives, defends the complete named gradient once, then all-reduces
-  each bucket and completes the futures DDP is waiting on, giving up the overlap.
+  each bucket and completes the futures DDP is waiting on, giving up the overlap. A stage that
+  prepares its round is prepared from the rank's gradient as the stages before it defend it
+  (``SharedGradientPipeline.begin_round``): with ``[GaussianNoise, ADGP]`` the chosen rank
+  broadcasts the mask of its noised gradient. A stage that prepares rounds is never layerwise,
+  so the bucket-by-bucket path has no round to prepare.
 
 Two things DDP would otherwise get wrong for a defense:
 
@@ -48,7 +52,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from lightning_gp.callbacks.interfaces import ClientSetup, ClientStepRunner, Pipeline
-from lightning_gp.callbacks.pipeline import single_optimizer
+from lightning_gp.callbacks.pipeline import RoundNotPrepared, single_optimizer
 from lightning_gp.named_tensors import flatten_named, unflatten_named
 
 if TYPE_CHECKING:
@@ -156,18 +160,28 @@ class DefendedAllReduce:
         self._check_same_round(round)
         world = dist.get_world_size(self.process_group)
         failure: Exception | None = None
+        not_prepared: RoundNotPrepared | None = None
+        meta = {"path": DDPClientStep.execution_path, "world_size": self.trainer.world_size}
         try:
-            pipeline.begin_round(round, list(range(world)), {rank: gradients}, self._broadcast)
-            shared = pipeline.process(
-                gradients,
-                client_id=rank,
-                round=round,
+            # a stage that prepares its round (ADGP's broadcast mask) is prepared from this rank's
+            # gradient as the stages before it defend it; process goes on from there
+            pipeline.begin_round(
+                round,
+                list(range(world)),
+                {rank: gradients},
+                self._broadcast,
                 model=self.module,
-                meta={"path": DDPClientStep.execution_path, "world_size": self.trainer.world_size},
+                meta=meta,
+                agree=self._any_rank_failed,
             )
+            shared = pipeline.process(gradients, client_id=rank, round=round, model=self.module, meta=meta)
+        except RoundNotPrepared as err:  # another rank failed first: it reports why, below
+            not_prepared = err
         except Exception as err:  # agreed on below, then raised on every rank
             failure = err
-        self._agree_on_failure(failure)
+        self._agree_on_failure(failure)  # raises on every rank when any rank failed
+        if not_prepared is not None:
+            raise not_prepared  # only if no rank reported the failure it agreed on
         aggregate = {}
         for params, _, buffer, future in pending:
             named = {self.names[id(p)]: p for p in params}
@@ -261,6 +275,13 @@ class DefendedAllReduce:
             f"the shared-gradient pipeline failed at step {self.trainer.global_step} on "
             f"{sum(m is not None for m in messages)} of {len(messages)} DDP ranks, {consequence} ({report})"
         ) from failure
+
+    def _any_rank_failed(self, failed: bool) -> bool:
+        """Every rank says whether it failed; all learn whether any did (``agree`` of
+        ``SharedGradientPipeline.begin_round``: no rank waits in a broadcast for a failed one)."""
+        flag = torch.tensor([1 if failed else 0], dtype=torch.int64)
+        dist.all_reduce(flag, group=self.process_group)
+        return int(flag) > 0
 
     def _check_same_round(self, round: int) -> None:
         """Every rank must be in the same round, or a shared mask would pair the wrong rounds."""

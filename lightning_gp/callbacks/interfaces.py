@@ -13,6 +13,15 @@ client batch -> **ClientStepRunner** computes the client's gradient -> **Defense
   :class:`~lightning_gp.defenses.Defense`).
 * :class:`ObserverStage` sees every shared gradient after all defenses.
 
+A round: the runner calls :meth:`Pipeline.begin_round` with every local client's gradient, then
+:meth:`Pipeline.process` once per local client, then :meth:`Pipeline.finish_round`. A defense
+stage that prepares its rounds (:attr:`DefenseStage.prepares_rounds`, e.g. ADGP choosing the
+round's mask) is prepared from the gradients **as the stages before it defend them**, never from
+the raw ones: in ``[GaussianNoise(...), AlignedDualGradientPruning()]`` the mask comes from the
+noised gradients, so the positions sent reveal nothing the noise hides. The stages before the
+last preparing stage therefore defend every local client's gradient in ``begin_round``, once;
+``process`` goes on from that output (no stage runs, nor draws its noise, twice).
+
 The pipeline knows these interfaces only, never the concrete classes, so new methods (a Refiner
 module, PriPrune's pruned FedAvg) plug in by implementing one of them. Nothing here imports
 another module of :mod:`lightning_gp.callbacks`.
@@ -21,7 +30,7 @@ another module of :mod:`lightning_gp.callbacks`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -59,7 +68,16 @@ class Pipeline(Protocol):
     """What a runner drives (:class:`~lightning_gp.callbacks.SharedGradientPipeline` implements it)."""
 
     def begin_round(
-        self, round: int, clients: list[int], local_gradients: Mapping[int, Gradients], share: Share
+        self,
+        round: int,
+        clients: Sequence[int],
+        local_gradients: Mapping[int, Gradients],
+        share: Share,
+        *,
+        model: nn.Module | None = None,
+        batches: Mapping[int, Any] | None = None,
+        meta: Mapping[str, Any] | None = None,
+        agree: Callable[[bool], bool] | None = None,
     ) -> None: ...
 
     def process(
@@ -106,8 +124,10 @@ class Pipeline(Protocol):
 class ClientStepRunner(ABC):
     """Owns the client step: computes each client's gradient and sends it through the pipeline.
 
-    Implementations call :meth:`SharedGradientPipeline.begin_round`, then
-    :meth:`SharedGradientPipeline.process` once per client, then
+    Implementations call :meth:`SharedGradientPipeline.begin_round` with the raw gradient of every
+    client this process holds (and the model, the clients' batches and the meta ``process`` will
+    get: a stage before a round-preparing one defends them there), then
+    :meth:`SharedGradientPipeline.process` once per client with the same gradients, then
     :meth:`SharedGradientPipeline.finish_round` with the aggregate the clients download.
     """
 
@@ -149,6 +169,13 @@ class DefenseStage(ABC):
         hook, bucket by bucket, overlapping the all-reduce with the backward pass). Default: False."""
         return False
 
+    @property
+    def prepares_rounds(self) -> bool:
+        """The stage prepares each round in :meth:`begin_round` (e.g. a mask shared by the round's
+        clients). The pipeline calls :meth:`begin_round` of such stages only, and such a stage is
+        never defended part by part. Default: whether the subclass overrides :meth:`begin_round`."""
+        return type(self).begin_round is not DefenseStage.begin_round
+
     def bind(self, setup: ClientSetup) -> None:
         """Declare the run's clients and shared layers (checks restored state against them)."""
         return
@@ -156,7 +183,14 @@ class DefenseStage(ABC):
     def begin_round(
         self, round: int, clients: Sequence[int], local_gradients: Mapping[int, Gradients], share: Share
     ) -> None:
-        """Prepare a round before any of its clients is defended (default: nothing)."""
+        """Prepare a round before any of its clients is defended (default: nothing).
+
+        ``local_gradients`` holds, for every client this process holds, its gradient **as defended by
+        the stages before this one** (the raw gradient for the first stage): exactly what this
+        stage's :meth:`defend` then receives for that client in this round. ``clients`` lists every
+        client of the round, in every process; ``share`` as in
+        :meth:`lightning_gp.defenses.Defense.begin_round`.
+        """
         return
 
     @abstractmethod

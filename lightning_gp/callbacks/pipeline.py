@@ -14,12 +14,20 @@ sends it through :class:`SharedGradientPipeline` (DESIGN.md, "Where a defense ru
 * a LightningModule or callback that implements the runner interface itself, e.g.
   :class:`~lightning_gp.federated.FederatedSimulation` (many clients per process) or
   :class:`~lightning_gp.callbacks.DPSGD` (the optimizer's step hook, after Opacus noises).
+
+Composed defenses and round preparation: a stage that prepares its rounds
+(:attr:`~lightning_gp.callbacks.interfaces.DefenseStage.prepares_rounds`, e.g. ADGP's round mask)
+is prepared from every local client's gradient as defended by the stages before it, and that same
+output is what its ``defend`` then receives. :meth:`SharedGradientPipeline.begin_round` therefore
+runs the stages before the last preparing stage on every local client (each once) and keeps the
+result; :meth:`SharedGradientPipeline.process` takes it up there. With no preparing stage after
+the first, ``begin_round`` defends nothing and the stages run client by client as they always did.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -38,12 +46,40 @@ def trainer_callbacks(trainer: pl.Trainer) -> list[Callback]:
     return trainer.callbacks  # type: ignore[attr-defined]
 
 
+def _stage_name(stage: DefenseStage) -> str:
+    """The class name of the defense a stage applies (of the stage itself when it wraps none)."""
+    return type(getattr(stage, "defense", stage)).__name__
+
+
+class RoundNotPrepared(RuntimeError):
+    """Another process of the round failed defending its clients before a stage could prepare the
+    round (that process raises its own error); this process did not fail itself."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _PreparedClient:
+    """One client's gradient as defended in :meth:`SharedGradientPipeline.begin_round`."""
+
+    round: int
+    raw: Mapping[str, Tensor]  # what the runner handed begin_round (process must hand the same)
+    defended: Gradients  # after the stages before the last round-preparing one
+    next_stage: int  # the index of the stage that defends it next (the last preparing one)
+
+
 class SharedGradientPipeline:
-    """The defense and observer stages of a trainer, in the order the user gave them."""
+    """The defense and observer stages of a trainer, in the order the user gave them.
+
+    A runner drives a round as :meth:`begin_round`, :meth:`process` per local client, then
+    :meth:`finish_round`. Every stage that :attr:`~DefenseStage.prepares_rounds` is prepared from
+    the gradients as defended by the stages before it (for every local client), and its ``defend``
+    then receives exactly those gradients: the earlier stages run once per client and round, in
+    ``begin_round`` when a later stage must be prepared from their output.
+    """
 
     def __init__(self, defenses: list[DefenseStage], observers: list[ObserverStage]) -> None:
         self.defenses = defenses
         self.observers = observers
+        self._prepared: dict[int, _PreparedClient] = {}
 
     @classmethod
     def from_trainer(cls, trainer: pl.Trainer) -> SharedGradientPipeline:
@@ -88,16 +124,93 @@ class SharedGradientPipeline:
         return described
 
     def begin_round(
-        self, round: int, clients: list[int], local_gradients: Mapping[int, Gradients], share: Share
+        self,
+        round: int,
+        clients: Sequence[int],
+        local_gradients: Mapping[int, Gradients],
+        share: Share,
+        *,
+        model: nn.Module | None = None,
+        batches: Mapping[int, Any] | None = None,
+        meta: Mapping[str, Any] | None = None,
+        agree: Callable[[bool], bool] | None = None,
     ) -> None:
-        """Let every defense prepare the round (e.g. ADGP's shared mask) before clients are defended."""
-        for stage in self.defenses:
-            stage.begin_round(round, clients, local_gradients, share)
+        """Let every defense that :attr:`~DefenseStage.prepares_rounds` prepare the round (e.g. ADGP's
+        shared mask) before clients are defended, each from the gradients as the stages before it
+        defend them.
+
+        Args:
+            round: the round index (the optimizer step).
+            clients: every client of the round, in every process.
+            local_gradients: the raw gradient of every client this process holds, by client id;
+                :meth:`process` must then be given these same gradients (the same tensors).
+            share: ``share(source_client, tensors)`` (see ``Defense.begin_round``).
+            model, batches, meta: what :meth:`process` gets for each client (``batches`` by
+                client id; ``None`` when the runner passes no batch). A stage before a preparing
+                stage defends the local clients here with them, so ``model`` is needed then.
+            agree: where the round's clients live in several processes, a collective: every
+                process says whether it failed and learns whether any did (DDP: an all-reduce).
+                The stages before a preparing stage may fail in one process (a NaN gradient) while
+                the others would wait for it inside the preparing stage's ``share``; so before each
+                preparing stage the processes agree, the failed one raises its error and the others
+                :class:`RoundNotPrepared`. ``None`` (one process): a failure is raised at once.
+        """
+        self._prepared = {}
+        preparing = [index for index, stage in enumerate(self.defenses) if stage.prepares_rounds]
+        if not preparing:
+            return
+        outside = sorted(set(local_gradients) - set(clients))
+        if outside:
+            raise ValueError(f"local_gradients holds clients {outside} that are not among the round's clients")
+        last = preparing[-1]
+        if last > 0:  # the stages before `last` defend every local client now
+            if model is None:
+                raise ValueError(
+                    f"begin_round needs model=: {_stage_name(self.defenses[last])} prepares its round from the "
+                    f"gradients defended by the {last} stage(s) before it, which defend them here"
+                )
+            missing = [] if batches is None else sorted(set(local_gradients) - set(batches))
+            if missing:
+                raise ValueError(f"batches has no batch for clients {missing} of local_gradients")
+        stage_meta = self._meta(meta) if last > 0 else {}
+        current = dict(local_gradients)
+        for index, stage in enumerate(self.defenses[: last + 1]):
+            if stage.prepares_rounds:
+                if index > 0 and agree is not None and agree(False):
+                    raise RoundNotPrepared(
+                        f"another process failed defending its clients before {_stage_name(stage)} could "
+                        f"prepare round {round}"
+                    )
+                stage.begin_round(round, clients, current, share)
+            if index < last:
+                assert model is not None  # checked above
+                try:
+                    current = {
+                        client: stage.defend(
+                            gradients,
+                            client_id=client,
+                            round=round,
+                            model=model,
+                            batch=None if batches is None else batches[client],
+                            meta=stage_meta,
+                        )
+                        for client, gradients in current.items()
+                    }
+                except Exception:
+                    if agree is not None:
+                        agree(True)  # the processes about to prepare the next stage learn of it
+                    raise
+        if last > 0:
+            self._prepared = {
+                client: _PreparedClient(round, local_gradients[client], dict(current[client]), last)
+                for client in local_gradients
+            }
 
     @property
     def layerwise(self) -> bool:
-        """Every defense is layerwise, so a client's gradient may be defended part by part."""
-        return all(stage.layerwise for stage in self.defenses)
+        """Every defense is layerwise (and prepares no round), so a client's gradient may be
+        defended part by part."""
+        return all(stage.layerwise and not stage.prepares_rounds for stage in self.defenses)
 
     def process(
         self,
@@ -135,14 +248,34 @@ class SharedGradientPipeline:
         With ``out`` (tensors like the gradients; the gradients themselves to defend in place) the
         last defense writes the shared gradient into them (:meth:`DefenseStage.defend_into`) and
         they are returned: the local runner defends ``.grad`` so, with no fresh model-sized memory.
+
+        When :meth:`begin_round` already ran the first stages on this client (a later stage
+        prepares its rounds), the defense goes on from their output: ``gradients`` must be the
+        ones given to :meth:`begin_round`.
         """
         if part and not self.layerwise:
             raise RuntimeError("a gradient can be defended part by part only when every defense is layerwise")
         if part and out is not None:
             raise ValueError("out is not supported with part=True (a DDP bucket is copied into its buffer)")
         shared = dict(gradients)
+        first = 0
+        prepared = None if part else self._prepared.pop(client_id, None)
+        if prepared is not None:
+            if prepared.round != round:
+                raise RuntimeError(
+                    f"client {client_id} is defended for round {round}, but begin_round prepared round "
+                    f"{prepared.round}; call begin_round for every round before its clients are defended"
+                )
+            if gradients.keys() != prepared.raw.keys() or any(gradients[n] is not t for n, t in prepared.raw.items()):
+                raise ValueError(
+                    f"gradients: client {client_id}'s gradients are not the ones given to begin_round for round "
+                    f"{round}, where the stages before the round-preparing "
+                    f"{_stage_name(self.defenses[prepared.next_stage])} already defended them"
+                )
+            shared, first = dict(prepared.defended), prepared.next_stage
         meta = self._meta(meta)
-        for index, defense in enumerate(self.defenses):
+        for index in range(first, len(self.defenses)):
+            defense = self.defenses[index]
             if part:
                 shared = defense.defend_layers(shared, client_id=client_id, round=round, model=model, meta=meta)
             elif out is not None and index == len(self.defenses) - 1:
@@ -173,6 +306,7 @@ class SharedGradientPipeline:
 
     def finish_round(self, update: Mapping[str, Tensor], *, round: int, clients: int) -> None:
         """Show the aggregated update (what every client downloads) to the observers."""
+        self._prepared = {}  # a client begin_round defended but nobody processed is dropped with its round
         for observer in self.observers:
             observer.observe_aggregate(update, round=round, clients=clients)
 
@@ -216,11 +350,10 @@ def defend_parameter_gradients(
     """
     params = stepped_parameters(module, optimizer)
     gradients = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in params.items()}
-    pipeline.begin_round(round, [client_id], {client_id: gradients}, share_in_process)
+    meta = {"path": path}
+    pipeline.begin_round(round, [client_id], {client_id: gradients}, share_in_process, model=module, meta=meta)
     # defended in place: .grad holds the shared gradient, with no model-sized temporaries
-    shared = pipeline.process(
-        gradients, client_id=client_id, round=round, model=module, meta={"path": path}, out=gradients
-    )
+    shared = pipeline.process(gradients, client_id=client_id, round=round, model=module, meta=meta, out=gradients)
     pipeline.finish_round(shared, round=round, clients=1)  # one client: it downloads what it sent
     for name, p in params.items():
         if p.grad is None and shared[name].any():

@@ -121,7 +121,9 @@ class Defense(ABC):
         Args:
             round: the round index (the optimizer step).
             clients: every client taking part in the round, in every process.
-            local_gradients: the raw gradients of the participating clients this process holds.
+            local_gradients: the gradients of the participating clients this process holds, as
+                this defense then receives them: the raw gradients, or, after other defenses in a
+                pipeline, the gradients as those defenses rewrote them.
             share: ``share(source_client, tensors)`` returns ``source_client``'s tensors in every
                 process (a broadcast under DDP); other processes pass same-shaped placeholders.
         """

@@ -374,7 +374,9 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
 
         pipeline = SharedGradientPipeline.from_trainer(self.trainer)
         local = {client: {name: update[i] for name, update in updates.items()} for i, client in enumerate(client_ids)}
-        pipeline.begin_round(round_idx, client_ids, local, share_in_process)
+        client_batches = {
+            client: (inputs[i].flatten(0, 1), targets[i].flatten(0, 1)) for i, client in enumerate(client_ids)
+        }
         meta = {
             "path": self.execution_path,
             "algorithm": self.algorithm,
@@ -384,16 +386,21 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
         }
         if provider is not None:
             meta["upload"] = "weights"  # the client sends w_shared = w_global - update (CommunicationMeter)
+        # every client's update is known now: a stage that prepares the round (ADGP's mask) is
+        # prepared from the updates as the stages before it defend them, each client's once
+        pipeline.begin_round(
+            round_idx, client_ids, local, share_in_process, model=self.module, batches=client_batches, meta=meta
+        )
         shared = [
             pipeline.process(
                 local[client],
                 client_id=client,
                 round=round_idx,
                 model=self.module,
-                batch=(inputs[i].flatten(0, 1), targets[i].flatten(0, 1)),
+                batch=client_batches[client],
                 meta=meta,
             )
-            for i, client in enumerate(client_ids)
+            for client in client_ids
         ]
         weights = None
         if self.weighting == "num_samples" and self.client_indices is not None:
