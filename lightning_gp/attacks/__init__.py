@@ -17,7 +17,7 @@ from lightning_gp.attacks.adaptive import (
     straight_through_quantization,
 )
 from lightning_gp.attacks.ats_aware import ATSAwareInversion, ATSAwareRobbing
-from lightning_gp.attacks.base import GradientAttack, Reconstruction
+from lightning_gp.attacks.base import AttackNotApplicable, GradientAttack, Reconstruction
 from lightning_gp.attacks.gradient_matching import (
     cosine_distance,
     parameter_gradients,
@@ -53,6 +53,7 @@ __all__ = [
     "SGI",
     "ATSAwareInversion",
     "ATSAwareRobbing",
+    "AttackNotApplicable",
     "ComposedTransform",
     "DefenseAwareIDLG",
     "DefenseAwareInversion",

@@ -13,6 +13,17 @@ from torch import Tensor
 from lightning_gp.attacks.view import ServerView
 
 
+class AttackNotApplicable(ValueError):
+    """The attack's preconditions do not hold for this view: the model, the loss, the batch or what
+    the server holds is outside what the attack can invert (R-GAP on a model with residual
+    connections, GradInversion's BatchNorm prior without BatchNorm, Robbing the Fed without its
+    imprinted model, distinct-label recovery for more images than classes).
+
+    The audit marks such a cell "n/a" with this message. Any other exception an attack raises is an
+    error of the attack: the audit marks the cell "error" and its verdict "inconclusive".
+    """
+
+
 @dataclass
 class Reconstruction:
     """What an attack recovered from one shared gradient.

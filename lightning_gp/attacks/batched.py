@@ -47,7 +47,7 @@ class ProblemBatch:
     """
 
     model: nn.Module
-    loss_fn: nn.Module
+    loss_fn: Callable[[Tensor, Tensor], Tensor]
     params: dict[str, Tensor]
     params_batched: bool
     buffers: dict[str, Tensor]
@@ -128,9 +128,11 @@ def _signature(view: ServerView) -> tuple[object, ...]:
     )
 
 
-def _loss_signature(loss_fn: nn.Module) -> tuple[object, ...]:
+def _loss_signature(loss_fn: Callable[[Tensor, Tensor], Tensor]) -> tuple[object, ...]:
     """Class, printed form and plain settings (reduction, label smoothing, ...) of the loss, plus its
-    buffers (class weights)."""
+    buffers (class weights); a plain function is itself (no two functions batch together)."""
+    if not isinstance(loss_fn, nn.Module):
+        return (type(loss_fn).__qualname__, id(loss_fn))
     settings = tuple(
         sorted((k, v) for k, v in vars(loss_fn).items() if not k.startswith("_") and isinstance(v, (int, float, str)))
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -12,7 +12,12 @@ from torch.func import functional_call
 
 
 def parameter_gradients(
-    model: nn.Module, loss_fn: nn.Module, inputs: Tensor, targets: Tensor, *, create_graph: bool = True
+    model: nn.Module,
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    inputs: Tensor,
+    targets: Tensor,
+    *,
+    create_graph: bool = True,
 ) -> dict[str, Tensor]:
     """Gradient of ``loss_fn(model(inputs), targets)`` w.r.t. the trainable parameters.
 

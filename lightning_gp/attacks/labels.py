@@ -13,6 +13,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from lightning_gp.attacks.base import AttackNotApplicable
 from lightning_gp.attacks.view import ServerView
 
 LabelMethod = Literal["auto", "idlg", "bias", "yin"]
@@ -25,7 +26,7 @@ def classification_layer(view: ServerView) -> tuple[str, str | None]:
         if isinstance(module, nn.Linear) and module.out_features == view.num_classes:
             found = (module_name, module)
     if found is None:
-        raise ValueError(
+        raise AttackNotApplicable(
             f"label recovery needs a final nn.Linear with {view.num_classes} outputs; {type(view.model).__name__} has none"
         )
     prefix = f"{found[0]}." if found[0] else ""
@@ -51,15 +52,17 @@ def recover_labels(view: ServerView, method: LabelMethod = "auto") -> Tensor:
         method = "idlg" if batch == 1 else "yin"
     if method == "idlg":
         if batch != 1:
-            raise ValueError(f"iDLG label recovery works for one image, the batch has {batch}; use method='yin'")
+            raise AttackNotApplicable(
+                f"iDLG label recovery works for one image, the batch has {batch}; use method='yin'"
+            )
         return weight_grad.sum(dim=1).argmin().view(1)
     if batch > view.num_classes:
-        raise ValueError(
+        raise AttackNotApplicable(
             f"{method!r} label recovery assumes distinct labels, impossible for {batch} images of {view.num_classes} classes"
         )
     if method == "bias":
         if bias_name is None:
-            raise ValueError("method='bias' needs a bias on the classification layer")
+            raise AttackNotApplicable("method='bias' needs a bias on the classification layer")
         scores = view.gradients[bias_name].detach()
     elif method == "yin":
         scores = weight_grad.min(dim=1).values

@@ -15,7 +15,7 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
-from lightning_gp.attacks.base import GradientAttack, Reconstruction
+from lightning_gp.attacks.base import AttackNotApplicable, GradientAttack, Reconstruction
 from lightning_gp.attacks.batched import check_batchable, inverting_gradients_objective, stack_problems
 from lightning_gp.attacks.gradient_matching import (
     cosine_distance,
@@ -506,7 +506,7 @@ class GradInversion(InvertingGradients):
     def objective(self, view: ServerView, labels: Tensor) -> Callable[[Tensor], Tensor]:
         norms = [m for m in view.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
         if self.bn_weight > 0 and not any(m.track_running_stats for m in norms):
-            raise ValueError(
+            raise AttackNotApplicable(
                 f"GradInversion's BatchNorm prior needs BatchNorm layers with running statistics; "
                 f"{type(view.model).__name__} has none: pass bn_weight=0"
             )

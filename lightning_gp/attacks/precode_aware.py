@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from lightning_gp.attacks.base import GradientAttack, Reconstruction
+from lightning_gp.attacks.base import AttackNotApplicable, GradientAttack, Reconstruction
 from lightning_gp.attacks.gradient_matching import cosine_distance, total_variation
 from lightning_gp.attacks.labels import classification_layer, recover_labels
 from lightning_gp.attacks.optimization import best_of_restarts, random_images
@@ -51,7 +51,7 @@ def find_precode(model: nn.Module) -> tuple[str, nn.Module]:
 
     found = [(name, m) for name, m in model.named_modules() if isinstance(m, PRECODE)]
     if len(found) != 1:
-        raise ValueError(
+        raise AttackNotApplicable(
             f"the PRECODE-aware attack needs a model holding exactly one PRECODE module, {type(model).__name__} "
             f"holds {len(found)}"
         )
@@ -63,7 +63,7 @@ def recover_features(view: ServerView) -> Tensor:
     """The bottleneck's input ``h`` ``[1, d]`` of a one-image gradient: ``dL/dW_enc[i] / dL/db_enc[i]``,
     combined over every row by least squares (``sum_i db_i dW_i / sum_i db_i^2``), exact whatever ``eps``."""
     if view.batch_size != 1:
-        raise ValueError(
+        raise AttackNotApplicable(
             f"the encoder's gradient gives one image's features analytically; the batch has {view.batch_size} "
             "(PRECODEAwareInversion fits a batch jointly)"
         )
@@ -200,7 +200,7 @@ class PRECODEAwareInversion(GradientAttack):
             )
         used = [n for n, g in zip(candidates, grads) if g is not None]
         if not used:
-            raise ValueError("no trainable layer before PRECODE's bottleneck: use gradient_weight=0")
+            raise AttackNotApplicable("no trainable layer before PRECODE's bottleneck: use gradient_weight=0")
         return used
 
     def reconstruct(self, view: ServerView) -> Reconstruction:

@@ -38,6 +38,7 @@ This module is an original implementation; the authors' reference implementation
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -48,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_gp.attacks.base import GradientAttack, Reconstruction
+from lightning_gp.attacks.base import AttackNotApplicable, GradientAttack, Reconstruction
 from lightning_gp.attacks.labels import recover_labels
 from lightning_gp.attacks.view import ServerView
 
@@ -151,7 +152,9 @@ def layer_chain(model: nn.Module, input_shape: tuple[int, ...], num_classes: int
             )
         problems += [f"{layer.name} (Linear) has a bias" for layer in chain[:-1] if layer.module.bias is not None]
     if problems:
-        raise ValueError(f"R-GAP cannot attack {type(model).__name__}: " + "; ".join(problems) + f". {SUPPORTED}.")
+        raise AttackNotApplicable(
+            f"R-GAP cannot attack {type(model).__name__}: " + "; ".join(problems) + f". {SUPPORTED}."
+        )
     _trace_shapes(chain, input_shape)
     _check_reproduces(model, chain, input_shape)
     return chain
@@ -174,7 +177,7 @@ def _trace_shapes(chain: list[ChainLayer], input_shape: tuple[int, ...]) -> None
             try:
                 x = _apply(layer, x)
             except RuntimeError as error:
-                raise ValueError(
+                raise AttackNotApplicable(
                     f"R-GAP cannot run {layer.name} on input of shape {layer.in_shape}: {error}"
                 ) from error
             layer.out_shape = tuple(x.shape[1:])
@@ -191,7 +194,7 @@ def _check_reproduces(model: nn.Module, chain: list[ChainLayer], input_shape: tu
             got = _apply(layer, got)
     scale = expected.abs().max().clamp_min(1e-6)
     if got.shape != expected.shape or (got - expected).abs().max() > 1e-4 * scale:
-        raise ValueError(
+        raise AttackNotApplicable(
             f"{type(model).__name__}'s forward is not the plain chain of its layers in registration order "
             f"(residual connections or functional operations?). {SUPPORTED}."
         )
@@ -281,15 +284,17 @@ def activation_derivative(activation: nn.Module, pre: Tensor, out: Tensor) -> Te
 # --------------------------------------------------------------------------------------------
 
 
-def loss_target(loss_fn: nn.Module, label: int, num_classes: int) -> tuple[Tensor, float]:
+def loss_target(loss_fn: Callable[[Tensor, Tensor], Tensor], label: int, num_classes: int) -> tuple[Tensor, float]:
     """``(t, s)`` with ``dL/dz = s (softmax(z) - t)`` for one image under ``loss_fn``."""
     if not isinstance(loss_fn, nn.CrossEntropyLoss):
-        raise ValueError(f"R-GAP's last-layer step needs nn.CrossEntropyLoss, the view has {type(loss_fn).__name__}")
+        raise AttackNotApplicable(
+            f"R-GAP's last-layer step needs nn.CrossEntropyLoss, the view has {type(loss_fn).__name__}"
+        )
     if loss_fn.ignore_index == label:
-        raise ValueError(f"the label {label} is the loss's ignore_index: the gradient is zero")
+        raise AttackNotApplicable(f"the label {label} is the loss's ignore_index: the gradient is zero")
     smoothing = float(loss_fn.label_smoothing)
     if smoothing > 0 and loss_fn.weight is not None:
-        raise ValueError("R-GAP does not model class weights together with label smoothing")
+        raise AttackNotApplicable("R-GAP does not model class weights together with label smoothing")
     target = torch.full((num_classes,), smoothing / num_classes, dtype=_DTYPE)
     target[label] += 1 - smoothing
     # class weights cancel in the mean over one image; a sum keeps the label's weight
@@ -297,7 +302,7 @@ def loss_target(loss_fn: nn.Module, label: int, num_classes: int) -> tuple[Tenso
     if loss_fn.reduction == "sum" and loss_fn.weight is not None:
         scale = float(loss_fn.weight[label])
     elif loss_fn.reduction == "none":
-        raise ValueError("R-GAP needs a scalar loss (reduction 'mean' or 'sum')")
+        raise AttackNotApplicable("R-GAP needs a scalar loss (reduction 'mean' or 'sum')")
     return target, scale
 
 
@@ -546,7 +551,9 @@ class RGAP(GradientAttack):
 
     def reconstruct(self, view: ServerView) -> Reconstruction:
         if view.batch_size != 1:
-            raise ValueError(f"R-GAP inverts the gradient of one image, the view has batch_size {view.batch_size}")
+            raise AttackNotApplicable(
+                f"R-GAP inverts the gradient of one image, the view has batch_size {view.batch_size}"
+            )
         view, _ = self._prepare(view)
         chain = layer_chain(view.model, view.input_shape, view.num_classes)
         grads = self._weight_gradients(view, chain)
@@ -601,7 +608,7 @@ class RGAP(GradientAttack):
     def _gradient(view: ServerView, name: str) -> Tensor:
         """A shared gradient as float64 on the CPU; missing ones are an error (not a defense)."""
         if name not in view.gradients or view.gradients[name] is None:
-            raise ValueError(f"R-GAP needs the gradient of {name!r}, the shared gradient has none")
+            raise AttackNotApplicable(f"R-GAP needs the gradient of {name!r}, the shared gradient has none")
         return view.gradients[name].detach().to(device="cpu", dtype=_DTYPE)
 
     def _weight_gradients(self, view: ServerView, chain: list[ChainLayer]) -> dict[str, Tensor]:

@@ -50,7 +50,7 @@ import torch
 from scipy.stats import norm
 from torch import Tensor, nn
 
-from lightning_gp.attacks.base import GradientAttack, Reconstruction
+from lightning_gp.attacks.base import AttackNotApplicable, GradientAttack, Reconstruction
 from lightning_gp.attacks.view import ServerView
 from lightning_gp.normalization import input_bounds, per_channel
 
@@ -505,17 +505,17 @@ def _imprint_gradients(view: ServerView) -> tuple[Tensor, Tensor]:
     """The imprint layer's weight and bias gradients, checked against the server's secrets."""
     secrets = view.server_secrets.get(SECRETS_KEY)
     if not isinstance(secrets, Mapping) or not {"weight", "bias"} <= set(secrets):
-        raise ValueError(
+        raise AttackNotApplicable(
             f"{_NEEDS_MODIFIED_MODEL} (server_secrets has no {SECRETS_KEY!r} entry naming the imprint layer)"
         )
     missing = [secrets[k] for k in ("weight", "bias") if secrets[k] not in view.gradients]
     if missing:
-        raise ValueError(f"{_NEEDS_MODIFIED_MODEL} (the shared gradient lacks {missing})")
+        raise AttackNotApplicable(f"{_NEEDS_MODIFIED_MODEL} (the shared gradient lacks {missing})")
     weight_grad = view.gradients[secrets["weight"]].detach()
     bias_grad = view.gradients[secrets["bias"]].detach()
     dim = math.prod(view.input_shape)
     if weight_grad.ndim != 2 or weight_grad.shape[1] != dim or bias_grad.shape != weight_grad.shape[:1]:
-        raise ValueError(
+        raise AttackNotApplicable(
             f"{_NEEDS_MODIFIED_MODEL} (imprint gradients {tuple(weight_grad.shape)} / {tuple(bias_grad.shape)} "
             f"do not fit inputs of {dim} entries)"
         )

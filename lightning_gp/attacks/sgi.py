@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 from torch.func import functional_call
 
-from lightning_gp.attacks.base import GradientAttack, Reconstruction
+from lightning_gp.attacks.base import AttackNotApplicable, GradientAttack, Reconstruction
 from lightning_gp.attacks.gradient_matching import cosine_distance, parameter_gradients, total_variation
 from lightning_gp.attacks.labels import recover_labels
 from lightning_gp.attacks.optimization import best_of_restarts
@@ -132,7 +132,7 @@ class SGI(GradientAttack):
         steps = self.local_steps if self.local_steps is not None else int(view.meta.get("local_steps", 1))
         lr = self.local_lr if self.local_lr is not None else float(view.meta.get("local_lr", 1.0))
         if view.batch_size % steps:
-            raise ValueError(
+            raise AttackNotApplicable(
                 f"local_steps ({steps}) must divide the batch of {view.batch_size} images behind the update "
                 "(the images of all local steps)"
             )

@@ -8,7 +8,7 @@ client's data: that stays in :class:`~lightning_gp.records.TappedGradient` for s
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +47,7 @@ class ServerView:
     mean: tuple[float, ...] = (0.0,)
     std: tuple[float, ...] = (1.0,)
     labels: Tensor | None = None
-    loss_fn: nn.Module = field(default_factory=nn.CrossEntropyLoss)
+    loss_fn: Callable[[Tensor, Tensor], Tensor] = field(default_factory=nn.CrossEntropyLoss)
     server_secrets: dict[str, Any] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -142,7 +142,7 @@ class ServerView:
         mean: tuple[float, ...] = (0.0,),
         std: tuple[float, ...] = (1.0,),
         labels_known: bool = False,
-        loss_fn: nn.Module | None = None,
+        loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
         server_secrets: Mapping[str, Any] | None = None,
     ) -> ServerView:
         """Build the server's view of a tapped round; ``model`` gets the round's weights.
