@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import configparser
 import hashlib
-import time
 from pathlib import Path
 
 import pytest
@@ -143,9 +142,7 @@ def test_the_shipped_weights_load_fast_match_their_sha256_and_are_not_trained(no
     data = shipped_classifier_file().read_bytes()
     assert hashlib.sha256(data).hexdigest() == CLASSIFIER_SHA256
     assert len(data) < 2 * 2**20  # a state_dict of 421,642 float32 parameters, ~1.6 MiB
-    start = time.perf_counter()
-    net = public_classifier()
-    assert time.perf_counter() - start < 10  # training takes over a minute; loading well under a second
+    net = public_classifier()  # no_training: loading never trains
     assert public_classifier() is net  # loaded once per process
     assert isinstance(net, PublicClassifier) and not net.training
     assert sum(p.numel() for p in net.parameters()) == 421_642

@@ -82,13 +82,17 @@ def match_reconstructions(
     original: Tensor,
     metric: str = "mse",
     lpips_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
+    *,
+    unusable: Tensor | None = None,
 ) -> Tensor:
     """The permutation ``perm`` such that ``reconstructed[perm]`` aligns with ``original``.
 
     Minimises the summed pairwise cost (MSE, LPIPS) or maximises the summed similarity (PSNR,
     SSIM) over one-to-one assignments. ``reconstructed`` may hold more images than
-    ``original`` (the extra ones stay unmatched), not fewer. Returns a ``[B_orig]`` long tensor
-    on ``reconstructed``'s device.
+    ``original`` (the extra ones stay unmatched), not fewer. ``unusable`` (``[B_rec]`` bool)
+    marks reconstructions that failed (e.g. non-finite pixels, replaced by a placeholder before
+    the call): they cost more than any usable one, so an original gets one only when no usable
+    reconstruction is left. Returns a ``[B_orig]`` long tensor on ``reconstructed``'s device.
     """
     if reconstructed.ndim != 4 or original.ndim != 4:
         raise ValueError(
@@ -99,10 +103,20 @@ def match_reconstructions(
             f"reconstructed has {reconstructed.shape[0]} images, fewer than original's {original.shape[0]}: "
             "every original needs a reconstruction to match"
         )
+    if unusable is not None and (unusable.dtype != torch.bool or tuple(unusable.shape) != (reconstructed.shape[0],)):
+        raise ValueError(
+            f"unusable must be a bool tensor of shape ({reconstructed.shape[0]},), got {unusable.dtype} "
+            f"{tuple(unusable.shape)}"
+        )
     scores = pairwise_scores(reconstructed, original, metric, lpips_fn)
     cost = _cost(scores, metric)
     if not np.isfinite(cost).all():
         raise ValueError(f"pairwise {metric} has non-finite values (NaN in the images?); cannot match")
+    if unusable is not None and bool(unusable.any()):
+        columns = unusable.cpu().numpy()
+        usable_cost = cost[:, ~columns]
+        worst = float(usable_cost.max()) if usable_cost.size else 0.0
+        cost[:, columns] = worst + 1.0 + abs(worst)
     row_ind, col_ind = linear_sum_assignment(cost)
     perm = torch.empty(original.shape[0], dtype=torch.long)
     perm[torch.as_tensor(row_ind, dtype=torch.long)] = torch.as_tensor(col_ind, dtype=torch.long)

@@ -37,8 +37,9 @@ HIGHER_IS_PRIVATE: dict[str, bool] = {
     "lpips": True,
     "nmi": False,
     "noise_ratio": True,
+    "semantic": False,
 }
-METRICS = ("mse", "psnr", "ssim", "lpips", "nmi", "noise_ratio")
+METRICS = ("mse", "psnr", "ssim", "lpips", "nmi", "noise_ratio", "semantic")
 
 
 @dataclass
@@ -55,6 +56,10 @@ class ImageScores:
     true_label: int | None = None
     predicted_label: int | None = None  # the matched reconstruction's label, if the attack gave labels
     noise_ratio: float | None = None  # the evaluation network's score of the reconstruction (None: not computed)
+    # the public classifier's lift of the true class over trivial guesses (lightning_gp.metrics.semantic)
+    semantic: float | None = None
+    # False: the attack gave this original no finite reconstruction (scores are NaN: not reconstructed)
+    reconstructed: bool = True
 
 
 @dataclass
@@ -76,6 +81,9 @@ class ReconstructionReport:
         unavailable: metric -> why it could not be computed (e.g. no evaluation network for the
             images' channel count); such a metric shows as "n/a".
         permutation: ``reconstruction.images[permutation]`` aligns with the originals.
+        not_reconstructed: the originals (``rows`` indices) the attack gave no finite reconstruction:
+            a non-finite image scores NaN for that original only ("not reconstructed": it cannot
+            help the attacker, and the other images keep their scores); the means leave them out.
         original_pixels, reconstructed_pixels: the aligned images in [0, 1] (for figures; not
             part of ``to_dict``).
     """
@@ -98,6 +106,10 @@ class ReconstructionReport:
         return len(self.rows)
 
     @property
+    def not_reconstructed(self) -> list[int]:
+        return [row.index for row in self.rows if not row.reconstructed]
+
+    @property
     def private_on_all(self) -> bool | None:
         """Whether every computed thresholded metric is on the private side (None if none computed)."""
         flags = [flag for flag in self.private.values() if flag is not None]
@@ -116,6 +128,7 @@ class ReconstructionReport:
             "private": dict(self.private),
             "private_on_all": self.private_on_all,
             "unavailable": dict(self.unavailable),
+            "not_reconstructed": self.not_reconstructed,
             "permutation": list(self.permutation),
             "rows": [asdict(row) for row in self.rows],
         }
@@ -142,20 +155,34 @@ class ReconstructionReport:
             lines.append(f"| {name} | {mean} | {side} | {verdict} |")
         for name, reason in self.unavailable.items():
             lines += ["", f"{name} n/a: {reason}"]
+        if self.not_reconstructed:
+            lines += ["", f"Not reconstructed (non-finite output, scored NaN): images {self.not_reconstructed}."]
         lines.append("")
         lines.append(
             f"Label accuracy (multiset): {_fmt(self.label_accuracy)}; per matched image: {_fmt(self.matched_label_accuracy)}"
         )
-        header = "| # | matched | mse | psnr | ssim | lpips | nmi | noise ratio | label | predicted |"
-        lines += ["", header, "| --- " * 10 + "|"]
+        header = "| # | matched | mse | psnr | ssim | lpips | nmi | noise ratio | semantic | label | predicted |"
+        lines += ["", header, "| --- " * 11 + "|"]
         ratio_na = "noise_ratio" in self.unavailable
+        semantic_na = "semantic" in self.unavailable
         for r in self.rows:
             ratio = "n/a" if ratio_na else _fmt(r.noise_ratio)
+            semantic = "n/a" if semantic_na else _fmt(r.semantic)
             lines.append(
                 f"| {r.index} | {r.matched_index} | {_fmt(r.mse)} | {_fmt(r.psnr)} | {_fmt(r.ssim)} | "
-                f"{_fmt(r.lpips)} | {_fmt(r.nmi)} | {ratio} | {_fmt(r.true_label)} | {_fmt(r.predicted_label)} |"
+                f"{_fmt(r.lpips)} | {_fmt(r.nmi)} | {ratio} | {semantic} | {_fmt(r.true_label)} | "
+                f"{_fmt(r.predicted_label)} |"
             )
         return "\n".join(lines) + "\n"
+
+
+def batch_mean(values: Sequence[float | None]) -> float | None:
+    """The mean of one metric over a batch's images: ``None`` when the metric was not computed (any
+    ``None``) or no image was reconstructed; NaN entries (images not reconstructed) are left out."""
+    if any(v is None for v in values):
+        return None
+    finite = [float(v) for v in values if v is not None and not math.isnan(v)]
+    return float(torch.tensor(finite, dtype=torch.float64).mean()) if finite else None
 
 
 def _fmt(value: float | int | None) -> str:
@@ -233,6 +260,7 @@ def reconstruction_report(
     lpips_fn: torch.nn.Module | None = None,
     noise_ratio: bool = True,
     evaluator: torch.nn.Module | None = None,
+    semantic: bool = True,
 ) -> ReconstructionReport:
     """Score an attack's reconstruction against the client's (normalised) batch.
 
@@ -254,6 +282,10 @@ def reconstruction_report(
         lpips_fn: an LPIPS module to reuse (default: :class:`~lightning_gp.metrics.lpips.LPIPS`).
         noise_ratio: score each reconstruction with the evaluation network.
         evaluator: the evaluation network to use (default: the shipped one for the channel count).
+        semantic: score each matched reconstruction with the public classifier's semantic test
+            (:func:`~lightning_gp.metrics.semantic.semantic_scores`: how much more it names the
+            original's class than trivial guesses do); "n/a" with the reason without ``true_labels``
+            or for images the classifier was not built for.
     """
     if not isinstance(reconstruction, Reconstruction):
         raise TypeError(f"reconstruction must be a Reconstruction, got {type(reconstruction).__name__}")
@@ -277,13 +309,18 @@ def reconstruction_report(
     denormalize = _denormalizer(view_or_mean_std, originals.shape[1])
     with torch.no_grad():
         orig_px = denormalize(originals.detach().float().cpu()).cpu()
-        rec_px = denormalize(images.detach().float().cpu()).cpu()
+        # a reconstruction with any non-finite entry is "not reconstructed": a blank placeholder,
+        # matched last, its original's scores NaN (denormalize would clamp inf into the pixel range)
+        failed = ~torch.isfinite(images.detach().float().cpu()).flatten(1).all(dim=1)
+        rec_px = denormalize(torch.nan_to_num(images.detach().float().cpu(), nan=0.0, posinf=0.0, neginf=0.0)).cpu()
+        rec_px[failed] = 0.0
         if lpips and lpips_fn is None:
             from lightning_gp.metrics.lpips import LPIPS
 
             lpips_fn = LPIPS()
-        perm = match_reconstructions(rec_px, orig_px, match_metric, lpips_fn if lpips else None).cpu()
+        perm = match_reconstructions(rec_px, orig_px, match_metric, lpips_fn if lpips else None, unusable=failed).cpu()
         matched = rec_px[perm]
+        not_reconstructed = failed[perm]
         scores: dict[str, Tensor] = {
             "mse": mse(matched, orig_px),
             "psnr": psnr(matched, orig_px),
@@ -299,6 +336,14 @@ def reconstruction_report(
                 unavailable["noise_ratio"] = ratio
             else:
                 scores["noise_ratio"] = ratio
+        if semantic:
+            lift = _semantic_or_reason(matched, true_labels)
+            if isinstance(lift, str):
+                unavailable["semantic"] = lift
+            else:
+                scores["semantic"] = lift
+        for name in scores:
+            scores[name] = scores[name].double().masked_fill(not_reconstructed, math.nan)
 
     true = None if true_labels is None else [int(v) for v in true_labels.detach().cpu().tolist()]
     predicted_all = (
@@ -322,10 +367,12 @@ def reconstruction_report(
             true_label=None if true is None else true[i],
             predicted_label=None if predicted is None else predicted[i],
             noise_ratio=float(scores["noise_ratio"][i]) if "noise_ratio" in scores else None,
+            semantic=float(scores["semantic"][i]) if "semantic" in scores else None,
+            reconstructed=not bool(not_reconstructed[i]),
         )
         for i in range(batch)
     ]
-    means = {name: (float(scores[name].double().mean()) if name in scores else None) for name in METRICS}
+    means = {name: batch_mean([getattr(row, name) for row in rows]) for name in METRICS}
     label_accuracy = matched_accuracy = None
     if true is not None and predicted is not None:
         label_accuracy = _multiset_accuracy(predicted, true)
@@ -346,6 +393,23 @@ def reconstruction_report(
     )
 
 
+def _semantic_or_reason(pixels: Tensor, true_labels: Tensor | None) -> Tensor | str:
+    """The semantic test's scores ``[B]`` of the matched reconstructions, or why it cannot run."""
+    from lightning_gp.metrics.semantic import IMAGE_SHAPE, NUM_CLASSES, semantic_scores
+
+    if true_labels is None:
+        return "needs the originals' true labels"
+    if tuple(pixels.shape[1:]) != IMAGE_SHAPE:
+        return (
+            f"the public classifier is built and calibrated for {'x'.join(map(str, IMAGE_SHAPE))} images, these are "
+            f"{'x'.join(map(str, pixels.shape[1:]))}"
+        )
+    labels = true_labels.detach().cpu().long()
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= NUM_CLASSES):
+        return f"the public classifier knows {NUM_CLASSES} classes, the labels reach {int(labels.max())}"
+    return semantic_scores(pixels, labels)
+
+
 def _noise_ratio_or_reason(pixels: Tensor, evaluator: torch.nn.Module | None) -> Tensor | str:
     """The noise ratio ``[B]`` of ``pixels``, or why no evaluation network can score them."""
     from lightning_gp.metrics.noise_ratio import noise_ratio
@@ -362,7 +426,7 @@ def concatenate_reports(reports: Sequence[ReconstructionReport]) -> Reconstructi
 
     Rows are renumbered in order (client after client), means are recomputed over every image, the
     label accuracies are averaged weighted by batch size, and the pixels are concatenated, so a
-    worst case over attacks (:func:`~lightning_gp.metrics.worst_case.worst_case_report`) can judge
+    worst case over attacks (:func:`~lightning_gp.audit.verdict.worst_case_report`) can judge
     several clients together.
     """
     reports = list(reports)
@@ -376,12 +440,7 @@ def concatenate_reports(reports: Sequence[ReconstructionReport]) -> Reconstructi
     for report in reports:
         offset = len(rows)
         rows += [dataclasses.replace(row, index=offset + row.index) for row in report.rows]
-    means: dict[str, float | None] = {}
-    for name in METRICS:
-        values = [getattr(row, name) for row in rows]
-        means[name] = (
-            None if any(v is None for v in values) else float(torch.tensor(values, dtype=torch.float64).mean())
-        )
+    means = {name: batch_mean([getattr(row, name) for row in rows]) for name in METRICS}
 
     def weighted(attribute: str) -> float | None:
         values = [(getattr(r, attribute), r.batch_size) for r in reports]
