@@ -40,7 +40,7 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix lightning_gp tests benchmarks tools
 
 demo: $(STAMP)
-	$(PY) -m lightning_gp.demo --output-dir demo_output
+	$(PY) -m lightning_gp.cli.demo --output-dir demo_output
 
 bench: $(STAMP)
 	@echo "benchmarks live in benchmarks/; run one with: $(PY) benchmarks/<name>.py --help"

@@ -44,8 +44,14 @@ from _common import RESULTS_DIR, fashion_mnist_datasets, markdown_table, median_
 from matrix import choose_images, run_defense
 from torch import nn
 
-from lightning_gp.catalog import TrainingResult, defense_catalog
-from lightning_gp.defense_audit import AttackBudget, SettingAudit, audit_setting, published_attacks
+from lightning_gp.audit import (
+    AttackBudget,
+    SettingAudit,
+    TrainingResult,
+    audit_setting,
+    defense_catalog,
+    published_attacks,
+)
 from lightning_gp.defenses import Soteria, defended_layer, representation_scores
 from lightning_gp.models import CNN6, LeNetZhu
 

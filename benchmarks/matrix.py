@@ -1,21 +1,24 @@
 """Every defense against every attack, judged by the worst case (issue 12, part 4).
 
-Rows: every defense of the catalogue (``lightning_gp.catalog``, so Refiner, PriPrune and the
+Rows: every defense of the catalogue (``lightning_gp.audit.catalog``, so Refiner, PriPrune and the
 baselines join as they register) at its default setting. Columns: DLG, iDLG, Inverting Gradients,
 GradInversion (its BatchNorm prior only where the model has BatchNorm), R-GAP (where the model
-allows it), Robbing the Fed, each defense's adaptive attack(s), and the worst case last. LeNetZhu
+allows it), Robbing the Fed, each defense's adaptive attack(s), and the worst case last, per threat
+model: passive (an honest-but-curious server: every attack but the ones that send a modified model)
+and active (a malicious server: every attack, Robbing the Fed and ATS-aware Robbing included). LeNetZhu
 at initialisation, FedSGD round 0, ``--images`` clients with one training image each (chosen by
 ``--seed``, never tuned), on the full Fashion-MNIST when installed, else the built-in sample.
 
 A cell is the mean PSNR over the images with, in the Markdown, the fraction of images that attack
-leaks (PSNR > 20 dB or SSIM > 0.5); ``n/a`` cells say why the attack does not apply, ``fallback``
-cells ran the published attack because nothing models the defense, ``error`` cells failed (printed).
-The worst case takes, per image, the attacker's best over every column; a defense is private only
-if no image leaks. Each row also reports the accuracy after ``--rounds`` FedSGD rounds as a
+leaks (the audit's leak rule, ``lightning_gp.audit.LeakRule``); ``n/a`` cells say why the attack does
+not apply, ``fallback`` cells ran the published attack because nothing models the defense, ``error``
+cells failed (printed). The worst case takes, per image, the attacker's best over every column of its
+threat model; a defense is private only if no image leaks and the audit is complete (an error or a
+fallback makes it "inconclusive"). Each row also reports the accuracy after ``--rounds`` FedSGD rounds as a
 fraction of the undefended run's (PMM) and the bytes a client uploads per round.
 
 Writes benchmarks/results/matrix.{csv,md} and matrix_heatmap.png (``--output-dir`` to change).
-``--quick`` is a CI-sized smoke run (2 images, tiny budgets, 10 rounds).
+``--quick`` is a CI-sized smoke run (2 images, tiny budgets, 10 rounds); the full run attacks 8 images.
 """
 
 from __future__ import annotations
@@ -35,8 +38,16 @@ import torch
 from _common import RESULTS_DIR, fashion_mnist_datasets, markdown_table
 
 from lightning_gp.attacks import UnmodelledDefenseWarning
-from lightning_gp.catalog import TrainingResult, defense_catalog, train_setting
-from lightning_gp.defense_audit import AttackBudget, SettingAudit, audit_setting, published_attacks
+from lightning_gp.audit import (
+    AttackBudget,
+    LeakRule,
+    SettingAudit,
+    TrainingResult,
+    audit_setting,
+    defense_catalog,
+    published_attacks,
+    train_setting,
+)
 from lightning_gp.metrics.lpips import LPIPS
 from lightning_gp.models import LeNetZhu
 
@@ -49,17 +60,21 @@ def choose_images(datamodule: Any, count: int, seed: int) -> list[list[int]]:
     return [[int(i)] for i in order]
 
 
+def _num(value: float | None, spec: str = ".1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
 def cell_text(audit: SettingAudit, attack: str) -> str:
     try:
         cell = audit.cell(attack)
     except KeyError:
         return "-"
-    if cell.status in ("n/a", "error"):
+    if cell.status == "n/a" or cell.means.get("psnr") is None:
         return cell.status
     text = f"{cell.means['psnr']:.1f} ({cell.leak_fraction:.0%})"
     if cell.trained_means:  # ATS: also against the transformed images the client trained on
         text += f" T {cell.trained_means['psnr']:.1f} ({cell.trained_leak_fraction:.0%})"
-    return text + " fb" if cell.status == "fallback" else text
+    return text + {"fallback": " fb", "error": " err"}.get(cell.status, "")
 
 
 def rows_for(audits: list[SettingAudit], columns: list[str], training: dict[str, TrainingResult]) -> list[dict]:
@@ -69,16 +84,21 @@ def rows_for(audits: list[SettingAudit], columns: list[str], training: dict[str,
         row: dict[str, Any] = {"defense": audit.setting}
         for column in columns:
             row[column] = cell_text(audit, column)
-        adaptive = [c for c in audit.cells if c.kind == "adaptive" and c.status in ("ok", "fallback")]
+        adaptive = [c for c in audit.cells if c.kind == "adaptive" and c.means.get("psnr") is not None]
         row["adaptive (best)"] = (
             max(f"{c.means['psnr']:.1f} ({c.leak_fraction:.0%})" for c in adaptive) if adaptive else "-"
         )
-        worst = audit.worst
+        for threat, worst in (("passive", audit.passive), ("active", audit.active)):
+            if worst is None:
+                row[f"{threat}: worst PSNR (leaked)"] = "-"
+                row[f"{threat} verdict"] = "inconclusive"
+                continue
+            row[f"{threat}: worst PSNR (leaked)"] = f"{_num(worst.means['psnr'])} ({worst.leak_fraction:.0%})"
+            row[f"{threat} verdict"] = worst.verdict
+        worst = audit.active
         if worst is not None:
-            row["worst PSNR"] = f"{worst.means['psnr']:.1f}"
-            row["worst SSIM"] = f"{worst.means['ssim']:.3f}"
-            row["leak fraction"] = f"{worst.leak_fraction:.0%}"
-            row["verdict"] = worst.verdict
+            row["worst SSIM"] = _num(worst.means["ssim"], ".3f")
+            row["worst LPIPS"] = _num(worst.means.get("lpips"), ".3f")
             row["strongest"] = ", ".join(sorted({a for r in worst.rows for a in r.leaked_by})) or "-"
         result = training.get(audit.setting)
         if result is not None:
@@ -101,6 +121,7 @@ def csv_rows(audits: list[SettingAudit], training: dict[str, TrainingResult]) ->
                     "defense": audit.setting,
                     "attack": cell.attack,
                     "kind": cell.kind,
+                    "threat": cell.threat,
                     "status": cell.status,
                     "psnr": cell.means.get("psnr", math.nan),
                     "ssim": cell.means.get("ssim", math.nan),
@@ -110,22 +131,27 @@ def csv_rows(audits: list[SettingAudit], training: dict[str, TrainingResult]) ->
                     "note": cell.note,
                 }
             )
-        if audit.worst is not None:
-            worst = audit.worst
+        for threat, worst in (("passive", audit.passive), ("active", audit.active)):
+            if worst is None:
+                continue
+            cost = (
+                f"test_acc={result.test_acc:.4f}; upload={result.upload_bytes_per_client_round:.0f}B; "
+                if result
+                else ""
+            )
             out.append(
                 {
                     "defense": audit.setting,
-                    "attack": "worst case",
+                    "attack": f"worst case ({threat})",
                     "kind": "worst",
+                    "threat": threat,
                     "status": worst.verdict,
-                    "psnr": worst.means["psnr"],
-                    "ssim": worst.means["ssim"],
+                    "psnr": worst.means["psnr"] if worst.means["psnr"] is not None else math.nan,
+                    "ssim": worst.means["ssim"] if worst.means["ssim"] is not None else math.nan,
                     "lpips": worst.means.get("lpips") if worst.means.get("lpips") is not None else math.nan,
                     "leak_fraction": worst.leak_fraction,
                     "seconds": sum(c.seconds for c in audit.cells),
-                    "note": f"test_acc={result.test_acc:.4f}; upload={result.upload_bytes_per_client_round:.0f}B"
-                    if result
-                    else "",
+                    "note": cost + "; ".join(worst.verdict_reasons),
                 }
             )
     return out
@@ -146,19 +172,21 @@ def heatmap(audits: list[SettingAudit], columns: list[str], path: Path) -> None:
                 cell = audit.cell(column)
             except KeyError:
                 continue
-            if cell.status in ("ok", "fallback"):
+            if cell.means.get("psnr") is not None:
                 values[i, j] = min(cell.means["psnr"], 60.0)
                 labels[i][j] = f"{cell.means['psnr']:.0f}\n{cell.leak_fraction:.0%}"
             else:
                 labels[i][j] = cell.status
-        adaptive = [c for c in audit.cells if c.kind == "adaptive" and c.status in ("ok", "fallback")]
+        adaptive = [c for c in audit.cells if c.kind == "adaptive" and c.means.get("psnr") is not None]
         if adaptive:
             best = max(adaptive, key=lambda c: c.means["psnr"])
             values[i, -2] = min(best.means["psnr"], 60.0)
             labels[i][-2] = f"{best.means['psnr']:.0f}\n{best.leak_fraction:.0%}"
-        if audit.worst is not None:
+        if audit.worst is not None and audit.worst.means["psnr"] is not None:
             values[i, -1] = min(audit.worst.means["psnr"], 60.0)
-            labels[i][-1] = f"{audit.worst.means['psnr']:.0f}\n{audit.worst.leak_fraction:.0%}"
+            labels[i][-1] = (
+                f"{audit.worst.means['psnr']:.0f}\n{audit.worst.leak_fraction:.0%}\n{audit.worst.verdict[:5]}"
+            )
     fig, ax = plt.subplots(figsize=(1.3 * len(names) + 3, 0.55 * len(audits) + 1.5))
     image = ax.imshow(values.numpy(), cmap="magma_r", vmin=0, vmax=60, aspect="auto")
     ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
@@ -219,7 +247,7 @@ def main() -> None:
     )
     parser.add_argument("--defenses", nargs="*", default=None, help="catalogue names (default: all)")
     parser.add_argument("--attacks", nargs="*", default=None, help="published attacks (default: all)")
-    parser.add_argument("--images", type=int, default=None, help="attacked clients, one image each (default 4)")
+    parser.add_argument("--images", type=int, default=None, help="attacked clients, one image each (default 8)")
     parser.add_argument("--ig-iterations", type=int, default=None, help="Adam attacks' steps (default 1000)")
     parser.add_argument("--lbfgs-iterations", type=int, default=None, help="L-BFGS attacks' steps (default 100)")
     parser.add_argument("--rounds", type=int, default=None, help="training rounds for accuracy/bytes (default 200)")
@@ -232,7 +260,7 @@ def main() -> None:
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args()
     quick = args.quick
-    images = args.images or (2 if quick else 4)
+    images = args.images or (2 if quick else 8)
     budget = AttackBudget(
         ig_iterations=args.ig_iterations or (40 if quick else 1000),
         lbfgs_iterations=args.lbfgs_iterations or (4 if quick else 100),
@@ -275,11 +303,14 @@ def main() -> None:
         f"{[i[0] for i in indices]}, drawn with seed {args.seed}); attacks: IG/GradInversion/adaptive Adam "
         f"{budget.ig_iterations} iterations, DLG/iDLG/adaptive L-BFGS {budget.lbfgs_iterations} (adaptive L-BFGS: 4 "
         f"restarts), Robbing the Fed {budget.rtf_bins} bins. Cells: mean PSNR (dB) over the images (fraction of "
-        "images that attack leaks: PSNR > 20 dB or SSIM > 0.5). 'adaptive (best)': the best of the defense's "
-        "adaptive attacks; 'fb': it fell back to the published attack; 'T': scored against the transformed images the "
-        "client trained on (ATS-T; the first score is against the raw images, ATS-R). Worst case: per image the attacker's best "
-        "over every column; the verdict is 'private' only if no image leaks and the worst-case means pass "
-        f"the thresholds. Accuracy after {rounds} FedSGD rounds (10 clients x 8 images, server Adam 1e-3; PriPrune: "
+        f"images that attack leaks: {LeakRule().describe()}). 'adaptive (best)': the best of the defense's "
+        "adaptive attacks; 'fb': it fell back to the published attack; 'err': it failed on some client (those images "
+        "score 'not reconstructed'); 'T': scored against the transformed images the "
+        "client trained on (ATS-T; the first score is against the raw images, ATS-R). Worst case: per image the "
+        "attacker's best over the columns of a threat model: passive (honest-but-curious server: every attack but "
+        "Robbing the Fed and ATS-aware Robbing) and active (malicious server: every column). A verdict is 'leaks' when "
+        "an image leaks or a worst-case mean crosses Refiner's thresholds, else 'inconclusive' when the audit is "
+        "incomplete (an error, a fallback), else 'private'. Accuracy after {rounds} FedSGD rounds (10 clients x 8 images, server Adam 1e-3; PriPrune: "
         "FedAvg, local lr 0.25; DP-SGD: one batch of 80 per step); PMM = accuracy / undefended accuracy."
         + (" QUICK RUN: budgets far too small for conclusions." if quick else "")
     )

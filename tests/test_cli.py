@@ -126,7 +126,7 @@ def test_demo_reports_cost_and_worst_case_verdicts_with_the_adaptive_attacks(tmp
         [
             sys.executable,
             "-m",
-            "lightning_gp.demo",
+            "lightning_gp.cli.demo",
             "--rounds",
             "4",
             "--ig-iterations",
@@ -165,7 +165,7 @@ def test_demo_reports_cost_and_worst_case_verdicts_with_the_adaptive_attacks(tmp
 
 def test_demo_refuses_an_unknown_defense(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "lightning_gp.demo", "--defenses", "Nope", "--output-dir", str(tmp_path)],
+        [sys.executable, "-m", "lightning_gp.cli.demo", "--defenses", "Nope", "--output-dir", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=300,

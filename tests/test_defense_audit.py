@@ -11,11 +11,19 @@ import torch
 from helpers import run_benchmark
 
 from lightning_gp.attacks import Reconstruction, ServerView, UnmodelledDefenseWarning
+from lightning_gp.audit import (
+    AttackBudget,
+    CatalogEntry,
+    DefenseSetting,
+    audit_setting,
+    defense_catalog,
+    published_attacks,
+    register_defense,
+    tap_defended_round,
+)
+from lightning_gp.audit.catalog import _CATALOG as CATALOG
 from lightning_gp.callbacks import GradientDefense
-from lightning_gp.catalog import _CATALOG as CATALOG
-from lightning_gp.catalog import CatalogEntry, DefenseSetting, defense_catalog, register_defense, tap_defended_round
 from lightning_gp.data import FashionMNISTSampleDataModule
-from lightning_gp.defense_audit import AttackBudget, audit_setting, published_attacks
 from lightning_gp.defenses import Defense
 from lightning_gp.metrics import concatenate_reports, reconstruction_report
 from lightning_gp.models import LeNetZhu
@@ -169,7 +177,10 @@ def test_matrix_quick_writes_the_table_the_csv_and_the_heatmap(tmp_path):
     cells = {(r["defense"], r["attack"]): r for r in rows}
     assert cells["TopKPruning(k=0.2)", "R-GAP"]["status"] == "n/a"
     assert cells["TopKPruning(k=0.2)", "adaptive:DefenseAwareIDLG"]["kind"] == "adaptive"
-    assert cells["undefended", "worst case"]["status"] in ("leaks", "private")
+    for threat in ("passive", "active"):  # one verdict per threat model; --attacks iDLG R-GAP run no active attack
+        assert cells["undefended", f"worst case ({threat})"]["status"] in ("leaks", "private", "inconclusive")
+    assert cells["undefended", "worst case (active)"]["status"] != "private"
+    assert "passive verdict" in table and "active verdict" in table
     assert (tmp_path / "matrix_quick_heatmap.png").stat().st_size > 0
 
 

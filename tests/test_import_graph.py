@@ -1,8 +1,9 @@
-"""The package's layering: no import cycles among the callbacks, and the pure layers stay pure.
+"""The package's layering: no import cycles anywhere, the pure layers stay pure, the top level is small.
 
 The static graph counts every import of a package module anywhere in a file (module level, inside
-functions, under ``TYPE_CHECKING``), so a cycle hidden behind a local import is still a cycle.
-``python tests/test_import_graph.py`` prints the callbacks' graph.
+functions, under ``TYPE_CHECKING``) and every module named in a string to ``importlib.import_module``
+or ``__import__`` (a lazy re-export), so a cycle hidden behind a local or lazy import is still a
+cycle. ``python tests/test_import_graph.py`` prints the layers' graph.
 """
 
 from __future__ import annotations
@@ -23,11 +24,27 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _lazy_target(node: ast.AST) -> str | None:
+    """The module a call ``importlib.import_module("lightning_gp...")`` / ``__import__(...)`` loads."""
+    if not isinstance(node, ast.Call) or not node.args:
+        return None
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+    first = node.args[0]
+    if name in ("import_module", "__import__") and isinstance(first, ast.Constant) and isinstance(first.value, str):
+        return first.value if first.value.startswith("lightning_gp") else None
+    return None
+
+
 def imported_modules(path: Path) -> set[str]:
-    """Every ``lightning_gp`` module ``path`` imports, wherever the import statement stands."""
+    """Every ``lightning_gp`` module ``path`` imports, wherever the import statement stands, lazy
+    imports by name included."""
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
+        lazy = _lazy_target(node)
+        if lazy is not None:
+            found.add(lazy)
+        elif isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names if alias.name.startswith("lightning_gp"))
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lightning_gp"):
             found.add(node.module)
@@ -61,7 +78,7 @@ def test_callbacks_modules_import_each_other_without_a_cycle():
             assert "lightning_gp.callbacks" not in imported_modules(path), path.name
 
 
-def test_no_import_cycle_between_the_package_layers():
+def layer_graph() -> dict[str, set[str]]:
     """Layers as modules of one graph: a subpackage depends on another if any of its files imports it."""
     layers = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     layers |= {p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
@@ -72,6 +89,23 @@ def test_no_import_cycle_between_the_package_layers():
             parts = module.split(".")
             if len(parts) > 1 and parts[1] in layers and parts[1] != layer:
                 edges[layer].add(parts[1])
+    return edges
+
+
+def test_the_lazy_import_scan_sees_importlib_and_dunder_import(tmp_path):
+    source = tmp_path / "lazy.py"
+    source.write_text(
+        "import importlib\n"
+        "def __getattr__(name):\n"
+        "    return importlib.import_module('lightning_gp.audit.callback').PrivacyAudit\n"
+        "def other():\n"
+        "    return __import__('lightning_gp.metrics')\n"
+    )
+    assert imported_modules(source) == {"lightning_gp.audit.callback", "lightning_gp.metrics"}
+
+
+def test_no_import_cycle_between_the_package_layers():
+    edges = layer_graph()
     try:
         list(TopologicalSorter(edges).static_order())
     except CycleError as err:
@@ -79,6 +113,34 @@ def test_no_import_cycle_between_the_package_layers():
     # the pure layers know nothing of Lightning's adapters
     for pure in ("defenses", "attacks", "metrics", "records", "validation", "normalization", "named_tensors"):
         assert "callbacks" not in edges[pure], f"lightning_gp.{pure} imports lightning_gp.callbacks"
+
+
+#: The only modules allowed at the top of ``lightning_gp/``: floor-1 utilities that import no other layer.
+FLOOR_ONE = {"functional", "named_tensors", "normalization", "records", "seeding", "validation"}
+
+
+def test_the_top_level_holds_only_packages_and_floor_one_utilities():
+    modules = {p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
+    assert modules <= FLOOR_ONE, f"top-level modules outside the floor-1 utilities: {sorted(modules - FLOOR_ONE)}"
+    edges = layer_graph()
+    for utility in modules:
+        assert edges[utility] <= FLOOR_ONE, f"lightning_gp.{utility} imports {sorted(edges[utility] - FLOOR_ONE)}"
+
+
+def test_audit_modules_import_each_other_without_a_cycle_and_never_the_package_face():
+    edges = graph("audit")
+    try:
+        order = list(TopologicalSorter(edges).static_order())
+    except CycleError as err:
+        pytest.fail(f"import cycle among lightning_gp.audit modules: {err.args[1]}")
+    assert order.index("lightning_gp.audit.verdict") < order.index("lightning_gp.audit.setting_audit")
+    assert not edges["lightning_gp.audit.verdict"] and not edges["lightning_gp.audit.quiet"]
+    for path in (PACKAGE / "audit").glob("*.py"):
+        if path.name != "__init__.py":
+            assert "lightning_gp.audit" not in imported_modules(path), path.name
+    # nothing below the audit reaches up into it
+    for layer in ("attacks", "callbacks", "defenses", "federated", "metrics", "models", "data"):
+        assert "audit" not in layer_graph()[layer], f"lightning_gp.{layer} imports lightning_gp.audit"
 
 
 def test_each_callbacks_module_imports_alone():
@@ -98,6 +160,5 @@ def test_each_callbacks_module_imports_alone():
 
 
 if __name__ == "__main__":
-    for module, imports in sorted(graph("callbacks").items()):
-        short = module.removeprefix("lightning_gp.callbacks.")
-        print(f"{short:14} -> {', '.join(sorted(m.removeprefix('lightning_gp.callbacks.') for m in imports)) or '-'}")
+    for layer, imports in sorted(layer_graph().items()):
+        print(f"{layer:14} -> {', '.join(sorted(imports)) or '-'}")

@@ -19,7 +19,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gp.attacks import IDLG, InvertingGradients
-from lightning_gp.callbacks import MagnitudePruning, PrivacyAudit
+from lightning_gp.audit import PrivacyAudit
+from lightning_gp.callbacks import MagnitudePruning
 from lightning_gp.federated import FederatedSimulation
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -88,20 +89,29 @@ def test_local_path_logs_to_a_csv_logger_and_leaves_the_weights_bit_identical(tm
     rows = read_csv(Path(logger.log_dir) / "metrics.csv")
     columns = set(rows[0])
     attacks = ("IDLG", "InvertingGradients", "DefenseAwareInversion", "DefenseAwareIDLG")  # + the pruning's adaptive
-    for name in (*attacks, "worst"):
+    for name in (*attacks, "passive"):
         for metric in ("psnr", "ssim", "lpips", "noise_ratio", "leak_fraction"):
             assert f"privacy_audit/client0/{name}/{metric}" in columns, (name, metric)
-    assert "privacy_audit/client0/worst/private" in columns and "privacy_audit/client0/baseline_blank/psnr" in columns
+    assert "privacy_audit/client0/passive/private" in columns and "privacy_audit/client0/baseline_blank/psnr" in columns
+    assert "privacy_audit/client0/passive/inconclusive" in columns
+    assert {"privacy_audit/client0/active/private", "privacy_audit/client0/active/inconclusive"} <= columns
     assert "privacy_audit/client0/baseline_dataset_mean/psnr" in columns  # a constant image of the known mean
-    logged = {int(r["step"]): r for r in rows if r.get("privacy_audit/client0/worst/psnr")}
+    logged = {int(r["step"]): r for r in rows if r.get("privacy_audit/client0/passive/psnr")}
     assert sorted(logged) == [0, 2]
     for result in audit.results:
         row = logged[result.round]
         worst = result.worst
-        assert float(row["privacy_audit/client0/worst/psnr"]) == pytest.approx(worst.means["psnr"], rel=1e-6)
+        assert float(row["privacy_audit/client0/passive/psnr"]) == pytest.approx(worst.means["psnr"], rel=1e-6)
         per_attack = [float(row[f"privacy_audit/client0/{n}/psnr"]) for n in attacks]
-        assert float(row["privacy_audit/client0/worst/psnr"]) == pytest.approx(max(per_attack), rel=1e-6)  # batch of 1
-        assert float(row["privacy_audit/client0/worst/leak_fraction"]) == worst.leak_fraction
+        assert float(row["privacy_audit/client0/passive/psnr"]) == pytest.approx(
+            max(per_attack), rel=1e-6
+        )  # batch of 1
+        assert float(row["privacy_audit/client0/passive/leak_fraction"]) == worst.leak_fraction
+        # 12x12 images are outside the semantic classifier: the passive verdict cannot be "private"
+        assert worst.verdict in ("leaks", "inconclusive") and worst.threat_model == "passive"
+        assert (
+            float(row["privacy_audit/client0/active/inconclusive"]) == 1.0 and result.active_verdict == "inconclusive"
+        )
         # what was attacked is what left the client: the pruned gradient at that step's weights
         shared = result.attacks[0].record.gradients
         assert math.isclose(float((shared["net.3.weight"] == 0).float().mean()), 0.5, abs_tol=0.02)
@@ -145,8 +155,8 @@ def test_simulation_path_audits_chosen_clients_without_changing_the_run(tmp_path
     columns = set(read_csv(Path(logger.log_dir) / "metrics.csv")[0])
     for client in (0, 2):
         assert f"privacy_audit/client{client}/InvertingGradients/psnr" in columns
-        assert f"privacy_audit/client{client}/worst/leak_fraction" in columns
-    assert "privacy_audit/client0/worst/noise_ratio" not in columns  # noise_ratio=False: not scored, not logged
+        assert f"privacy_audit/client{client}/passive/leak_fraction" in columns
+    assert "privacy_audit/client0/passive/noise_ratio" not in columns  # noise_ratio=False: not scored, not logged
 
 
 def test_bad_inputs_are_clear_errors(tmp_path) -> None:

@@ -38,6 +38,8 @@ import lightning_gp
 for module in pkgutil.walk_packages(lightning_gp.__path__, "lightning_gp.", onerror=lambda name: None):
     if module.name.startswith("lightning_gp.flower") and importlib.util.find_spec("flwr") is None:
         continue  # the optional Flower extra is not installed
+    if module.name.endswith(".__main__"):
+        continue  # an entry point runs its command when imported
     importlib.import_module(module.name)
 after_import = snapshot()
 

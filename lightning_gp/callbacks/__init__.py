@@ -4,13 +4,9 @@ Give them to a ``Trainer`` in the order the defenses should apply; observers (ta
 always see the gradient after every defense. :mod:`lightning_gp.callbacks.interfaces` defines the
 three roles (runs the client step, defends, observes) the pipeline is built from.
 
-``PrivacyAudit`` (attack the shared gradients during training and log the scores) lives in
-:mod:`lightning_gp.privacy_audit`, a layer above the callbacks and the metrics; it is exported
-here lazily, loaded on first access, so importing the callbacks does not import the metrics.
+``PrivacyAudit`` (attack the shared gradients during training and log the scores) is part of the
+audit: ``from lightning_gp.audit import PrivacyAudit``.
 """
-
-import importlib
-from typing import Any
 
 from lightning_gp.callbacks.base import GradientDefense, SharedGradientCallback, SharedGradientObserver
 from lightning_gp.callbacks.communication import CommunicationMeter, dense_nbytes, encoded_nbytes
@@ -61,7 +57,6 @@ __all__ = [
     "OptimalGradientNoise",
     "OptimalGradientPruning",
     "Outpost",
-    "PrivacyAudit",
     "ProgressPrinter",
     "RandomPruning",
     "SensitivityGradientDefense",
@@ -74,10 +69,3 @@ __all__ = [
     "dense_nbytes",
     "encoded_nbytes",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    """``PrivacyAudit`` from :mod:`lightning_gp.privacy_audit`, imported on first use."""
-    if name == "PrivacyAudit":
-        return importlib.import_module("lightning_gp.privacy_audit").PrivacyAudit
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

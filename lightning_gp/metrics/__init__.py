@@ -3,9 +3,9 @@
 All metrics take pixel images in [0, 1] (``[B, C, H, W]``; PSNR and SSIM: [0, data_range]) and
 return one value per image (``[B]``); normalised or 8-bit images, NaN and inf are refused.
 ``reconstruction_report`` denormalises an attack's output, matches it to the client's batch and
-checks the privacy thresholds (PSNR < 15, SSIM < 0.5, LPIPS > 0.05, noise ratio > 0.4 are
-"private"). ``worst_case_report`` judges several attacks on one batch by the attacker's best per
-image, with a leak fraction and trivial (blank, dataset-mean) baselines. ``noise_ratio`` scores a reconstruction alone with Refiner's evaluation network
+checks Refiner's privacy thresholds (PSNR < 15, SSIM < 0.5, LPIPS > 0.05, noise ratio > 0.4 are
+"private"), reported per attack; the verdict over several attacks (worst case, leak rule, threat
+models) is the audit's: :mod:`lightning_gp.audit.verdict`. ``noise_ratio`` scores a reconstruction alone with Refiner's evaluation network
 (shipped for 1- and 3-channel images; higher is noisier, more private).
 
 ``ReconstructionPSNR``, ``ReconstructionSSIM``, ``ReconstructionLPIPS``, ``ReconstructionNMI`` and
@@ -49,23 +49,12 @@ from lightning_gp.metrics.report import (
     privacy_flags,
     reconstruction_report,
 )
-from lightning_gp.metrics.worst_case import (
-    LEAK_THRESHOLDS,
-    BaselineScores,
-    WorstCaseReport,
-    WorstImage,
-    trivial_baselines,
-    worst_case_of_reconstructions,
-    worst_case_report,
-)
 
 __all__ = [
     "HIGHER_IS_PRIVATE",
-    "LEAK_THRESHOLDS",
     "LPIPS",
     "MATCH_METRICS",
     "PRIVACY_THRESHOLDS",
-    "BaselineScores",
     "ImageScores",
     "LPIPSNetwork",
     "LPIPSWeights",
@@ -76,8 +65,6 @@ __all__ = [
     "ReconstructionPSNR",
     "ReconstructionReport",
     "ReconstructionSSIM",
-    "WorstCaseReport",
-    "WorstImage",
     "concatenate_reports",
     "load_lpips_weights",
     "lpips_distance",
@@ -94,7 +81,4 @@ __all__ = [
     "save_comparison_grid",
     "save_reconstruction_grid",
     "ssim",
-    "trivial_baselines",
-    "worst_case_of_reconstructions",
-    "worst_case_report",
 ]

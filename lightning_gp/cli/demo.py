@@ -5,13 +5,15 @@ On the built-in Fashion-MNIST sample, for undefended FedSGD, Top-k 20% and dual 
 
 1. Cost: trains LeNetZhu with 10 clients x 8 images per round and measures test accuracy and the
    bytes each client uploads.
-2. Privacy: four clients, one image each, FedSGD round 0. The server attacks exactly what each
+2. Privacy: eight clients, one image each, FedSGD round 0. The server attacks exactly what each
    client shared with the published iDLG and Inverting Gradients AND with the defense's adaptive
-   attacks (the attacker who knows the defense: matching only the entries a pruned client sent).
-   Each defense is judged by the worst case over the attacks, per image: an image leaks when any
-   attack reconstructs it at PSNR > 20 dB or SSIM > 0.5, and a defense is private only if no image
-   leaks. The report says plainly when a defense that holds against the published attacks fails
-   against its adaptive attack.
+   attack (the attacker who knows the defense: matching only the entries a pruned client sent);
+   a malicious server also sends a modified model (Robbing the Fed). Each defense is judged by the
+   worst case over the attacks, per image and per threat model (passive: honest-but-curious
+   server; active: malicious server), by the audit's one leak rule
+   (:class:`~lightning_gp.audit.LeakRule`); a defense is private only if no image leaks and the
+   audit is complete. The report says plainly when a defense that holds against the published
+   attacks fails against its adaptive attack.
 
 Writes ``demo_output/report.md`` (+ ``report.json``), one grid per defense (``audit_<defense>.png``:
 the originals, each attack's reconstructions, the worst case) and the tapped gradients of client 0,
@@ -31,17 +33,27 @@ from typing import Any
 import lightning as L
 import torch
 
+from lightning_gp.audit import (
+    VERDICT_THRESHOLDS,
+    AttackBudget,
+    LeakRule,
+    SettingAudit,
+    TrainingResult,
+    audit_setting,
+    defense_catalog,
+    published_attacks,
+    train_setting,
+)
 from lightning_gp.callbacks import GradientTap
-from lightning_gp.catalog import TrainingResult, defense_catalog, train_setting
 from lightning_gp.data import FashionMNISTSampleDataModule
-from lightning_gp.defense_audit import AttackBudget, SettingAudit, audit_setting, published_attacks
-from lightning_gp.metrics import LEAK_THRESHOLDS, PRIVACY_THRESHOLDS, save_comparison_grid
+from lightning_gp.metrics import save_comparison_grid
 from lightning_gp.metrics.lpips import LPIPS
 from lightning_gp.models import LeNetZhu
 
 DEFAULT_DEFENSES = ("undefended", "TopKPruning", "DualGradientPruning")
-#: The attacked images: the first four training images of the built-in sample, one per client.
-ATTACKED = [[0], [1], [2], [3]]
+#: The attacked images: the first eight training images of the built-in sample, one per client
+#: (fewer hide leaks: a defense that looked private on four images leaked one on another draw).
+ATTACKED = [[i] for i in range(8)]
 
 
 def slug(name: str) -> str:
@@ -66,14 +78,16 @@ def train(name: str, rounds: int, output_dir: Path, seed: int) -> TrainingResult
 
 def audit(name: str, budget: AttackBudget, lpips_fn: Any, output_dir: Path, seed: int) -> SettingAudit:
     setting = defense_catalog([name])[0].build(seed, 1)
-    print(f"\n== attacking {setting.name}: iDLG, Inverting Gradients and its adaptive attacks", flush=True)
+    print(
+        f"\n== attacking {setting.name}: iDLG, Inverting Gradients, Robbing the Fed and its adaptive attack", flush=True
+    )
     L.seed_everything(seed, verbose=False)  # the same initial model for every defense
     result = audit_setting(
         setting,
         LeNetZhu(),
         FashionMNISTSampleDataModule(),
         indices=ATTACKED,
-        published=published_attacks(budget, ["iDLG", "IG"]),
+        published=published_attacks(budget, ["iDLG", "IG", "RtF"]),
         budget=budget,
         seed=seed,
         lpips_fn=lpips_fn,
@@ -101,25 +115,31 @@ def save_grid(result: SettingAudit, path: Path) -> None:
 
 
 def verdict_sentence(result: SettingAudit) -> str:
-    """What the audit says of one defense, in words."""
-    worst = result.worst
-    if worst is None:
-        return f"- **{result.setting}**: no attack ran."
-    published = [c for c in result.cells if c.kind == "published" and c.leak_fraction is not None]
-    adaptive = [c for c in result.cells if c.kind == "adaptive" and c.leak_fraction is not None]
-    published_leak = max((c.leak_fraction or 0.0 for c in published), default=0.0)
-    adaptive_leak = max((c.leak_fraction or 0.0 for c in adaptive), default=0.0)
-    leaked = f"{worst.leaked} of {worst.batch_size} images leak (worst-case PSNR {worst.means['psnr']:.1f} dB)"
-    if result.setting == "undefended":
-        return f"- **undefended**: {leaked}."
-    if worst.verdict == "private":
-        return f"- **{result.setting}** holds: no image leaks against any attack run here ({leaked})."
-    if published_leak == 0.0 and adaptive_leak > 0:
+    """What the audit says of one defense, in words: the passive server, then the active one."""
+    return f"- **{result.setting}**: " + " ".join(_threat_sentence(result, threat) for threat in ("passive", "active"))
+
+
+def _threat_sentence(result: SettingAudit, threat: str) -> str:
+    report = result.passive if threat == "passive" else result.active
+    who = "an honest-but-curious server" if threat == "passive" else "a malicious server"
+    if report is None:
+        return f"Against {who}: inconclusive (no attack ran)."
+    psnr = report.means["psnr"]
+    leaked = f"{report.leaked} of {report.batch_size} images leak (worst-case PSNR {_fmt(psnr, '.1f')} dB)"
+    if report.verdict == "private":
+        return f"Against {who}: holds, no image leaks to any attack run here ({leaked})."
+    if report.verdict == "inconclusive":
+        return f"Against {who}: inconclusive, {'; '.join(report.verdict_reasons)} ({leaked})."
+    cells = [c for c in result.cells if threat == "active" or c.threat == "passive"]
+    published_leak = max((c.leak_fraction or 0.0 for c in cells if c.kind == "published"), default=0.0)
+    adaptive_leak = max((c.leak_fraction or 0.0 for c in cells if c.kind == "adaptive"), default=0.0)
+    if result.setting != "undefended" and published_leak == 0.0 and adaptive_leak > 0:
         return (
-            f"- **{result.setting} FAILS against its adaptive attack**: the published attacks recover no image, "
-            f"but the attacker who knows the defense does: {leaked}."
+            f"Against {who}: FAILS against its adaptive attack: the published attacks recover no image, but the "
+            f"attacker who knows the defense does: {leaked}."
         )
-    return f"- **{result.setting} leaks**: {leaked}; strongest: {', '.join(sorted({a for r in worst.rows for a in r.leaked_by}))}."
+    strongest = ", ".join(sorted({a for r in report.rows for a in r.leaked_by})) or "the worst-case means"
+    return f"Against {who}: leaks, {leaked}; strongest: {strongest}."
 
 
 def write_report(
@@ -152,15 +172,17 @@ def write_report(
         "## What an attacker recovers from one shared gradient",
         "",
         (
-            f"Four clients, one image each, FedSGD round 0 (LeNetZhu at initialisation). The server attacks exactly the "
-            f"gradient each client shared: iDLG ({budget.lbfgs_iterations} L-BFGS steps), Inverting Gradients "
-            f"({budget.ig_iterations} steps) and each defense's adaptive attacks (defense-aware Inverting Gradients and "
-            f"defense-aware iDLG with 4 restarts: for pruning, they match only the entries the client sent). An image "
-            f"**leaks** when any attack gets PSNR > {LEAK_THRESHOLDS['psnr']:g} dB or SSIM > {LEAK_THRESHOLDS['ssim']:g}; "
-            "the worst case takes, per image, the attacker's best over every attack. A defense is **private** only if no "
-            f"image leaks and the worst-case means pass PSNR < {PRIVACY_THRESHOLDS['psnr']:g} dB, SSIM < "
-            f"{PRIVACY_THRESHOLDS['ssim']:g}, LPIPS > {PRIVACY_THRESHOLDS['lpips']:g}, noise ratio > "
-            f"{PRIVACY_THRESHOLDS['noise_ratio']:g}."
+            f"{len(ATTACKED)} clients, one image each, FedSGD round 0 (LeNetZhu at initialisation). The server attacks "
+            f"exactly the gradient each client shared: iDLG ({budget.lbfgs_iterations} L-BFGS steps), Inverting "
+            f"Gradients ({budget.ig_iterations} steps) and each defense's adaptive attack (defense-aware Inverting "
+            "Gradients and defense-aware iDLG with 4 restarts: for pruning, they match only the entries the client "
+            "sent); a malicious server also sends a modified model (Robbing the Fed). An image **leaks** when any "
+            f"attack gets {LeakRule().describe()}; the worst case takes, per image, the attacker's best over every "
+            "attack. A defense is **private** only if no image leaks, the worst-case means pass PSNR < "
+            f"{VERDICT_THRESHOLDS['psnr']:g} dB, SSIM < {VERDICT_THRESHOLDS['ssim']:g} and LPIPS > "
+            f"{VERDICT_THRESHOLDS['lpips']:g}, and the audit is complete (else **inconclusive**). **Passive**: an "
+            "honest-but-curious server (it sees what clients send and knows the defense); **active**: a malicious "
+            "server that may also send a modified model (worst case over every attack)."
         ),
         "",
         "| defense | attack | kind | PSNR (dB) | SSIM | LPIPS | noise ratio | images leaked | s |",
@@ -177,12 +199,13 @@ def write_report(
                 f"| {_fmt(m['psnr'], '.2f')} | {_fmt(m['ssim'])} | {_fmt(m['lpips'])} | {_fmt(m['noise_ratio'])} "
                 f"| {cell.leak_fraction:.0%} | {cell.seconds:.0f} |"
             )
-        if result.worst is not None:
-            w = result.worst
+        for threat, w in (("passive", result.passive), ("active", result.active)):
+            if w is None:
+                continue
             lines.append(
-                f"| **{result.setting}** | **worst case** | | **{_fmt(w.means['psnr'], '.2f')}** | **{_fmt(w.means['ssim'])}** "
-                f"| **{_fmt(w.means.get('lpips'))}** | **{_fmt(w.means.get('noise_ratio'))}** | **{w.leak_fraction:.0%}** "
-                f"| **{w.verdict}** |"
+                f"| **{result.setting}** | **worst case, {threat}** | | **{_fmt(w.means['psnr'], '.2f')}** "
+                f"| **{_fmt(w.means['ssim'])}** | **{_fmt(w.means.get('lpips'))}** | **{_fmt(w.means.get('noise_ratio'))}** "
+                f"| **{w.leak_fraction:.0%}** | **{w.verdict}** |"
             )
     blank = audits[0].worst.baseline("blank") if audits and audits[0].worst is not None else None
     if blank is not None:
@@ -209,7 +232,8 @@ def write_report(
             {
                 "defense": result.setting,
                 "cells": [{**c.__dict__} for c in result.cells],
-                "worst_case": result.worst.to_dict() if result.worst is not None else None,
+                "passive": result.passive.to_dict() if result.passive is not None else None,
+                "active": result.active.to_dict() if result.active is not None else None,
             }
             for result in audits
         ],

@@ -1,4 +1,4 @@
-"""Worst-case privacy verdicts: per image, the best reconstruction any attack achieved.
+"""The verdict: per image, the best reconstruction any attack achieved, judged by one leak rule.
 
 A defense is judged by the strongest attacker, not by the mean of one attack: a batch mean PSNR
 of 12 dB hides the two images that came back at 45 dB. :func:`worst_case_report` takes several
@@ -6,18 +6,32 @@ attacks' :class:`~lightning_gp.metrics.report.ReconstructionReport` of one clien
 already matched to the originals) and keeps, per image and per metric, the attacker's best value
 (max PSNR/SSIM/NMI, min MSE/LPIPS/noise ratio) with the attack that produced it.
 
-The leak rule is explicit (``leak_thresholds``): an image **leaks** when ANY attack puts ANY
-listed metric on the leaking side of its threshold (default: PSNR > 20 dB or SSIM > 0.5, the
-issue's rule; "leaking side" is above for PSNR/SSIM/NMI, below for MSE/LPIPS/noise ratio). The
-defense is **private** only if the per-image worst case averaged over the batch is on the
-private side of every privacy threshold (:data:`~lightning_gp.metrics.report.PRIVACY_THRESHOLDS`)
-AND at most ``max_leak_fraction`` of the images leak (default 0: one leaked image is a leak).
+**The leak rule** (:class:`LeakRule`, the only place it is written): one attack's reconstruction of
+one image leaks when
+
+- a pixel or semantic score is on the leaking side of its line (:data:`LEAK_THRESHOLDS`: PSNR >
+  20 dB, SSIM > 0.5, or the semantic score above
+  :data:`~lightning_gp.metrics.semantic.SEMANTIC_LINE`: a classifier trained on public data names
+  the original's class on the reconstruction clearly more than on any blank, mean or noise guess,
+  a line calibrated on such guesses and on recognisable degradations of the original), or
+- Refiner's noise ratio is below 0.4 (a clean-looking image) **and** the reconstruction is closer to
+  the original than every trivial guess on both PSNR and SSIM. The noise ratio alone is not a
+  similarity: a blank or dataset-mean image is clean too (noise ratio 0.0003 and 0.10), so it only
+  counts on an image that a blank or mean guess cannot be.
+
+**The verdict** (:func:`judge`): ``"leaks"`` when more than ``max_leak_fraction`` of the images leak
+(default: one image is a leak) or a worst-case mean is on the leaking side of
+:data:`VERDICT_THRESHOLDS` (Refiner's mean PSNR 15 dB, SSIM 0.5, LPIPS 0.05); else
+``"inconclusive"`` when the audit is incomplete (an attack errored, an adaptive attack fell back or
+could not apply, an attack produced non-finite images, the semantic test could not run;
+``verdict_reasons`` says which); else ``"private"``. A leak found is a leak however
+incomplete the rest is; "private" needs a complete audit.
 
 Trivial baselines are scored the same way: a blank guess (all-zero and mid-grey 0.5 pixels, the
 better of the two by mean PSNR is reported as "blank") and the dataset mean image (the mean of
 given reference images, or a constant image of the per-channel pixel mean). A worst-case PSNR
 below a baseline's is flagged ``below_trivial_baseline``: the attacks did worse than a guess that
-needs no gradient, so "private" says little about the defense.
+needs no gradient.
 """
 
 from __future__ import annotations
@@ -25,7 +39,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -40,20 +54,136 @@ from lightning_gp.metrics.report import (
     ReconstructionReport,
     _fmt,
     _json_safe,
+    batch_mean,
     privacy_flags,
     reconstruction_report,
 )
+from lightning_gp.metrics.semantic import SEMANTIC_LINE
 
-#: The issue's leak rule: an image leaks if any attack gets PSNR > 20 dB or SSIM > 0.5.
-LEAK_THRESHOLDS: dict[str, float] = {"psnr": 20.0, "ssim": 0.5}
-#: Metrics the baselines are scored on (LPIPS and the noise ratio need networks; a baseline is a
-#: fixed guess, so the pixel metrics say what it is worth).
-BASELINE_METRICS = ("mse", "psnr", "ssim")
+#: An image leaks when an attack gets PSNR > 20 dB, SSIM > 0.5, or a public classifier names the
+#: original's class on it clearly more than on any trivial guess (semantic score above its line).
+LEAK_THRESHOLDS: dict[str, float] = {"psnr": 20.0, "ssim": 0.5, "semantic": SEMANTIC_LINE}
+#: Refiner's mean thresholds (Sec. 5) that enter the verdict: a worst-case mean on the leaking side
+#: is a leak. The noise ratio is not one of them (a blank guess fails it); see :class:`LeakRule`.
+VERDICT_THRESHOLDS: dict[str, float] = {m: t for m, t in PRIVACY_THRESHOLDS.items() if m != "noise_ratio"}
+#: Refiner's noise-ratio line: below it an image looks clean (App. N).
+NOISE_RATIO_LINE = 0.4
+
+Verdict = Literal["private", "leaks", "inconclusive"]
 
 
 def leaks_on(metric: str, value: float, threshold: float) -> bool:
     """Whether ``value`` of ``metric`` is on the leaking side of ``threshold`` (strictly)."""
     return value < threshold if HIGHER_IS_PRIVATE[metric] else value > threshold
+
+
+@dataclass(frozen=True)
+class LeakRule:
+    """When one attack's reconstruction of one image leaks (see the module docstring).
+
+    Attributes:
+        thresholds: metric -> line; the image leaks when any computed metric is on the leaking side
+            (above for PSNR/SSIM/NMI, below for MSE/LPIPS). The noise ratio is refused here: alone it
+            calls a blank guess a leak.
+        noise_ratio_line: the image also leaks when its noise ratio is below this line and it is
+            closer to the original than every trivial guess on PSNR and SSIM; ``None`` turns the
+            paired test off.
+    """
+
+    thresholds: Mapping[str, float] = field(default_factory=lambda: dict(LEAK_THRESHOLDS))
+    noise_ratio_line: float | None = NOISE_RATIO_LINE
+
+    def __post_init__(self) -> None:
+        thresholds = check_metric_thresholds(self.thresholds, "leak_thresholds")
+        if not thresholds:
+            raise ValueError("leak_thresholds is empty: the leak rule needs at least one metric")
+        if "noise_ratio" in thresholds:
+            raise ValueError(
+                "leak_thresholds: the noise ratio alone calls a blank or mean guess a leak; it enters the rule only "
+                "paired with a similarity test a blank image fails (noise_ratio_line)"
+            )
+        object.__setattr__(self, "thresholds", thresholds)
+        if self.noise_ratio_line is not None:
+            line = self.noise_ratio_line
+            if isinstance(line, bool) or not isinstance(line, (int, float)) or not 0.0 < float(line) <= 1.0:
+                raise ValueError(f"noise_ratio_line must be in (0, 1] or None, got {line!r}")
+            object.__setattr__(self, "noise_ratio_line", float(line))
+
+    def criteria(self, values: Mapping[str, float | None], floor: Mapping[str, float] | None = None) -> list[str]:
+        """The criteria one reconstruction meets (empty: it does not leak).
+
+        ``values`` are its scores (metric -> value; ``None``/NaN: not computed or not reconstructed);
+        ``floor`` the best trivial guess's PSNR and SSIM on the same original (``None``: unknown, the
+        paired noise-ratio test is skipped)."""
+        met = []
+        for metric, line in self.thresholds.items():
+            value = values.get(metric)
+            if value is not None and not math.isnan(value) and leaks_on(metric, value, line):
+                met.append(f"{metric} {'<' if HIGHER_IS_PRIVATE[metric] else '>'} {line:g}")
+        ratio = values.get("noise_ratio")
+        if self.noise_ratio_line is not None and floor is not None and ratio is not None and not math.isnan(ratio):
+            closer = all(
+                (v := values.get(m)) is not None and not math.isnan(v) and v > floor[m] for m in ("psnr", "ssim")
+            )
+            if ratio < self.noise_ratio_line and closer:
+                met.append(f"noise_ratio < {self.noise_ratio_line:g} and closer than every trivial guess")
+        return met
+
+    def describe(self) -> str:
+        """The rule in words, e.g. for report headers."""
+        names = {
+            "psnr": "PSNR",
+            "ssim": "SSIM",
+            "lpips": "LPIPS",
+            "mse": "MSE",
+            "nmi": "NMI",
+            "semantic": "semantic score",
+        }
+        parts = [
+            f"{names.get(m, m)} {'<' if HIGHER_IS_PRIVATE[m] else '>'} {t:g}" + (" dB" if m == "psnr" else "")
+            for m, t in self.thresholds.items()
+        ]
+        if self.noise_ratio_line is not None:
+            parts.append(f"noise ratio < {self.noise_ratio_line:g} on an image closer than every trivial guess")
+        return ", ".join(parts[:-1]) + (" or " if len(parts) > 1 else "") + parts[-1]
+
+    def leaked(self, report: ReconstructionReport, baselines: Sequence[BaselineScores] = ()) -> list[bool]:
+        """Per image of ``report`` (one attack alone), whether it leaks. ``baselines``: more trivial
+        guesses' scores on the same originals (e.g. the dataset mean; blank guesses are always in)."""
+        floors = guess_floors(report.original_pixels, baselines)
+        return [
+            bool(self.criteria(row_values(row, report), None if floors is None else floors[i]))
+            for i, row in enumerate(report.rows)
+        ]
+
+    def leak_fraction(self, report: ReconstructionReport, baselines: Sequence[BaselineScores] = ()) -> float:
+        """The fraction of ``report``'s images that leak (one attack alone)."""
+        leaked = self.leaked(report, baselines)
+        return sum(leaked) / len(leaked)
+
+
+def row_values(row: Any, report: ReconstructionReport) -> dict[str, float | None]:
+    """One image's scores in ``report`` (``None`` for a metric the report could not compute)."""
+    return {m: None if m in report.unavailable else getattr(row, m) for m in METRICS}
+
+
+def guess_floors(originals: Tensor | None, baselines: Sequence[BaselineScores] = ()) -> list[dict[str, float]] | None:
+    """Per original, the best PSNR and SSIM any trivial guess reaches on it: all-zero and mid-grey
+    images always, plus ``baselines`` (e.g. the dataset mean). SSIM is ``inf`` where the images are
+    too small for it (then nothing is closer); ``None`` without the originals' pixels."""
+    if originals is None:
+        return None
+    originals = originals.detach().float().cpu()
+    guesses = [
+        _score_guess(torch.zeros_like(originals), originals),
+        _score_guess(torch.full_like(originals, 0.5), originals),
+    ]
+    guesses += [b.per_image for b in baselines]
+    floors = []
+    for i in range(originals.shape[0]):
+        with_ssim = [g["ssim"][i] for g in guesses if "ssim" in g]
+        floors.append({"psnr": max(g["psnr"][i] for g in guesses), "ssim": max(with_ssim) if with_ssim else math.inf})
+    return floors
 
 
 def _better_for_attacker(metric: str, a: float, b: float) -> bool:
@@ -111,7 +241,10 @@ class WorstCaseReport:
         attack_means: attack -> its own batch means (what one attack alone would report).
         private: privacy threshold flags of ``means`` (see ``privacy_flags``).
         leak_fraction: fraction of images that leak; ``leaked``: how many.
-        verdict: "private" or "leaks".
+        verdict: "private", "leaks" or "inconclusive" (see :func:`judge`).
+        verdict_reasons: why the verdict is what it is: the leaks, or what made the audit incomplete.
+        rule: the leak rule in words; ``noise_ratio_line``: its paired noise-ratio line (``None``: off).
+        threat_model: "passive" or "active" when the report judges one threat model (``None``: not said).
         baselines: the trivial guesses' scores ("blank", "dataset mean" when known).
         below_trivial_baseline: the worst-case mean PSNR is below a baseline's mean PSNR.
         best_psnr_pixels: per image, the reconstruction (pixels) of the attack with the best
@@ -128,9 +261,13 @@ class WorstCaseReport:
     private: dict[str, bool | None]
     leak_fraction: float
     leaked: int
-    verdict: str
+    verdict: Verdict
     baselines: list[BaselineScores]
     below_trivial_baseline: bool | None
+    verdict_reasons: list[str] = field(default_factory=list)
+    rule: str = ""
+    noise_ratio_line: float | None = NOISE_RATIO_LINE
+    threat_model: str | None = None
     original_pixels: Tensor | None = field(default=None, repr=False, compare=False)
     best_psnr_pixels: Tensor | None = field(default=None, repr=False, compare=False)
 
@@ -141,6 +278,10 @@ class WorstCaseReport:
     @property
     def is_private(self) -> bool:
         return self.verdict == "private"
+
+    @property
+    def is_inconclusive(self) -> bool:
+        return self.verdict == "inconclusive"
 
     def baseline(self, name: str) -> BaselineScores:
         """The baseline called ``name`` ("blank" or "dataset mean")."""
@@ -163,6 +304,10 @@ class WorstCaseReport:
             "leak_fraction": self.leak_fraction,
             "leaked": self.leaked,
             "verdict": self.verdict,
+            "verdict_reasons": list(self.verdict_reasons),
+            "rule": self.rule,
+            "noise_ratio_line": self.noise_ratio_line,
+            "threat_model": self.threat_model,
             "below_trivial_baseline": self.below_trivial_baseline,
             "baselines": [
                 {"name": b.name, "kind": b.kind, "means": dict(b.means), "per_image": dict(b.per_image)}
@@ -184,12 +329,9 @@ class WorstCaseReport:
 
     def to_markdown(self) -> str:
         """Per-attack means, the worst case, the baselines, the leak fraction and the verdict."""
-        rule = " or ".join(
-            f"{name} {'<' if HIGHER_IS_PRIVATE[name] else '>'} {value:g}"
-            for name, value in self.leak_thresholds.items()
-        )
+        title = "Worst case over attacks" + (f" ({self.threat_model} server)" if self.threat_model else "")
         lines = [
-            "### Worst case over attacks",
+            f"### {title}",
             "",
             f"Batch of {self.batch_size}; attacks: {', '.join(self.attacks)}.",
             "",
@@ -208,10 +350,10 @@ class WorstCaseReport:
         lines += [
             "",
             (
-                f"Leak rule: an image leaks if any attack gets {rule}. "
+                f"Leak rule: an image leaks if any attack gets {self.rule}. "
                 f"Leaked: {self.leaked}/{self.batch_size} ({self.leak_fraction:.0%})."
             ),
-            f"Verdict: **{self.verdict}** (worst-case means vs thresholds, at most {self.max_leak_fraction:.0%} leaked).",
+            f"Verdict: **{self.verdict}**" + (f": {'; '.join(self.verdict_reasons)}." if self.verdict_reasons else "."),
         ]
         if self.below_trivial_baseline:
             lines.append(
@@ -322,23 +464,29 @@ def trivial_baselines(
 def worst_case_report(
     reports: Sequence[ReconstructionReport],
     *,
-    thresholds: Mapping[str, float] = PRIVACY_THRESHOLDS,
+    thresholds: Mapping[str, float] = VERDICT_THRESHOLDS,
     leak_thresholds: Mapping[str, float] = LEAK_THRESHOLDS,
+    noise_ratio_line: float | None = NOISE_RATIO_LINE,
     max_leak_fraction: float = 0.0,
     reference_images: Tensor | None = None,
     dataset_mean: Sequence[float] | None = None,
+    incomplete: Sequence[str] = (),
+    threat_model: str | None = None,
 ) -> WorstCaseReport:
     """Judge a defense by the attacker's best per image over several attacks on one batch.
 
     Args:
         reports: one :class:`ReconstructionReport` per attack, all on the same originals (each
             is already matched to them; see :func:`worst_case_of_reconstructions` to match here).
-        thresholds: privacy thresholds for the worst-case means (default Refiner's).
-        leak_thresholds: the leak rule: metric -> threshold; an image leaks if any attack puts
-            any of these metrics on the leaking side (default PSNR > 20 dB or SSIM > 0.5).
+        thresholds: mean thresholds of the verdict (default Refiner's PSNR/SSIM/LPIPS lines,
+            :data:`VERDICT_THRESHOLDS`); a worst-case mean on the leaking side is a leak.
+        leak_thresholds, noise_ratio_line: the per-image leak rule (:class:`LeakRule`).
         max_leak_fraction: the largest fraction of leaked images a "private" verdict allows.
         reference_images, dataset_mean: for the "dataset mean" baseline (see
             :func:`trivial_baselines`); without either only the blank baseline is scored.
+        incomplete: what the caller knows is missing from the audit (an attack that errored, an
+            adaptive attack that fell back): the verdict cannot be "private" then.
+        threat_model: the label of the threat model judged ("passive", "active"), for reports.
     """
     if isinstance(reports, ReconstructionReport) or not isinstance(reports, Sequence):
         raise TypeError(f"reports must be a sequence of ReconstructionReport, got {type(reports).__name__}")
@@ -349,12 +497,92 @@ def worst_case_report(
         if not isinstance(report, ReconstructionReport):
             raise TypeError(f"reports[{i}] must be a ReconstructionReport, got {type(report).__name__}")
     thresholds = check_metric_thresholds(thresholds, "thresholds")
-    leak_thresholds = check_metric_thresholds(leak_thresholds, "leak_thresholds")
-    if not leak_thresholds:
-        raise ValueError("leak_thresholds is empty: the leak rule needs at least one metric")
+    if "noise_ratio" in thresholds:
+        raise ValueError(
+            "thresholds: the mean noise ratio calls a blank guess a leak, so it does not enter the verdict; it stays a "
+            "reported score (see LeakRule for the paired per-image test)"
+        )
+    rule = LeakRule(leak_thresholds, noise_ratio_line)
     if isinstance(max_leak_fraction, bool) or not 0.0 <= float(max_leak_fraction) <= 1.0:
         raise ValueError(f"max_leak_fraction must be in [0, 1], got {max_leak_fraction!r}")
+    if isinstance(incomplete, str) or not all(isinstance(r, str) for r in incomplete):
+        raise TypeError(f"incomplete must be a sequence of reasons (strings), got {incomplete!r}")
 
+    batch = reports[0].batch_size
+    originals = _common_originals(reports)
+    names = _unique_names([r.attack for r in reports])
+    baselines: list[BaselineScores] = []
+    if originals is not None:
+        baselines = trivial_baselines(originals, reference_images=reference_images, dataset_mean=dataset_mean)
+    floors = guess_floors(originals, baselines)
+
+    rows: list[WorstImage] = []
+    best_psnr_source: list[int] = []
+    for i in range(batch):
+        scored = [(name, row_values(report.rows[i], report)) for name, report in zip(names, reports)]
+        values: dict[str, float | None] = {}
+        sources: dict[str, str | None] = {}
+        for metric in METRICS:
+            best: float | None = None
+            source: str | None = None
+            for name, row in scored:
+                value = row[metric]
+                if value is None or math.isnan(value):
+                    continue
+                if best is None or _better_for_attacker(metric, value, best):
+                    best, source = float(value), name
+            values[metric], sources[metric] = best, source
+        leaked_by = [name for name, row in scored if rule.criteria(row, None if floors is None else floors[i])]
+        rows.append(WorstImage(i, values, sources, bool(leaked_by), leaked_by))
+        best_psnr_source.append(names.index(sources["psnr"]) if sources["psnr"] is not None else 0)
+
+    means = {metric: batch_mean([r.values[metric] for r in rows]) for metric in METRICS}
+    leaked = sum(r.leaks for r in rows)
+    private = privacy_flags(means, thresholds)
+    verdict, reasons = judge(
+        rows, reports, names, private, rule, max_leak_fraction=float(max_leak_fraction), incomplete=incomplete
+    )
+
+    below: bool | None = None
+    best_pixels: Tensor | None = None
+    if floors is not None:
+        for image, floor in zip(rows, floors):
+            if image.values["psnr"] is not None:
+                image.below_trivial_baseline = image.values["psnr"] < floor["psnr"]
+        if means["psnr"] is not None:
+            below = means["psnr"] < max(b.means["psnr"] for b in baselines)
+        if all(r.reconstructed_pixels is not None for r in reports):
+            best_pixels = torch.stack(
+                [
+                    reports[source].reconstructed_pixels[i]  # type: ignore[index]
+                    for i, source in enumerate(best_psnr_source)
+                ]
+            )
+    return WorstCaseReport(
+        attacks=names,
+        rows=rows,
+        means=means,
+        attack_means={name: dict(report.means) for name, report in zip(names, reports)},
+        thresholds=thresholds,
+        leak_thresholds=dict(rule.thresholds),
+        max_leak_fraction=float(max_leak_fraction),
+        private=private,
+        leak_fraction=leaked / batch,
+        leaked=leaked,
+        verdict=verdict,
+        baselines=baselines,
+        below_trivial_baseline=below,
+        verdict_reasons=reasons,
+        rule=rule.describe(),
+        noise_ratio_line=rule.noise_ratio_line,
+        threat_model=threat_model,
+        original_pixels=originals,
+        best_psnr_pixels=best_pixels,
+    )
+
+
+def _common_originals(reports: Sequence[ReconstructionReport]) -> Tensor | None:
+    """The originals' pixels, checked to be the same batch in every report."""
     batch = reports[0].batch_size
     originals = reports[0].original_pixels
     for i, report in enumerate(reports[1:], start=1):
@@ -373,83 +601,44 @@ def worst_case_report(
                 f"reports[{i}] was scored against other originals than reports[0] (shapes "
                 f"{tuple(other.shape)} and {tuple(originals.shape)}): the worst case compares attacks on one batch"
             )
-    names = _unique_names([r.attack for r in reports])
+    return originals
 
-    rows: list[WorstImage] = []
-    best_psnr_source: list[int] = []
-    for i in range(batch):
-        values: dict[str, float | None] = {}
-        sources: dict[str, str | None] = {}
-        for metric in METRICS:
-            best: float | None = None
-            source: str | None = None
-            for name, report in zip(names, reports):
-                value = getattr(report.rows[i], metric)
-                if value is None or metric in report.unavailable or math.isnan(value):
-                    continue
-                if best is None or _better_for_attacker(metric, value, best):
-                    best, source = float(value), name
-            values[metric], sources[metric] = best, source
-        leaked_by = [
-            name
-            for name, report in zip(names, reports)
-            if any(
-                (value := getattr(report.rows[i], metric)) is not None
-                and not math.isnan(value)
-                and leaks_on(metric, value, threshold)
-                for metric, threshold in leak_thresholds.items()
-            )
-        ]
-        rows.append(WorstImage(i, values, sources, bool(leaked_by), leaked_by))
-        best_psnr_source.append(names.index(sources["psnr"]) if sources["psnr"] is not None else 0)
 
-    means: dict[str, float | None] = {}
-    for metric in METRICS:
-        column = [r.values[metric] for r in rows]
-        means[metric] = (
-            None if any(v is None for v in column) else float(torch.tensor(column, dtype=torch.float64).mean())
-        )
-    leaked = sum(r.leaks for r in rows)
-    leak_fraction = leaked / batch
-    private = privacy_flags(means, thresholds)
-    flags = [flag for flag in private.values() if flag is not None]
-    verdict = "private" if all(flags) and leak_fraction <= float(max_leak_fraction) else "leaks"
-
-    baselines: list[BaselineScores] = []
-    below: bool | None = None
-    best_pixels: Tensor | None = None
-    if originals is not None:
-        baselines = trivial_baselines(originals, reference_images=reference_images, dataset_mean=dataset_mean)
-        best_baseline = [max(b.per_image["psnr"][i] for b in baselines) for i in range(batch)]
-        for row, floor in zip(rows, best_baseline):
-            if row.values["psnr"] is not None:
-                row.below_trivial_baseline = row.values["psnr"] < floor
-        if means["psnr"] is not None:
-            below = means["psnr"] < max(b.means["psnr"] for b in baselines)
-        if all(r.reconstructed_pixels is not None for r in reports):
-            best_pixels = torch.stack(
-                [
-                    reports[source].reconstructed_pixels[i]  # type: ignore[index]
-                    for i, source in enumerate(best_psnr_source)
-                ]
-            )
-    return WorstCaseReport(
-        attacks=names,
-        rows=rows,
-        means=means,
-        attack_means={name: dict(report.means) for name, report in zip(names, reports)},
-        thresholds=thresholds,
-        leak_thresholds=leak_thresholds,
-        max_leak_fraction=float(max_leak_fraction),
-        private=private,
-        leak_fraction=leak_fraction,
-        leaked=leaked,
-        verdict=verdict,
-        baselines=baselines,
-        below_trivial_baseline=below,
-        original_pixels=originals,
-        best_psnr_pixels=best_pixels,
-    )
+def judge(
+    rows: Sequence[WorstImage],
+    reports: Sequence[ReconstructionReport],
+    names: Sequence[str],
+    private: Mapping[str, bool | None],
+    rule: LeakRule,
+    *,
+    max_leak_fraction: float = 0.0,
+    incomplete: Sequence[str] = (),
+) -> tuple[Verdict, list[str]]:
+    """The verdict and its reasons: "leaks" on evidence of a leak, else "inconclusive" when anything
+    is missing, else "private" (the order never lets a gap in the audit read as privacy)."""
+    leaked = [r.index for r in rows if r.leaks]
+    leaks: list[str] = []
+    if leaked and len(leaked) / len(rows) > max_leak_fraction:
+        leaks.append(f"{len(leaked)} of {len(rows)} images leak (images {leaked})")
+    crossed = [metric for metric, flag in private.items() if flag is False]
+    if crossed:
+        leaks.append(f"worst-case mean {', '.join(crossed)} on the leaking side of the verdict thresholds")
+    if leaks:
+        return "leaks", leaks
+    gaps = list(incomplete)
+    for name, report in zip(names, reports):
+        if report.not_reconstructed:
+            gaps.append(f"{name} produced non-finite reconstructions of images {report.not_reconstructed}")
+    for metric in ("psnr", "ssim"):
+        missing = [r.index for r in rows if r.values[metric] is None]
+        if missing and metric in rule.thresholds:
+            gaps.append(f"no attack has a {metric} score for images {missing}")
+    for metric in rule.thresholds:
+        if metric not in ("psnr", "ssim") and any(r.values[metric] is None for r in rows):
+            reason = next((rep.unavailable[metric] for rep in reports if metric in rep.unavailable), "not computed")
+            what = " (the recognisable-image test)" if metric == "semantic" else ""
+            gaps.append(f"{metric}{what} did not run: {reason}")
+    return ("inconclusive", gaps) if gaps else ("private", [])
 
 
 def worst_case_of_reconstructions(

@@ -1,4 +1,4 @@
-"""The defense catalogue: every packaged defense at its default setting, and how to tap it.
+"""The defense catalogue: every packaged defense at its default setting.
 
 The matrix benchmark (``benchmarks/matrix.py``), the demo and the baselines benchmark take their
 rows from here, so a defense added with :func:`register_defense` (a baseline, a user's own) shows
@@ -8,27 +8,21 @@ step (the in-process simulation, or a plain ``Trainer`` for DP-SGD through Opacu
 own client step). The setting knows the defense object whose adaptive attacks
 (:mod:`lightning_gp.attacks.registry`) the audit adds to the published ones.
 
-:func:`tap_defended_round` runs one round of a setting on chosen training images and returns what
-each attacked client shared, in terms of the bare model (a wrapper's ``module.`` prefix removed),
-ready for :func:`~lightning_gp.audit.attack_record`.
+:func:`~lightning_gp.audit.rounds.tap_defended_round` runs one round of a setting on chosen
+training images; :func:`~lightning_gp.audit.training.train_setting` trains it to measure its cost.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
-import lightning as L
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Subset
 
-from lightning_gp.attacks import GradientAttack, adaptive_attacks
-from lightning_gp.audit import _public_batch, internal_trainer, quiet_lightning, tap_fedsgd_round
+from lightning_gp.attacks import GradientAttack, adaptive_attacks_of
 from lightning_gp.callbacks import (
     DPSGD,
     AlignedDualGradientPruning,
@@ -36,7 +30,6 @@ from lightning_gp.callbacks import (
     GaussianNoise,
     GradDefense,
     GradientQuantization,
-    GradientTap,
     LaplaceNoise,
     MagnitudePruning,
     OptimalDPSGD,
@@ -48,7 +41,6 @@ from lightning_gp.callbacks import (
     TopKPruning,
 )
 from lightning_gp.records import TappedGradient
-from lightning_gp.validation import check_positive_int
 
 Algorithm = Literal["fedsgd", "fedavg"]
 Runner = Literal["simulation", "trainer"]
@@ -69,8 +61,8 @@ class DefenseSetting:
             step, i.e. DP-SGD).
         local_lr: the clients' local learning rate under FedAvg (and of the plain Trainer's tapped step).
         server_optimizer, server_lr: how the server applies the aggregate in training runs.
-        declared: the object whose adaptive attacks apply (default: the first callback, or the
-            wrapping module once built); ``None`` with no callbacks and no wrapper: undefended.
+        declared: the object whose adaptive attacks apply, instead of every defense of the setting
+            (see :meth:`defenses`); ``None``: all of them, composed in the order the client applies them.
         trained_inputs: for a defense that transforms the client's batch before training (ATS),
             ``trained_inputs(record, datamodule)`` rebuilds the (normalised) images the client really
             trained on; the audit then also scores every reconstruction against them (ATS-T next to
@@ -91,6 +83,20 @@ class DefenseSetting:
     trained_inputs: Callable[[TappedGradient, Any], Tensor] | None = None
     architecture: Callable[[nn.Module], nn.Module] | None = None
 
+    def __post_init__(self) -> None:
+        if self.runner not in ("simulation", "trainer"):
+            raise ValueError(f"{self.name}: runner must be 'simulation' or 'trainer', got {self.runner!r}")
+        if self.algorithm not in ("fedsgd", "fedavg"):
+            raise ValueError(f"{self.name}: algorithm must be 'fedsgd' or 'fedavg', got {self.algorithm!r}")
+        if self.server_optimizer not in ("sgd", "adam"):
+            raise ValueError(f"{self.name}: server_optimizer must be 'sgd' or 'adam', got {self.server_optimizer!r}")
+        # the plain-Trainer runner trains the bare model one FedSGD step per batch: it can neither wrap
+        # the model nor run FedAvg, so such a setting is refused here, once, for tapping and training alike
+        if self.runner == "trainer" and self.wrap is not None:
+            raise ValueError(f"{self.name}: a wrapping defense runs in the simulation, not in a plain Trainer (runner)")
+        if self.runner == "trainer" and self.algorithm != "fedsgd":
+            raise ValueError(f"{self.name}: the plain-Trainer runner shares one gradient per step (algorithm='fedsgd')")
+
     @property
     def undefended(self) -> bool:
         return not self.callbacks and self.wrap is None and self.architecture is None
@@ -99,30 +105,41 @@ class DefenseSetting:
         """The model the server sends: ``model`` itself, or a changed copy (``architecture``)."""
         return model if self.architecture is None else self.architecture(copy.deepcopy(model))
 
+    def defenses(self, model: nn.Module | None = None, datamodule: Any = None) -> list[Any]:
+        """The defense objects of a client, in the order it applies them: the changed architecture
+        (PRECODE), the wrapping module (Refiner, PriPrune), then each callback; or ``[declared]``.
+
+        A wrapping or architecture-changing defense is built around a copy of ``model`` to ask it. A
+        defense that takes public data from the datamodule (GradDefense's root set) takes it from
+        ``datamodule``: the server holds the same public data.
+        """
+        if self.declared is not None:
+            found = [self.declared]
+        else:
+            found = []
+            if self.architecture is not None:
+                if model is None:
+                    raise ValueError(f"{self.name} changes the model: pass the model to find its adaptive attacks")
+                found.append(self.server_model(model))
+            if self.wrap is not None:
+                if model is None:
+                    raise ValueError(f"{self.name} wraps the model: pass the model to find its adaptive attacks")
+                found.append(self.wrap(copy.deepcopy(model)))
+            found += self.callbacks
+        for defense in found:
+            resolve = getattr(defense, "resolve_root_set", None)
+            if datamodule is not None and callable(resolve):
+                resolve(datamodule)
+        return found
+
     def adaptive_attacks(
         self, model: nn.Module | None = None, datamodule: Any = None, **budget: Any
     ) -> list[GradientAttack]:
-        """The adaptive attacks the defense declares (none when undefended).
-
-        A wrapping defense is built around ``model`` (or a throwaway copy of it) to ask it. A defense
-        that takes public data from the datamodule (GradDefense's root set) takes it from
-        ``datamodule``: the server holds the same public data.
-        """
-        declared = self.declared
-        if declared is None and self.callbacks:
-            declared = self.callbacks[0]
-        if declared is None and self.architecture is not None:
-            if model is None:
-                raise ValueError(f"{self.name} changes the model: pass the model to find its adaptive attacks")
-            declared = self.server_model(model)
-        if declared is None and self.wrap is not None:
-            if model is None:
-                raise ValueError(f"{self.name} wraps the model: pass the model to find its adaptive attacks")
-            declared = self.wrap(copy.deepcopy(model))
-        resolve = getattr(declared, "resolve_root_set", None)
-        if datamodule is not None and callable(resolve):
-            resolve(datamodule)
-        return [] if declared is None else adaptive_attacks(declared, **budget)
+        """The adaptive attacks of the setting (none when undefended): one attacker that models every
+        defense of :meth:`defenses` together (:func:`~lightning_gp.attacks.adaptive_attacks_of`), so a
+        composition is attacked as a whole, not as its first member."""
+        found = self.defenses(model, datamodule)
+        return adaptive_attacks_of(found, **budget) if found else []
 
 
 @dataclass(frozen=True)
@@ -155,182 +172,6 @@ def defense_catalog(names: Sequence[str] | None = None) -> list[CatalogEntry]:
     if unknown:
         raise ValueError(f"unknown defense(s) {unknown}; the catalogue has {list(_CATALOG)}")
     return [_CATALOG[n] for n in names]
-
-
-# ------------------------------------------------------------------------------------- tapping
-def _strip_wrapper(record: TappedGradient, prefix: str) -> TappedGradient:
-    """The record in the bare model's names: a wrapper's ``prefix`` removed, its own state dropped."""
-    gradients = {n.removeprefix(prefix): g for n, g in record.gradients.items() if n.startswith(prefix)}
-    if len(gradients) != len(record.gradients):
-        extra = [n for n in record.gradients if not n.startswith(prefix)]
-        raise ValueError(f"the wrapper shared parameters outside its wrapped model: {extra}")
-    state = {n.removeprefix(prefix): t for n, t in record.model_state.items() if n.startswith(prefix)}
-    return dataclasses.replace(record, gradients=gradients, model_state=state)
-
-
-class _ChosenImages(L.LightningDataModule):
-    """The training images of one client, in order, as one batch (for the plain-Trainer runner)."""
-
-    def __init__(self, dataset: Any, indices: Sequence[int]) -> None:
-        super().__init__()
-        self.subset = Subset(dataset, list(indices))
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.subset, batch_size=len(self.subset), shuffle=False)
-
-
-def _tap_with_trainer(
-    setting: DefenseSetting, model: nn.Module, datamodule: Any, indices: Sequence[Sequence[int]], lr: float, seed: int
-) -> list[TappedGradient]:
-    """Each client trains one step from ``model`` in its own ``Trainer`` with the setting's callbacks
-    (client ``c``'s random streams seeded by ``seed + c``)."""
-    from lightning_gp.models import ImageClassifier
-
-    records = []
-    for client, chosen in enumerate(indices):
-        L.seed_everything(seed + client, verbose=False)
-        module = ImageClassifier(copy.deepcopy(model), lr=lr)
-        tap = GradientTap(rounds=[0])
-        callbacks = [copy.deepcopy(cb) for cb in setting.callbacks]
-        with quiet_lightning():
-            trainer = internal_trainer(max_steps=1, callbacks=[*callbacks, tap])
-            trainer.fit(module, datamodule=_ChosenImages(datamodule.train_dataset, chosen))
-        record = tap.latest()
-        record = dataclasses.replace(record, client_id=client)
-        record.meta["dataset_indices"] = list(chosen)
-        records.append(_strip_wrapper(record, "model."))
-    return records
-
-
-def tap_defended_round(
-    setting: DefenseSetting,
-    model: nn.Module,
-    datamodule: L.LightningDataModule,
-    *,
-    indices: Sequence[Sequence[int]],
-    num_clients: int = 10,
-    attack: GradientAttack | None = None,
-    seed: int = 0,
-) -> tuple[list[TappedGradient], nn.Module, dict[str, Any]]:
-    """Round 0 of ``setting`` with client ``c``'s batch the training images ``indices[c]``.
-
-    ``model`` is the server's model at the round (the caller seeds its initialisation); a setting
-    that changes the architecture (PRECODE) changes it, and an active ``attack`` (Robbing the Fed)
-    then replaces it, as a malicious server would. Returns the records in the parameter names of
-    the model the server sent (a wrapping module's prefix removed), that model (with the round's
-    weights in each record) and the server's secrets.
-    """
-    model = setting.server_model(copy.deepcopy(model))
-    secrets: dict[str, Any] = {}
-    modify_model = getattr(attack, "modify_model", None)
-    data = cast(Any, datamodule)
-    datamodule.setup("fit")
-    if modify_model is not None:
-        model, secrets = modify_model(
-            model, data.image_shape, data.mean, data.std, public_data=_public_batch(datamodule)
-        )
-    if setting.runner == "trainer":
-        if setting.wrap is not None:
-            raise ValueError(f"{setting.name}: a wrapping defense runs in the simulation, not in a plain Trainer")
-        return _tap_with_trainer(setting, model, datamodule, indices, setting.local_lr, seed), model, secrets
-    client_model = setting.wrap(model) if setting.wrap is not None else model
-    records, _, _ = tap_fedsgd_round(
-        client_model,
-        datamodule,
-        defenses=[copy.deepcopy(cb) for cb in setting.callbacks],
-        clients=list(range(len(indices))),
-        num_clients=max(num_clients, len(indices)),
-        indices=indices,
-        algorithm=setting.algorithm,
-        local_lr=setting.local_lr,
-        seed=seed,
-    )
-    if setting.wrap is not None:
-        records = [_strip_wrapper(r, "module.") for r in records]
-    return records, model, secrets
-
-
-# ------------------------------------------------------------------------------------- training
-@dataclass
-class TrainingResult:
-    """What a setting cost: accuracy after the run and the bytes each client uploaded per round."""
-
-    setting: str
-    rounds: int
-    test_acc: float
-    upload_bytes_per_client_round: float
-    dense_bytes_per_client_round: float
-    train_seconds: float
-
-    @property
-    def upload_ratio(self) -> float:
-        return self.upload_bytes_per_client_round / self.dense_bytes_per_client_round
-
-
-def train_setting(
-    setting: DefenseSetting,
-    model: nn.Module,
-    datamodule: L.LightningDataModule,
-    *,
-    rounds: int,
-    num_clients: int = 10,
-    local_batch_size: int = 8,
-    seed: int = 0,
-    callbacks: Sequence[Callback] = (),
-) -> TrainingResult:
-    """Train ``model`` under ``setting`` for ``rounds`` rounds (``num_clients`` clients of
-    ``local_batch_size`` images each per round) and test it.
-
-    The simulation runner is :class:`~lightning_gp.federated.FederatedSimulation` with every client
-    in every round; the plain-Trainer runner (DP-SGD) trains one batch of ``num_clients *
-    local_batch_size`` images per step with the server's optimizer, the same images per step as the
-    simulation's FedSGD round. Bytes are counted by a :class:`~lightning_gp.callbacks.CommunicationMeter`.
-    """
-    from lightning_gp.callbacks import CommunicationMeter
-    from lightning_gp.federated import FederatedSimulation
-    from lightning_gp.models import ImageClassifier
-
-    check_positive_int(rounds, "rounds")
-    L.seed_everything(seed, verbose=False)
-    model = setting.server_model(model)
-    meter = CommunicationMeter()
-    defenses = [copy.deepcopy(cb) for cb in setting.callbacks]
-    module: L.LightningModule
-    fit_kwargs: dict[str, Any] = {}
-    if setting.runner == "trainer":
-        module = ImageClassifier(copy.deepcopy(model), lr=setting.server_lr, optimizer=setting.server_optimizer)
-        data: Any = copy.copy(datamodule)
-        data.batch_size = num_clients * local_batch_size
-        fit_kwargs["datamodule"] = data
-    else:
-        client_model = setting.wrap(copy.deepcopy(model)) if setting.wrap is not None else copy.deepcopy(model)
-        module = FederatedSimulation(
-            client_model,
-            datamodule=datamodule,
-            num_clients=num_clients,
-            clients_per_round=num_clients,
-            local_batch_size=local_batch_size,
-            algorithm=setting.algorithm,
-            local_lr=setting.local_lr,
-            server_optimizer=setting.server_optimizer,
-            server_lr=setting.server_lr,
-            seed=seed,
-        )
-    with quiet_lightning():
-        trainer = internal_trainer(max_steps=rounds, callbacks=[*defenses, meter, *callbacks], num_sanity_val_steps=0)
-        start = time.perf_counter()
-        trainer.fit(module, **fit_kwargs)
-        seconds = time.perf_counter() - start
-        test = trainer.test(module, verbose=False, **fit_kwargs)[0]
-    uploads = max(1, meter.uploads)
-    return TrainingResult(
-        setting.name,
-        rounds,
-        float(test["test_acc"]),
-        meter.total_upload_bytes / uploads,
-        meter.total_dense_bytes / uploads,
-        seconds,
-    )
 
 
 # ------------------------------------------------------------------------------------- defaults

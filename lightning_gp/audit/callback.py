@@ -9,7 +9,7 @@ client's batch. After the optimizer step (``on_train_batch_end``, outside the tr
 computation) it builds the server's view the way the audit does
 (:func:`~lightning_gp.audit.attack_record`: a deep copy of the model given the round's weights),
 runs each attack, scores it (:func:`~lightning_gp.metrics.reconstruction_report`) and takes the
-worst case over the attacks (:func:`~lightning_gp.metrics.worst_case_report`). Metrics go to
+worst case over the attacks (:func:`~lightning_gp.audit.worst_case_report`). Metrics go to
 every logger of the trainer (``log_metrics`` at the audited step), image grids to
 ``<log_dir>/privacy_audit/`` (and to TensorBoard's ``add_image`` when a ``TensorBoardLogger`` is
 attached).
@@ -29,10 +29,13 @@ DDP each rank is one client and audits its own shared gradient when its rank is 
 Lightning's loggers write on rank 0 only, so other ranks' scores stay in ``results`` of that
 rank's callback.
 
-Import it as ``lightning_gp.callbacks.PrivacyAudit``. The module sits above
-:mod:`lightning_gp.callbacks` and :mod:`lightning_gp.metrics` (the metrics depend on the Refiner
-evaluation network, whose package depends on the callbacks), so ``lightning_gp.callbacks``
-re-exports it lazily.
+Threat models: the callback audits the **passive** server (it attacks what the run really
+shares, with the published attacks given and the adaptive attack of the run's defenses). An active
+server sends a modified model, which an observer of the user's own run cannot do: the logged
+active verdict is "inconclusive" with that reason; :func:`~lightning_gp.audit.audit_setting` (the
+matrix, the demo) and ``lightning-gp attack`` with an active attack audit it.
+
+Import it as ``lightning_gp.audit.PrivacyAudit``.
 """
 
 from __future__ import annotations
@@ -40,8 +43,8 @@ from __future__ import annotations
 import math
 import random
 import warnings
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,19 +53,28 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from lightning_gp.attacks import IDLG, GradientAttack, InvertingGradients, adaptive_attacks, has_adaptive_attack
-from lightning_gp.audit import AttackResult, attack_record
-from lightning_gp.callbacks.base import SharedGradientObserver
-from lightning_gp.callbacks.interfaces import ClientSetup, DefenseStage
-from lightning_gp.callbacks.tap import StepBatches, tapped_record
-from lightning_gp.metrics.figures import save_comparison_grid
-from lightning_gp.metrics.report import PRIVACY_THRESHOLDS
-from lightning_gp.metrics.worst_case import (
+from lightning_gp.attacks import (
+    IDLG,
+    AttackNotApplicable,
+    GradientAttack,
+    InvertingGradients,
+    adaptive_attacks_of,
+    has_adaptive_attack,
+)
+from lightning_gp.audit.engine import AttackResult, attack_record
+from lightning_gp.audit.verdict import (
     LEAK_THRESHOLDS,
+    NOISE_RATIO_LINE,
+    VERDICT_THRESHOLDS,
+    LeakRule,
     WorstCaseReport,
     check_metric_thresholds,
     worst_case_report,
 )
+from lightning_gp.callbacks.base import SharedGradientObserver
+from lightning_gp.callbacks.interfaces import ClientSetup, DefenseStage
+from lightning_gp.callbacks.tap import StepBatches, tapped_record
+from lightning_gp.metrics.figures import save_comparison_grid
 from lightning_gp.records import TappedGradient
 from lightning_gp.validation import check_bool, check_int
 
@@ -81,9 +93,24 @@ def default_attacks(batch_size: int) -> list[GradientAttack]:
     return [InvertingGradients(iterations=200)]
 
 
+#: Why the callback's active verdict is always "inconclusive".
+ACTIVE_NOT_AUDITED = (
+    "PrivacyAudit observes the run's real rounds, where the server sent the real model; a malicious server's "
+    "modified model is audited by audit_setting (the matrix, the demo) or lightning-gp attack with an active attack"
+)
+
+
 @dataclass
 class AuditResult:
-    """One audited shared gradient: each attack's result and the worst case over them."""
+    """One audited shared gradient: each attack's result and the passive server's worst case.
+
+    Attributes:
+        attacks: the results of the attacks that ran (n/a and failed attacks are in ``skipped``).
+        worst: the worst case over them (the passive threat model; ``worst.verdict_reasons`` says why
+            a verdict is "inconclusive").
+        skipped: attack -> why it has no result ("n/a: ..." or "error: ...").
+        active_verdict: always "inconclusive" (see :data:`ACTIVE_NOT_AUDITED`).
+    """
 
     round: int
     client_id: int
@@ -91,6 +118,8 @@ class AuditResult:
     worst: WorstCaseReport
     metrics: dict[str, float]
     image_path: Path | None = None
+    skipped: dict[str, str] = field(default_factory=dict)
+    active_verdict: str = "inconclusive"
 
 
 class _RandomState:
@@ -134,23 +163,29 @@ class PrivacyAudit(SharedGradientObserver):
             normalisation); ``None`` takes them from the datamodule (``trainer.datamodule``, or
             the simulation's ``source_datamodule``).
         labels_known: the threat model grants the server the client's labels.
+        loss_fn: the loss the client trains with, which the attacker matches with; ``None``: the
+            LightningModule's (or its wrapped model's) ``loss_fn`` attribute, else cross-entropy with
+            a warning at fit start (a guessed loss is a wrong attack: pass it when you train with another).
         lpips: score LPIPS (needs the pretrained weights, see :mod:`lightning_gp.metrics.lpips`).
         noise_ratio: score Refiner's noise ratio (n/a for channel counts without a shipped network).
-        thresholds, leak_thresholds, max_leak_fraction: the worst-case verdict's rule
-            (see :func:`~lightning_gp.metrics.worst_case_report`).
-        adaptive: also run the adaptive attacks the run's defenses declare
-            (:func:`~lightning_gp.attacks.adaptive_attacks` of each defense callback, of DP-SGD, and of
-            a defending module such as ``RefinerModule``), so the worst case covers the attacker who
-            knows the defense; ``adaptive_budget`` is their budget (``iterations``,
-            ``lbfgs_iterations``, ``restarts``).
+        thresholds, leak_thresholds, noise_ratio_line, max_leak_fraction: the verdict's mean
+            thresholds and leak rule (see :func:`~lightning_gp.audit.worst_case_report` and
+            :class:`~lightning_gp.audit.LeakRule`).
+        adaptive: also run the adaptive attack of the run's defenses, all of them together in the
+            order the client applies them (:func:`~lightning_gp.attacks.adaptive_attacks_of` of a
+            defending module such as ``RefinerModule``, then each defense callback and DP-SGD), so the
+            worst case covers the attacker who knows the defense; ``adaptive_budget`` is its budget
+            (``iterations``, ``lbfgs_iterations``, ``restarts``). With ``adaptive=False`` a defended
+            run's verdict is "inconclusive" at best.
         save_images: write a grid (originals, each attack, the best per image) per audited gradient.
         dirpath: where the grids go (default ``<logger.log_dir>/privacy_audit``, or the trainer's
             ``default_root_dir`` without a logger).
         prefix: the logged metrics' name prefix.
 
-    Logged per audited gradient (at the audited step), for each attack ``A`` and for ``worst``:
-    ``{prefix}/client{c}/{A}/{psnr,ssim,lpips,noise_ratio,leak_fraction}``, plus
-    ``{prefix}/client{c}/worst/private`` (1 private, 0 leaks) and
+    Logged per audited gradient (at the audited step), for each attack ``A`` and for ``passive``
+    (the worst case over them): ``{prefix}/client{c}/{A}/{psnr,ssim,lpips,noise_ratio,leak_fraction}``,
+    plus for each threat model ``T`` in ``passive``, ``active``: ``{prefix}/client{c}/{T}/private``
+    (1 private, else 0) and ``{prefix}/client{c}/{T}/inconclusive`` (1 when the audit is incomplete), and
     ``{prefix}/client{c}/baseline_blank/psnr`` (and ``baseline_dataset_mean/psnr``: a constant image
     of the known per-channel mean). ``results`` keeps every :class:`AuditResult`.
     """
@@ -165,10 +200,12 @@ class PrivacyAudit(SharedGradientObserver):
         mean: Sequence[float] | None = None,
         std: Sequence[float] | None = None,
         labels_known: bool = False,
+        loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
         lpips: bool = True,
         noise_ratio: bool = True,
-        thresholds: Mapping[str, float] = PRIVACY_THRESHOLDS,
+        thresholds: Mapping[str, float] = VERDICT_THRESHOLDS,
         leak_thresholds: Mapping[str, float] = LEAK_THRESHOLDS,
+        noise_ratio_line: float | None = NOISE_RATIO_LINE,
         max_leak_fraction: float = 0.0,
         adaptive: bool = True,
         adaptive_budget: Mapping[str, int] | None = None,
@@ -192,10 +229,18 @@ class PrivacyAudit(SharedGradientObserver):
         self.labels_known = check_bool(labels_known, "labels_known")
         self.lpips = check_bool(lpips, "lpips")
         self.noise_ratio = check_bool(noise_ratio, "noise_ratio")
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable (loss(logits, targets)), got {type(loss_fn).__name__}")
+        self.loss_fn = loss_fn
+        self._loss_fn: Callable[[Tensor, Tensor], Tensor] | None = loss_fn
         self.thresholds = check_metric_thresholds(thresholds, "thresholds")
-        self.leak_thresholds = check_metric_thresholds(leak_thresholds, "leak_thresholds")
-        if not self.leak_thresholds:
-            raise ValueError("leak_thresholds is empty: the leak rule needs at least one metric")
+        if "noise_ratio" in self.thresholds:
+            raise ValueError(
+                "thresholds: the mean noise ratio calls a blank guess a leak, so it does not enter the verdict "
+                "(it is still scored and logged); see LeakRule for its paired per-image test"
+            )
+        self.rule = LeakRule(leak_thresholds, noise_ratio_line)
+        self.leak_thresholds = dict(self.rule.thresholds)
         if isinstance(max_leak_fraction, bool) or not 0.0 <= float(max_leak_fraction) <= 1.0:
             raise ValueError(f"max_leak_fraction must be in [0, 1], got {max_leak_fraction!r}")
         self.max_leak_fraction = float(max_leak_fraction)
@@ -207,6 +252,7 @@ class PrivacyAudit(SharedGradientObserver):
         for key, value in self.adaptive_budget.items():
             check_int(value, f"adaptive_budget[{key!r}]", low=1)
         self._adaptive_attacks: list[GradientAttack] = []
+        self._defended = False
         self.save_images = check_bool(save_images, "save_images")
         self.dirpath = None if dirpath is None else Path(dirpath)
         if not isinstance(prefix, str) or not prefix:
@@ -252,7 +298,10 @@ class PrivacyAudit(SharedGradientObserver):
                 stacklevel=2,
             )
         self._server = self._server_knowledge(trainer, pl_module)
-        self._adaptive_attacks = self._declared_adaptive_attacks(trainer, pl_module) if self.adaptive else []
+        self._loss_fn = self._client_loss(pl_module)
+        defenses = self._run_defenses(trainer, pl_module)
+        self._defended = bool(defenses)
+        self._adaptive_attacks = self._declared_adaptive_attacks(defenses) if self.adaptive else []
         if self.lpips and self._lpips_fn is None:  # fail at fit start, not mid-run, without LPIPS weights
             state = _RandomState()  # building a network draws initial weights from the global generator
             try:
@@ -262,21 +311,37 @@ class PrivacyAudit(SharedGradientObserver):
             finally:
                 state.restore()
 
-    def _declared_adaptive_attacks(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[GradientAttack]:
-        """The adaptive attacks of the run's defenses: every defense callback (an unmodelled one gets
-        the marked fallback, with a warning), DP-SGD, and a defending module (or the module a
-        ``FederatedSimulation`` wraps)."""
+    def _client_loss(self, pl_module: pl.LightningModule) -> Callable[[Tensor, Tensor], Tensor] | None:
+        """The loss the client trains with: given, else the module's (or its wrapped model's) ``loss_fn``;
+        ``None`` (cross-entropy, warned) when neither is known."""
+        if self.loss_fn is not None:
+            return self.loss_fn
+        for owner in (pl_module, getattr(pl_module, "module", None), getattr(pl_module, "model", None)):
+            found = getattr(owner, "loss_fn", None)
+            if callable(found):
+                return found
+        warnings.warn(
+            f"PrivacyAudit: {type(pl_module).__name__} has no loss_fn attribute, so the attacker matches with "
+            "cross-entropy; if the client trains with another loss, pass PrivacyAudit(loss_fn=...)",
+            stacklevel=2,
+        )
+        return None
+
+    def _run_defenses(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[Any]:
+        """The run's defenses in the order the client applies them: a defending module (or the module a
+        ``FederatedSimulation`` wraps), then every defense callback and DP-SGD."""
+        candidates: list[Any] = [pl_module, getattr(pl_module, "module", None)]
+        candidates += [cb for cb in trainer.callbacks if cb is not self]  # type: ignore[attr-defined]
+        return [c for c in candidates if c is not None and (isinstance(c, DefenseStage) or has_adaptive_attack(c))]
+
+    def _declared_adaptive_attacks(self, defenses: Sequence[Any]) -> list[GradientAttack]:
+        """The adaptive attack of ``defenses``, modelled together (an unmodelled one makes it a marked
+        fallback, with a warning)."""
+        if not defenses:
+            return []
         state = _RandomState()  # building attacks must not move the run's random streams
         try:
-            attacks: list[GradientAttack] = []
-            candidates: list[Any] = [cb for cb in trainer.callbacks if cb is not self]  # type: ignore[attr-defined]
-            candidates += [pl_module, getattr(pl_module, "module", None)]
-            for candidate in candidates:
-                if candidate is None:
-                    continue
-                if isinstance(candidate, DefenseStage) or has_adaptive_attack(candidate):
-                    attacks += adaptive_attacks(candidate, **self.adaptive_budget)
-            return attacks
+            return adaptive_attacks_of(list(defenses), **self.adaptive_budget)
         finally:
             state.restore()
 
@@ -390,35 +455,69 @@ class PrivacyAudit(SharedGradientObserver):
             from lightning_gp.metrics.lpips import LPIPS
 
             self._lpips_fn = LPIPS()
-        results = [
-            attack_record(
-                record,
-                model,
-                attack,
-                num_classes=num_classes,
-                mean=mean,
-                std=std,
-                labels_known=self.labels_known,
-                lpips=self.lpips,
-                noise_ratio=self.noise_ratio,
-                lpips_fn=self._lpips_fn,
+        adaptive = {id(a) for a in self._adaptive_attacks}
+        results: list[AttackResult] = []
+        skipped: dict[str, str] = {}
+        gaps: list[str] = []
+        if self._defended and not self.adaptive:
+            gaps.append("the adaptive attacks were not run (adaptive=False)")
+        for attack in attacks:
+            name = type(attack).__name__
+            try:
+                result = attack_record(
+                    record,
+                    model,
+                    attack,
+                    num_classes=num_classes,
+                    mean=mean,
+                    std=std,
+                    labels_known=self.labels_known,
+                    lpips=self.lpips,
+                    noise_ratio=self.noise_ratio,
+                    lpips_fn=self._lpips_fn,
+                    loss_fn=self._loss_fn,
+                )
+            except AttackNotApplicable as err:
+                skipped[name] = f"n/a: {err}"
+                if id(attack) in adaptive:
+                    gaps.append(f"the adaptive attack {name} could not apply: {err}")
+                continue
+            except Exception as err:  # the run goes on; the verdict says the audit is incomplete
+                skipped[name] = f"error: {type(err).__name__}: {err}"
+                gaps.append(f"{name} failed: {type(err).__name__}: {err}")
+                warnings.warn(
+                    f"PrivacyAudit: {name} failed at step {record.round}, client {record.client_id}: "
+                    f"{type(err).__name__}: {err}",
+                    stacklevel=2,
+                )
+                continue
+            if result.reconstruction.meta.get("fallback"):
+                gaps.append(
+                    f"{name} fell back to the published attack ({result.reconstruction.meta.get('fallback_reason')})"
+                )
+            results.append(result)
+        if not results:
+            raise RuntimeError(
+                f"PrivacyAudit: no attack could run on step {record.round}, client {record.client_id}: {skipped}"
             )
-            for attack in attacks
-        ]
         worst = worst_case_report(
             [r.report for r in results],
             thresholds=self.thresholds,
-            leak_thresholds=self.leak_thresholds,
+            leak_thresholds=self.rule.thresholds,
+            noise_ratio_line=self.rule.noise_ratio_line,
             max_leak_fraction=self.max_leak_fraction,
             # the normalisation mean is the data's per-channel pixel mean: the "dataset mean" guess
             dataset_mean=mean if all(0.0 <= v <= 1.0 for v in mean) else None,
+            incomplete=gaps,
+            threat_model="passive",
         )
-        return AuditResult(record.round, record.client_id, results, worst, self._metrics(record.client_id, worst))
+        metrics = self._metrics(record.client_id, worst)
+        return AuditResult(record.round, record.client_id, results, worst, metrics, skipped=skipped)
 
     def _metrics(self, client_id: int, worst: WorstCaseReport) -> dict[str, float]:
         base = f"{self.prefix}/client{client_id}"
         metrics: dict[str, float] = {}
-        for name, means in [*worst.attack_means.items(), ("worst", worst.means)]:
+        for name, means in [*worst.attack_means.items(), ("passive", worst.means)]:
             for metric in LOGGED_METRICS:
                 value = means.get(metric)
                 if value is not None:
@@ -426,8 +525,11 @@ class PrivacyAudit(SharedGradientObserver):
         for name in worst.attacks:
             leaked = sum(name in row.leaked_by for row in worst.rows)
             metrics[f"{base}/{name}/leak_fraction"] = leaked / worst.batch_size
-        metrics[f"{base}/worst/leak_fraction"] = worst.leak_fraction
-        metrics[f"{base}/worst/private"] = 1.0 if worst.is_private else 0.0
+        metrics[f"{base}/passive/leak_fraction"] = worst.leak_fraction
+        metrics[f"{base}/passive/private"] = 1.0 if worst.is_private else 0.0
+        metrics[f"{base}/passive/inconclusive"] = 1.0 if worst.is_inconclusive else 0.0
+        metrics[f"{base}/active/private"] = 0.0
+        metrics[f"{base}/active/inconclusive"] = 1.0  # see ACTIVE_NOT_AUDITED
         for baseline in worst.baselines:
             metrics[f"{base}/baseline_{baseline.name.replace(' ', '_')}/psnr"] = baseline.means["psnr"]
         return metrics

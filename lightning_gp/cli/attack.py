@@ -19,15 +19,13 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from lightning_gp.attacks import GradientAttack
-from lightning_gp.audit import AttackResult, attack_record, mean_scores, tap_fedsgd_round
+from lightning_gp.audit import AttackResult, attack_record, mean_scores, tap_fedsgd_round, worst_case_report
 from lightning_gp.data import ImageClassificationDataModule
 from lightning_gp.metrics import (
-    HIGHER_IS_PRIVATE,
     PRIVACY_THRESHOLDS,
     concatenate_reports,
     privacy_flags,
     save_reconstruction_grid,
-    worst_case_report,
 )
 from lightning_gp.records import TappedGradient
 
@@ -122,14 +120,28 @@ def run(config: Any) -> list[AttackResult]:
     return results
 
 
-def write_outputs(results: list[AttackResult], output_dir: Path, attack: str, defenses: list[str]) -> Path:
+#: Why one attack's verdict is never "private".
+ONE_ATTACK = (
+    "one attack alone: only the worst case over every attack, the defense's adaptive attack included, can say "
+    "private (audit_setting, benchmarks/matrix.py, PrivacyAudit)"
+)
+
+
+def write_outputs(
+    results: list[AttackResult], output_dir: Path, attack: str, defenses: list[str], threat: str = "passive"
+) -> Path:
     output_dir.mkdir(parents=True, exist_ok=True)
     means = mean_scores(results)
     flags = privacy_flags(means, PRIVACY_THRESHOLDS)
     unavailable = {k: v for r in results for k, v in r.report.unavailable.items()}  # metric -> why "n/a"
     # one attack: its leak fraction and the trivial baselines (the worst case over several attacks is
     # benchmarks/matrix.py's and PrivacyAudit's)
-    judged = worst_case_report([concatenate_reports([r.report for r in results])], dataset_mean=_pixel_mean(results))
+    judged = worst_case_report(
+        [concatenate_reports([r.report for r in results])],
+        dataset_mean=_pixel_mean(results),
+        incomplete=[ONE_ATTACK],
+        threat_model=threat,
+    )
     payload = {
         "attack": attack,
         "defenses": defenses,
@@ -138,6 +150,8 @@ def write_outputs(results: list[AttackResult], output_dir: Path, attack: str, de
         "leak_fraction": judged.leak_fraction,
         "leaked": judged.leaked,
         "verdict": judged.verdict,
+        "verdict_reasons": judged.verdict_reasons,
+        "threat_model": threat,
         "baselines": {b.name: b.means for b in judged.baselines},
         "unavailable": unavailable,
         "clients": [
@@ -162,14 +176,14 @@ def write_outputs(results: list[AttackResult], output_dir: Path, attack: str, de
             shown = f"n/a ({unavailable[metric]})"
         threshold = f"{'yes' if verdict else 'no'} ({PRIVACY_THRESHOLDS[metric]})" if verdict is not None else ""
         lines.append(f"| {metric} | {shown} | {threshold} |")
-    rule = " or ".join(
-        f"{m.upper()} {'<' if HIGHER_IS_PRIVATE[m] else '>'} {t:g}" for m, t in judged.leak_thresholds.items()
-    )
+    server = "malicious (active: it sent a modified model)" if threat == "active" else "honest-but-curious (passive)"
     lines += [
         "",
         (
-            f"Images leaked ({rule}): {judged.leaked} of {judged.batch_size} ({judged.leak_fraction:.0%}); verdict of this "
-            f"attack alone: {judged.verdict}. A blank guess scores PSNR {judged.baseline('blank').means['psnr']:.2f} dB."
+            f"Threat model: a {server} server. Images leaked ({judged.rule}): {judged.leaked} of {judged.batch_size} "
+            f"({judged.leak_fraction:.0%}); verdict of this attack alone: {judged.verdict} "
+            f"({'; '.join(judged.verdict_reasons)}). A blank guess scores PSNR "
+            f"{judged.baseline('blank').means['psnr']:.2f} dB."
         ),
     ]
     for r in results:
@@ -197,8 +211,9 @@ def main(argv: list[str] | None = None) -> list[AttackResult]:
     instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # renamed in jsonargparse 4.49
     config = instantiate(parser.parse_args(argv))
     results = run(config)
+    threat = "active" if callable(getattr(config.attack, "modify_model", None)) else "passive"
     report = write_outputs(
-        results, Path(config.output_dir), type(config.attack).__name__, [repr(d) for d in config.defenses]
+        results, Path(config.output_dir), type(config.attack).__name__, [repr(d) for d in config.defenses], threat
     )
     print(report.read_text())
     print(f"written to {report.parent}/ (report.md, report.json, reconstructions.png)")

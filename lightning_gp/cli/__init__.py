@@ -49,7 +49,7 @@ def main(args: Any = None) -> None:
     """Console entry point (``lightning-gp``): ``attack`` (an audit), ``refiner`` (Refiner tools), else LightningCLI."""
     argv = sys.argv[1:] if args is None else args
     if isinstance(argv, list) and argv[:1] == ["attack"]:
-        from lightning_gp.attack_cli import main as attack_main
+        from lightning_gp.cli.attack import main as attack_main
 
         attack_main(argv[1:])
         return

@@ -1,0 +1,84 @@
+"""The privacy audit: what an attacker can still recover from what a client shares, and the verdict.
+
+One idea per module, layered bottom-up (no module imports one above it):
+
+- :mod:`.quiet`: the package's own short, silent Trainer runs;
+- :mod:`.catalog`: the defense catalogue (:class:`DefenseSetting`, :func:`register_defense`,
+  :func:`defense_catalog`) and each setting's adaptive attack (every defense of it modelled together);
+- :mod:`.rounds`: tapped rounds (:func:`tap_fedsgd_round`, :func:`tap_defended_round`, the
+  malicious server's model);
+- :mod:`.engine`: the attack-and-score engine (:func:`attack_record`, the attacker's loss);
+- :mod:`.verdict`: the one leak rule (:class:`LeakRule`), the worst case over attacks and the verdict
+  ("private", "leaks", "inconclusive");
+- :mod:`.setting_audit`: every attack against one setting, judged per threat model
+  (:func:`audit_setting`, the engine of the matrix and the demo);
+- :mod:`.training`: what a setting costs (:func:`train_setting`);
+- :mod:`.callback`: :class:`PrivacyAudit`, the audit inside a user's own training run.
+
+See ``docs/architecture.md`` for the flow from catalogue to verdict.
+"""
+
+from lightning_gp.audit.callback import AuditResult, PrivacyAudit
+from lightning_gp.audit.catalog import CatalogEntry, DefenseSetting, defense_catalog, register_defense
+from lightning_gp.audit.engine import AttackResult, attack_record, attacker_loss, mean_scores
+from lightning_gp.audit.quiet import internal_trainer, quiet_lightning
+from lightning_gp.audit.rounds import malicious_server_model, tap_defended_round, tap_fedsgd_round
+from lightning_gp.audit.setting_audit import (
+    THREAT_MODELS,
+    AttackBudget,
+    AttackSpec,
+    Cell,
+    SettingAudit,
+    audit_setting,
+    published_attacks,
+)
+from lightning_gp.audit.training import TrainingResult, train_setting
+from lightning_gp.audit.verdict import (
+    LEAK_THRESHOLDS,
+    NOISE_RATIO_LINE,
+    VERDICT_THRESHOLDS,
+    BaselineScores,
+    LeakRule,
+    WorstCaseReport,
+    WorstImage,
+    trivial_baselines,
+    worst_case_of_reconstructions,
+    worst_case_report,
+)
+
+__all__ = [
+    "LEAK_THRESHOLDS",
+    "NOISE_RATIO_LINE",
+    "THREAT_MODELS",
+    "VERDICT_THRESHOLDS",
+    "AttackBudget",
+    "AttackResult",
+    "AttackSpec",
+    "AuditResult",
+    "BaselineScores",
+    "CatalogEntry",
+    "Cell",
+    "DefenseSetting",
+    "LeakRule",
+    "PrivacyAudit",
+    "SettingAudit",
+    "TrainingResult",
+    "WorstCaseReport",
+    "WorstImage",
+    "attack_record",
+    "attacker_loss",
+    "audit_setting",
+    "defense_catalog",
+    "internal_trainer",
+    "malicious_server_model",
+    "mean_scores",
+    "published_attacks",
+    "quiet_lightning",
+    "register_defense",
+    "tap_defended_round",
+    "tap_fedsgd_round",
+    "train_setting",
+    "trivial_baselines",
+    "worst_case_of_reconstructions",
+    "worst_case_report",
+]

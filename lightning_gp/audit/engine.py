@@ -1,0 +1,128 @@
+"""The attack-and-score engine: attack one tapped gradient from the server's view and score it.
+
+record (what a client shared) -> :class:`~lightning_gp.attacks.ServerView` -> attack -> report
+
+:func:`attack_record` is the one place an attack meets a tapped gradient: the catalogue's
+:func:`~lightning_gp.audit.setting_audit.audit_setting`, :class:`~lightning_gp.audit.PrivacyAudit`
+and ``lightning-gp attack`` all go through it, so the attacker always matches with the loss the
+client trained with and every reconstruction is scored the same way.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_gp.attacks import GradientAttack, Reconstruction, ServerView
+from lightning_gp.metrics import ReconstructionReport, reconstruction_report
+from lightning_gp.records import TappedGradient
+
+
+@dataclass
+class AttackResult:
+    """One client's round: what it shared, what the attack rebuilt, and the scores."""
+
+    record: TappedGradient
+    view: ServerView
+    reconstruction: Reconstruction
+    report: ReconstructionReport
+    seconds: float
+
+    def pixels(self) -> tuple[Tensor, Tensor]:
+        """The client's images and the aligned reconstructions, as pixels in [0, 1] (for figures)."""
+        original, reconstructed = self.report.original_pixels, self.report.reconstructed_pixels
+        if original is None or reconstructed is None:
+            raise ValueError("the reconstruction report holds no pixel images")
+        return original, reconstructed
+
+
+def attack_record(
+    record: TappedGradient,
+    model: nn.Module,
+    attack: GradientAttack,
+    *,
+    num_classes: int,
+    mean: Sequence[float],
+    std: Sequence[float],
+    server_secrets: dict[str, Any] | None = None,
+    labels_known: bool = False,
+    lpips: bool = True,
+    noise_ratio: bool = True,
+    lpips_fn: nn.Module | None = None,
+    loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
+) -> AttackResult:
+    """Attack one tapped gradient from the server's view and score it against the client's batch.
+
+    ``model`` is deep-copied and given the record's weights, so the caller's model (e.g. one
+    still training, see :class:`~lightning_gp.audit.PrivacyAudit`) is never touched. The attacker
+    matches with the loss the client trains with (:func:`attacker_loss`): ``loss_fn`` when given,
+    else ``model.loss_fn`` when the model has one (e.g. PRECODE's CE + beta KL; the server designed
+    the training), else cross-entropy.
+    ``lpips``/``noise_ratio``/``lpips_fn`` go to :func:`~lightning_gp.metrics.reconstruction_report`.
+    """
+    view = ServerView.from_tap(
+        record,
+        copy.deepcopy(model),
+        num_classes=num_classes,
+        mean=tuple(mean),
+        std=tuple(std),
+        labels_known=labels_known,
+        server_secrets=server_secrets,
+        loss_fn=attacker_loss(model, loss_fn),
+    )
+    if record.inputs is None:
+        raise ValueError("the record holds no client batch to score against (tapped with record_data=False)")
+    start = time.perf_counter()
+    reconstruction = attack.reconstruct(view)
+    seconds = time.perf_counter() - start
+    report = reconstruction_report(
+        reconstruction,
+        record.inputs,
+        view,
+        true_labels=record.targets,
+        lpips=lpips,
+        lpips_fn=lpips_fn,
+        noise_ratio=noise_ratio,
+    )
+    return AttackResult(record, view, reconstruction, report, seconds)
+
+
+def attacker_loss(
+    model: nn.Module, loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None
+) -> Callable[[Tensor, Tensor], Tensor]:
+    """The loss the attacker matches with: the client's ``loss_fn`` when known, else the model's own
+    ``loss_fn`` (any callable ``loss(logits, targets)``, a module or a plain function), else
+    cross-entropy (what the package's runners train a model without one with)."""
+    if loss_fn is not None:
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable (loss(logits, targets)), got {type(loss_fn).__name__}")
+        return loss_fn
+    own = getattr(model, "loss_fn", None)
+    if own is not None:
+        if not callable(own):
+            raise TypeError(f"model.loss_fn must be callable (loss(logits, targets)), got {type(own).__name__}")
+        return own
+    return nn.CrossEntropyLoss()
+
+
+def mean_scores(results: Sequence[AttackResult]) -> dict[str, float | None]:
+    """Per-image scores averaged over several clients' reports (PSNR of exact copies is inf).
+
+    A metric some report lacks (LPIPS skipped, a noise ratio "n/a") is ``None``.
+    """
+    rows = [row for result in results for row in result.report.rows]
+    means: dict[str, float | None] = {}
+    for metric in ("mse", "psnr", "ssim", "lpips", "nmi", "noise_ratio"):
+        values = [getattr(row, metric) for row in rows]
+        means[metric] = (
+            None if any(v is None for v in values) else float(torch.tensor(values, dtype=torch.float64).mean())
+        )
+    accuracies = [r.report.label_accuracy for r in results if r.report.label_accuracy is not None]
+    means["label_accuracy"] = sum(accuracies) / len(accuracies) if accuracies else None
+    return means

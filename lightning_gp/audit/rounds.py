@@ -1,0 +1,281 @@
+"""Tapped rounds: run one federated round with a defense and keep what the attacked clients shared.
+
+client batch -> defenses -> **shared gradient** (tapped) -> the attack engine (:mod:`.engine`)
+
+:func:`tap_fedsgd_round` runs FedSGD (or one-step FedAvg) through
+:class:`~lightning_gp.federated.FederatedSimulation` with the given defense callbacks, so the attacked
+gradient is exactly what the defenses let out; the attacked clients' batches come from the
+simulation's sampler or are chosen images. :func:`tap_defended_round` does the same for a catalogue
+:class:`~lightning_gp.audit.catalog.DefenseSetting` (its wrapping module, architecture change or
+plain-Trainer runner). An active attack (one with ``modify_model``, e.g. Robbing the Fed) plays the
+malicious server through :func:`malicious_server_model`: it replaces the model sent to the clients
+before the round and keeps its secrets for the attack.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import operator
+from collections.abc import Sequence
+from typing import Any, Literal, cast
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Subset
+
+from lightning_gp.attacks import GradientAttack
+from lightning_gp.audit.catalog import DefenseSetting
+from lightning_gp.audit.quiet import internal_trainer, quiet_lightning
+from lightning_gp.callbacks import GradientTap
+from lightning_gp.federated import FederatedSimulation
+from lightning_gp.records import TappedGradient
+from lightning_gp.validation import check_int, check_positive_int
+
+
+def public_batch(datamodule: L.LightningDataModule, size: int = 1000) -> Tensor:
+    """Images a server may hold (the test split, never the clients' training data)."""
+    datamodule.setup("test")
+    dataset = cast(Any, datamodule).test_dataset
+    return torch.stack([dataset[i][0] for i in range(min(size, len(dataset)))])
+
+
+def malicious_server_model(
+    attack: GradientAttack | None, model: nn.Module, datamodule: L.LightningDataModule
+) -> tuple[nn.Module, dict[str, Any]]:
+    """The model a server running ``attack`` sends, and the secrets it keeps for the attack.
+
+    An active attack (one with ``modify_model``, e.g. Robbing the Fed's imprint block) replaces the
+    model, knowing the data's shape and normalisation and holding public images (the test split);
+    a passive one (or ``None``) sends ``model`` unchanged, with no secrets.
+    """
+    modify_model = getattr(attack, "modify_model", None)
+    if modify_model is None:
+        return model, {}
+    data = cast(Any, datamodule)
+    return modify_model(model, data.image_shape, data.mean, data.std, public_data=public_batch(datamodule))
+
+
+def _as_int(value: Any) -> Any:
+    """Numpy and 0-d torch integers as ``int``; anything else unchanged (for ``check_int``)."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
+
+
+def _chosen_lists(value: Any, name: str, high: int | None) -> list[list[int]]:
+    """``value`` as one non-empty list of ints per attacked client, all of one length."""
+    example = f"e.g. {name}=[[12, 7], [301, 5]] for two clients with two images each"
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise ValueError(f"{name} must be one list of training images per attacked client ({example}), got {value!r}")
+    rows = list(value)
+    if not rows:
+        raise ValueError(f"{name} must hold at least one list ({example}), got an empty list")
+    lists = []
+    for i, row in enumerate(rows):
+        if isinstance(row, (str, bytes)) or not hasattr(row, "__iter__"):
+            raise ValueError(f"{name} must be one list per attacked client ({example}); {name}[{i}] is {row!r}")
+        items = list(row)
+        if not items:
+            raise ValueError(f"{name}[{i}] is empty: each attacked client needs at least one image")
+        lists.append([check_int(_as_int(v), f"{name}[{i}][{j}]", low=0, high=high) for j, v in enumerate(items)])
+    lengths = [len(items) for items in lists]
+    if len(set(lengths)) > 1:
+        raise ValueError(
+            f"every list in {name} must have the same length (all FedSGD clients share one local_batch_size), "
+            f"got lengths {lengths}"
+        )
+    return lists
+
+
+def tap_fedsgd_round(
+    model: nn.Module,
+    datamodule: L.LightningDataModule,
+    *,
+    defenses: Sequence[Callback] = (),
+    attack: GradientAttack | None = None,
+    round: int = 0,
+    clients: Sequence[int] | None = None,
+    num_clients: int = 10,
+    local_batch_size: int | None = None,
+    indices: Sequence[Sequence[int]] | None = None,
+    positions: Sequence[Sequence[int]] | None = None,
+    algorithm: Literal["fedsgd", "fedavg"] = "fedsgd",
+    local_lr: float = 0.1,
+    server_optimizer: Literal["sgd", "adam"] = "adam",
+    server_lr: float = 1e-3,
+    seed: int = 0,
+) -> tuple[list[TappedGradient], nn.Module, dict[str, Any]]:
+    """Run FedSGD through ``round`` and return the shared gradients of ``clients`` in that round.
+
+    With ``algorithm="fedavg"`` each client runs one local SGD step at ``local_lr`` instead and
+    shares that update (a module that shares weights, e.g. PriPrune, needs FedAvg). Rounds before
+    ``round`` apply the aggregate with ``server_optimizer`` at ``server_lr``.
+
+    Every client takes part in every round, and each client's batch is drawn by the simulation's
+    sampler, except where the attacked images are chosen:
+
+    - ``indices``: one list of training-set indices (into ``datamodule.train_dataset``) per
+      attacked client, e.g. ``[[12, 7], [301, 5]]``: in round ``round`` that client's batch is
+      exactly these images, in this order;
+    - ``positions``: the same, as positions within each attacked client's own partition.
+
+    The round still goes through the simulation's FedSGD step with the ``defenses`` callbacks,
+    so each tapped gradient is exactly what the defenses let out for those images. ``clients``
+    defaults to ``[0]``, or ``0 .. len(indices) - 1`` with chosen images; ``local_batch_size``
+    to the length of the chosen lists, else 1. Each record's ``meta["dataset_indices"]`` lists
+    the training-set indices of its batch.
+
+    Returns the records, the model the server sent (modified if ``attack`` is active) and the
+    server's secrets for the attack.
+    """
+    check_int(round, "round", low=0)
+    check_positive_int(num_clients, "num_clients")
+    if indices is not None and positions is not None:
+        raise ValueError("pass indices (training-set indices) or positions (within each client's partition), not both")
+    L.seed_everything(seed, verbose=False)
+    datamodule.setup("fit")
+    chosen_name = "indices" if indices is not None else "positions" if positions is not None else None
+    chosen: list[list[int]] | None = None
+    if chosen_name is not None:
+        train_dataset = getattr(datamodule, "train_dataset", None)
+        if train_dataset is None:
+            raise ValueError(
+                f"{type(datamodule).__name__} has no train_dataset after setup('fit') to take {chosen_name} from"
+            )
+        high = len(train_dataset) - 1 if chosen_name == "indices" else None
+        chosen = _chosen_lists(indices if indices is not None else positions, chosen_name, high)
+    if clients is None:
+        clients = list(range(len(chosen))) if chosen is not None else [0]
+    clients = [_as_int(c) for c in clients]
+    if not clients or any(isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < num_clients for c in clients):
+        raise ValueError(f"clients must be ids in [0, {num_clients}), got {clients}")
+    if len(set(clients)) != len(clients):
+        raise ValueError(f"clients must be distinct, got {clients}")
+    if chosen is not None and len(chosen) != len(clients):
+        raise ValueError(
+            f"{chosen_name} needs one list per attacked client: clients {clients} but {len(chosen)} list(s) in "
+            f"{chosen_name}"
+        )
+    if local_batch_size is None:
+        local_batch_size = len(chosen[0]) if chosen is not None else 1
+    check_positive_int(local_batch_size, "local_batch_size")
+    if chosen is not None and len(chosen[0]) != local_batch_size:
+        raise ValueError(
+            f"local_batch_size={local_batch_size} disagrees with the {len(chosen[0])} image(s) per client in "
+            f"{chosen_name}: every client's batch holds local_batch_size images"
+        )
+
+    model, secrets = malicious_server_model(attack, model, datamodule)
+    simulation = FederatedSimulation(
+        model,
+        datamodule=datamodule,
+        num_clients=num_clients,
+        clients_per_round=num_clients,
+        local_batch_size=local_batch_size,
+        server_optimizer=server_optimizer,
+        server_lr=server_lr,
+        algorithm=algorithm,
+        local_lr=local_lr,
+        seed=seed,
+    )
+    if chosen is not None:
+        for client, items in zip(clients, chosen):
+            simulation.choose_batch(round, client, items, by="index" if chosen_name == "indices" else "position")
+    taps = [GradientTap(client_id=c, rounds=[round]) for c in clients]
+    with quiet_lightning():
+        internal_trainer(max_steps=round + 1, callbacks=[*defenses, *taps]).fit(simulation)
+    records = [tap.latest() for tap in taps]
+    for record in records:
+        record.meta["dataset_indices"] = simulation.local_indices(round, record.client_id)
+    return records, model, secrets
+
+
+def _strip_wrapper(record: TappedGradient, prefix: str) -> TappedGradient:
+    """The record in the bare model's names: a wrapper's ``prefix`` removed, its own state dropped."""
+    gradients = {n.removeprefix(prefix): g for n, g in record.gradients.items() if n.startswith(prefix)}
+    if len(gradients) != len(record.gradients):
+        extra = [n for n in record.gradients if not n.startswith(prefix)]
+        raise ValueError(f"the wrapper shared parameters outside its wrapped model: {extra}")
+    state = {n.removeprefix(prefix): t for n, t in record.model_state.items() if n.startswith(prefix)}
+    return dataclasses.replace(record, gradients=gradients, model_state=state)
+
+
+class _ChosenImages(L.LightningDataModule):
+    """The training images of one client, in order, as one batch (for the plain-Trainer runner)."""
+
+    def __init__(self, dataset: Any, indices: Sequence[int]) -> None:
+        super().__init__()
+        self.subset = Subset(dataset, list(indices))
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.subset, batch_size=len(self.subset), shuffle=False)
+
+
+def _tap_with_trainer(
+    setting: DefenseSetting, model: nn.Module, datamodule: Any, indices: Sequence[Sequence[int]], lr: float, seed: int
+) -> list[TappedGradient]:
+    """Each client trains one step from ``model`` in its own ``Trainer`` with the setting's callbacks
+    (client ``c``'s random streams seeded by ``seed + c``)."""
+    from lightning_gp.models import ImageClassifier
+
+    records = []
+    for client, chosen in enumerate(indices):
+        L.seed_everything(seed + client, verbose=False)
+        module = ImageClassifier(copy.deepcopy(model), lr=lr)
+        tap = GradientTap(rounds=[0])
+        callbacks = [copy.deepcopy(cb) for cb in setting.callbacks]
+        with quiet_lightning():
+            trainer = internal_trainer(max_steps=1, callbacks=[*callbacks, tap])
+            trainer.fit(module, datamodule=_ChosenImages(datamodule.train_dataset, chosen))
+        record = tap.latest()
+        record = dataclasses.replace(record, client_id=client)
+        record.meta["dataset_indices"] = list(chosen)
+        records.append(_strip_wrapper(record, "model."))
+    return records
+
+
+def tap_defended_round(
+    setting: DefenseSetting,
+    model: nn.Module,
+    datamodule: L.LightningDataModule,
+    *,
+    indices: Sequence[Sequence[int]],
+    num_clients: int = 10,
+    attack: GradientAttack | None = None,
+    seed: int = 0,
+) -> tuple[list[TappedGradient], nn.Module, dict[str, Any]]:
+    """Round 0 of ``setting`` with client ``c``'s batch the training images ``indices[c]``.
+
+    ``model`` is the server's model at the round (the caller seeds its initialisation); a setting
+    that changes the architecture (PRECODE) changes it, and an active ``attack`` (Robbing the Fed)
+    then replaces it, as a malicious server would. Returns the records in the parameter names of
+    the model the server sent (a wrapping module's prefix removed), that model (with the round's
+    weights in each record) and the server's secrets.
+    """
+    datamodule.setup("fit")
+    model, secrets = malicious_server_model(attack, setting.server_model(copy.deepcopy(model)), datamodule)
+    if setting.runner == "trainer":
+        return _tap_with_trainer(setting, model, datamodule, indices, setting.local_lr, seed), model, secrets
+    client_model = setting.wrap(model) if setting.wrap is not None else model
+    records, _, _ = tap_fedsgd_round(
+        client_model,
+        datamodule,
+        defenses=[copy.deepcopy(cb) for cb in setting.callbacks],
+        clients=list(range(len(indices))),
+        num_clients=max(num_clients, len(indices)),
+        indices=indices,
+        algorithm=setting.algorithm,
+        local_lr=setting.local_lr,
+        server_optimizer=setting.server_optimizer,
+        server_lr=setting.server_lr,
+        seed=seed,
+    )
+    if setting.wrap is not None:
+        records = [_strip_wrapper(r, "module.") for r in records]
+    return records, model, secrets

@@ -1,0 +1,461 @@
+"""Every attack against one defense setting, judged by the worst case per threat model: the engine of the
+matrix and the demo.
+
+For one :class:`~lightning_gp.audit.catalog.DefenseSetting` :func:`audit_setting` taps a round of chosen
+client images (:func:`~lightning_gp.audit.rounds.tap_defended_round`), runs every published attack
+and the setting's adaptive attack(s) on each client's shared gradient, scores each attack over all
+the clients' images, and judges the setting by the per-image worst case over the attacks
+(:func:`~lightning_gp.audit.verdict.worst_case_report`), once per threat model:
+
+- **passive** (honest-but-curious server): it sees what the clients send and knows the defense; the
+  published passive attacks and the adaptive attacks;
+- **active** (malicious server): it may also send a modified model (Robbing the Fed, the
+  ATS-aware Robbing, any attack with ``modify_model``); the worst case over passive and active.
+
+Cells: ``ok``; ``n/a`` when the attack's own precondition check raised
+:class:`~lightning_gp.attacks.AttackNotApplicable` (R-GAP on a model with biases, GradInversion's
+BatchNorm prior without BatchNorm), with the reason; ``fallback`` when an adaptive attack ran the
+published one because it does not model the defense; ``error`` for any other exception, printed
+whole. Fallback cells are real attacks: they enter the worst case. A clients' images that an
+attack failed on score "not reconstructed" and the others keep their scores. A verdict is never
+"private" with an error cell, a fallback or an adaptive attack that could not apply: it is
+"inconclusive", with the reasons.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import lightning as L
+import torch
+from torch import Tensor, nn
+
+from lightning_gp.attacks import (
+    DLG,
+    IDLG,
+    RGAP,
+    AttackNotApplicable,
+    GradientAttack,
+    GradInversion,
+    InvertingGradients,
+    Reconstruction,
+    RobbingTheFed,
+    ServerView,
+)
+from lightning_gp.audit.catalog import DefenseSetting
+from lightning_gp.audit.engine import AttackResult, attack_record, attacker_loss
+from lightning_gp.audit.rounds import public_batch, tap_defended_round
+from lightning_gp.audit.verdict import BaselineScores, LeakRule, WorstCaseReport, trivial_baselines, worst_case_report
+from lightning_gp.metrics import ReconstructionReport, concatenate_reports, reconstruction_report
+from lightning_gp.records import TappedGradient
+from lightning_gp.validation import check_positive_int
+
+AttackKind = Literal["published", "adaptive"]
+CellStatus = Literal["ok", "n/a", "fallback", "error"]
+ThreatModel = Literal["passive", "active"]
+THREAT_MODELS: tuple[ThreatModel, ...] = ("passive", "active")
+
+
+@dataclass(frozen=True)
+class AttackBudget:
+    """Iterations of every attack (the matrix's ``--quick`` and full budgets are two of these).
+
+    Attributes:
+        ig_iterations: Adam steps of Inverting Gradients, GradInversion and the adaptive Adam attacks.
+        lbfgs_iterations: outer L-BFGS steps of DLG, iDLG and the adaptive L-BFGS attack.
+        adaptive_restarts: restarts of the adaptive Adam attack (the adaptive L-BFGS keeps >= 4).
+        rtf_bins: bins of Robbing the Fed's imprint block.
+    """
+
+    ig_iterations: int = 1000
+    lbfgs_iterations: int = 100
+    adaptive_restarts: int = 1
+    rtf_bins: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("ig_iterations", "lbfgs_iterations", "adaptive_restarts", "rtf_bins"):
+            check_positive_int(getattr(self, name), name)
+
+
+@dataclass(frozen=True)
+class AttackSpec:
+    """A column of the matrix: ``build(seed, model)`` gives a fresh attack for one client."""
+
+    name: str
+    kind: AttackKind
+    build: Callable[[int, nn.Module], GradientAttack]
+
+
+def _has_batch_norm(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def published_attacks(budget: AttackBudget, names: Sequence[str] | None = None) -> list[AttackSpec]:
+    """The published attacks of the matrix (all, or the ``names`` given, in that order)."""
+    specs = [
+        AttackSpec("DLG", "published", lambda seed, model: DLG(iterations=budget.lbfgs_iterations, seed=seed)),
+        AttackSpec("iDLG", "published", lambda seed, model: IDLG(iterations=budget.lbfgs_iterations, seed=seed)),
+        AttackSpec(
+            "IG", "published", lambda seed, model: InvertingGradients(iterations=budget.ig_iterations, seed=seed)
+        ),
+        AttackSpec(
+            "GradInversion",
+            "published",
+            # the BatchNorm prior needs BatchNorm layers: without them the L2 + TV + norm priors remain
+            lambda seed, model: GradInversion(
+                iterations=budget.ig_iterations, bn_weight=1e-2 if _has_batch_norm(model) else 0.0, seed=seed
+            ),
+        ),
+        AttackSpec("R-GAP", "published", lambda seed, model: RGAP(seed=seed)),
+        AttackSpec("RtF", "published", lambda seed, model: RobbingTheFed(num_bins=budget.rtf_bins, seed=seed)),
+    ]
+    if names is None:
+        return specs
+    by_name = {s.name: s for s in specs}
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise ValueError(f"unknown attack(s) {unknown}; published attacks: {list(by_name)}")
+    return [by_name[n] for n in names]
+
+
+@dataclass
+class Cell:
+    """One attack against one setting, over all attacked images.
+
+    Attributes:
+        status: ``"ok"``; ``"n/a"`` (the attack does not apply: ``note`` says why); ``"fallback"``
+            (an adaptive attack ran the published one: it does not model this defense); ``"error"``
+            (``note`` holds the whole message; the images it failed on score "not reconstructed").
+        threat: ``"active"`` for an attack that sends a modified model, else ``"passive"``.
+        means: mean PSNR/SSIM/LPIPS/... over the images (``{}`` when nothing was scored).
+        leak_fraction: fraction of the images this attack alone leaks (:class:`~lightning_gp.audit.LeakRule`).
+        trained_means, trained_leak_fraction: the same, scored against the images the client trained
+            on, for a defense that transforms them (ATS-T; ``means`` is against the raw image, ATS-R).
+    """
+
+    defense: str
+    attack: str
+    kind: AttackKind
+    status: CellStatus
+    note: str = ""
+    means: dict[str, float | None] = field(default_factory=dict)
+    leak_fraction: float | None = None
+    seconds: float = 0.0
+    trained_means: dict[str, float | None] = field(default_factory=dict)
+    trained_leak_fraction: float | None = None
+    threat: ThreatModel = "passive"
+
+    def summary(self) -> str:
+        """One line for progress output: the scores, or the status and why (whole)."""
+        if not self.means or self.means.get("psnr") is None:
+            return f"{self.attack:32s} {self.status}: {self.note} ({self.seconds:.0f} s)"
+        marked = f" ({self.status}: {self.note})" if self.status in ("fallback", "error") else ""
+        trained = (
+            f"; vs the transformed images PSNR {self.trained_means['psnr']:.1f} dB, SSIM "
+            f"{self.trained_means['ssim']:.3f}"
+            if self.trained_means and self.trained_means.get("psnr") is not None
+            else ""
+        )
+        return (
+            f"{self.attack:32s} PSNR {self.means['psnr']:.1f} dB, SSIM {self.means['ssim']:.3f}, "
+            f"{self.leak_fraction:.0%} of images leak{trained}{marked} ({self.seconds:.0f} s)"
+        )
+
+    def gap(self) -> str | None:
+        """Why this cell leaves the audit incomplete (``None``: it does not)."""
+        if self.status == "error":
+            return f"{self.attack} failed: {self.note}"
+        if self.status == "fallback":
+            return f"{self.attack} fell back to the published attack ({self.note})"
+        if self.status == "n/a" and self.kind == "adaptive":
+            return f"the adaptive attack {self.attack} could not apply: {self.note}"
+        return None
+
+
+@dataclass
+class SettingAudit:
+    """Every attack against one setting, and the worst case over them per threat model.
+
+    Attributes:
+        passive: the worst case over the passive attacks (published and adaptive);
+        active: over every attack, the malicious server's modified models included. Either is
+            ``None`` when no attack of it produced a report.
+    """
+
+    setting: str
+    cells: list[Cell]
+    passive: WorstCaseReport | None
+    active: WorstCaseReport | None
+    results: dict[str, list[AttackResult]] = field(default_factory=dict, repr=False)
+
+    @property
+    def worst(self) -> WorstCaseReport | None:
+        """The worst case over every attack (the active threat model)."""
+        return self.active
+
+    def verdict(self, threat: ThreatModel) -> str:
+        report = self.passive if threat == "passive" else self.active
+        return "inconclusive" if report is None else report.verdict
+
+    def summary_lines(self) -> list[str]:
+        """Progress output: one line per attack, then the worst case and the verdict per threat model."""
+        lines = [cell.summary() for cell in self.cells]
+        for threat, report in (("passive", self.passive), ("active", self.active)):
+            if report is None:
+                lines.append(f"{threat} server: inconclusive (no attack produced a report)")
+                continue
+            psnr = report.means["psnr"]
+            line = (
+                f"{threat} server: worst-case PSNR {'-' if psnr is None else f'{psnr:.1f}'} dB, "
+                f"{report.leak_fraction:.0%} of images leak -> {report.verdict}"
+            )
+            if report.verdict != "private" and report.verdict_reasons:
+                line += f" ({'; '.join(report.verdict_reasons)})"
+            lines.append(line)
+        return lines
+
+    def cell(self, attack: str) -> Cell:
+        for cell in self.cells:
+            if cell.attack == attack:
+                return cell
+        raise KeyError(
+            f"no attack {attack!r} in the audit of {self.setting}; attacks: {[c.attack for c in self.cells]}"
+        )
+
+
+def _not_reconstructed(record: TappedGradient, name: str) -> Reconstruction:
+    """What an attack that failed on one client rebuilt: nothing (non-finite images, scored
+    "not reconstructed" image by image)."""
+    assert record.inputs is not None
+    return Reconstruction(torch.full_like(record.inputs, float("nan")), None, attack=name)
+
+
+def _run_attack(
+    name: str,
+    kind: AttackKind,
+    attacks: Sequence[GradientAttack],
+    records: Sequence[TappedGradient],
+    model: nn.Module,
+    setting: DefenseSetting,
+    datamodule: Any,
+    secrets: dict[str, Any],
+    lpips_fn: nn.Module | None,
+    log: Callable[[str], None],
+    rule: LeakRule,
+    reference: Tensor,
+) -> tuple[Cell, list[AttackResult]]:
+    start = time.perf_counter()
+    results: list[AttackResult] = []
+    errors: list[str] = []
+    for attack, record in zip(attacks, records):
+        try:
+            results.append(
+                attack_record(
+                    record,
+                    model,
+                    attack,
+                    num_classes=datamodule.num_classes,
+                    mean=datamodule.mean,
+                    std=datamodule.std,
+                    server_secrets=secrets,
+                    lpips_fn=lpips_fn,
+                    lpips=lpips_fn is not None,
+                )
+            )
+        except AttackNotApplicable as err:  # the attack's own check that it cannot apply (model, loss, batch)
+            return Cell(setting.name, name, kind, "n/a", str(err), seconds=time.perf_counter() - start), []
+        except Exception as err:  # loud, and marked: never a silently missing column
+            log(f"   {name} FAILED on {setting.name}, client {record.client_id}: {type(err).__name__}: {err}")
+            log(traceback.format_exc())
+            errors.append(f"client {record.client_id}: {type(err).__name__}: {err}")
+            results.append(_failed_result(record, model, name, datamodule, lpips_fn))
+    fallbacks = sorted(
+        {
+            str(r.reconstruction.meta.get("fallback_reason", ""))
+            for r in results
+            if r.reconstruction.meta.get("fallback")
+        }
+    )
+    status: CellStatus = "error" if errors else "fallback" if fallbacks else "ok"
+    merged = concatenate_reports([r.report for r in results])
+    guesses = _guesses(merged, reference)
+    cell = Cell(
+        setting.name,
+        name,
+        kind,
+        status,
+        "; ".join(errors or fallbacks),
+        merged.means,
+        rule.leak_fraction(merged, guesses),
+        time.perf_counter() - start,
+    )
+    if setting.trained_inputs is not None:
+        trained = concatenate_reports(
+            [_score_against_trained_inputs(r, setting, datamodule, lpips_fn) for r in results]
+        )
+        cell.trained_means = trained.means
+        cell.trained_leak_fraction = rule.leak_fraction(trained, _guesses(trained, reference))
+    return cell, results
+
+
+def reference_pixels(datamodule: Any, size: int = 1000) -> Tensor:
+    """Public images the server holds (the test split, :func:`~lightning_gp.audit.rounds.public_batch`)
+    as pixels in [0, 1]: their mean image is the "dataset mean" guess."""
+    images = public_batch(datamodule, size).detach().float().cpu()
+    channels = images.shape[1]
+    mean = torch.as_tensor(datamodule.mean, dtype=images.dtype).reshape(-1, 1, 1).expand(channels, 1, 1)
+    std = torch.as_tensor(datamodule.std, dtype=images.dtype).reshape(-1, 1, 1).expand(channels, 1, 1)
+    return (images * std + mean).clamp(0, 1)
+
+
+def _guesses(report: ReconstructionReport, reference: Tensor) -> list[BaselineScores]:
+    """The trivial guesses on ``report``'s originals, the public mean image included."""
+    if report.original_pixels is None:
+        return []
+    return trivial_baselines(report.original_pixels, reference_images=reference)
+
+
+def _failed_result(
+    record: TappedGradient, model: nn.Module, name: str, datamodule: Any, lpips_fn: nn.Module | None
+) -> AttackResult:
+    """The result of an attack that raised on ``record``: every image "not reconstructed"."""
+    assert record.inputs is not None
+    view = ServerView.from_tap(
+        record,
+        model,
+        num_classes=datamodule.num_classes,
+        mean=tuple(datamodule.mean),
+        std=tuple(datamodule.std),
+        loss_fn=attacker_loss(model),
+    )
+    reconstruction = _not_reconstructed(record, name)
+    report = reconstruction_report(
+        reconstruction, record.inputs, view, true_labels=record.targets, lpips=lpips_fn is not None, lpips_fn=lpips_fn
+    )
+    return AttackResult(record, view, reconstruction, report, 0.0)
+
+
+def _score_against_trained_inputs(
+    result: AttackResult, setting: DefenseSetting, datamodule: Any, lpips_fn: nn.Module | None
+) -> ReconstructionReport:
+    """One client's reconstruction scored against the images it trained on (ATS-T). An attack that
+    estimates both keeps its estimate of the trained images in ``meta["transformed"]``."""
+    assert setting.trained_inputs is not None
+    trained = setting.trained_inputs(result.record, datamodule)
+    reconstruction = result.reconstruction
+    if "transformed" in reconstruction.meta:
+        reconstruction = Reconstruction(reconstruction.meta["transformed"], reconstruction.labels)
+    return reconstruction_report(
+        reconstruction,
+        trained,
+        result.view,
+        true_labels=result.record.targets,
+        lpips=lpips_fn is not None,
+        lpips_fn=lpips_fn,
+    )
+
+
+def _threat(attack: GradientAttack) -> ThreatModel:
+    return "active" if callable(getattr(attack, "modify_model", None)) else "passive"
+
+
+def audit_setting(
+    setting: DefenseSetting,
+    model: nn.Module,
+    datamodule: L.LightningDataModule,
+    *,
+    indices: Sequence[Sequence[int]],
+    published: Sequence[AttackSpec],
+    budget: AttackBudget = AttackBudget(),
+    adaptive: bool = True,
+    num_clients: int = 10,
+    seed: int = 0,
+    lpips_fn: nn.Module | None = None,
+    rule: LeakRule | None = None,
+    log: Callable[[str], None] = print,
+) -> SettingAudit:
+    """Attack the clients of ``setting`` (client ``c`` holds the training images ``indices[c]``,
+    the model at ``model``'s weights) with every ``published`` attack and, with ``adaptive``, the
+    setting's adaptive attacks (one attacker modelling every defense of it); judge by the worst case
+    per threat model. ``lpips_fn=None`` skips LPIPS (then no verdict can be "private": the semantic
+    test did not run). ``rule`` is the leak rule (default :class:`~lightning_gp.audit.LeakRule`)."""
+    data: Any = datamodule
+    rule = rule if rule is not None else LeakRule()
+    reference = reference_pixels(datamodule)
+    passive_records, sent_model, _ = tap_defended_round(
+        setting, model, datamodule, indices=indices, num_clients=num_clients, seed=seed
+    )
+    cells: list[Cell] = []
+    results: dict[str, list[AttackResult]] = {}
+
+    def run(name: str, kind: AttackKind, attacks: list[GradientAttack]) -> None:
+        threat = _threat(attacks[0])
+        if threat == "active":  # the server sends its own model this round
+            records, active_model, secrets = tap_defended_round(
+                setting, model, datamodule, indices=indices, num_clients=num_clients, attack=attacks[0], seed=seed
+            )
+            attacks = [attacks[0]] * len(indices)  # one malicious model, its secrets shared by every client
+        else:
+            records, active_model, secrets = passive_records, sent_model, {}
+        log(f"   {name} on {setting.name} ...")
+        cell, out = _run_attack(
+            name, kind, attacks, records, active_model, setting, data, secrets, lpips_fn, log, rule, reference
+        )
+        cell.threat = threat
+        cells.append(cell)
+        if out:
+            results[name] = out
+
+    for spec in published:
+        run(spec.name, spec.kind, [spec.build(seed + c, sent_model) for c in range(len(indices))])
+    gaps: list[str] = []
+    if adaptive and not setting.undefended:
+        per_client = [
+            setting.adaptive_attacks(
+                model,
+                datamodule,
+                iterations=budget.ig_iterations,
+                lbfgs_iterations=budget.lbfgs_iterations,
+                restarts=budget.adaptive_restarts,
+                seed=seed + c,
+            )
+            for c in range(len(indices))
+        ]
+        if not per_client[0]:
+            gaps.append(f"{setting.name} declares no adaptive attack")
+        for k in range(len(per_client[0])):
+            run(f"adaptive:{type(per_client[0][k]).__name__}", "adaptive", [a[k] for a in per_client])
+    elif not setting.undefended:
+        gaps.append("the adaptive attacks were not run (adaptive=False)")
+    judged = {threat: _judge(threat, cells, results, rule, gaps, reference) for threat in THREAT_MODELS}
+    return SettingAudit(setting.name, cells, judged["passive"], judged["active"], results)
+
+
+def _judge(
+    threat: ThreatModel,
+    cells: Sequence[Cell],
+    results: dict[str, list[AttackResult]],
+    rule: LeakRule,
+    gaps: Sequence[str],
+    reference: Tensor,
+) -> WorstCaseReport | None:
+    """The worst case of one threat model: the passive cells, or every cell for the active server."""
+    chosen = [c for c in cells if threat == "active" or c.threat == "passive"]
+    reports = [concatenate_reports([r.report for r in results[c.attack]]) for c in chosen if c.attack in results]
+    if not reports:
+        return None
+    incomplete = [*gaps, *(g for c in chosen if (g := c.gap()) is not None)]
+    if threat == "active" and not any(c.threat == "active" for c in chosen):
+        incomplete.append("no active attack was run")
+    return worst_case_report(
+        reports,
+        leak_thresholds=rule.thresholds,
+        noise_ratio_line=rule.noise_ratio_line,
+        reference_images=reference,
+        incomplete=incomplete,
+        threat_model=threat,
+    )
