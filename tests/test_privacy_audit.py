@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import math
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -18,9 +19,15 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_gp.attacks import IDLG, InvertingGradients
+from lightning_gp.attacks import (
+    IDLG,
+    AttackNotApplicable,
+    GradientAttack,
+    InvertingGradients,
+    UnmodelledDefenseWarning,
+)
 from lightning_gp.audit import PrivacyAudit
-from lightning_gp.callbacks import MagnitudePruning
+from lightning_gp.callbacks import GaussianNoise, MagnitudePruning, TopKPruning
 from lightning_gp.federated import FederatedSimulation
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -189,3 +196,61 @@ def test_bad_inputs_are_clear_errors(tmp_path) -> None:
     audit = PrivacyAudit(attacks=tiny_attacks(), **KNOWN)
     with pytest.raises(ValueError, match="record_data=True"):
         audit.observe({}, client_id=0, round=0, model=small_cnn(), batch=None, meta={"path": "local"})
+
+
+class _Raises(GradientAttack):
+    def __init__(self, error: Exception) -> None:
+        super().__init__(seed=0)
+        self.error = error
+
+    def reconstruct(self, view):
+        raise self.error
+
+
+def test_failed_or_inapplicable_attacks_make_the_verdict_inconclusive_without_stopping_the_run() -> None:
+    broken = PrivacyAudit(
+        steps=[0],
+        attacks=[InvertingGradients(iterations=2), _Raises(RuntimeError("diverged. Step 3."))],
+        adaptive=False,
+        thresholds={"psnr": 15.0, "ssim": 0.5},  # LPIPS of 12x12 images upsampled for AlexNet says little
+        save_images=False,
+        **KNOWN,
+    )
+    with pytest.warns(UserWarning, match="diverged. Step 3."):
+        fit_local([broken], steps=1)
+    (result,) = broken.results
+    assert result.skipped == {"_Raises": "error: RuntimeError: diverged. Step 3."}
+    assert result.worst.verdict == "inconclusive", result.worst.verdict_reasons
+    assert any("diverged. Step 3." in reason for reason in result.worst.verdict_reasons), result.worst.verdict_reasons
+
+    nothing = PrivacyAudit(
+        steps=[0], attacks=[_Raises(AttackNotApplicable("needs BatchNorm"))], adaptive=False, save_images=False, **KNOWN
+    )
+    with pytest.warns(UserWarning, match="no attack could run"):
+        fit_local([nothing], steps=1)
+    (result,) = nothing.results
+    assert result.worst.verdict == "inconclusive" and result.worst.batch_size == 1
+    assert any("no attack could run" in reason for reason in result.worst.verdict_reasons)
+
+
+def test_the_attacker_uses_the_given_loss_and_the_composed_adaptive_attack() -> None:
+    def smoothed(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits, targets, label_smoothing=0.1)
+
+    audit = PrivacyAudit(
+        steps=[0],
+        attacks=[InvertingGradients(iterations=2)],
+        adaptive_budget={"iterations": 2, "lbfgs_iterations": 2},
+        loss_fn=smoothed,
+        save_images=False,
+        **KNOWN,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnmodelledDefenseWarning)
+        fit_local([GaussianNoise(scale=1e-3, seed=0), TopKPruning(k=0.5, seed=0), audit], steps=1)
+    (result,) = audit.results
+    assert all(r.view.loss_fn is smoothed for r in result.attacks)
+    adaptive = [r for r in result.attacks if r.reconstruction.meta.get("defense")]
+    assert adaptive and all(not r.reconstruction.meta.get("fallback") for r in adaptive)
+    assert {r.reconstruction.meta["defense"] for r in adaptive} == {"GaussianNoise+TopKPruning"}
+    assert not any("fell back" in reason for reason in result.worst.verdict_reasons)

@@ -15,7 +15,9 @@ One idea per module, layered bottom-up (no module imports one above it):
 - :mod:`.training`: what a setting costs (:func:`train_setting`);
 - :mod:`.callback`: :class:`PrivacyAudit`, the audit inside a user's own training run.
 
-See ``docs/architecture.md`` for the flow from catalogue to verdict.
+The flow: catalogue -> :class:`DefenseSetting` -> tapped round (what each client shared) -> every
+published attack and the setting's adaptive attack (:func:`attack_record`) -> per-attack reports ->
+worst case per threat model -> verdict with its reasons.
 """
 
 from lightning_gp.audit.callback import AuditResult, PrivacyAudit

@@ -58,6 +58,7 @@ from lightning_gp.attacks import (
     AttackNotApplicable,
     GradientAttack,
     InvertingGradients,
+    Reconstruction,
     adaptive_attacks_of,
     has_adaptive_attack,
 )
@@ -74,6 +75,7 @@ from lightning_gp.audit.verdict import (
 from lightning_gp.callbacks.base import SharedGradientObserver
 from lightning_gp.callbacks.interfaces import ClientSetup, DefenseStage
 from lightning_gp.callbacks.tap import StepBatches, tapped_record
+from lightning_gp.metrics import reconstruction_report
 from lightning_gp.metrics.figures import save_comparison_grid
 from lightning_gp.records import TappedGradient
 from lightning_gp.validation import check_bool, check_int
@@ -496,12 +498,21 @@ class PrivacyAudit(SharedGradientObserver):
                     f"{name} fell back to the published attack ({result.reconstruction.meta.get('fallback_reason')})"
                 )
             results.append(result)
-        if not results:
-            raise RuntimeError(
-                f"PrivacyAudit: no attack could run on step {record.round}, client {record.client_id}: {skipped}"
+        reports = [r.report for r in results]
+        if not reports:  # nothing was reconstructed: an inconclusive verdict, never a crash of the user's run
+            warnings.warn(
+                f"PrivacyAudit: no attack could run at step {record.round}, client {record.client_id}: {skipped}",
+                stacklevel=2,
             )
+            gaps.append(f"no attack could run ({'; '.join(f'{n}: {why}' for n, why in skipped.items())})")
+            nothing = Reconstruction(torch.full_like(record.inputs, math.nan), None, attack="no attack ran")
+            reports = [
+                reconstruction_report(
+                    nothing, record.inputs, (mean, std), true_labels=record.targets, lpips=False, noise_ratio=False
+                )
+            ]
         worst = worst_case_report(
-            [r.report for r in results],
+            reports,
             thresholds=self.thresholds,
             leak_thresholds=self.rule.thresholds,
             noise_ratio_line=self.rule.noise_ratio_line,
