@@ -69,7 +69,7 @@ from lightning_gp.audit.verdict import (
     VERDICT_THRESHOLDS,
     LeakRule,
     WorstCaseReport,
-    check_metric_thresholds,
+    check_verdict_thresholds,
     worst_case_report,
 )
 from lightning_gp.callbacks.base import SharedGradientObserver
@@ -235,12 +235,7 @@ class PrivacyAudit(SharedGradientObserver):
             raise TypeError(f"loss_fn must be callable (loss(logits, targets)), got {type(loss_fn).__name__}")
         self.loss_fn = loss_fn
         self._loss_fn: Callable[[Tensor, Tensor], Tensor] | None = loss_fn
-        self.thresholds = check_metric_thresholds(thresholds, "thresholds")
-        if "noise_ratio" in self.thresholds:
-            raise ValueError(
-                "thresholds: the mean noise ratio calls a blank guess a leak, so it does not enter the verdict "
-                "(it is still scored and logged); see LeakRule for its paired per-image test"
-            )
+        self.thresholds = check_verdict_thresholds(thresholds)
         self.rule = LeakRule(leak_thresholds, noise_ratio_line)
         self.leak_thresholds = dict(self.rule.thresholds)
         if isinstance(max_leak_fraction, bool) or not 0.0 <= float(max_leak_fraction) <= 1.0:

@@ -496,12 +496,7 @@ def worst_case_report(
     for i, report in enumerate(reports):
         if not isinstance(report, ReconstructionReport):
             raise TypeError(f"reports[{i}] must be a ReconstructionReport, got {type(report).__name__}")
-    thresholds = check_metric_thresholds(thresholds, "thresholds")
-    if "noise_ratio" in thresholds:
-        raise ValueError(
-            "thresholds: the mean noise ratio calls a blank guess a leak, so it does not enter the verdict; it stays a "
-            "reported score (see LeakRule for the paired per-image test)"
-        )
+    thresholds = check_verdict_thresholds(thresholds)
     rule = LeakRule(leak_thresholds, noise_ratio_line)
     if isinstance(max_leak_fraction, bool) or not 0.0 <= float(max_leak_fraction) <= 1.0:
         raise ValueError(f"max_leak_fraction must be in [0, 1], got {max_leak_fraction!r}")
@@ -579,6 +574,18 @@ def worst_case_report(
         original_pixels=originals,
         best_psnr_pixels=best_pixels,
     )
+
+
+def check_verdict_thresholds(thresholds: Mapping[str, float]) -> dict[str, float]:
+    """The verdict's mean thresholds, checked: known metrics, numbers, and no noise ratio (it calls a
+    blank guess a leak; it stays a reported score, see :class:`LeakRule` for its paired test)."""
+    checked = check_metric_thresholds(thresholds, "thresholds")
+    if "noise_ratio" in checked:
+        raise ValueError(
+            "thresholds: the mean noise ratio calls a blank guess a leak, so it does not enter the verdict; it stays a "
+            "reported score (see LeakRule for the paired per-image test)"
+        )
+    return checked
 
 
 def _common_originals(reports: Sequence[ReconstructionReport]) -> Tensor | None:
