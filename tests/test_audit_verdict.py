@@ -118,6 +118,33 @@ def test_an_attack_that_fails_on_one_client_keeps_the_other_clients_leaks(datamo
     assert [r.report.not_reconstructed for r in audit.results["RtF"]] == [[], [0], []]
 
 
+def test_an_attack_that_raises_on_one_client_keeps_the_others_and_marks_the_cell_error(datamodule) -> None:
+    class FailSecondClient(RobbingTheFed):
+        calls = 0
+
+        def reconstruct(self, view: ServerView) -> Reconstruction:
+            FailSecondClient.calls += 1
+            if FailSecondClient.calls == 2:
+                raise RuntimeError("lost the imprint. Second client.")
+            return super().reconstruct(view)
+
+    audit = audit_setting(
+        DefenseSetting("undefended"),
+        seeded_model(),
+        datamodule,
+        indices=[[0], [1], [2]],
+        published=[spec("RtF", lambda: FailSecondClient(num_bins=8, seed=0))],
+        budget=TINY,
+        lpips_fn=None,
+        log=lambda line: None,
+    )
+    cell = audit.cell("RtF")
+    assert cell.status == "error" and "lost the imprint. Second client." in cell.note
+    assert audit.active is not None and audit.active.verdict == "leaks"  # the leaks found stand
+    assert [r.leaks for r in audit.active.rows] == [True, False, True]
+    assert [r.report.not_reconstructed for r in audit.results["RtF"]] == [[], [0], []]
+
+
 # ----------------------------------------------------------------------- item 2: n/a vs error
 class Raises(GradientAttack):
     def __init__(self, error: Exception) -> None:

@@ -249,11 +249,11 @@ def _run_attack(
     reference: Tensor,
 ) -> tuple[Cell, list[AttackResult]]:
     start = time.perf_counter()
-    results: list[AttackResult] = []
+    outcomes: list[AttackResult | TappedGradient] = []  # a record stands for a client the attack failed on
     errors: list[str] = []
     for attack, record in zip(attacks, records):
         try:
-            results.append(
+            outcomes.append(
                 attack_record(
                     record,
                     model,
@@ -272,7 +272,13 @@ def _run_attack(
             log(f"   {name} FAILED on {setting.name}, client {record.client_id}: {type(err).__name__}: {err}")
             log(traceback.format_exc())
             errors.append(f"client {record.client_id}: {type(err).__name__}: {err}")
-            results.append(_failed_result(record, model, name, datamodule, lpips_fn))
+            outcomes.append(record)
+    # the failed clients' placeholders carry the attack's own name, so its reports concatenate
+    attack_name = next((r.report.attack for r in outcomes if isinstance(r, AttackResult)), type(attacks[0]).__name__)
+    results = [
+        r if isinstance(r, AttackResult) else _failed_result(r, model, attack_name, datamodule, lpips_fn)
+        for r in outcomes
+    ]
     fallbacks = sorted(
         {
             str(r.reconstruction.meta.get("fallback_reason", ""))
