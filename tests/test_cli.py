@@ -101,11 +101,15 @@ def test_every_attack_config_writes_its_report(config, tmp_path):
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["attack"] and len(report["clients"]) == 1
     assert set(report["private"]) >= {"psnr", "ssim", "lpips"}
-    assert 0.0 <= report["leak_fraction"] <= 1.0 and report["verdict"] in ("leaks", "private")
+    # one attack alone never says private: only the worst case over every attack can
+    assert 0.0 <= report["leak_fraction"] <= 1.0 and report["verdict"] in ("leaks", "inconclusive")
+    assert report["threat_model"] == ("active" if "robbing" in config.name else "passive")
+    assert report["verdict"] == "leaks" or any("one attack alone" in r for r in report["verdict_reasons"])
     assert "blank" in report["baselines"]
     assert (tmp_path / "out" / "reconstructions.png").stat().st_size > 1000
     text = (tmp_path / "out" / "report.md").read_text()
-    assert "| psnr |" in text and "Images leaked (PSNR > 20 or SSIM > 0.5)" in text
+    assert "| psnr |" in text and "Images leaked (PSNR > 20 dB, SSIM > 0.5, semantic score > " in text
+    assert "Threat model: a " in text
 
 
 def test_attack_command_reports_a_bad_config_by_name(tmp_path):
@@ -155,10 +159,13 @@ def test_demo_reports_cost_and_worst_case_verdicts_with_the_adaptive_attacks(tmp
     # iDLG breaks the undefended clients and not the pruned ones, even at the demo's smallest budget
     idlg = {d: next(c for c in a["cells"] if c["attack"] == "iDLG") for d, a in audits.items()}
     assert idlg["undefended"]["means"]["psnr"] > 40 > 20 > idlg["TopKPruning(k=0.2)"]["means"]["psnr"]
-    worst = audits["undefended"]["worst_case"]
-    assert worst["verdict"] == "leaks" and worst["leak_fraction"] == 1.0
+    for threat in ("passive", "active"):  # Robbing the Fed rebuilds every image for the malicious server
+        worst = audits["undefended"][threat]
+        assert worst["threat_model"] == threat and worst["verdict"] == "leaks" and worst["leak_fraction"] == 1.0
+    assert {(c["attack"], c["threat"]) for c in audits["undefended"]["cells"]} >= {("RtF", "active"), ("IG", "passive")}
     text = (tmp_path / "out" / "report.md").read_text()
-    assert "**worst case**" in text and "## Verdicts" in text and "Trivial baseline" in text
+    assert "**worst case, passive**" in text and "**worst case, active**" in text
+    assert "## Verdicts" in text and "Trivial baseline" in text and "Against a malicious server" in text
     assert (tmp_path / "out" / "audit_TopKPruning_k_0_2.png").exists()
     assert (tmp_path / "out" / "taps" / "TopKPruning_k_0_2" / "round0_client0.pt").exists()
 
