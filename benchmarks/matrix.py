@@ -201,7 +201,7 @@ def heatmap(audits: list[SettingAudit], columns: list[str], path: Path) -> None:
     plt.close(fig)
 
 
-def run_defense(job: tuple) -> tuple[SettingAudit, TrainingResult]:
+def run_defense(job: tuple) -> tuple[SettingAudit, TrainingResult | None]:
     """One row: audit the defense's default setting, then train it (run in a worker process with ``--jobs``)."""
     name, dataset_name, indices, published_names, budget, rounds, args = job
     torch.set_num_threads(args.threads)
@@ -228,6 +228,10 @@ def run_defense(job: tuple) -> tuple[SettingAudit, TrainingResult]:
         )
     for line in audit.summary_lines():
         print(f"{tag} {line}", flush=True)
+    audit.results = {}  # the per-attack reconstructions stay in the worker (not needed for the tables)
+    if args.no_training:
+        print(f"{tag} audited in {time.perf_counter() - start:.0f} s (no training: --no-training)", flush=True)
+        return audit, None
     L.seed_everything(args.seed, verbose=False)
     result = train_setting(setting, LeNetZhu(), datamodule, rounds=rounds, seed=args.seed)
     print(
@@ -235,7 +239,6 @@ def run_defense(job: tuple) -> tuple[SettingAudit, TrainingResult]:
         f"{result.upload_bytes_per_client_round / 1024:.1f} KiB/client-round; {time.perf_counter() - start:.0f} s",
         flush=True,
     )
-    audit.results = {}  # the per-attack reconstructions stay in the worker (not needed for the tables)
     return audit, result
 
 
@@ -252,6 +255,11 @@ def main() -> None:
     parser.add_argument("--lbfgs-iterations", type=int, default=None, help="L-BFGS attacks' steps (default 100)")
     parser.add_argument("--rounds", type=int, default=None, help="training rounds for accuracy/bytes (default 200)")
     parser.add_argument("--no-lpips", action="store_true", help="skip LPIPS")
+    parser.add_argument(
+        "--no-training",
+        action="store_true",
+        help="audit only: no accuracy/bytes columns (they depend on the defenses, not on the audit)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2, help="torch threads per process")
     parser.add_argument(
@@ -293,7 +301,7 @@ def main() -> None:
     else:
         done = [run_defense(job) for job in jobs]
     audits = [audit for audit, _ in done]
-    training = {result.setting: result for _, result in done}
+    training = {result.setting: result for _, result in done if result is not None}
 
     args.output_dir.mkdir(parents=True, exist_ok=True)
     rows = rows_for(audits, columns, training)
@@ -310,8 +318,13 @@ def main() -> None:
         "attacker's best over the columns of a threat model: passive (honest-but-curious server: every attack but "
         "Robbing the Fed and ATS-aware Robbing) and active (malicious server: every column). A verdict is 'leaks' when "
         "an image leaks or a worst-case mean crosses Refiner's thresholds, else 'inconclusive' when the audit is "
-        "incomplete (an error, a fallback), else 'private'. Accuracy after {rounds} FedSGD rounds (10 clients x 8 images, server Adam 1e-3; PriPrune: "
-        "FedAvg, local lr 0.25; DP-SGD: one batch of 80 per step); PMM = accuracy / undefended accuracy."
+        "incomplete (an error, a fallback), else 'private'. "
+        + (
+            "Accuracy and bytes: not measured in this run (--no-training)."
+            if args.no_training
+            else f"Accuracy after {rounds} FedSGD rounds (10 clients x 8 images, server Adam 1e-3; PriPrune: "
+            "FedAvg, local lr 0.25; DP-SGD: one batch of 80 per step); PMM = accuracy / undefended accuracy."
+        )
         + (" QUICK RUN: budgets far too small for conclusions." if quick else "")
     )
     suffix = "_quick" if quick else ""
