@@ -200,7 +200,10 @@ def _load_npz(path: str) -> dict[str, np.ndarray]:
     try:
         loaded = np.load(file, allow_pickle=False)
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
-        raise CorruptDatasetError(f"{file}: not a readable .npz file ({exc})") from exc
+        # numpy reads any file that is neither a zip nor a .npy as a pickle, and its message then
+        # suggests unpickling it; the file is simply not an .npz, and nothing here unpickles data
+        reason = "neither an .npz archive (np.savez) nor a .npy array" if "pickle" in str(exc) else str(exc)
+        raise CorruptDatasetError(f"{file}: not a valid .npz file ({reason})") from exc
     if not isinstance(loaded, np.lib.npyio.NpzFile):
         raise CorruptDatasetError(f"{file}: holds a single array, not an .npz archive of arrays x and y (np.savez)")
     with loaded as npz:
@@ -216,8 +219,9 @@ def _load_npz(path: str) -> dict[str, np.ndarray]:
             try:
                 arrays[key] = npz[key]
             except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+                reason = "it holds Python objects" if "pickle" in str(exc) else str(exc)
                 raise CorruptDatasetError(
-                    f"{file}: cannot read array '{key}' ({exc}); arrays of Python objects are refused "
+                    f"{file}: cannot read array '{key}' ({reason}); arrays of Python objects are refused "
                     "(save class names as a string array: np.array(names))"
                 ) from exc
     return arrays
