@@ -299,3 +299,12 @@ def test_readme_bring_your_own_data_example_runs_as_written(tmp_path) -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, cwd=tmp_path)
     assert result.returncode == 0, f"README example failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     assert "Reconstruction report (InvertingGradients)" in result.stdout
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+def test_channels_last_images_are_refused_with_the_transpose_to_use(channels: int) -> None:
+    x, y = arrays(10, shape=(channels, 8, 8))
+    with pytest.raises(ValueError, match=r"channels last \[N, H, W, C\]\? Give \[N, C, H, W\]") as info:
+        ArrayDataModule(np.ascontiguousarray(x.transpose(0, 2, 3, 1)), y)
+    assert "x.transpose(0, 3, 1, 2)" in str(info.value)
+    ArrayDataModule(x, y)  # channels first is accepted

@@ -252,6 +252,12 @@ def _images(array: np.ndarray, name: str, error: type[ValueError]) -> Tensor:
         raise error(f"{name} must be images [N, C, H, W] (or [N, H, W] for one channel), got shape {array.shape}")
     if array.shape[0] == 0:
         raise error(f"{name} holds no images (shape {array.shape})")
+    if array.shape[-1] in (1, 3) and array.shape[1] not in (1, 3):
+        # channels last ([N, H, W, C], numpy/PIL order) would be read as H channels of W x C images
+        raise error(
+            f"{name} has shape {array.shape}: channels last [N, H, W, C]? Give [N, C, H, W] "
+            f"(e.g. {name.split('[')[0]}.transpose(0, 3, 1, 2))"
+        )
     if 0 in array.shape:
         raise error(f"{name} has an empty channel or spatial dimension (shape {array.shape})")
     if array.dtype == np.uint8:
