@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -179,3 +180,28 @@ def test_demo_refuses_an_unknown_defense(tmp_path):
         cwd=tmp_path,
     )
     assert result.returncode != 0 and "the catalogue has" in result.stderr
+
+
+def test_a_seeded_attack_run_is_bit_identical_and_names_the_tapped_defenses(tmp_path):
+    """The model is built after the seed (it was built before it: each run attacked another model),
+    and a report on tap files names the defenses the tap recorded, not the config's."""
+    from lightning_gp.audit import tap_fedsgd_round
+    from lightning_gp.callbacks import TopKPruning
+    from lightning_gp.cli.attack import main as attack_main
+    from lightning_gp.data import FashionMNISTSampleDataModule
+    from lightning_gp.models import LeNetZhu
+
+    config = str(ROOT / "configs" / "attack_inverting_gradients.yaml")
+    common = ["--config", config, "--attack.init_args.iterations=3", "--lpips=false", "--clients", "[0]", "--seed", "0"]
+    first = attack_main([*common, "--output_dir", str(tmp_path / "a")])
+    second = attack_main([*common, "--output_dir", str(tmp_path / "b")])
+    for a, b in zip(first, second):
+        assert torch.equal(a.reconstruction.images, b.reconstruction.images)
+        assert a.report.means == b.report.means
+
+    records, _, _ = tap_fedsgd_round(LeNetZhu(), FashionMNISTSampleDataModule(), defenses=[TopKPruning(0.2)])
+    tap = records[0].save(tmp_path / "tap.pt")
+    attack_main([*common, "--tap_files", f"[{tap}]", "--output_dir", str(tmp_path / "taps")])
+    report = json.loads((tmp_path / "taps" / "report.json").read_text())
+    assert [d.split("(")[0] for d in report["defenses"]] == ["TopKPruning"]  # the config says MagnitudePruning
+    assert "TopKPruning" in (tmp_path / "taps" / "report.md").read_text().splitlines()[0]

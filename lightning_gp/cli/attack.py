@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
 from jsonargparse import ActionConfigFile, ArgumentParser
 from lightning.pytorch.callbacks import Callback
@@ -201,6 +202,20 @@ def write_outputs(
     return output_dir / "report.md"
 
 
+def recorded_defenses(results: list[AttackResult]) -> list[str]:
+    """The defenses the tapped clients ran, as their records say (``meta["defenses"]``), in order,
+    each once: what a report on tap files must name, whatever the config's ``defenses`` say."""
+    names: list[str] = []
+    for result in results:
+        for entry in result.record.meta.get("defenses", []):
+            name = entry["name"] if isinstance(entry, dict) else str(entry)
+            config = entry.get("config", {}) if isinstance(entry, dict) else {}
+            described = f"{name}({', '.join(f'{k}={v!r}' for k, v in config.items())})"
+            if described not in names:
+                names.append(described)
+    return names
+
+
 def _images_note(record: TappedGradient) -> str:
     indices = record.meta.get("dataset_indices")
     return f", training images {list(indices)}" if indices is not None else ""
@@ -209,12 +224,14 @@ def _images_note(record: TappedGradient) -> str:
 def main(argv: list[str] | None = None) -> list[AttackResult]:
     parser = build_parser()
     instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # renamed in jsonargparse 4.49
-    config = instantiate(parser.parse_args(argv))
+    parsed = parser.parse_args(argv)
+    # seeded before anything is built: the model's initial weights come from the generator too
+    L.seed_everything(parsed.seed, verbose=False)
+    config = instantiate(parsed)
     results = run(config)
     threat = "active" if callable(getattr(config.attack, "modify_model", None)) else "passive"
-    report = write_outputs(
-        results, Path(config.output_dir), type(config.attack).__name__, [repr(d) for d in config.defenses], threat
-    )
+    defenses = recorded_defenses(results) if config.tap_files else [repr(d) for d in config.defenses]
+    report = write_outputs(results, Path(config.output_dir), type(config.attack).__name__, defenses, threat)
     print(report.read_text())
     print(f"written to {report.parent}/ (report.md, report.json, reconstructions.png)")
     return results
