@@ -111,6 +111,7 @@ def test_every_attack_config_writes_its_report(config, tmp_path):
     text = (tmp_path / "out" / "report.md").read_text()
     assert "| psnr |" in text and "Images leaked (PSNR > 20 dB, SSIM > 0.5, semantic score > " in text
     assert "Threat model: a " in text
+    assert "private?" not in text  # one rule, stated once: no per-metric "private" column beside it
 
 
 def test_attack_command_reports_a_bad_config_by_name(tmp_path):

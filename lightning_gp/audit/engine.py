@@ -16,11 +16,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from lightning_gp.attacks import GradientAttack, Reconstruction, ServerView
 from lightning_gp.metrics import ReconstructionReport, reconstruction_report
+from lightning_gp.metrics.report import METRICS, batch_mean
 from lightning_gp.records import TappedGradient
 
 
@@ -114,15 +114,11 @@ def attacker_loss(
 def mean_scores(results: Sequence[AttackResult]) -> dict[str, float | None]:
     """Per-image scores averaged over several clients' reports (PSNR of exact copies is inf).
 
-    A metric some report lacks (LPIPS skipped, a noise ratio "n/a") is ``None``.
+    A metric some report lacks (LPIPS skipped, a noise ratio "n/a") is ``None``; images an attack
+    did not reconstruct (NaN) are left out (:func:`~lightning_gp.metrics.report.batch_mean`).
     """
     rows = [row for result in results for row in result.report.rows]
-    means: dict[str, float | None] = {}
-    for metric in ("mse", "psnr", "ssim", "lpips", "nmi", "noise_ratio"):
-        values = [getattr(row, metric) for row in rows]
-        means[metric] = (
-            None if any(v is None for v in values) else float(torch.tensor(values, dtype=torch.float64).mean())
-        )
+    means: dict[str, float | None] = {m: batch_mean([getattr(row, m) for row in rows]) for m in METRICS}
     accuracies = [r.report.label_accuracy for r in results if r.report.label_accuracy is not None]
     means["label_accuracy"] = sum(accuracies) / len(accuracies) if accuracies else None
     return means
