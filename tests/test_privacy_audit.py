@@ -119,6 +119,7 @@ def test_local_path_logs_to_a_csv_logger_and_leaves_the_weights_bit_identical(tm
         assert (
             float(row["privacy_audit/client0/active/inconclusive"]) == 1.0 and result.active_verdict == "inconclusive"
         )
+        assert "modified model" in result.active_reason
         # what was attacked is what left the client: the pruned gradient at that step's weights
         shared = result.attacks[0].record.gradients
         assert math.isclose(float((shared["net.3.weight"] == 0).float().mean()), 0.5, abs_tol=0.02)

@@ -111,7 +111,7 @@ class AuditResult:
         worst: the worst case over them (the passive threat model; ``worst.verdict_reasons`` says why
             a verdict is "inconclusive").
         skipped: attack -> why it has no result ("n/a: ..." or "error: ...").
-        active_verdict: always "inconclusive" (see :data:`ACTIVE_NOT_AUDITED`).
+        active_verdict: always "inconclusive"; ``active_reason`` says why (:data:`ACTIVE_NOT_AUDITED`).
     """
 
     round: int
@@ -122,6 +122,7 @@ class AuditResult:
     image_path: Path | None = None
     skipped: dict[str, str] = field(default_factory=dict)
     active_verdict: str = "inconclusive"
+    active_reason: str = ACTIVE_NOT_AUDITED
 
 
 class _RandomState:
