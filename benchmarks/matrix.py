@@ -229,7 +229,7 @@ def run_defense(job: tuple) -> tuple[SettingAudit, TrainingResult | None]:
     for line in audit.summary_lines():
         print(f"{tag} {line}", flush=True)
     audit.results = {}  # the per-attack reconstructions stay in the worker (not needed for the tables)
-    if args.no_training:
+    if getattr(args, "no_training", False):  # benchmarks/baselines.py reuses this worker
         print(f"{tag} audited in {time.perf_counter() - start:.0f} s (no training: --no-training)", flush=True)
         return audit, None
     L.seed_everything(args.seed, verbose=False)
