@@ -74,6 +74,20 @@ def spec(name: str, build) -> AttackSpec:
     return AttackSpec(name, "published", lambda seed, model: build())
 
 
+def audit_undefended(datamodule, clients: int, *specs: AttackSpec, log=lambda line: None):
+    """Every given attack on ``clients`` undefended one-image clients, tiny budgets, no LPIPS."""
+    return audit_setting(
+        DefenseSetting("undefended"),
+        seeded_model(),
+        datamodule,
+        indices=[[i] for i in range(clients)],
+        published=list(specs),
+        budget=TINY,
+        lpips_fn=None,
+        log=log,
+    )
+
+
 # ----------------------------------------------------------------------------------- item 1: NaN
 def test_a_non_finite_reconstruction_scores_that_image_only_as_not_reconstructed() -> None:
     originals = torch.rand(3, 1, 16, 16, generator=torch.Generator().manual_seed(0))
@@ -101,16 +115,7 @@ def test_an_attack_that_fails_on_one_client_keeps_the_other_clients_leaks(datamo
                 result.images = torch.full_like(result.images, float("nan"))
             return result
 
-    audit = audit_setting(
-        DefenseSetting("undefended"),
-        seeded_model(),
-        datamodule,
-        indices=[[0], [1], [2]],
-        published=[spec("RtF", lambda: PoisonSecondClient(num_bins=8, seed=0))],
-        budget=TINY,
-        lpips_fn=None,
-        log=lambda line: None,
-    )
+    audit = audit_undefended(datamodule, 3, spec("RtF", lambda: PoisonSecondClient(num_bins=8, seed=0)))
     cell = audit.cell("RtF")
     assert cell.status == "ok" and cell.threat == "active"
     assert audit.active is not None and audit.active.verdict == "leaks"
@@ -128,16 +133,7 @@ def test_an_attack_that_raises_on_one_client_keeps_the_others_and_marks_the_cell
                 raise RuntimeError("lost the imprint. Second client.")
             return super().reconstruct(view)
 
-    audit = audit_setting(
-        DefenseSetting("undefended"),
-        seeded_model(),
-        datamodule,
-        indices=[[0], [1], [2]],
-        published=[spec("RtF", lambda: FailSecondClient(num_bins=8, seed=0))],
-        budget=TINY,
-        lpips_fn=None,
-        log=lambda line: None,
-    )
+    audit = audit_undefended(datamodule, 3, spec("RtF", lambda: FailSecondClient(num_bins=8, seed=0)))
     cell = audit.cell("RtF")
     assert cell.status == "error" and "lost the imprint. Second client." in cell.note
     assert audit.active is not None and audit.active.verdict == "leaks"  # the leaks found stand
@@ -158,18 +154,12 @@ class Raises(GradientAttack):
 def test_only_attack_not_applicable_makes_a_cell_n_a_any_other_error_is_printed_whole(datamodule) -> None:
     message = "the solver diverged. It took 3 steps. Try a smaller learning rate."
     printed: list[str] = []
-    audit = audit_setting(
-        DefenseSetting("undefended"),
-        seeded_model(),
+    audit = audit_undefended(
         datamodule,
-        indices=[[0], [1]],
-        published=[
-            spec("IG", lambda: InvertingGradients(iterations=2, seed=0)),
-            spec("Broken", lambda: Raises(ValueError(message))),
-            spec("Cannot", lambda: Raises(AttackNotApplicable("needs BatchNorm. Pass bn_weight=0."))),
-        ],
-        budget=TINY,
-        lpips_fn=None,
+        2,
+        spec("IG", lambda: InvertingGradients(iterations=2, seed=0)),
+        spec("Broken", lambda: Raises(ValueError(message))),
+        spec("Cannot", lambda: Raises(AttackNotApplicable("needs BatchNorm. Pass bn_weight=0."))),
         log=printed.append,
     )
     broken, cannot = audit.cell("Broken"), audit.cell("Cannot")
@@ -391,18 +381,11 @@ def test_tapped_rounds_apply_the_setting_s_server_optimizer(datamodule) -> None:
 
 # ------------------------------------------------------------------------ section 2: threat models
 def test_passive_and_active_verdicts_are_judged_separately(datamodule) -> None:
-    audit = audit_setting(
-        DefenseSetting("undefended"),
-        seeded_model(),
+    audit = audit_undefended(
         datamodule,
-        indices=[[0], [1]],
-        published=[
-            spec("IG", lambda: InvertingGradients(iterations=2, seed=0)),
-            spec("RtF", lambda: RobbingTheFed(num_bins=8, seed=0)),
-        ],
-        budget=TINY,
-        lpips_fn=None,
-        log=lambda line: None,
+        2,
+        spec("IG", lambda: InvertingGradients(iterations=2, seed=0)),
+        spec("RtF", lambda: RobbingTheFed(num_bins=8, seed=0)),
     )
     assert audit.cell("IG").threat == "passive" and audit.cell("RtF").threat == "active"
     assert audit.passive is not None and audit.active is not None
