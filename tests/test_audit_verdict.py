@@ -141,6 +141,23 @@ def test_an_attack_that_raises_on_one_client_keeps_the_others_and_marks_the_cell
     assert [r.report.not_reconstructed for r in audit.results["RtF"]] == [[], [0], []]
 
 
+def test_an_attack_that_does_not_apply_to_one_client_keeps_the_others_leaks(datamodule) -> None:
+    class NotForSecondClient(RobbingTheFed):
+        calls = 0
+
+        def reconstruct(self, view: ServerView) -> Reconstruction:
+            NotForSecondClient.calls += 1
+            if NotForSecondClient.calls == 2:
+                raise AttackNotApplicable("not for this client")
+            return super().reconstruct(view)
+
+    audit = audit_undefended(datamodule, 3, spec("RtF", lambda: NotForSecondClient(num_bins=8, seed=0)))
+    cell = audit.cell("RtF")
+    assert cell.status == "error" and "client 1: n/a: not for this client" in cell.note
+    assert audit.active is not None and audit.active.verdict == "leaks"
+    assert [r.leaks for r in audit.active.rows] == [True, False, True]
+
+
 # ----------------------------------------------------------------------- item 2: n/a vs error
 class Raises(GradientAttack):
     def __init__(self, error: Exception) -> None:

@@ -251,6 +251,7 @@ def _run_attack(
     start = time.perf_counter()
     outcomes: list[AttackResult | TappedGradient] = []  # a record stands for a client the attack failed on
     errors: list[str] = []
+    not_applicable: list[str] = []
     for attack, record in zip(attacks, records):
         try:
             outcomes.append(
@@ -267,12 +268,18 @@ def _run_attack(
                 )
             )
         except AttackNotApplicable as err:  # the attack's own check that it cannot apply (model, loss, batch)
-            return Cell(setting.name, name, kind, "n/a", str(err), seconds=time.perf_counter() - start), []
+            not_applicable.append(f"client {record.client_id}: n/a: {err}")
+            outcomes.append(record)
         except Exception as err:  # loud, and marked: never a silently missing column
             log(f"   {name} FAILED on {setting.name}, client {record.client_id}: {type(err).__name__}: {err}")
             log(traceback.format_exc())
             errors.append(f"client {record.client_id}: {type(err).__name__}: {err}")
             outcomes.append(record)
+    if len(not_applicable) == len(outcomes):  # n/a for every client: the attack does not apply here
+        note = not_applicable[0].split(": n/a: ", 1)[1]
+        return Cell(setting.name, name, kind, "n/a", note, seconds=time.perf_counter() - start), []
+    # n/a for some clients only: the others' reconstructions stand, the cell is incomplete
+    errors += not_applicable
     # the failed clients' placeholders carry the attack's own name, so its reports concatenate
     attack_name = next((r.report.attack for r in outcomes if isinstance(r, AttackResult)), type(attacks[0]).__name__)
     results = [
