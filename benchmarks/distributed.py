@@ -58,6 +58,8 @@ from _common import RESULTS_DIR, write_results
 if TYPE_CHECKING:
     import torch
 
+    from lightning_gp.pipeline import StageCall
+
 
 DEFENSE_NAMES = ("undefended", "Top-k 20%", "DGP (5%, 75%)", "ADGP (20%, 5%)", "Gaussian noise 0.01")
 
@@ -68,10 +70,10 @@ def _defenses() -> dict[str, tuple[Callable[[], list[Any]], tuple[str, ...]]]:
 
     return {
         "undefended": (list, ("ddp",)),
-        "Top-k 20%": (lambda: [callbacks.TopKPruning(0.2, seed=1)], ("bucketwise", "held")),
-        "DGP (5%, 75%)": (lambda: [callbacks.DualGradientPruning(0.05, 0.75, seed=2)], ("bucketwise", "held")),
-        "ADGP (20%, 5%)": (lambda: [callbacks.AlignedDualGradientPruning(0.2, 0.05, seed=3)], ("held",)),
-        "Gaussian noise 0.01": (lambda: [callbacks.GaussianNoise(0.01, seed=4)], ("bucketwise", "held")),
+        "Top-k 20%": (lambda: [callbacks.TopKPruning(k=0.2, seed=1)], ("bucketwise", "held")),
+        "DGP (5%, 75%)": (lambda: [callbacks.DualGradientPruning(k1=0.05, k2=0.75, seed=2)], ("bucketwise", "held")),
+        "ADGP (20%, 5%)": (lambda: [callbacks.AlignedDualGradientPruning(k=0.2, k1=0.05, seed=3)], ("held",)),
+        "Gaussian noise 0.01": (lambda: [callbacks.GaussianNoise(scale=0.01, seed=4)], ("bucketwise", "held")),
     }
 
 
@@ -224,7 +226,7 @@ def measure_world(args: argparse.Namespace) -> list[dict[str, Any]] | None:
         def __init__(self) -> None:
             self.gradients: Mapping[str, torch.Tensor] = {}
 
-        def observe(self, gradients: Mapping[str, torch.Tensor], **kwargs: Any) -> None:
+        def observe(self, gradients: Mapping[str, torch.Tensor], call: StageCall) -> None:
             self.gradients = gradients
 
     args_warmup = args.warmup

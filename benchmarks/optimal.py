@@ -60,26 +60,44 @@ def settings(clip: float) -> list[tuple[str, str, float, Factory, float]]:
     """(panel, method, strength, callback factory, Adam lr)."""
     rows: list[tuple[str, str, float, Factory, float]] = []
     for scale in SCALES:
-        rows.append(("noise", "isotropic", scale, lambda s=scale: callbacks.GaussianNoise(s, seed=0), 1e-3))
+        rows.append(("noise", "isotropic", scale, lambda s=scale: callbacks.GaussianNoise(scale=s, seed=0), 1e-3))
         rows.append(
-            ("noise", "optimal", scale, lambda s=scale: callbacks.OptimalGradientNoise(s, seed=0, loss_fn=CE), 1e-3)
+            (
+                "noise",
+                "optimal",
+                scale,
+                lambda s=scale: callbacks.OptimalGradientNoise(scale=s, seed=0, loss_fn=CE),
+                1e-3,
+            )
         )
         rows.append(
-            ("clipped", "clipped isotropic", scale, lambda s=scale: callbacks.GaussianNoise(s, clip=clip, seed=0), 1e-3)
+            (
+                "clipped",
+                "clipped isotropic",
+                scale,
+                lambda s=scale: callbacks.GaussianNoise(scale=s, clip=clip, seed=0),
+                1e-3,
+            )
         )
         rows.append(
             (
                 "clipped",
                 "clipped optimal",
                 scale,
-                lambda s=scale: callbacks.OptimalDPSGD(clip, s, seed=0, loss_fn=CE),
+                lambda s=scale: callbacks.OptimalDPSGD(clip=clip, scale=s, seed=0, loss_fn=CE),
                 1e-3,
             )
         )
     for rate in RATES:
-        rows.append(("pruning", "magnitude", rate, lambda r=rate: callbacks.MagnitudePruning(r), 5e-4))
+        rows.append(("pruning", "magnitude", rate, lambda r=rate: callbacks.MagnitudePruning(rate=r), 5e-4))
         rows.append(
-            ("pruning", "optimal", rate, lambda r=rate: callbacks.OptimalGradientPruning(r, seed=0, loss_fn=CE), 5e-4)
+            (
+                "pruning",
+                "optimal",
+                rate,
+                lambda r=rate: callbacks.OptimalGradientPruning(rate=r, seed=0, loss_fn=CE),
+                5e-4,
+            )
         )
     return rows
 
@@ -280,13 +298,13 @@ def cost(repeats: int) -> list[dict]:
     undefended = median_seconds(lambda: step(None), repeats)
     rows = []
     for label, callback in (
-        ("GaussianNoise", callbacks.GaussianNoise(0.01, seed=0)),
-        ("LaplaceNoise", callbacks.LaplaceNoise(0.01, seed=0)),
-        ("GradientQuantization 8 bit", callbacks.GradientQuantization(8)),
-        ("MagnitudePruning 90%", callbacks.MagnitudePruning(0.9)),
-        ("OptimalGradientNoise k=10", callbacks.OptimalGradientNoise(0.01, seed=0, loss_fn=CE)),
-        ("OptimalGradientPruning k=10", callbacks.OptimalGradientPruning(0.8, seed=0, loss_fn=CE)),
-        ("OptimalDPSGD k=10", callbacks.OptimalDPSGD(0.01, 0.01, seed=0, loss_fn=CE)),
+        ("GaussianNoise", callbacks.GaussianNoise(scale=0.01, seed=0)),
+        ("LaplaceNoise", callbacks.LaplaceNoise(scale=0.01, seed=0)),
+        ("GradientQuantization 8 bit", callbacks.GradientQuantization(bits=8)),
+        ("MagnitudePruning 90%", callbacks.MagnitudePruning(rate=0.9)),
+        ("OptimalGradientNoise k=10", callbacks.OptimalGradientNoise(scale=0.01, seed=0, loss_fn=CE)),
+        ("OptimalGradientPruning k=10", callbacks.OptimalGradientPruning(rate=0.8, seed=0, loss_fn=CE)),
+        ("OptimalDPSGD k=10", callbacks.OptimalDPSGD(clip=0.01, scale=0.01, seed=0, loss_fn=CE)),
     ):
         seconds = median_seconds(lambda c=callback: step(c), repeats)
         rows.append(

@@ -31,17 +31,17 @@ from lightning_gp.models import LeNetZhu, ResNet18
 
 PRIVACY_DEFENSES = {
     "undefended": list,
-    "Top-k 20%": lambda: [callbacks.TopKPruning(0.2)],
-    "magnitude 80%": lambda: [callbacks.MagnitudePruning(0.8)],
-    "DGP (5%, 75%)": lambda: [callbacks.DualGradientPruning(0.05, 0.75)],
-    "ADGP (20%, 5%)": lambda: [callbacks.AlignedDualGradientPruning(0.2, 0.05)],
+    "Top-k 20%": lambda: [callbacks.TopKPruning(k=0.2)],
+    "magnitude 80%": lambda: [callbacks.MagnitudePruning(rate=0.8)],
+    "DGP (5%, 75%)": lambda: [callbacks.DualGradientPruning(k1=0.05, k2=0.75)],
+    "ADGP (20%, 5%)": lambda: [callbacks.AlignedDualGradientPruning(k=0.2, k1=0.05)],
 }
 UTILITY_DEFENSES = {
     "undefended": list,
-    "DGP + EF": lambda: [callbacks.DualGradientPruning(0.05, 0.75, error_feedback=True)],
-    "DGP no EF": lambda: [callbacks.DualGradientPruning(0.05, 0.75, error_feedback=False)],
-    "ADGP + EF": lambda: [callbacks.AlignedDualGradientPruning(0.2, 0.05, error_feedback=True)],
-    "Top-k 20% + EF": lambda: [callbacks.TopKPruning(0.2, error_feedback=True)],
+    "DGP + EF": lambda: [callbacks.DualGradientPruning(k1=0.05, k2=0.75, error_feedback=True)],
+    "DGP no EF": lambda: [callbacks.DualGradientPruning(k1=0.05, k2=0.75, error_feedback=False)],
+    "ADGP + EF": lambda: [callbacks.AlignedDualGradientPruning(k=0.2, k1=0.05, error_feedback=True)],
+    "Top-k 20% + EF": lambda: [callbacks.TopKPruning(k=0.2, error_feedback=True)],
 }
 
 

@@ -41,11 +41,11 @@ from torch import nn
 
 from lightning_gp import callbacks, defenses
 from lightning_gp.callbacks.data_dependent import DataDependentGradientDefense
-from lightning_gp.callbacks.interfaces import ClientSetup
 from lightning_gp.data import FashionMNISTSampleDataModule
 from lightning_gp.defenses import gradient_sensitivity
 from lightning_gp.defenses.base import share_in_process
 from lightning_gp.models import ConvNet, ResNet18
+from lightning_gp.pipeline import ClientSetup, StageCall
 
 CE = nn.functional.cross_entropy
 # (mode label, gradient_sensitivity/callback keyword arguments, refresh_every)
@@ -57,9 +57,9 @@ SENSITIVITY_MODES: tuple[tuple[str, dict, int], ...] = (
     ("per-example k=2, refresh every 8", {"method": "per_example", "num_probes": 2}, 8),
 )
 OPTIMAL_DEFENSES: tuple[tuple[str, Callable[..., DataDependentGradientDefense]], ...] = (
-    ("OptimalGradientNoise", lambda **kw: callbacks.OptimalGradientNoise(0.01, seed=0, loss_fn=CE, **kw)),
-    ("OptimalGradientPruning", lambda **kw: callbacks.OptimalGradientPruning(0.8, seed=0, loss_fn=CE, **kw)),
-    ("OptimalDPSGD", lambda **kw: callbacks.OptimalDPSGD(0.01, 0.01, seed=0, loss_fn=CE, **kw)),
+    ("OptimalGradientNoise", lambda **kw: callbacks.OptimalGradientNoise(scale=0.01, seed=0, loss_fn=CE, **kw)),
+    ("OptimalGradientPruning", lambda **kw: callbacks.OptimalGradientPruning(rate=0.8, seed=0, loss_fn=CE, **kw)),
+    ("OptimalDPSGD", lambda **kw: callbacks.OptimalDPSGD(clip=0.01, scale=0.01, seed=0, loss_fn=CE, **kw)),
 )
 
 
@@ -196,9 +196,7 @@ def optimal_rows(device: torch.device, repeats: int, errors: dict[str, tuple[flo
         optimizer.zero_grad()
         gradients = dict(zip(names, torch.autograd.grad(CE(model(x), y), list(model.parameters()))))
         if callback is not None:
-            gradients = callback.defend(
-                gradients, client_id=0, round=counter["step"], model=model, batch=(x, y), meta={"path": "benchmark"}
-            )
+            gradients = callback.defend(gradients, StageCall(0, counter["step"], model, (x, y), {"path": "benchmark"}))
         for name, p in model.named_parameters():
             p.grad = gradients[name]
         optimizer.step()

@@ -72,7 +72,7 @@ class AddConstant(Defense):
     def config(self) -> dict:
         return {"value": self.value}
 
-    def transform(self, gradients, state, generator):
+    def transform(self, gradients, state, call):
         return {n: g + self.value for n, g in gradients.items()}, state
 
 
@@ -83,7 +83,7 @@ class CountingDefense(Defense):
         super().__init__(seed=0)
         self.calls = 0
 
-    def transform(self, gradients, state, generator):
+    def transform(self, gradients, state, call):
         self.calls += 1
         return dict(gradients), state
 
@@ -98,9 +98,9 @@ class GaussianJitter(Defense):
     def config(self) -> dict:
         return {"std": self.std}
 
-    def transform(self, gradients, state, generator):
+    def transform(self, gradients, state, call):
         return {
-            n: g + self.std * torch.randn(g.shape, generator=generator, device=g.device, dtype=g.dtype)
+            n: g + self.std * torch.randn(g.shape, generator=call.generator, device=g.device, dtype=g.dtype)
             for n, g in gradients.items()
         }, state
 

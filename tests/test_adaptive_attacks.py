@@ -182,7 +182,7 @@ def test_every_packaged_defense_declares_an_adaptive_attack():
         if cls in abstract:
             continue
         assert has_adaptive_attack(cls.__new__(cls)), cls.__name__
-    assert has_adaptive_attack(C.TopKPruning(0.2))  # a callback is unwrapped to its defense
+    assert has_adaptive_attack(C.TopKPruning(k=0.2))  # a callback is unwrapped to its defense
     assert has_adaptive_attack(C.DPSGD(noise_multiplier=1.0))
     assert has_adaptive_attack(RefinerModule.__new__(RefinerModule))
     assert has_adaptive_attack(PriPruneModule.__new__(PriPruneModule))
@@ -217,7 +217,7 @@ def test_an_attack_given_a_defense_it_does_not_model_says_so_and_falls_back(data
 
 def test_register_adaptive_attack_plugs_in_a_new_defense_and_refuses_duplicates():
     class Shuffle(D.Defense):
-        def transform(self, gradients, state, generator):
+        def transform(self, gradients, state, call):
             return dict(gradients), state
 
     built = []
@@ -244,7 +244,12 @@ def test_the_shared_gradient_pipeline_records_which_defenses_ran(datamodule):
     from lightning_gp.callbacks import GaussianNoise, TopKPruning
 
     records, _, _ = tap_fedsgd_round(
-        LeNetZhu(), datamodule, defenses=[TopKPruning(0.2), GaussianNoise(0.01)], clients=[0], num_clients=2, seed=0
+        LeNetZhu(),
+        datamodule,
+        defenses=[TopKPruning(k=0.2), GaussianNoise(scale=0.01)],
+        clients=[0],
+        num_clients=2,
+        seed=0,
     )
     names = [d["name"] for d in records[0].meta["defenses"]]
     assert names == ["TopKPruning", "GaussianNoise"]

@@ -36,7 +36,7 @@ def undefended(data):
 @pytest.fixture(scope="module")
 def pruned(data):
     records, sent, secrets = tap_fedsgd_round(
-        seeded_lenet(0), data, defenses=[MagnitudePruning(0.8)], clients=[0, 1], num_clients=4
+        seeded_lenet(0), data, defenses=[MagnitudePruning(rate=0.8)], clients=[0, 1], num_clients=4
     )
     return records, sent, secrets
 

@@ -54,7 +54,9 @@ def assert_same_gradients(tapped: dict[str, torch.Tensor], expected: dict[str, t
 
 @pytest.fixture(scope="module")
 def pruned(data):
-    return tap_fedsgd_round(seeded_lenet(0), data, defenses=[MagnitudePruning(0.8)], indices=INDICES, num_clients=4)
+    return tap_fedsgd_round(
+        seeded_lenet(0), data, defenses=[MagnitudePruning(rate=0.8)], indices=INDICES, num_clients=4
+    )
 
 
 def test_each_attacked_batch_holds_exactly_the_requested_images(data, pruned) -> None:

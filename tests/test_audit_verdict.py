@@ -227,7 +227,7 @@ def test_a_fallback_adaptive_attack_makes_the_audit_inconclusive(datamodule) -> 
     from lightning_gp.defenses import Defense
 
     class Unmodelled(Defense):
-        def transform(self, gradients, state, generator):
+        def transform(self, gradients, state, call):
             return {n: 0.5 * g for n, g in gradients.items()}, state
 
     setting = DefenseSetting("HalfScale", [GradientDefense(Unmodelled(seed=0))])

@@ -200,7 +200,7 @@ def test_a_seeded_attack_run_is_bit_identical_and_names_the_tapped_defenses(tmp_
         assert torch.equal(a.reconstruction.images, b.reconstruction.images)
         assert a.report.means == b.report.means
 
-    records, _, _ = tap_fedsgd_round(LeNetZhu(), FashionMNISTSampleDataModule(), defenses=[TopKPruning(0.2)])
+    records, _, _ = tap_fedsgd_round(LeNetZhu(), FashionMNISTSampleDataModule(), defenses=[TopKPruning(k=0.2)])
     tap = records[0].save(tmp_path / "tap.pt")
     attack_main([*common, "--tap_files", f"[{tap}]", "--output_dir", str(tmp_path / "taps")])
     report = json.loads((tmp_path / "taps" / "report.json").read_text())

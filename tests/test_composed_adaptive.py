@@ -86,7 +86,7 @@ def knowledge_of(attack: GradientAttack) -> DefenseKnowledge:
 
 def test_noise_then_pruning_is_modelled_by_one_attack_without_fallback():
     model, _, g = tiny_client()
-    stages = [C.GaussianNoise(0.001, seed=0), C.TopKPruning(0.3, seed=0)]
+    stages = [C.GaussianNoise(scale=0.001, seed=0), C.TopKPruning(k=0.3, seed=0)]
     view = tiny_view(model, run_defenses([D.GaussianNoise(0.001, seed=0), D.TopKPruning(0.3, seed=0)], g))
     view.meta.update(recorded(stages))
 
@@ -134,7 +134,7 @@ def test_the_composed_knowledge_has_each_members_support_noise_and_transform():
 
 def test_dp_sgd_is_composed_first_with_its_per_example_clip_and_noise():
     dp = C.DPSGD(noise_multiplier=2.0, max_grad_norm=0.5)
-    knowledge = composed_knowledge([C.TopKPruning(0.2), dp, C.GaussianNoise(0.01)])
+    knowledge = composed_knowledge([C.TopKPruning(k=0.2), dp, C.GaussianNoise(scale=0.01)])
     assert knowledge.defense == "DPSGD+TopKPruning+GaussianNoise"  # the runner clips and noises first
     assert knowledge.per_example_clip == 0.5
     model, _, g = tiny_client()
@@ -183,7 +183,7 @@ def test_a_composition_with_an_unregistered_defense_is_a_marked_fallback():
 
 def test_a_member_whose_attack_is_not_knowledge_based_marks_every_attack_as_fallback():
     class Shuffle(D.Defense):
-        def transform(self, gradients, state, generator):
+        def transform(self, gradients, state, call):
             return dict(gradients), state
 
     def factory(defense, kwargs):
@@ -275,7 +275,7 @@ def test_one_gaussian_noise_is_the_knowledge_the_registry_always_built():
 
 def test_a_users_knowledge_composes_with_the_packaged_defenses():
     class Clip(D.Defense):
-        def transform(self, gradients, state, generator):
+        def transform(self, gradients, state, call):
             return {n: t.clamp(-0.1, 0.1) for n, t in gradients.items()}, state
 
     register_defense_knowledge(

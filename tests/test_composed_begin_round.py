@@ -24,10 +24,10 @@ from torch import nn
 
 from lightning_gp import defenses
 from lightning_gp.callbacks import AlignedDualGradientPruning, GaussianNoise, GradientDefense, GradientTap
-from lightning_gp.callbacks.ddp import DefendedAllReduce
-from lightning_gp.callbacks.pipeline import RoundNotPrepared, SharedGradientPipeline
 from lightning_gp.defenses import Defense, NonFiniteGradientError, share_in_process
 from lightning_gp.federated import FederatedSimulation, client_gradients
+from lightning_gp.pipeline import RoundNotPrepared, SharedGradientPipeline, StageCall
+from lightning_gp.pipeline.ddp import DefendedAllReduce
 
 SCALE = 5.0  # far above the gradients' own magnitudes: the noised ranking is not the raw one
 
@@ -50,7 +50,7 @@ class RoundRecorder(Defense):
         self.defended.append((client_id, {n: g.clone() for n, g in gradients.items()}))
         return super().__call__(gradients, client_id, out=out)
 
-    def transform(self, gradients, state, generator):
+    def transform(self, gradients, state, call):
         return dict(gradients), state
 
 
@@ -268,7 +268,7 @@ def test_a_stage_prepared_first_is_given_the_raw_gradient_and_nothing_is_defende
     pipeline.begin_round(0, [0], {0: g}, share_in_process)  # no model needed: nothing runs before the recorder
     assert counting.calls == 0 and recorder.defended == []
     assert_equal(recorder.prepared[0][0], g)
-    pipeline.process(g, client_id=0, round=0, model=nn.Linear(1, 1))
+    pipeline.process(g, StageCall(0, 0, nn.Linear(1, 1)))
     assert counting.calls == 1
 
 
@@ -293,10 +293,10 @@ def test_process_refuses_gradients_other_than_those_the_round_was_prepared_with(
     model = nn.Linear(1, 1)
     pipeline.begin_round(0, [0], {0: gradients()}, share_in_process, model=model)
     with pytest.raises(ValueError, match="gradients: client 0's gradients are not the ones given to begin_round"):
-        pipeline.process(gradients(), client_id=0, round=0, model=model)
+        pipeline.process(gradients(), StageCall(0, 0, model))
     pipeline.begin_round(1, [0], {0: gradients()}, share_in_process, model=model)
     with pytest.raises(RuntimeError, match="begin_round prepared round 1"):
-        pipeline.process(gradients(), client_id=0, round=2, model=model)
+        pipeline.process(gradients(), StageCall(0, 2, model))
 
 
 def test_processes_agree_on_a_failure_before_a_later_stage_prepares_the_round():

@@ -14,9 +14,8 @@ from torch import nn
 
 from lightning_gp import defenses
 from lightning_gp.callbacks import AlignedDualGradientPruning, GaussianNoise, GradientTap, TopKPruning
-from lightning_gp.callbacks.ddp import DefendedAllReduce
-from lightning_gp.callbacks.interfaces import ObserverStage
-from lightning_gp.callbacks.pipeline import SharedGradientPipeline
+from lightning_gp.pipeline import ObserverStage, SharedGradientPipeline, StageCall
+from lightning_gp.pipeline.ddp import DefendedAllReduce
 
 WORKER = Path(__file__).parent / "scripts" / "ddp_overlap_worker.py"
 
@@ -101,7 +100,7 @@ def test_the_pipeline_is_layerwise_only_when_every_defense_is():
     mixed = SharedGradientPipeline([TopKPruning(), AlignedDualGradientPruning()], [tap])
     assert not mixed.layerwise
     with pytest.raises(RuntimeError, match="every defense is layerwise"):
-        mixed.defend(gradients(0, 0), client_id=0, round=0, model=torch.nn.Linear(1, 1), part=True)
+        mixed.defend(gradients(0, 0), StageCall(0, 0, torch.nn.Linear(1, 1)), part=True)
 
 
 @pytest.mark.multiprocess
@@ -147,7 +146,7 @@ class KeepShared(ObserverStage):
     def __init__(self) -> None:
         self.seen: list[dict[str, torch.Tensor]] = []
 
-    def observe(self, gradients, **context) -> None:
+    def observe(self, gradients, call) -> None:
         self.seen.append(dict(gradients))
 
 

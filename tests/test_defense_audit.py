@@ -78,7 +78,7 @@ def test_every_runner_taps_the_defended_upload_in_the_bare_model_names(datamodul
 class _Unmodelled(Defense):
     """A defense nobody registered an adaptive attack for."""
 
-    def transform(self, gradients, state, generator):
+    def transform(self, gradients, state, call):
         return {n: g * 0.5 for n, g in gradients.items()}, state
 
 

@@ -28,9 +28,9 @@ class AddNoise(Defense):
     def config(self):
         return {"scale": self.scale}
 
-    def transform(self, gradients, state, generator):
+    def transform(self, gradients, state, call):
         shared = {
-            n: g + self.scale * torch.randn(g.shape, generator=generator, dtype=g.dtype, device=g.device)
+            n: g + self.scale * torch.randn(g.shape, generator=call.generator, dtype=g.dtype, device=g.device)
             for n, g in gradients.items()
         }
         return shared, {}
@@ -42,7 +42,7 @@ class CountCalls(Defense):
     def init_client_state(self, gradients):
         return {"calls": torch.zeros(())}
 
-    def transform(self, gradients, state, generator):
+    def transform(self, gradients, state, call):
         return {n: g.clone() for n, g in gradients.items()}, {"calls": state["calls"] + 1}
 
 

@@ -13,9 +13,10 @@ from scipy.stats import chi2, norm
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_gp.callbacks import DPSGD, ClientStepRunner, GradientTap, MagnitudePruning
+from lightning_gp.callbacks import DPSGD, GradientTap, MagnitudePruning
 from lightning_gp.defenses import MagnitudePruning as MagnitudePruningTransform
 from lightning_gp.models import ImageClassifier, LeNetZhu
+from lightning_gp.pipeline import ClientStepRunner
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -173,7 +174,7 @@ def test_pruning_after_dp_shares_a_sparse_noised_gradient_and_the_step_uses_it()
     dp = DPSGD(noise_multiplier=1.0, max_grad_norm=1e3)
     model = Tiny(lr=0.5)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    trainer, model = fit(dp, model=model, extra=[MagnitudePruning(0.8), tap], max_steps=1)
+    trainer, model = fit(dp, model=model, extra=[MagnitudePruning(rate=0.8), tap], max_steps=1)
     record = tap.latest()
     shared = record.gradients
     for name in ("net.0.weight", "net.3.weight"):

@@ -180,15 +180,15 @@ def test_bad_inputs_name_the_argument():
         GradDefense()(gradients, 0, sensitivity={"w": float("inf"), "b": 1.0})
     root = (torch.rand(2, 1, 4, 4), torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="root_per_class"):
-        GradDefenseCallback(root, root_per_class=0)
+        GradDefenseCallback(root_data=root, root_per_class=0)
     with pytest.raises(ValueError, match="recompute_every"):
-        GradDefenseCallback(root, recompute_every=0)
+        GradDefenseCallback(root_data=root, recompute_every=0)
     with pytest.raises(TypeError, match="root_data"):
-        GradDefenseCallback(3.5)
+        GradDefenseCallback(root_data=3.5)
     with pytest.raises(FileNotFoundError, match="neither"):
-        GradDefenseCallback("no/such/root.pt")
+        GradDefenseCallback(root_data="no/such/root.pt")
     with pytest.raises(ValueError, match="one target per input"):
-        GradDefenseCallback((torch.rand(2, 3), torch.tensor([0])))
+        GradDefenseCallback(root_data=(torch.rand(2, 3), torch.tensor([0])))
 
 
 def _root(dm: FashionMNISTSampleDataModule) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,7 +204,11 @@ def test_the_callback_defends_in_the_simulation_and_on_the_local_path(tmp_path):
     # FederatedSimulation: the server model's sensitivity on the root set (a saved file here)
     L.seed_everything(0, verbose=False)
     records, _, _ = tap_fedsgd_round(
-        LeNetZhu(), dm, defenses=[GradDefenseCallback(str(tmp_path / "root.pt"), seed=0)], clients=[0, 1], seed=0
+        LeNetZhu(),
+        dm,
+        defenses=[GradDefenseCallback(root_data=str(tmp_path / "root.pt"), seed=0)],
+        clients=[0, 1],
+        seed=0,
     )
     sent = LeNetZhu()
     sent.load_state_dict(records[0].model_state)  # the model the server sent that round
@@ -229,7 +233,7 @@ def test_the_callback_defends_in_the_simulation_and_on_the_local_path(tmp_path):
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[GradDefenseCallback("val", root_per_class=2, seed=0), tap],
+        callbacks=[GradDefenseCallback(root_data="val", root_per_class=2, seed=0), tap],
     )
     trainer.fit(module, datamodule=dm)
     record = tap.latest()
@@ -276,7 +280,7 @@ def test_the_slice_aware_attack_beats_the_published_one(q, optimiser):
     dm = FashionMNISTSampleDataModule()
     dm.setup("fit")
     model, x, g = _lenet_case(2, dm)
-    callback = GradDefenseCallback(_root(dm), sigma=0.3, q=q, loss_fn=nn.CrossEntropyLoss(), seed=2)
+    callback = GradDefenseCallback(root_data=_root(dm), sigma=0.3, q=q, loss_fn=nn.CrossEntropyLoss(), seed=2)
     shared = callback.defense(g, 0, sensitivity=callback.sensitivity_for(model))
     view = ServerView(
         model=model, gradients=shared, batch_size=1, input_shape=(1, 28, 28), num_classes=10, mean=dm.mean, std=dm.std
@@ -293,7 +297,7 @@ def test_the_slice_aware_attack_beats_the_published_one(q, optimiser):
 
 def test_both_the_defense_and_the_callback_declare_an_attack():
     assert has_adaptive_attack(GradDefense())
-    callback = GradDefenseCallback((torch.rand(2, 1, 28, 28), torch.tensor([0, 1])))
+    callback = GradDefenseCallback(root_data=(torch.rand(2, 1, 28, 28), torch.tensor([0, 1])))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         attacks = adaptive_attacks(callback, iterations=2, lbfgs_iterations=2)

@@ -65,17 +65,22 @@ def graph(subpackage: str) -> dict[str, set[str]]:
     return {name: {m for m in imported_modules(path) if m in modules and m != name} for name, path in modules.items()}
 
 
-def test_callbacks_modules_import_each_other_without_a_cycle():
-    edges = graph("callbacks")
+@pytest.mark.parametrize("package", ["callbacks", "pipeline", "audit", "attacks", "defenses", "metrics", "federated"])
+def test_a_package_s_modules_import_each_other_without_a_cycle_and_never_its_face(package):
+    edges = graph(package)
     try:
         list(TopologicalSorter(edges).static_order())
     except CycleError as err:
-        pytest.fail(f"import cycle among lightning_gp.callbacks modules: {err.args[1]}")
-    assert not edges["lightning_gp.callbacks.interfaces"]  # the interfaces depend on no adapter
+        pytest.fail(f"import cycle among lightning_gp.{package} modules: {err.args[1]}")
     # no submodule reaches back into the package __init__ (which imports all of them)
-    for path in (PACKAGE / "callbacks").glob("*.py"):
+    for path in (PACKAGE / package).glob("*.py"):
         if path.name != "__init__.py":
-            assert "lightning_gp.callbacks" not in imported_modules(path), path.name
+            assert f"lightning_gp.{package}" not in imported_modules(path), path.name
+
+
+def test_the_stage_interfaces_depend_on_no_other_pipeline_module():
+    # stages.py names SharedGradientPipeline for typing and builds an empty one lazily; nothing else
+    assert graph("pipeline")["lightning_gp.pipeline.stages"] <= {"lightning_gp.pipeline.pipeline"}
 
 
 def layer_graph() -> dict[str, set[str]]:
@@ -115,6 +120,38 @@ def test_no_import_cycle_between_the_package_layers():
         assert "callbacks" not in edges[pure], f"lightning_gp.{pure} imports lightning_gp.callbacks"
 
 
+FLOOR = {"validation", "seeding", "functional", "named_tensors", "normalization", "records"}
+#: What each layer may import (docs/architecture.md, "Layers and what each may import").
+MAY_IMPORT: dict[str, set[str]] = {
+    **dict.fromkeys(FLOOR, FLOOR),
+    "defenses": FLOOR,
+    "models": FLOOR,
+    "data": FLOOR,
+    "augmentation": FLOOR | {"models", "data"},
+    "refiner": FLOOR | {"models", "data"},
+    "attacks": FLOOR | {"defenses", "models", "augmentation"},
+    "metrics": FLOOR | {"attacks", "refiner"},
+    "pipeline": FLOOR | {"defenses"},
+    "callbacks": FLOOR | {"defenses", "pipeline"},
+    "federated": FLOOR | {"defenses", "pipeline"},
+}
+_BELOW_AUDIT = set(MAY_IMPORT) | {"augmentation", "refiner", "metrics"}
+MAY_IMPORT["priprune"] = _BELOW_AUDIT
+MAY_IMPORT["flower"] = _BELOW_AUDIT
+MAY_IMPORT["audit"] = _BELOW_AUDIT | {"priprune", "flower"}
+
+
+def test_every_layer_imports_only_what_the_architecture_allows():
+    edges = layer_graph()
+    unknown = sorted(set(edges) - set(MAY_IMPORT) - {"cli"})
+    assert not unknown, f"layers missing from docs/architecture.md and MAY_IMPORT: {unknown}"
+    broken = {layer: sorted(imports - MAY_IMPORT[layer]) for layer, imports in edges.items() if layer in MAY_IMPORT}
+    broken = {layer: imports for layer, imports in broken.items() if imports}
+    assert not broken, f"imports the architecture does not allow (layer -> forbidden layers): {broken}"
+    # nothing but the command line imports the command line
+    assert all("cli" not in imports for layer, imports in edges.items() if layer != "cli")
+
+
 #: The only modules allowed at the top of ``lightning_gp/``: floor-1 utilities that import no other layer.
 FLOOR_ONE = {"functional", "named_tensors", "normalization", "records", "seeding", "validation"}
 
@@ -143,10 +180,10 @@ def test_audit_modules_import_each_other_without_a_cycle_and_never_the_package_f
         assert "audit" not in layer_graph()[layer], f"lightning_gp.{layer} imports lightning_gp.audit"
 
 
-def test_each_callbacks_module_imports_alone():
+def test_each_callbacks_and_pipeline_module_imports_alone():
     """Each module imported first, in a fresh interpreter state of the package (cycles that only
     break for one import order show up here)."""
-    modules = sorted(graph("callbacks"))
+    modules = sorted([*graph("callbacks"), *graph("pipeline")])
     script = (
         "import importlib, sys\n"
         f"for name in {modules!r}:\n"

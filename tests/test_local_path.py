@@ -9,8 +9,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gp.callbacks import GradientDefense, GradientTap, MagnitudePruning
 from lightning_gp.callbacks.base import SharedGradientObserver
-from lightning_gp.callbacks.pipeline import SharedGradientPipeline
 from lightning_gp.defenses import MagnitudePruning as MagnitudePruningTransform
+from lightning_gp.pipeline import SharedGradientPipeline, StageCall
 
 
 class TinyClassifier(L.LightningModule):
@@ -111,7 +111,7 @@ class SharedStorage(SharedGradientObserver):
     def __init__(self) -> None:
         self.pointers: list[dict[str, int]] = []
 
-    def observe(self, gradients, *, client_id, round, model, batch, meta) -> None:
+    def observe(self, gradients, call) -> None:
         self.pointers.append({n: g.data_ptr() for n, g in gradients.items()})
 
 
@@ -163,7 +163,7 @@ def test_tapped_gradient_round_trips_through_a_file(tmp_path):
     L.seed_everything(0)
     tap = GradientTap(rounds=[0], dirpath=str(tmp_path))
     quiet_trainer(max_steps=1, callbacks=[MagnitudePruning(rate=0.5), tap]).fit(TinyClassifier(), loader())
-    from lightning_gp.callbacks import TappedGradient
+    from lightning_gp.records import TappedGradient
 
     loaded = TappedGradient.load(tmp_path / "round0_client0.pt")
     assert loaded.model_class.endswith("TinyClassifier")
@@ -178,6 +178,6 @@ def test_tapped_gradient_round_trips_through_a_file(tmp_path):
 def test_the_pipeline_writes_what_it_shares_into_out(stages):
     g = {"w": torch.ones(3)}
     out = {"w": torch.zeros(3)}
-    shared = SharedGradientPipeline(stages, []).defend(g, client_id=0, round=0, model=nn.Linear(1, 1), out=out)
+    shared = SharedGradientPipeline(stages, []).defend(g, StageCall(0, 0, nn.Linear(1, 1)), out=out)
     assert shared["w"] is out["w"]
     assert torch.equal(out["w"], torch.full((3,), 2.0 if stages else 1.0))

@@ -55,7 +55,7 @@ def loader(seed: int = 0, n: int = 8) -> DataLoader:
 # ------------------------------------------------------------------ optimal defenses never guess the loss
 def test_optimal_defense_without_any_loss_is_refused_instead_of_assuming_cross_entropy():
     # Before: a module without `loss_fn` silently got cross-entropy, whatever it trained with.
-    noise = callbacks.OptimalGradientNoise(0.01, num_probes=2, seed=0)
+    noise = callbacks.OptimalGradientNoise(scale=0.01, num_probes=2, seed=0)
     with pytest.raises(ValueError, match=r"needs the client's loss.*Classifier has no callable `loss_fn`"):
         quiet_trainer(max_steps=1, callbacks=[noise]).fit(Classifier(), loader())
 
@@ -93,13 +93,13 @@ def test_resuming_a_simulation_without_its_defense_callbacks_is_refused(tmp_path
             small_cnn(), datamodule=RandomImages(), num_clients=4, clients_per_round=2, local_batch_size=4, seed=1
         )
 
-    trainer = quiet_trainer(max_steps=2, callbacks=[callbacks.TopKPruning(0.2, seed=3)])
+    trainer = quiet_trainer(max_steps=2, callbacks=[callbacks.TopKPruning(k=0.2, seed=3)])
     trainer.fit(simulation())
     trainer.save_checkpoint(tmp_path / "c.ckpt")
     with pytest.raises(ValueError, match=r"per-client defense state .*TopKPruning.*no such defense callback"):
         quiet_trainer(max_steps=4).fit(simulation(), ckpt_path=tmp_path / "c.ckpt")
     # With the callback the run resumes.
-    quiet_trainer(max_steps=3, callbacks=[callbacks.TopKPruning(0.2, seed=3)]).fit(
+    quiet_trainer(max_steps=3, callbacks=[callbacks.TopKPruning(k=0.2, seed=3)]).fit(
         simulation(), ckpt_path=tmp_path / "c.ckpt"
     )
 
@@ -120,7 +120,7 @@ def test_an_optimizer_that_steps_some_parameters_shares_exactly_those():
     # Before: "holds state for other layers than the gradients of client 0 ... another model?".
     model = Classifier(freeze_head_in_optimizer=True)
     tap = callbacks.GradientTap(rounds=[0, 1])
-    quiet_trainer(max_steps=2, callbacks=[callbacks.MagnitudePruning(0.5, error_feedback=True), tap]).fit(
+    quiet_trainer(max_steps=2, callbacks=[callbacks.MagnitudePruning(rate=0.5, error_feedback=True), tap]).fit(
         model, loader()
     )
     assert [r.round for r in tap.records] == [0, 1]

@@ -339,7 +339,7 @@ def test_clipped_isotropic_noise_clips_before_adding_noise():
         (lambda: OptimalDPSGD(clip=-1.0), "clip"),
         (lambda: OptimalGradientPruning(1.5), "rate"),
         (lambda: OptimalGradientPruning(0.5, scope="model"), "scope"),
-        (lambda: callbacks.OptimalGradientNoise(0.1, num_probes=0), "num_probes"),
+        (lambda: callbacks.OptimalGradientNoise(scale=0.1, num_probes=0), "num_probes"),
     ],
 )
 def test_bad_arguments_name_the_argument(make, match):
@@ -427,7 +427,7 @@ def test_accumulated_micro_batches_add_their_sensitivities():
 
 def test_combining_a_data_dependent_defense_with_dpsgd_is_refused():
     trainer = quiet_trainer(
-        max_steps=1, callbacks=[callbacks.DPSGD(noise_multiplier=1.0), callbacks.OptimalGradientNoise(0.01)]
+        max_steps=1, callbacks=[callbacks.DPSGD(noise_multiplier=1.0), callbacks.OptimalGradientNoise(scale=0.01)]
     )
     x, y = tiny_batch()
     with pytest.raises(ValueError, match="void the reported epsilon"):

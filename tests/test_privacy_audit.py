@@ -29,6 +29,7 @@ from lightning_gp.attacks import (
 from lightning_gp.audit import PrivacyAudit
 from lightning_gp.callbacks import GaussianNoise, MagnitudePruning, TopKPruning
 from lightning_gp.federated import FederatedSimulation
+from lightning_gp.pipeline import StageCall
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -85,11 +86,11 @@ def assert_same_weights(a: nn.Module, b: nn.Module) -> None:
 
 
 def test_local_path_logs_to_a_csv_logger_and_leaves_the_weights_bit_identical(tmp_path) -> None:
-    baseline = fit_local([MagnitudePruning(0.5)])
+    baseline = fit_local([MagnitudePruning(rate=0.5)])
     tiny_adaptive = {"iterations": 3, "lbfgs_iterations": 2}
     audit = PrivacyAudit(steps=[0, 2], attacks=tiny_attacks(), adaptive_budget=tiny_adaptive, **KNOWN)
     logger = CSVLogger(tmp_path, name="run")
-    audited = fit_local([MagnitudePruning(0.5), audit], logger=logger)
+    audited = fit_local([MagnitudePruning(rate=0.5), audit], logger=logger)
     assert_same_weights(baseline, audited)
 
     assert [(r.round, r.client_id) for r in audit.results] == [(0, 0), (2, 0)]
@@ -196,7 +197,7 @@ def test_bad_inputs_are_clear_errors(tmp_path) -> None:
     assert (tmp_path / "privacy_audit" / "step0_client0.png").is_file()  # no logger: grids under default_root_dir
     audit = PrivacyAudit(attacks=tiny_attacks(), **KNOWN)
     with pytest.raises(ValueError, match="record_data=True"):
-        audit.observe({}, client_id=0, round=0, model=small_cnn(), batch=None, meta={"path": "local"})
+        audit.observe({}, StageCall(0, 0, small_cnn(), None, {"path": "local"}))
 
 
 class _Raises(GradientAttack):

@@ -154,28 +154,28 @@ CHANGED_SETTINGS = [
     ),
     (
         "layer: '3' in the checkpoint, '5' now",
-        lambda: Soteria(0.5, layer="3", seed=3),
-        lambda: Soteria(0.5, layer="5", seed=3),
+        lambda: Soteria(rate=0.5, layer="3", seed=3),
+        lambda: Soteria(rate=0.5, layer="5", seed=3),
     ),
     (
         "method: 'jacobian' in the checkpoint, 'probes' now; probes: not set in the checkpoint, 10 now",
-        lambda: Soteria(0.5, seed=3),
-        lambda: Soteria(0.5, method="probes", seed=3),
+        lambda: Soteria(rate=0.5, seed=3),
+        lambda: Soteria(rate=0.5, method="probes", seed=3),
     ),
     (
         "root_per_class: 2 in the checkpoint, 5 now",
-        lambda: GradDefense("train", root_per_class=2, seed=3),
-        lambda: GradDefense("train", seed=3),
+        lambda: GradDefense(root_data="train", root_per_class=2, seed=3),
+        lambda: GradDefense(root_data="train", seed=3),
     ),
     (
         "recompute_every: 1 in the checkpoint, 2 now",
-        lambda: GradDefense("train", root_per_class=2, seed=3),
-        lambda: GradDefense("train", root_per_class=2, recompute_every=2, seed=3),
+        lambda: GradDefense(root_data="train", root_per_class=2, seed=3),
+        lambda: GradDefense(root_data="train", root_per_class=2, recompute_every=2, seed=3),
     ),
     (
         f"root_data: {DIGEST} in the checkpoint, {DIGEST} now",  # the same shapes, other targets
-        lambda: GradDefense((torch.ones(4, 1, 12, 12), torch.arange(4)), seed=3),
-        lambda: GradDefense((torch.ones(4, 1, 12, 12), torch.arange(4).flip(0)), seed=3),
+        lambda: GradDefense(root_data=(torch.ones(4, 1, 12, 12), torch.arange(4)), seed=3),
+        lambda: GradDefense(root_data=(torch.ones(4, 1, 12, 12), torch.arange(4).flip(0)), seed=3),
     ),
 ]
 
@@ -204,7 +204,7 @@ def test_chunk_size_is_no_setting_of_the_checkpoint():
 
 # every third round computes a new statistic: the checkpoint after round 3 comes between two of them
 KEPT_STATE = {
-    "graddefense": lambda: [GradDefense("train", root_per_class=2, recompute_every=3, sigma=0.05, seed=3)],
+    "graddefense": lambda: [GradDefense(root_data="train", root_per_class=2, recompute_every=3, sigma=0.05, seed=3)],
     "optimal": lambda: [OptimalGradientNoise(scale=0.05, num_probes=2, refresh_every=3, seed=3)],
 }
 
@@ -238,7 +238,7 @@ def test_a_resumed_trainer_reuses_graddefenses_sensitivity_bit_for_bit(tmp_path)
     def defense():
         root = torch.randn(4, 1, 12, 12, generator=torch.Generator().manual_seed(1)), torch.arange(4)
         # 40 slices: fine enough that step 4's own sensitivity would cut other slices than step 3's
-        return [GradDefense(root, slices=40, perturbed_slices=20, recompute_every=3, sigma=0.05, seed=3)]
+        return [GradDefense(root_data=root, slices=40, perturbed_slices=20, recompute_every=3, sigma=0.05, seed=3)]
 
     straight, loader, callbacks = classifier_run(defense)
     saver = ModelCheckpoint(tmp_path, every_n_train_steps=4, save_top_k=-1)  # within the run: at step 4

@@ -147,7 +147,7 @@ def test_per_example_refuses_batchnorm_in_training_mode_and_non_mean_losses():
 )
 def test_bad_callback_arguments_name_the_argument(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        callbacks.OptimalGradientNoise(0.01, **kwargs)
+        callbacks.OptimalGradientNoise(scale=0.01, **kwargs)
 
 
 class Frozen(L.LightningModule):
@@ -170,7 +170,7 @@ class Frozen(L.LightningModule):
 def test_callback_refuses_per_example_with_batchnorm_in_training_mode():
     net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.Tanh(), nn.Flatten(), nn.Linear(4, 3))
     x, y = batch()
-    noise = callbacks.OptimalGradientNoise(0.01, method="per_example", loss_fn=CE)
+    noise = callbacks.OptimalGradientNoise(scale=0.01, method="per_example", loss_fn=CE)
     with pytest.raises(ValueError, match="method='batch'"):
         quiet_trainer(max_steps=1, callbacks=[noise]).fit(Frozen(net), DataLoader(TensorDataset(x, y), batch_size=4))
 

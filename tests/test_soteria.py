@@ -100,7 +100,7 @@ def test_the_callback_defends_on_the_local_path_and_in_the_simulation():
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[SoteriaCallback(0.8, layer="fc", seed=0), tap],
+        callbacks=[SoteriaCallback(rate=0.8, layer="fc", seed=0), tap],
     )
     trainer.fit(module, datamodule=dm)
     shared = tap.latest().gradients
@@ -109,7 +109,7 @@ def test_the_callback_defends_on_the_local_path_and_in_the_simulation():
 
     L.seed_everything(0, verbose=False)
     records, _, _ = tap_fedsgd_round(
-        LeNetZhu(), FashionMNISTSampleDataModule(), defenses=[SoteriaCallback(0.8, seed=0)], clients=[0, 1], seed=0
+        LeNetZhu(), FashionMNISTSampleDataModule(), defenses=[SoteriaCallback(rate=0.8, seed=0)], clients=[0, 1], seed=0
     )
     for record in records:
         assert _zero_columns(record.gradients["fc.weight"]) == 470
@@ -117,7 +117,7 @@ def test_the_callback_defends_on_the_local_path_and_in_the_simulation():
 
 
 def test_soteria_declares_a_support_matching_adaptive_attack():
-    callback = SoteriaCallback(0.8)
+    callback = SoteriaCallback(rate=0.8)
     assert has_adaptive_attack(callback)
     attacks = adaptive_attacks(callback, iterations=3)
     assert any(isinstance(a, DefenseAwareIDLG) and a.knowledge.support for a in attacks)

@@ -73,10 +73,10 @@ from lightning_gp.audit.verdict import (
     worst_case_report,
 )
 from lightning_gp.callbacks.base import SharedGradientObserver
-from lightning_gp.callbacks.interfaces import ClientSetup, DefenseStage
 from lightning_gp.callbacks.tap import StepBatches, tapped_record
 from lightning_gp.metrics import reconstruction_report
 from lightning_gp.metrics.figures import save_comparison_grid
+from lightning_gp.pipeline.stages import ClientSetup, DefenseStage, StageCall
 from lightning_gp.records import TappedGradient
 from lightning_gp.validation import check_bool, check_int
 
@@ -386,16 +386,8 @@ class PrivacyAudit(SharedGradientObserver):
         step = trainer.global_step
         self.batches.keep(step, batch, wanted=self.wants(trainer.global_rank, step))
 
-    def observe(
-        self,
-        gradients: Mapping[str, Tensor],
-        *,
-        client_id: int,
-        round: int,
-        model: nn.Module,
-        batch: Any,
-        meta: Mapping[str, Any],
-    ) -> None:
+    def observe(self, gradients: Mapping[str, Tensor], call: StageCall) -> None:
+        client_id, round, model, batch, meta = call.client_id, call.round, call.model, call.batch, call.meta
         if not self.wants(client_id, round):
             return
         batch = self.batches.take(round, batch)

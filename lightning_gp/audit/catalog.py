@@ -232,16 +232,19 @@ for _entry in (
         "TopKPruning",
         "pruning",
         "DGC-style Top-k",
-        _callbacks("TopKPruning(k=0.2)", lambda s: [TopKPruning(0.2, seed=s)]),
+        _callbacks("TopKPruning(k=0.2)", lambda s: [TopKPruning(k=0.2, seed=s)]),
     ),
     CatalogEntry(
         "MagnitudePruning",
         "pruning",
         "DLG Sec. 5",
-        _callbacks("MagnitudePruning(rate=0.8)", lambda s: [MagnitudePruning(0.8, seed=s)]),
+        _callbacks("MagnitudePruning(rate=0.8)", lambda s: [MagnitudePruning(rate=0.8, seed=s)]),
     ),
     CatalogEntry(
-        "RandomPruning", "pruning", "", _callbacks("RandomPruning(rate=0.8)", lambda s: [RandomPruning(0.8, seed=s)])
+        "RandomPruning",
+        "pruning",
+        "",
+        _callbacks("RandomPruning(rate=0.8)", lambda s: [RandomPruning(rate=0.8, seed=s)]),
     ),
     CatalogEntry(
         "DualGradientPruning",
@@ -303,14 +306,14 @@ for _entry in (
         "Soteria",
         "baseline",
         "Sun et al. CVPR 2021",
-        _callbacks("Soteria(rate=0.8)", lambda s: [Soteria(0.8, seed=s)]),
+        _callbacks("Soteria(rate=0.8)", lambda s: [Soteria(rate=0.8, seed=s)]),
     ),
     CatalogEntry(
         "GradDefense",
         "baseline",
         "Wang et al. INFOCOM 2022",
         # the root set: 5 public images per class of the validation split, never an attacked training image
-        _callbacks("GradDefense(S=10, p=5, sigma=0.01, Q=6)", lambda s: [GradDefense("val", seed=s)]),
+        _callbacks("GradDefense(S=10, p=5, sigma=0.01, Q=6)", lambda s: [GradDefense(root_data="val", seed=s)]),
     ),
     CatalogEntry(
         "Outpost",

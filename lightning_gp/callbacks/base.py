@@ -1,58 +1,70 @@
-"""Lightning adapters for the shared-gradient pipeline: defense callbacks and observers."""
+"""Lightning adapters for the shared-gradient pipeline: the one defense adapter and the observer base.
+
+A pure :class:`~lightning_gp.defenses.Defense` becomes a callback by :class:`GradientDefense`
+(``GradientDefense(MyDefense(...))``); the named callbacks (``MagnitudePruning``, ``Outpost``, ...)
+are one-line subclasses declared with ``defense=``, whose keyword-only constructor is the
+defense's own (plus the adapter's knobs, for the data-dependent ones): no copied defaults.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+import inspect
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from torch import Tensor, nn
+from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_gp.callbacks.interfaces import ClientSetup, ClientStepRunner, DefenseStage, ObserverStage
-from lightning_gp.callbacks.pipeline import SharedGradientPipeline
-from lightning_gp.callbacks.runners import resolve_runner
 from lightning_gp.defenses.base import Defense, Gradients, Share
+from lightning_gp.pipeline.pipeline import ClientStepRunner
+from lightning_gp.pipeline.runners import resolve_runner, start_pipeline
+from lightning_gp.pipeline.stages import ClientSetup, DefenseStage, ObserverStage, StageCall
 
 
 class SharedGradientCallback(Callback):
     """Base of the callbacks on the path of the shared gradient (defenses and observers).
 
-    The first such callback of a trainer sets the pipeline up at fit start: it resolves who runs
-    the client step (:func:`~lightning_gp.callbacks.runners.resolve_runner`), declares the run's
-    clients and shared layers to every stage, and lets the runner hook into training (the DDP
-    runner registers its communication hook; the local runner rewrites ``.grad`` from
-    ``on_before_optimizer_step``). The callbacks themselves know no runner.
+    The first such callback of a trainer starts the fit's pipeline at fit start
+    (:func:`~lightning_gp.pipeline.start_pipeline`): it builds the one
+    :class:`~lightning_gp.pipeline.SharedGradientPipeline` of the fit from the trainer's stages and
+    hands it to the runner of the client step, which holds it and drives it (the DDP runner
+    registers its communication hook; the local runner rewrites ``.grad`` from
+    ``on_before_optimizer_step``, which this callback forwards). The callbacks know no runner.
     """
 
-    runner: ClientStepRunner | None = None  # the fit's runner, on the driving callback only
+    runner: ClientStepRunner | None = None  # the fit's runner, on the callback that started it only
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             resolve_runner(trainer, pl_module)  # fail early on unsupported strategies
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        pipeline = SharedGradientPipeline.from_trainer(trainer)
-        if pipeline.members[0] is not self:
-            self.runner = None
-            return
-        runner = resolve_runner(trainer, pl_module)
-        pipeline.bind(runner.client_setup(trainer, pl_module), runner)
-        runner.attach(trainer, pl_module, pipeline)
-        self.runner = runner
+        first = next(cb for cb in trainer.callbacks if isinstance(cb, (DefenseStage, ObserverStage)))  # type: ignore[attr-defined]
+        self.runner = start_pipeline(trainer, pl_module) if first is self else None
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
         if self.runner is not None:
-            self.runner.before_optimizer_step(
-                trainer, pl_module, optimizer, SharedGradientPipeline.from_trainer(trainer)
-            )
+            self.runner.before_optimizer_step(trainer, pl_module, optimizer)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().teardown(trainer, pl_module, stage)
+        if self.runner is not None:
+            self.runner.finish()
+            self.runner = None
 
 
 class GradientDefense(SharedGradientCallback, DefenseStage):
     """A Lightning callback that applies a :class:`~lightning_gp.defenses.Defense` to what a client shares.
+
+    ``GradientDefense(defense)`` adapts any defense. A named callback is a subclass declared with the
+    defense class it adapts, and takes the defense's arguments (keyword-only)::
+
+        class MagnitudePruning(GradientDefense, defense=pruning.MagnitudePruning):
+            ...  # a docstring: the paper and what the defense does
 
     Several defense callbacks compose in the order they are given to the ``Trainer``. The
     defense's per-client state is saved in checkpoints and restored on resume, and so is what the
@@ -65,12 +77,46 @@ class GradientDefense(SharedGradientCallback, DefenseStage):
         trainer = Trainer(callbacks=[MagnitudePruning(rate=0.8)])
     """
 
-    def __init__(self, defense: Defense) -> None:
+    #: the defense class a named subclass adapts (set by ``defense=`` in its class statement)
+    defense_class: ClassVar[type[Defense] | None] = None
+
+    def __init_subclass__(cls, defense: type[Defense] | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if defense is not None:
+            cls.defense_class = defense
+            cls.__init__ = _named_init(cls, defense)  # type: ignore[method-assign]
+
+    def __init__(self, defense: Defense | None = None, /, **kwargs: Any) -> None:
+        """``GradientDefense(defense, **knobs)`` adapts ``defense``; a named subclass takes the
+        defense's arguments instead of the defense: ``MagnitudePruning(rate=0.8)``. ``knobs`` are
+        the adapter's own settings (:meth:`adapt`), keyword-only."""
+        cls = type(self)
+        if cls.defense_class is not None:
+            if defense is not None:
+                raise TypeError(
+                    f"{cls.__name__} builds its {cls.defense_class.__name__}: pass its arguments by keyword"
+                )
+            names = _defense_parameters(cls.defense_class)
+            defense = cls.defense_class(**{n: kwargs.pop(n) for n in names if n in kwargs})
         if not isinstance(defense, Defense):
             raise TypeError(f"defense must be a lightning_gp.defenses.Defense, got {type(defense).__name__}")
         self.defense = defense
         # adapter_state came from the checkpoint this fit resumes: on_fit_start keeps it
         self._adapter_restored = False
+        try:
+            self.adapt(**kwargs)
+        except TypeError as err:
+            if "unexpected keyword argument" not in str(err):
+                raise
+            known = [*(_defense_parameters(cls.defense_class) if cls.defense_class else []), *_adapt_parameters(cls)]
+            raise TypeError(
+                f"{cls.__name__} got unexpected arguments {sorted(set(kwargs) - set(known))}; it takes {', '.join(known)}"
+            ) from None
+
+    def adapt(self) -> None:
+        """Take the adapter's own settings, keyword-only (a data-dependent adapter: how it estimates
+        its statistic). Default: none."""
+        return
 
     # ---------------------------------------------------------------- settings and state of the callback
     def adapter_config(self) -> dict[str, Any]:
@@ -143,43 +189,27 @@ class GradientDefense(SharedGradientCallback, DefenseStage):
     ) -> None:
         self.defense.begin_round(round, clients, local_gradients, share)
 
-    def defend(
-        self,
-        gradients: Mapping[str, Tensor],
-        *,
-        client_id: int,
-        round: int,
-        model: nn.Module,
-        batch: Any,
-        meta: Mapping[str, Any],
-    ) -> dict[str, Tensor]:
-        """One client's gradient through this defense (the pipeline calls this; data-dependent
-        defenses also use the model and the client's batch)."""
-        return self.defense(gradients, client_id)
+    def defense_inputs(self, gradients: Mapping[str, Tensor], call: StageCall) -> dict[str, Any]:
+        """What the defense takes besides the gradient (its :meth:`~lightning_gp.defenses.Defense.prepare`
+        arguments) for this call: the model's current weights for a defense that
+        :attr:`~lightning_gp.defenses.Defense.reads_weights`; the data-dependent adapters add the
+        statistic of the client's batch. Default: nothing else."""
+        if not self.defense.reads_weights:
+            return {}
+        params = dict(call.model.named_parameters())
+        return {"weights": {n: params[n].detach() for n in gradients if n in params}}
+
+    def defend(self, gradients: Mapping[str, Tensor], call: StageCall) -> dict[str, Tensor]:
+        """One client's gradient through this defense (the pipeline calls this)."""
+        return self.defense(dict(gradients), call.client_id, **self.defense_inputs(gradients, call))
 
     def defend_into(
-        self,
-        gradients: Mapping[str, Tensor],
-        out: Mapping[str, Tensor],
-        *,
-        client_id: int,
-        round: int,
-        model: nn.Module,
-        batch: Any,
-        meta: Mapping[str, Any],
+        self, gradients: Mapping[str, Tensor], out: Mapping[str, Tensor], call: StageCall
     ) -> dict[str, Tensor]:
-        if type(self).defend is not GradientDefense.defend:
-            # a subclass hands the defense more than the gradient (a sensitivity, the weights):
-            # its own defend, then a copy
-            return super().defend_into(
-                gradients, out, client_id=client_id, round=round, model=model, batch=batch, meta=meta
-            )
-        return self.defense(gradients, client_id, out=out)
+        return self.defense(gradients, call.client_id, out=out, **self.defense_inputs(gradients, call))
 
-    def defend_layers(
-        self, gradients: Mapping[str, Tensor], *, client_id: int, round: int, model: nn.Module, meta: Mapping[str, Any]
-    ) -> dict[str, Tensor]:
-        return self.defense.defend_layers(gradients, client_id)
+    def defend_layers(self, gradients: Mapping[str, Tensor], call: StageCall) -> dict[str, Tensor]:
+        return self.defense.defend_layers(gradients, call.client_id)
 
     @property
     def state_key(self) -> str:
@@ -262,6 +292,39 @@ def _saved_description(state: Mapping[str, Any]) -> str:
     callback's own settings were saved record the defense's only)."""
     config = state.get("config", state["defense"].get("config", {}))
     return f"{state['defense'].get('defense', '?')}({_format_settings(config)})"
+
+
+def _defense_parameters(defense: type[Defense]) -> list[str]:
+    return list(inspect.signature(defense.__init__).parameters)[1:]
+
+
+def _adapt_parameters(cls: type[GradientDefense]) -> list[str]:
+    return list(inspect.signature(cls.adapt).parameters)[1:]
+
+
+def _named_init(cls: type[GradientDefense], defense: type[Defense]) -> Callable[..., None]:
+    """The ``__init__`` of a named adapter, with the signature LightningCLI and ``help()`` read:
+    the defense's arguments, then the adapter's (:meth:`GradientDefense.adapt`), all keyword-only."""
+    parameters = [
+        p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+        for function in (defense.__init__, cls.adapt)
+        for p in list(inspect.signature(function, eval_str=True).parameters.values())[1:]
+    ]
+    clash = sorted(set(_defense_parameters(defense)) & set(_adapt_parameters(cls)))
+    if clash:
+        raise TypeError(f"{cls.__name__}: the adapter's settings {clash} repeat {defense.__name__}'s arguments")
+
+    def __init__(self: GradientDefense, **kwargs: Any) -> None:
+        GradientDefense.__init__(self, **kwargs)
+
+    __init__.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD), *parameters]
+    )
+    __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+    __init__.__doc__ = (
+        f"The arguments of :class:`{defense.__module__}.{defense.__name__}`, then the adapter's settings."
+    )
+    return __init__
 
 
 class SharedGradientObserver(SharedGradientCallback, ObserverStage):

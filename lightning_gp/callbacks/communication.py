@@ -7,9 +7,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from lightning_gp.callbacks.base import SharedGradientObserver
+from lightning_gp.pipeline.stages import StageCall
 
 INDEX_BYTES = 4  # int32 positions
 
@@ -58,16 +59,8 @@ class CommunicationMeter(SharedGradientObserver):
         self._step_uploads = 0
         self._weights_round = False
 
-    def observe(
-        self,
-        gradients: Mapping[str, Tensor],
-        *,
-        client_id: int,
-        round: int,
-        model: nn.Module,
-        batch: Any,
-        meta: Mapping[str, Any],
-    ) -> None:
+    def observe(self, gradients: Mapping[str, Tensor], call: StageCall) -> None:
+        model, meta = call.model, call.meta
         if meta.get("upload") == "weights":
             params = dict(model.named_parameters())
             with torch.no_grad():

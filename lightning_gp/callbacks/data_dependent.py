@@ -22,16 +22,16 @@ import lightning.pytorch as pl
 from torch import Tensor, nn
 
 from lightning_gp.callbacks.base import GradientDefense
-from lightning_gp.callbacks.interfaces import ClientSetup
-from lightning_gp.defenses.base import Defense
+from lightning_gp.pipeline.stages import ClientSetup, StageCall
 from lightning_gp.validation import check_positive_int
 
 
 class DataDependentGradientDefense(GradientDefense):
     """A :class:`GradientDefense` whose defense needs a statistic of the client's batch.
 
-    Subclasses implement :meth:`batch_statistic` (the statistic of one batch) and :meth:`apply`
-    (defend with it); :meth:`combine` and :meth:`accumulated` say how micro-batches add up.
+    Subclasses implement :meth:`batch_statistic` (the statistic of one batch) and
+    :meth:`statistic_inputs` (the defense's arguments made of it); :meth:`combine` and
+    :meth:`accumulated` say how micro-batches add up.
 
     ``refresh_every=N`` computes a client's statistic at every ``N``-th optimizer step (round) and
     reuses its last one in between (``1``: every step): stale by design, up to ``N - 1`` steps old
@@ -46,8 +46,7 @@ class DataDependentGradientDefense(GradientDefense):
     #: what the statistic is called in error messages
     statistic_name: ClassVar[str] = "statistic"
 
-    def __init__(self, defense: Defense, *, refresh_every: int = 1) -> None:
-        super().__init__(defense)
+    def adapt(self, *, refresh_every: int = 1) -> None:
         self.refresh_every = check_positive_int(refresh_every, "refresh_every")
         self._pending: Any = None
         self._pending_step: int | None = None
@@ -65,8 +64,9 @@ class DataDependentGradientDefense(GradientDefense):
         the defense's seed and ``seed_words``)."""
 
     @abstractmethod
-    def apply(self, gradients: Mapping[str, Tensor], client_id: int, statistic: Any) -> dict[str, Tensor]:
-        """Defend one client's gradient with the statistic of its batch."""
+    def statistic_inputs(self, gradients: Mapping[str, Tensor], statistic: Any) -> dict[str, Any]:
+        """The defense's arguments besides the gradient (its ``prepare`` keywords) from the statistic
+        of the client's batch."""
 
     def combine(self, total: Any, new: Any) -> Any:
         """Two micro-batches' statistics together (default: sum per layer)."""
@@ -121,27 +121,24 @@ class DataDependentGradientDefense(GradientDefense):
         self._micro_batches += 1
 
     # ---------------------------------------------------------------- pipeline
-    def defend(
-        self,
-        gradients: Mapping[str, Tensor],
-        *,
-        client_id: int,
-        round: int,
-        model: nn.Module,
-        batch: Any,
-        meta: Mapping[str, Any],
-    ) -> dict[str, Tensor]:
-        reusable = self._reusable(client_id, round)
+    def defense_inputs(self, gradients: Mapping[str, Tensor], call: StageCall) -> dict[str, Any]:
+        return {**super().defense_inputs(gradients, call), **self.statistic_inputs(gradients, self.statistic(call))}
+
+    def statistic(self, call: StageCall) -> Any:
+        """The statistic the client's gradient is defended with: the one of its batch (computed now
+        when the runner passes the batch, else from the micro-batches seen in
+        ``on_train_batch_start``), or its last one while ``refresh_every`` allows reusing it."""
+        reusable = self._reusable(call.client_id, call.round)
         if reusable is not None and self._pending is None:
-            return self.apply(gradients, client_id, reusable)
+            return reusable
         if self._batches_given:
-            if meta.get("algorithm", "fedsgd") != "fedsgd":
+            if call.meta.get("algorithm", "fedsgd") != "fedsgd":
                 raise ValueError(
                     f"{type(self).__name__} defends the gradient of one batch; FedAvg shares a multi-step model "
                     f"update, whose {self.statistic_name} this defense does not have. Use algorithm='fedsgd'"
                 )
-            inputs, targets = inputs_and_targets(batch)
-            statistic = self.batch_statistic(model, inputs, targets, seed_words=(round, client_id, 0))
+            inputs, targets = inputs_and_targets(call.batch)
+            statistic = self.batch_statistic(call.model, inputs, targets, seed_words=(call.round, call.client_id, 0))
         else:
             if self._pending is None:
                 raise RuntimeError(
@@ -151,8 +148,8 @@ class DataDependentGradientDefense(GradientDefense):
             statistic = self.accumulated(self._pending, self._micro_batches)
             self._pending, self._pending_step, self._micro_batches = None, None, 0
         if self.refresh_every > 1:
-            self._latest[client_id] = (round, statistic)
-        return self.apply(gradients, client_id, statistic)
+            self._latest[call.client_id] = (call.round, statistic)
+        return statistic
 
     def _reusable(self, client: int, step: int) -> Any:
         """The client's last statistic while ``refresh_every`` allows reusing it at ``step``, else None."""
@@ -186,3 +183,11 @@ def inputs_and_targets(batch: Any) -> tuple[Tensor, Tensor]:
         "the data-dependent defenses read (inputs, targets, ...) batches; got "
         f"{type(batch).__name__}. Return such tuples from the dataloader, or pass the batch through a collate_fn"
     )
+
+
+def sensitivity_of_layers(sensitivity: Mapping[str, Tensor], gradients: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The sensitivity of the shared layers, or a clear error when the model names other layers."""
+    missing = [n for n in gradients if n not in sensitivity]
+    if missing:
+        raise ValueError(f"no sensitivity for the shared layers {missing[:5]}: the model and the gradient disagree")
+    return {n: sensitivity[n] for n in gradients}

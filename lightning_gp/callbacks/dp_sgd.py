@@ -20,8 +20,9 @@ from opacus.validators import ModuleValidator
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_gp.callbacks.interfaces import ClientSetup, ClientStepRunner
-from lightning_gp.callbacks.pipeline import SharedGradientPipeline, defend_parameter_gradients, parameter_setup
+from lightning_gp.pipeline.local import defend_parameter_gradients, parameter_setup
+from lightning_gp.pipeline.pipeline import ClientStepRunner
+from lightning_gp.pipeline.stages import ClientSetup
 from lightning_gp.validation import check_bool, check_choice, check_nonnegative, check_number, check_positive
 
 ACCOUNTANTS = ("prv", "rdp", "gdp")
@@ -285,11 +286,12 @@ class DPSGD(Callback, ClientStepRunner):
             secure_mode=self.secure_mode,
         )
         account = self.privacy_accountant.get_optimizer_hook_fn(sample_rate=self.sample_rate)
-        pipeline = SharedGradientPipeline.from_trainer(trainer)
 
         def step_hook(dp_optimizer: DPOptimizer) -> None:
-            # Runs inside DPOptimizer.pre_step, after clip, noise and scaling wrote p.grad.
+            # Runs inside DPOptimizer.pre_step, after clip, noise and scaling wrote p.grad. The
+            # pipeline is the fit's (given at fit start), empty when the trainer has no stages.
             account(dp_optimizer)
+            pipeline = self.fit_pipeline()
             if len(pipeline):
                 defend_parameter_gradients(
                     pipeline,

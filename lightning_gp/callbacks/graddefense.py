@@ -27,16 +27,17 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset
 
 from lightning_gp.callbacks.base import GradientDefense
-from lightning_gp.callbacks.interfaces import ClientSetup
+from lightning_gp.callbacks.data_dependent import sensitivity_of_layers
 from lightning_gp.defenses import graddefense
 from lightning_gp.functional import LossFn
+from lightning_gp.pipeline.stages import ClientSetup, StageCall
 from lightning_gp.validation import check_positive_int
 
 #: the datamodule splits ``root_data`` may name
 ROOT_SPLITS = ("train", "val", "test")
 
 
-class GradDefense(GradientDefense):
+class GradDefense(GradientDefense, defense=graddefense.GradDefense):
     """GradDefense (Wang et al., INFOCOM 2022) on every path (plain Trainer, DDP, FederatedSimulation).
 
     See :class:`lightning_gp.defenses.GradDefense` for the slicing, noise and compensation.
@@ -61,23 +62,14 @@ class GradDefense(GradientDefense):
 
     defense: graddefense.GradDefense
 
-    def __init__(
+    def adapt(  # type: ignore[override]  # root_data is required: no default root set is right
         self,
+        *,
         root_data: Any,
-        slices: int = graddefense.DEFAULT_SLICES,
-        perturbed_slices: int = graddefense.DEFAULT_PERTURBED_SLICES,
-        sigma: float = graddefense.DEFAULT_SIGMA,
-        clip: float | None = None,
-        q: float | None = graddefense.DEFAULT_Q,
         root_per_class: int = 5,
         recompute_every: int = 1,
         loss_fn: LossFn | None = None,
-        seed: int | None = None,
-        nonfinite: str = "error",
     ) -> None:
-        super().__init__(
-            graddefense.GradDefense(slices, perturbed_slices, sigma, clip=clip, q=q, seed=seed, nonfinite=nonfinite)
-        )
         self.root_per_class = check_positive_int(root_per_class, "root_per_class")
         self.recompute_every = check_positive_int(recompute_every, "recompute_every")
         if loss_fn is not None and not callable(loss_fn):
@@ -150,29 +142,18 @@ class GradDefense(GradientDefense):
         if not self._batches_given:  # local and DDP: not inside the communication hook
             self.round_sensitivity(trainer.global_step, pl_module)
 
-    def defend(
-        self,
-        gradients: Mapping[str, Tensor],
-        *,
-        client_id: int,
-        round: int,
-        model: nn.Module,
-        batch: Any,
-        meta: Mapping[str, Any],
-    ) -> dict[str, Tensor]:
+    def defense_inputs(self, gradients: Mapping[str, Tensor], call: StageCall) -> dict[str, Any]:
         if self._batches_given:
-            sensitivity = self.round_sensitivity(round, model)
+            sensitivity = self.round_sensitivity(call.round, call.model)
         else:
-            if self._cache is None or self._cache[0] > round or round - self._cache[0] >= self.recompute_every:
+            cached = self._cache
+            if cached is None or cached[0] > call.round or call.round - cached[0] >= self.recompute_every:
                 raise RuntimeError(
                     "GradDefense computes the sensitivity at the start of each training batch, and saw none for "
-                    f"step {round} (manual optimization is not supported)"
+                    f"step {call.round} (manual optimization is not supported)"
                 )
-            sensitivity = self._cache[1]
-        missing = [n for n in gradients if n not in sensitivity]
-        if missing:
-            raise ValueError(f"no sensitivity for the shared layers {missing[:5]}: the model and the gradient disagree")
-        return self.defense(dict(gradients), client_id, sensitivity={n: sensitivity[n] for n in gradients})
+            sensitivity = cached[1]
+        return {**super().defense_inputs(gradients, call), "sensitivity": sensitivity_of_layers(sensitivity, gradients)}
 
     # ---------------------------------------------------------------- the sensitivity
     def round_sensitivity(self, round: int, model: nn.Module) -> dict[str, Tensor]:

@@ -19,7 +19,7 @@ from typing import Any
 import lightning.pytorch as pl
 from torch import Tensor, nn
 
-from lightning_gp.callbacks.data_dependent import DataDependentGradientDefense
+from lightning_gp.callbacks.data_dependent import DataDependentGradientDefense, sensitivity_of_layers
 from lightning_gp.defenses import optimal
 from lightning_gp.defenses.base import Gradients
 from lightning_gp.defenses.sensitivity import SENSITIVITY_METHODS, batch_mixing, gradient_sensitivity
@@ -56,9 +56,8 @@ class SensitivityGradientDefense(DataDependentGradientDefense):
     defense: optimal.SensitivityDefense
     statistic_name = "sensitivity"
 
-    def __init__(
+    def adapt(
         self,
-        defense: optimal.SensitivityDefense,
         *,
         num_probes: int = 10,
         chunk_size: int | None = None,
@@ -67,9 +66,9 @@ class SensitivityGradientDefense(DataDependentGradientDefense):
         subset: int | None = None,
         refresh_every: int = 1,
     ) -> None:
-        if not isinstance(defense, optimal.SensitivityDefense):
-            raise TypeError(f"defense must be a SensitivityDefense, got {type(defense).__name__}")
-        super().__init__(defense, refresh_every=refresh_every)
+        if not isinstance(self.defense, optimal.SensitivityDefense):
+            raise TypeError(f"defense must be a SensitivityDefense, got {type(self.defense).__name__}")
+        super().adapt(refresh_every=refresh_every)
         check_positive_int(num_probes, "num_probes")
         if chunk_size is not None:
             check_positive_int(chunk_size, "chunk_size")
@@ -124,11 +123,8 @@ class SensitivityGradientDefense(DataDependentGradientDefense):
         # g = mean_b g_b over A micro-batches, so s = sum_b s_b / A^2
         return {n: s / micro_batches**2 for n, s in total.items()} if micro_batches > 1 else total
 
-    def apply(self, gradients: Mapping[str, Tensor], client_id: int, statistic: Any) -> dict[str, Tensor]:
-        missing = [n for n in gradients if n not in statistic]
-        if missing:
-            raise ValueError(f"no sensitivity for the shared layers {missing[:5]}: the model and the gradient disagree")
-        return self.defense(gradients, client_id, sensitivity={n: statistic[n] for n in gradients})
+    def statistic_inputs(self, gradients: Mapping[str, Tensor], statistic: Any) -> dict[str, Any]:
+        return {"sensitivity": sensitivity_of_layers(statistic, gradients)}
 
     def estimate(self, module: nn.Module, inputs: Tensor, targets: Tensor, *, seed_words: tuple[int, ...]) -> Gradients:
         """``s`` for one batch; the probes are seeded by the defense's seed and ``seed_words``."""
@@ -149,99 +145,24 @@ class SensitivityGradientDefense(DataDependentGradientDefense):
         )
 
 
-class OptimalGradientNoise(SensitivityGradientDefense):
+class OptimalGradientNoise(SensitivityGradientDefense, defense=optimal.OptimalGradientNoise):
     """Fisher-trace-optimal diagonal Gaussian noise: variance ∝ ``sqrt(s_i) / max(|g_i|, c)``,
     total power equal to ``GaussianNoise(scale)``'s, none on zero-gradient coordinates, at most
     ``max_variance`` on one (default ``100 scale^2``). Data-dependent: no formal DP guarantee and
     no epsilon. See :class:`lightning_gp.defenses.OptimalGradientNoise`.
     """
 
-    def __init__(
-        self,
-        scale: float = 0.01,
-        num_probes: int = 10,
-        c: float = 1e-6,
-        max_variance: float | None = None,
-        chunk_size: int | None = None,
-        loss_fn: LossFn | None = None,
-        seed: int | None = None,
-        nonfinite: str = "error",
-        method: str = "batch",
-        subset: int | None = None,
-        refresh_every: int = 1,
-    ) -> None:
-        defense = optimal.OptimalGradientNoise(scale, c=c, max_variance=max_variance, seed=seed, nonfinite=nonfinite)
-        super().__init__(
-            defense,
-            num_probes=num_probes,
-            chunk_size=chunk_size,
-            loss_fn=loss_fn,
-            method=method,
-            subset=subset,
-            refresh_every=refresh_every,
-        )
 
-
-class OptimalGradientPruning(SensitivityGradientDefense):
+class OptimalGradientPruning(SensitivityGradientDefense, defense=optimal.OptimalGradientPruning):
     """Prune the ``rate`` fraction of coordinates with the largest ``sqrt(s_i) / |g_i|``, across the
     model (``scope="global"``) or per layer. Data-dependent: no formal DP guarantee.
     See :class:`lightning_gp.defenses.OptimalGradientPruning`.
     """
 
-    def __init__(
-        self,
-        rate: float = 0.8,
-        num_probes: int = 10,
-        scope: str = "global",
-        chunk_size: int | None = None,
-        loss_fn: LossFn | None = None,
-        seed: int | None = None,
-        nonfinite: str = "error",
-        method: str = "batch",
-        subset: int | None = None,
-        refresh_every: int = 1,
-    ) -> None:
-        defense = optimal.OptimalGradientPruning(rate, scope=scope, seed=seed, nonfinite=nonfinite)
-        super().__init__(
-            defense,
-            num_probes=num_probes,
-            chunk_size=chunk_size,
-            loss_fn=loss_fn,
-            method=method,
-            subset=subset,
-            refresh_every=refresh_every,
-        )
 
-
-class OptimalDPSGD(SensitivityGradientDefense):
+class OptimalDPSGD(SensitivityGradientDefense, defense=optimal.OptimalDPSGD):
     """Clipped optimal noise (Eq. 9-13): clip every coordinate to ``[-clip, clip]``; clipped
     coordinates get no noise, the rest optimal noise. Despite the name, no formal DP guarantee
     and no epsilon (the noise depends on the data); formal DP is :class:`DPSGD`.
     See :class:`lightning_gp.defenses.OptimalDPSGD`.
     """
-
-    def __init__(
-        self,
-        clip: float = 1.0,
-        scale: float = 0.01,
-        num_probes: int = 10,
-        c: float = 1e-6,
-        max_variance: float | None = None,
-        chunk_size: int | None = None,
-        loss_fn: LossFn | None = None,
-        seed: int | None = None,
-        nonfinite: str = "error",
-        method: str = "batch",
-        subset: int | None = None,
-        refresh_every: int = 1,
-    ) -> None:
-        defense = optimal.OptimalDPSGD(clip, scale, c=c, max_variance=max_variance, seed=seed, nonfinite=nonfinite)
-        super().__init__(
-            defense,
-            num_probes=num_probes,
-            chunk_size=chunk_size,
-            loss_fn=loss_fn,
-            method=method,
-            subset=subset,
-            refresh_every=refresh_every,
-        )

@@ -13,7 +13,7 @@ from lightning_gp.seeding import seeded_generator
 from lightning_gp.validation import check_choice, check_positive_int
 
 
-class Soteria(DataDependentGradientDefense):
+class Soteria(DataDependentGradientDefense, defense=soteria.Soteria):
     """Soteria (Sun et al., CVPR 2021) on every path (plain Trainer, DDP, FederatedSimulation).
 
     For each client's batch, scores the features of the representation feeding ``layer`` (default:
@@ -40,16 +40,10 @@ class Soteria(DataDependentGradientDefense):
     defense: soteria.Soteria
     statistic_name = "feature scores"
 
-    def __init__(
-        self,
-        rate: float = 0.8,
-        layer: str | None = None,
-        method: str = "jacobian",
-        probes: int = 10,
-        seed: int | None = None,
-        nonfinite: str = "error",
+    def adapt(
+        self, *, layer: str | None = None, method: str = "jacobian", probes: int = 10, refresh_every: int = 1
     ) -> None:
-        super().__init__(soteria.Soteria(rate, seed=seed, nonfinite=nonfinite))
+        super().adapt(refresh_every=refresh_every)
         if layer is not None and (not isinstance(layer, str) or not layer):
             raise ValueError(f"layer must be a module name or None, got {layer!r}")
         self.layer = layer
@@ -80,6 +74,6 @@ class Soteria(DataDependentGradientDefense):
     def combine(self, total: Any, new: Any) -> Any:
         return total[0], total[1] + new[1]  # the score is a sum over the step's examples
 
-    def apply(self, gradients: Mapping[str, Tensor], client_id: int, statistic: Any) -> dict[str, Tensor]:
+    def statistic_inputs(self, gradients: Mapping[str, Tensor], statistic: Any) -> dict[str, Any]:
         name, scores = statistic
-        return self.defense(dict(gradients), client_id, scores=scores, layer=name)
+        return {"scores": scores, "layer": name}

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_gp.callbacks.base import SharedGradientObserver
-from lightning_gp.callbacks.interfaces import ClientSetup
+from lightning_gp.pipeline.stages import ClientSetup, StageCall
 from lightning_gp.records import TappedGradient
 from lightning_gp.validation import check_bool, check_int
 
@@ -59,16 +59,8 @@ class GradientTap(SharedGradientObserver):
         step = trainer.global_step
         self.batches.keep(step, batch, wanted=self.record_data and self.wants(trainer.global_rank, step))
 
-    def observe(
-        self,
-        gradients: Mapping[str, Tensor],
-        *,
-        client_id: int,
-        round: int,
-        model: nn.Module,
-        batch: Any,
-        meta: Mapping[str, Any],
-    ) -> None:
+    def observe(self, gradients: Mapping[str, Tensor], call: StageCall) -> None:
+        client_id, round, model, batch, meta = call.client_id, call.round, call.model, call.batch, call.meta
         if not self.wants(client_id, round):
             return
         batch = self.batches.take(round, batch)

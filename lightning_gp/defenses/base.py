@@ -12,6 +12,7 @@ from __future__ import annotations
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -38,12 +39,39 @@ def share_in_process(source_client: int, tensors: dict[str, Tensor]) -> dict[str
     return tensors
 
 
+@dataclass(frozen=True)
+class DefenseCall:
+    """What :meth:`Defense.transform` gets for one call besides the gradient and the client's state.
+
+    Attributes:
+        client_id: the client defended.
+        generator: the client's random stream (seeded by the defense's seed and the client id).
+        out: where the caller wants the shared gradient written (see :meth:`output`), or ``None``.
+        statistic: what :meth:`Defense.prepare` made of the call's data-dependent inputs (a
+            sensitivity, feature scores, a noise scale); ``None`` for defenses that take none.
+    """
+
+    client_id: int
+    generator: torch.Generator
+    out: Mapping[str, Tensor] | None = None
+    statistic: Any = None
+
+    def output(self, name: str, like: Tensor) -> Tensor:
+        """Where :meth:`Defense.transform` may write layer ``name``'s shared gradient: the caller's
+        ``out`` tensor, else a fresh tensor like ``like`` (see :meth:`Defense.transform` on aliasing)."""
+        if self.out is not None:
+            return self.out[name]
+        return torch.empty_like(like)
+
+
 class Defense(ABC):
     """Base class of gradient defenses (pure tensor code, explicit per-client state).
 
-    Subclasses implement :meth:`transform` and, when they keep state, :meth:`init_client_state`.
-    Calling the defense validates the input, applies the non-finite policy, fetches (or creates)
-    the client's state and random generator, runs :meth:`transform` and stores the new state.
+    Subclasses implement :meth:`transform` and, when they keep state, :meth:`init_client_state`;
+    a data-dependent defense also implements :meth:`prepare` (what it needs besides the gradient,
+    e.g. ``sensitivity=``). Calling the defense validates the input, applies the non-finite policy,
+    fetches (or creates) the client's state and random generator, runs :meth:`transform` with a
+    :class:`DefenseCall` and stores the new state.
 
     Args:
         seed: seeds the per-client generators (client ``c`` draws from a stream seeded by
@@ -60,6 +88,9 @@ class Defense(ABC):
     #: bucket at a time), gives bit for bit what defending them at once gives. False by default:
     #: global thresholds, sensitivity estimates and cross-client masks need the whole model.
     layerwise: ClassVar[bool] = False
+    #: :meth:`prepare` takes ``weights=``, the current weights of the layers shared, named like the
+    #: gradient (Outpost scales its noise by them); the callbacks pass the model's.
+    reads_weights: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -80,28 +111,28 @@ class Defense(ABC):
         self._pending_generator_states: dict[int, Tensor] = {}
         self._layer_shapes: dict[str, torch.Size] | None = None
         self._restored_num_clients: int | None = None
-        self._out: Mapping[str, Tensor] | None = None
 
     # ---------------------------------------------------------------- subclass API
     @abstractmethod
-    def transform(
-        self, gradients: Gradients, state: Gradients, generator: torch.Generator
-    ) -> tuple[Gradients, Gradients]:
+    def transform(self, gradients: Gradients, state: Gradients, call: DefenseCall) -> tuple[Gradients, Gradients]:
         """Return ``(shared_gradients, new_state)`` for one client.
 
         Must not modify ``gradients``. May update the tensors of ``state`` in place (the defense
         owns them; :meth:`state_dict` returns copies), but only once nothing can fail any more.
-        May write a layer's shared gradient into :meth:`output` of that layer (and return it), but
-        only once it has read that layer's gradient for the last time: the caller's ``out`` may be
-        the gradient itself.
+        Draws its randomness from ``call.generator``. May write a layer's shared gradient into
+        ``call.output(name, like)`` (and return it), but only once it has read that layer's
+        gradient for the last time: the caller's ``out`` may be the gradient itself.
         """
 
-    def output(self, name: str, like: Tensor) -> Tensor:
-        """Where :meth:`transform` may write layer ``name``'s shared gradient: the caller's ``out``
-        tensor, else a fresh tensor like ``like`` (see :meth:`transform` on aliasing)."""
-        if self._out is not None:
-            return self._out[name]
-        return torch.empty_like(like)
+    def prepare(self, gradients: Mapping[str, Tensor], **inputs: Any) -> Any:
+        """Check and convert what a call passes besides the gradient (``defense(g, c, **inputs)``) into
+        the ``call.statistic`` :meth:`transform` reads. Default: a defense that takes nothing else
+        refuses any input. Data-dependent defenses override it with their keyword arguments."""
+        if inputs:
+            raise TypeError(
+                f"{type(self).__name__} defends from the gradient alone; it takes no {', '.join(sorted(inputs))}"
+            )
+        return None
 
     def init_client_state(self, gradients: Gradients) -> Gradients:
         """The state of a client seen for the first time (empty for stateless defenses)."""
@@ -131,9 +162,17 @@ class Defense(ABC):
 
     # ---------------------------------------------------------------- public API
     def __call__(
-        self, gradients: Mapping[str, Tensor], client_id: int = 0, *, out: Mapping[str, Tensor] | None = None
+        self,
+        gradients: Mapping[str, Tensor],
+        client_id: int = 0,
+        *,
+        out: Mapping[str, Tensor] | None = None,
+        **inputs: Any,
     ) -> Gradients:
         """Defend one client's gradient: the shared gradient, by layer name.
+
+        ``inputs`` are what a data-dependent defense needs besides the gradient (its
+        :meth:`prepare` names them, e.g. ``sensitivity=``); others take none.
 
         With ``out`` (tensors shaped, typed and placed like the gradients, e.g. the parameters'
         ``.grad``, or ``gradients`` itself to defend in place) the shared gradient is written into
@@ -141,7 +180,8 @@ class Defense(ABC):
         pruning defense over a quarter of its time (ResNet18). ``gradients`` is then overwritten where
         ``out`` aliases it, also when the defense fails part way.
         """
-        return self._defend(gradients, client_id, part=False, out=out)
+        statistic = self.prepare(gradients, **inputs)
+        return self._defend(gradients, client_id, part=False, out=out, statistic=statistic)
 
     def defend_layers(
         self, gradients: Mapping[str, Tensor], client_id: int = 0, *, out: Mapping[str, Tensor] | None = None
@@ -161,7 +201,13 @@ class Defense(ABC):
         return self._defend(gradients, client_id, part=True, out=out)
 
     def _defend(
-        self, gradients: Mapping[str, Tensor], client_id: int, *, part: bool, out: Mapping[str, Tensor] | None = None
+        self,
+        gradients: Mapping[str, Tensor],
+        client_id: int,
+        *,
+        part: bool,
+        out: Mapping[str, Tensor] | None = None,
+        statistic: Any = None,
     ) -> Gradients:
         check_gradients(gradients)
         if out is not None:
@@ -185,11 +231,7 @@ class Defense(ABC):
                 state.update(self.init_client_state(new_layers))
             state = _aligned(state, gradients)
         generator = self._generator(client_id, next(iter(gradients.values())).device)
-        self._out = out
-        try:
-            shared, new_state = self.transform(gradients, state, generator)
-        finally:
-            self._out = None
+        shared, new_state = self.transform(gradients, state, DefenseCall(client_id, generator, out, statistic))
         if shared.keys() != gradients.keys():
             raise RuntimeError(f"{type(self).__name__}.transform changed the set of layers")
         changed = [n for n, g in gradients.items() if (shared[n].dtype, shared[n].device) != (g.dtype, g.device)]

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_gp.defenses.base import Defense, Gradients
+from lightning_gp.defenses.base import Defense, DefenseCall, Gradients
 from lightning_gp.defenses.noise import standard_normal_like
 from lightning_gp.defenses.sensitivity import _batch_statistics_without_updates
 from lightning_gp.defenses.validation import check_gradients
@@ -270,7 +270,6 @@ class GradDefense(Defense):
         self.sigma = check_nonnegative(sigma, "sigma")
         self.clip = None if clip is None else check_nonnegative(clip, "clip", strict=True)
         self.q = None if q is None else check_number(q, "q", low=1.0)
-        self._sensitivity: Mapping[str, float | Tensor] | None = None
         self._warned_uncompensated = False
 
     def config(self) -> dict[str, Any]:
@@ -291,14 +290,9 @@ class GradDefense(Defense):
         """The slices of ``gradients`` under ``sensitivity`` (:func:`equal_sensitivity_slices`)."""
         return equal_sensitivity_slices({n: g.numel() for n, g in gradients.items()}, sensitivity, self.slices)
 
-    def __call__(
-        self,
-        gradients: Mapping[str, Tensor],
-        client_id: int = 0,
-        *,
-        sensitivity: Mapping[str, float | Tensor] | None = None,
-        out: Mapping[str, Tensor] | None = None,
-    ) -> Gradients:
+    def prepare(  # type: ignore[override]
+        self, gradients: Mapping[str, Tensor], *, sensitivity: Mapping[str, float | Tensor] | None = None
+    ) -> Mapping[str, float | Tensor]:
         if sensitivity is None:
             raise TypeError(
                 "GradDefense slices the gradient by sensitivity: pass sensitivity=root_set_sensitivity(model, loss_fn, "
@@ -308,20 +302,12 @@ class GradDefense(Defense):
             raise TypeError(f"sensitivity must map layer names to numbers, got {type(sensitivity).__name__}")
         check_gradients(gradients)
         self.slice_boundaries(gradients, sensitivity)  # validates before any state is touched
-        self._sensitivity = sensitivity
-        try:
-            return super().__call__(gradients, client_id, out=out)
-        finally:
-            self._sensitivity = None
+        return sensitivity
 
-    def transform(
-        self, gradients: Gradients, state: Gradients, generator: torch.Generator
-    ) -> tuple[Gradients, Gradients]:
-        if self._sensitivity is None:
-            raise RuntimeError("GradDefense.transform runs inside a call with sensitivity=")
-        boundaries = self.slice_boundaries(gradients, self._sensitivity)
-        chosen = choose_slices(self.slices, self.perturbed_slices, generator)
-        shared = perturb_slices(gradients, boundaries, chosen, self.sigma, generator, clip=self.clip)
+    def transform(self, gradients: Gradients, state: Gradients, call: DefenseCall) -> tuple[Gradients, Gradients]:
+        boundaries = self.slice_boundaries(gradients, call.statistic)
+        chosen = choose_slices(self.slices, self.perturbed_slices, call.generator)
+        shared = perturb_slices(gradients, boundaries, chosen, self.sigma, call.generator, clip=self.clip)
         if self.q is not None:
             size = sum(g.numel() for g in gradients.values())
             if compensation_shape(size, self.q)[1] >= 2:

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_gp.defenses.base import Defense, Gradients
+from lightning_gp.defenses.base import Defense, DefenseCall, Gradients
 from lightning_gp.validation import check_nonnegative
 
 
@@ -41,11 +41,9 @@ class GaussianNoise(Defense):
     def config(self) -> dict[str, Any]:
         return {"scale": self.scale, "clip": self.clip}
 
-    def transform(
-        self, gradients: Gradients, state: Gradients, generator: torch.Generator
-    ) -> tuple[Gradients, Gradients]:
+    def transform(self, gradients: Gradients, state: Gradients, call: DefenseCall) -> tuple[Gradients, Gradients]:
         values = clip_coordinates(gradients, self.clip) if self.clip is not None else gradients
-        return {n: v + self.scale * standard_normal_like(v, generator) for n, v in values.items()}, state
+        return {n: v + self.scale * standard_normal_like(v, call.generator) for n, v in values.items()}, state
 
 
 class LaplaceNoise(Defense):
@@ -60,13 +58,11 @@ class LaplaceNoise(Defense):
     def config(self) -> dict[str, Any]:
         return {"scale": self.scale}
 
-    def transform(
-        self, gradients: Gradients, state: Gradients, generator: torch.Generator
-    ) -> tuple[Gradients, Gradients]:
+    def transform(self, gradients: Gradients, state: Gradients, call: DefenseCall) -> tuple[Gradients, Gradients]:
         shared = {}
         for n, g in gradients.items():
             # the difference of two Exp(1) draws is Laplace(0, 1)
-            uniform = torch.rand((2, *g.shape), generator=generator, device=g.device, dtype=g.dtype)
+            uniform = torch.rand((2, *g.shape), generator=call.generator, device=g.device, dtype=g.dtype)
             exponential = -torch.log1p(-uniform)
             shared[n] = g + self.scale * (exponential[0] - exponential[1])
         return shared, state

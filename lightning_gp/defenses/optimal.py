@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_gp.defenses.base import Defense, Gradients
+from lightning_gp.defenses.base import Defense, DefenseCall, Gradients
 from lightning_gp.defenses.noise import standard_normal_like
 from lightning_gp.defenses.selection import count_for_rate, largest_entries_mask
 from lightning_gp.defenses.validation import check_gradients
@@ -41,27 +41,12 @@ DEFAULT_VARIANCE_CAP_RATIO = 100.0
 class SensitivityDefense(Defense):
     """A defense whose transform needs the per-coordinate sensitivity ``s`` of the gradient.
 
-    Call it as ``defense(gradients, client_id, sensitivity=s)``; :meth:`transform` reads
-    ``self.sensitivity`` (set for the duration of the call).
+    Call it as ``defense(gradients, client_id, sensitivity=s)``; :meth:`transform` reads it as
+    ``call.statistic`` (on the gradients' device and dtype).
     """
 
-    def __init__(self, *, seed: int | None = None, nonfinite: str = "error") -> None:
-        super().__init__(seed=seed, nonfinite=nonfinite)
-        self._sensitivity: Gradients | None = None
-
-    @property
-    def sensitivity(self) -> Gradients:
-        if self._sensitivity is None:
-            raise RuntimeError(f"{type(self).__name__} needs the sensitivity: call it with sensitivity=...")
-        return self._sensitivity
-
-    def __call__(
-        self,
-        gradients: Mapping[str, Tensor],
-        client_id: int = 0,
-        *,
-        sensitivity: Mapping[str, Tensor] | None = None,
-        out: Mapping[str, Tensor] | None = None,
+    def prepare(  # type: ignore[override]
+        self, gradients: Mapping[str, Tensor], *, sensitivity: Mapping[str, Tensor] | None = None
     ) -> Gradients:
         if sensitivity is None:
             raise TypeError(
@@ -70,11 +55,7 @@ class SensitivityDefense(Defense):
             )
         check_gradients(gradients)
         check_sensitivity(sensitivity, gradients)
-        self._sensitivity = {n: sensitivity[n].to(device=g.device, dtype=g.dtype) for n, g in gradients.items()}
-        try:
-            return super().__call__(gradients, client_id, out=out)
-        finally:
-            self._sensitivity = None
+        return {n: sensitivity[n].to(device=g.device, dtype=g.dtype) for n, g in gradients.items()}
 
 
 def check_sensitivity(sensitivity: Mapping[str, Tensor], gradients: Mapping[str, Tensor]) -> None:
@@ -204,13 +185,13 @@ class OptimalGradientNoise(SensitivityDefense):
     def config(self) -> dict[str, Any]:
         return {"scale": self.scale, "c": self.c, "max_variance": self.max_variance}
 
-    def transform(
-        self, gradients: Gradients, state: Gradients, generator: torch.Generator
-    ) -> tuple[Gradients, Gradients]:
+    def transform(self, gradients: Gradients, state: Gradients, call: DefenseCall) -> tuple[Gradients, Gradients]:
         variance = optimal_noise_variance(
-            gradients, self.sensitivity, scale=self.scale, c=self.c, max_variance=self.max_variance
+            gradients, call.statistic, scale=self.scale, c=self.c, max_variance=self.max_variance
         )
-        return {n: g + variance[n].sqrt() * standard_normal_like(g, generator) for n, g in gradients.items()}, state
+        return {
+            n: g + variance[n].sqrt() * standard_normal_like(g, call.generator) for n, g in gradients.items()
+        }, state
 
 
 class OptimalDPSGD(SensitivityDefense):
@@ -242,14 +223,12 @@ class OptimalDPSGD(SensitivityDefense):
     def config(self) -> dict[str, Any]:
         return {"clip": self.clip, "scale": self.scale, "c": self.c, "max_variance": self.max_variance}
 
-    def transform(
-        self, gradients: Gradients, state: Gradients, generator: torch.Generator
-    ) -> tuple[Gradients, Gradients]:
+    def transform(self, gradients: Gradients, state: Gradients, call: DefenseCall) -> tuple[Gradients, Gradients]:
         variance = optimal_noise_variance(
-            gradients, self.sensitivity, scale=self.scale, c=self.c, max_variance=self.max_variance, clip=self.clip
+            gradients, call.statistic, scale=self.scale, c=self.c, max_variance=self.max_variance, clip=self.clip
         )
         shared = {
-            n: g.clamp(-self.clip, self.clip) + variance[n].sqrt() * standard_normal_like(g, generator)
+            n: g.clamp(-self.clip, self.clip) + variance[n].sqrt() * standard_normal_like(g, call.generator)
             for n, g in gradients.items()
         }
         return shared, state
@@ -282,10 +261,8 @@ class OptimalGradientPruning(SensitivityDefense):
     def config(self) -> dict[str, Any]:
         return {"rate": self.rate, "scope": self.scope}
 
-    def transform(
-        self, gradients: Gradients, state: Gradients, generator: torch.Generator
-    ) -> tuple[Gradients, Gradients]:
-        scores = optimal_pruning_scores(gradients, self.sensitivity)
+    def transform(self, gradients: Gradients, state: Gradients, call: DefenseCall) -> tuple[Gradients, Gradients]:
+        scores = optimal_pruning_scores(gradients, call.statistic)
         if self.scope == "layer":
             pruned = {
                 n: largest_entries_mask(v.flatten(), count_for_rate(self.rate, v.numel())).view_as(v)

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_gp.defenses.base import Defense, Gradients
+from lightning_gp.defenses.base import Defense, DefenseCall, Gradients
 from lightning_gp.defenses.noise import standard_normal_like
 from lightning_gp.defenses.selection import count_for_rate, largest_entries_mask, largest_magnitude_mask, magnitudes
 from lightning_gp.validation import check_nonnegative, check_number
@@ -97,6 +97,8 @@ class Outpost(Defense):
         lam: noise multiplier ``lambda >= 0``: the std on layer ``l`` is ``lambda min(Var(W_l), 1)``.
     """
 
+    reads_weights = True
+
     def __init__(
         self,
         beta: float = 0.1,
@@ -112,7 +114,6 @@ class Outpost(Defense):
         self.phi = check_number(phi, "phi", low=0.0, high=100.0)
         self.rho = check_number(rho, "rho", low=0.0, high=100.0)
         self.lam = check_nonnegative(lam, "lam")
-        self._std: dict[str, float] | None = None
         #: whether the last call perturbed (for inspection; the server sees it from the zeros)
         self.last_perturbed: bool | None = None
 
@@ -123,14 +124,10 @@ class Outpost(Defense):
         device = next(iter(gradients.values())).device
         return {STEP_KEY: torch.zeros((), dtype=torch.int64, device=device)}
 
-    def __call__(
-        self,
-        gradients: Mapping[str, Tensor],
-        client_id: int = 0,
-        *,
-        weights: Mapping[str, Tensor] | None = None,
-        out: Mapping[str, Tensor] | None = None,
-    ) -> Gradients:
+    def prepare(  # type: ignore[override]
+        self, gradients: Mapping[str, Tensor], *, weights: Mapping[str, Tensor] | None = None
+    ) -> dict[str, float]:
+        """The noise std of every layer (``lam min(Var(W_l), 1)``) from the current ``weights``."""
         if weights is None:
             raise TypeError(
                 "Outpost scales its noise by the spread of the current weights: pass weights={name: parameter} "
@@ -148,26 +145,18 @@ class Outpost(Defense):
         ]
         if wrong:
             raise ValueError(f"weights must be tensors shaped like the gradients: {wrong[:5]}")
-        self._std = outpost_noise_std({n: weights[n] for n in gradients}, self.lam)
-        try:
-            return super().__call__(gradients, client_id, out=out)
-        finally:
-            self._std = None
+        return outpost_noise_std({n: weights[n] for n in gradients}, self.lam)
 
-    def transform(
-        self, gradients: Gradients, state: Gradients, generator: torch.Generator
-    ) -> tuple[Gradients, Gradients]:
-        if self._std is None:
-            raise RuntimeError("Outpost.transform runs inside a call with weights=")
+    def transform(self, gradients: Gradients, state: Gradients, call: DefenseCall) -> tuple[Gradients, Gradients]:
         counter = state[STEP_KEY]
         step = int(counter) + 1
-        draw = torch.rand((), generator=generator, device=generator.device, dtype=torch.float64)
+        draw = torch.rand((), generator=call.generator, device=call.generator.device, dtype=torch.float64)
         perturb = float(draw) < perturbation_probability(self.beta, step)
         shared = dict(gradients)
         if perturb:
             noised = fisher_noise_mask(gradients, self.phi)
             for name, g in gradients.items():
-                noise = self._std[name] * standard_normal_like(g, generator)
+                noise = call.statistic[name] * standard_normal_like(g, call.generator)
                 shared[name] = prune_below_percentile(g, self.rho) + torch.where(noised[name], noise, 0.0)
         self.last_perturbed = perturb
         counter.fill_(step)  # nothing can fail any more

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_gp.defenses.base import Gradients, Share
+from lightning_gp.defenses.base import DefenseCall, Gradients, Share
 from lightning_gp.defenses.selection import (
     MagnitudeRanks,
     Workspace,
@@ -48,9 +48,7 @@ class _LayerwisePruning(SparsifyingDefense):
     def select(self, values: Mapping[str, Tensor], generator: torch.Generator) -> dict[str, Tensor]:
         return {n: mask.to(torch.bool).view(values[n].shape) for n, mask in self.layer_masks(values, generator)}
 
-    def transform(
-        self, gradients: Gradients, state: Gradients, generator: torch.Generator
-    ) -> tuple[Gradients, Gradients]:
+    def transform(self, gradients: Gradients, state: Gradients, call: DefenseCall) -> tuple[Gradients, Gradients]:
         """:meth:`SparsifyingDefense.transform` one layer at a time: ``P = g + e``, its mask, the
         share and the residual, while the layer is still in cache (the same bits as accumulating
         every layer first: each layer's mask depends on that layer alone)."""
@@ -58,7 +56,7 @@ class _LayerwisePruning(SparsifyingDefense):
         shared = {}
         for name, g in gradients.items():
             v = state[name].add_(g) if self.error_feedback else g
-            shared[name] = self.share_layer(name, v, self.layer_mask(name, v, self._mask_buffer(v)))
+            shared[name] = self.share_layer(v, self.layer_mask(name, v, self._mask_buffer(v)), call.output(name, v))
         return shared, ({n: state[n] for n in gradients} if self.error_feedback else {})
 
     def _mask_buffer(self, values: Tensor) -> Tensor:

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_gp.defenses.base import Defense, Gradients
+from lightning_gp.defenses.base import Defense, DefenseCall, Gradients
 from lightning_gp.validation import check_bool, check_int
 
 
@@ -34,10 +34,8 @@ class GradientQuantization(Defense):
     def config(self) -> dict[str, Any]:
         return {"bits": self.bits, "stochastic_rounding": self.stochastic_rounding}
 
-    def transform(
-        self, gradients: Gradients, state: Gradients, generator: torch.Generator
-    ) -> tuple[Gradients, Gradients]:
-        generator_or_none = generator if self.stochastic_rounding else None
+    def transform(self, gradients: Gradients, state: Gradients, call: DefenseCall) -> tuple[Gradients, Gradients]:
+        generator_or_none = call.generator if self.stochastic_rounding else None
         return {n: quantize(g, self.bits, generator_or_none) for n, g in gradients.items()}, state
 
 

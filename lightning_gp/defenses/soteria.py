@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import jacfwd, jvp, vmap
 
-from lightning_gp.defenses.base import Defense, Gradients
+from lightning_gp.defenses.base import Defense, DefenseCall, Gradients
 from lightning_gp.defenses.selection import count_for_rate
 from lightning_gp.defenses.validation import check_rate
 from lightning_gp.validation import check_choice, check_positive_int
@@ -195,20 +195,14 @@ class Soteria(Defense):
     def __init__(self, rate: float = 0.8, *, seed: int | None = None, nonfinite: str = "error") -> None:
         super().__init__(seed=seed, nonfinite=nonfinite)
         self.rate = check_rate(rate, "rate")
-        self._call: tuple[Tensor, str] | None = None
 
     def config(self) -> dict[str, Any]:
         return {"rate": self.rate}
 
-    def __call__(  # type: ignore[override]
-        self,
-        gradients: Gradients,
-        client_id: int = 0,
-        *,
-        scores: Tensor | None = None,
-        layer: str | None = None,
-        out: Mapping[str, Tensor] | None = None,
-    ) -> Gradients:
+    def prepare(  # type: ignore[override]
+        self, gradients: Mapping[str, Tensor], *, scores: Tensor | None = None, layer: str | None = None
+    ) -> tuple[Tensor, str]:
+        """``(scores, "<layer>.weight")``: the feature scores and the defended weight's name."""
         if scores is None or layer is None:
             raise TypeError(
                 "Soteria is data-dependent: pass scores=representation_scores(model, inputs, layer) and layer=<the "
@@ -222,18 +216,10 @@ class Soteria(Defense):
             raise ValueError(f"scores must be a [{columns}] tensor (one per input feature of {layer!r})")
         if not bool(torch.isfinite(scores).all()):
             raise ValueError("scores must be finite")
-        self._call = (scores.detach(), weight)
-        try:
-            return super().__call__(gradients, client_id, out=out)
-        finally:
-            self._call = None
+        return scores.detach(), weight
 
-    def transform(
-        self, gradients: Gradients, state: Gradients, generator: torch.Generator
-    ) -> tuple[Gradients, Gradients]:
-        if self._call is None:
-            raise RuntimeError("Soteria.transform runs inside a call with scores=")
-        scores, weight = self._call
+    def transform(self, gradients: Gradients, state: Gradients, call: DefenseCall) -> tuple[Gradients, Gradients]:
+        scores, weight = call.statistic
         pruned = count_for_rate(self.rate, scores.numel())
         order = torch.argsort(scores.to(torch.float64).cpu(), stable=True)  # lowest first; ties by index
         keep = torch.ones(scores.numel(), dtype=torch.bool)

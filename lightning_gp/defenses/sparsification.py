@@ -8,7 +8,7 @@ from collections.abc import Iterator, Mapping
 import torch
 from torch import Tensor
 
-from lightning_gp.defenses.base import Defense, Gradients
+from lightning_gp.defenses.base import Defense, DefenseCall, Gradients
 
 
 class SparsifyingDefense(Defense):
@@ -39,15 +39,16 @@ class SparsifyingDefense(Defense):
         one is drawn. Default: :meth:`select`'s masks."""
         return iter(self.select(values, generator).items())
 
-    def share_layer(self, name: str, values: Tensor, mask: Tensor) -> Tensor:
-        """``values * mask`` (a mask as :meth:`layer_masks` gives it) into :meth:`output`; with error
-        feedback, ``values`` (the client's ``P``) becomes the residual ``P - shared`` in place."""
+    def share_layer(self, values: Tensor, mask: Tensor, out: Tensor) -> Tensor:
+        """``values * mask`` (a mask as :meth:`layer_masks` gives it) into ``out`` (the call's
+        :meth:`~lightning_gp.defenses.base.DefenseCall.output`); with error feedback, ``values`` (the
+        client's ``P``) becomes the residual ``P - shared`` in place."""
         # A product with a 0/1 mask in the values' dtype is faster than torch.where on CPU and
         # gives the same bits as a product with the bool mask (dropped entries are +-0, as v * 0).
         # The values are finite here. Without error feedback the values are the gradient, which
         # the output may alias: the product reads each entry before it writes it.
         mask = (mask if mask.dtype == values.dtype else mask.to(values.dtype)).view(values.shape)
-        shared = torch.mul(values, mask, out=self.output(name, values))
+        shared = torch.mul(values, mask, out=out)
         if self.error_feedback:
             values.sub_(shared)  # each layer while its mask is valid
         return shared
@@ -60,16 +61,15 @@ class SparsifyingDefense(Defense):
             return {}
         return {name: torch.zeros_like(grad) for name, grad in gradients.items()}
 
-    def transform(
-        self, gradients: Gradients, state: Gradients, generator: torch.Generator
-    ) -> tuple[Gradients, Gradients]:
+    def transform(self, gradients: Gradients, state: Gradients, call: DefenseCall) -> tuple[Gradients, Gradients]:
         self.check_inputs(gradients)
         # The residual buffers belong to this defense, so P = g + e is accumulated into them in
         # place and they become e' = P - shared: fresh model-sized allocations (page faults)
         # cost more than the arithmetic on CPU.
         values = {n: state[n].add_(g) for n, g in gradients.items()} if self.error_feedback else gradients
         shared = {
-            name: self.share_layer(name, values[name], mask) for name, mask in self.layer_masks(values, generator)
+            name: self.share_layer(values[name], mask, call.output(name, values[name]))
+            for name, mask in self.layer_masks(values, call.generator)
         }
         if shared.keys() != values.keys():
             raise RuntimeError(f"{type(self).__name__}.layer_masks must give one mask per layer")

@@ -20,8 +20,6 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 
-from lightning_gp.callbacks.interfaces import ClientSetup, ClientStepRunner, DefenseStage
-from lightning_gp.callbacks.pipeline import SharedGradientPipeline, trainer_callbacks
 from lightning_gp.defenses.base import share_in_process
 from lightning_gp.federated.aggregation import weighted_mean
 from lightning_gp.federated.client_updates import (
@@ -34,6 +32,8 @@ from lightning_gp.federated.client_updates import (
 )
 from lightning_gp.federated.partition import PARTITION_SCHEMES, partition
 from lightning_gp.federated.rounds import ClientRounds, RoundLoader, RoundSampler
+from lightning_gp.pipeline.pipeline import ClientStepRunner, trainer_callbacks
+from lightning_gp.pipeline.stages import ClientSetup, DefenseStage, StageCall
 from lightning_gp.validation import check_choice, check_int, check_number, check_positive, check_positive_int
 
 Algorithm = Literal["fedsgd", "fedavg"]
@@ -372,7 +372,7 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
         else:
             updates, losses, buffers = self._client_updates(inputs, targets)
 
-        pipeline = SharedGradientPipeline.from_trainer(self.trainer)
+        pipeline = self.fit_pipeline()
         local = {client: {name: update[i] for name, update in updates.items()} for i, client in enumerate(client_ids)}
         client_batches = {
             client: (inputs[i].flatten(0, 1), targets[i].flatten(0, 1)) for i, client in enumerate(client_ids)
@@ -392,14 +392,7 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
             round_idx, client_ids, local, share_in_process, model=self.module, batches=client_batches, meta=meta
         )
         shared = [
-            pipeline.process(
-                local[client],
-                client_id=client,
-                round=round_idx,
-                model=self.module,
-                batch=client_batches[client],
-                meta=meta,
-            )
+            pipeline.process(local[client], StageCall(client, round_idx, self.module, client_batches[client], meta))
             for client in client_ids
         ]
         weights = None

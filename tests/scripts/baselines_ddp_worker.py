@@ -29,7 +29,7 @@ def main(outdir: str) -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[GradDefense(root, sigma=0.05, q=None, seed=1), outpost, *taps],
+        callbacks=[GradDefense(root_data=root, sigma=0.05, q=None, seed=1), outpost, *taps],
     )
     trainer.fit(TinyNet(), DataLoader(data, batch_size=4))
     rank = trainer.global_rank

@@ -18,8 +18,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from lightning_gp.callbacks import AlignedDualGradientPruning, GaussianNoise
-from lightning_gp.callbacks.ddp import DefendedAllReduce
-from lightning_gp.callbacks.pipeline import SharedGradientPipeline
+from lightning_gp.pipeline import SharedGradientPipeline
+from lightning_gp.pipeline.ddp import DefendedAllReduce
 
 SCALE = 5.0
 

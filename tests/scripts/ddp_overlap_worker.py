@@ -27,7 +27,10 @@ STEPS = 3
 SETTINGS = {
     "topk_ef": lambda: [TopKPruning(k=0.3, seed=1)],
     "gaussian": lambda: [GaussianNoise(scale=0.01, seed=2)],
-    "dgp_then_stochastic_8bit": lambda: [DualGradientPruning(seed=3), GradientQuantization(8, True, seed=4)],
+    "dgp_then_stochastic_8bit": lambda: [
+        DualGradientPruning(seed=3),
+        GradientQuantization(bits=8, stochastic_rounding=True, seed=4),
+    ],
 }
 
 

@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_gp.callbacks.ddp import DefendedAllReduce
 from lightning_gp.defenses import NonFiniteGradientError
+from lightning_gp.pipeline.ddp import DefendedAllReduce
 
 
 def outcome(call) -> str:

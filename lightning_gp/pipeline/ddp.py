@@ -9,7 +9,7 @@ DDP hands the hook one bucket of gradients at a time, while the backward pass go
 to defend them:
 
 * **bucket by bucket** (:attr:`DefendedAllReduce.bucketwise`, chosen when every defense is
-  :attr:`~lightning_gp.callbacks.interfaces.DefenseStage.layerwise`: per-layer Top-k, magnitude,
+  :attr:`~lightning_gp.pipeline.stages.DefenseStage.layerwise`: per-layer Top-k, magnitude,
   random and dual gradient pruning, Gaussian/Laplace noise, quantisation): each bucket's layers
   are defended as the bucket arrives, written into the bucket and all-reduced asynchronously
   (``all_reduce(..., async_op=True).get_future().then(...)``, as torch's default
@@ -51,9 +51,10 @@ from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from lightning_gp.callbacks.interfaces import ClientSetup, ClientStepRunner, Pipeline
-from lightning_gp.callbacks.pipeline import RoundNotPrepared, single_optimizer
 from lightning_gp.named_tensors import flatten_named, unflatten_named
+from lightning_gp.pipeline.local import single_optimizer
+from lightning_gp.pipeline.pipeline import ClientStepRunner, RoundNotPrepared, SharedGradientPipeline
+from lightning_gp.pipeline.stages import ClientSetup, StageCall
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -77,13 +78,11 @@ class DDPClientStep(ClientStepRunner):
         shapes = {n: p.shape for n, p in pl_module.named_parameters() if p.requires_grad}
         return ClientSetup(trainer.world_size, pl_module, shapes)
 
-    def attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, pipeline: Pipeline) -> None:
-        self.comm_hook = register_defended_allreduce(trainer, pl_module, pipeline)
+    def attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.comm_hook = register_defended_allreduce(trainer, pl_module, self.fit_pipeline())
 
     @torch.no_grad()
-    def before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer, pipeline: Pipeline
-    ) -> None:
+    def before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> None:
         # DDP leaves .grad None for a parameter no rank used this step, even though the hook sent a
         # (possibly nonzero, error-feedback) aggregate for it: give the optimizer what was sent.
         aggregate = self.comm_hook.last_aggregate if self.comm_hook is not None else None
@@ -122,7 +121,7 @@ class DefendedAllReduce:
         self,
         trainer: pl.Trainer,
         module: nn.Module,
-        pipeline: Pipeline,
+        pipeline: SharedGradientPipeline,
         process_group: dist.ProcessGroup | None,
     ) -> None:
         self.trainer = trainer
@@ -174,7 +173,7 @@ class DefendedAllReduce:
                 meta=meta,
                 agree=self._any_rank_failed,
             )
-            shared = pipeline.process(gradients, client_id=rank, round=round, model=self.module, meta=meta)
+            shared = pipeline.process(gradients, StageCall(rank, round, self.module, meta=meta))
         except RoundNotPrepared as err:  # another rank failed first: it reports why, below
             not_prepared = err
         except Exception as err:  # agreed on below, then raised on every rank
@@ -207,12 +206,7 @@ class DefendedAllReduce:
         if step.failure is None:
             try:
                 shared = self.pipeline.defend(
-                    gradients,
-                    client_id=self.trainer.global_rank,
-                    round=round,
-                    model=self.module,
-                    meta=step.meta,
-                    part=True,
+                    gradients, StageCall(self.trainer.global_rank, round, self.module, meta=step.meta), part=True
                 )
             except Exception as err:  # agreed on after the last bucket, then raised on every rank
                 step.failure = err
@@ -246,7 +240,7 @@ class DefendedAllReduce:
         if step.failure is None:
             try:
                 self.pipeline.observe(
-                    step.shared, client_id=self.trainer.global_rank, round=step.round, model=self.module, meta=step.meta
+                    step.shared, StageCall(self.trainer.global_rank, step.round, self.module, meta=step.meta)
                 )
             except Exception as err:
                 step.failure = err
@@ -324,7 +318,7 @@ _defended_allreduce_hook.__annotations__ = {
 
 
 def register_defended_allreduce(
-    trainer: pl.Trainer, pl_module: pl.LightningModule, pipeline: Pipeline
+    trainer: pl.Trainer, pl_module: pl.LightningModule, pipeline: SharedGradientPipeline
 ) -> DefendedAllReduce:
     """Register the defending all-reduce on the trainer's DDP-wrapped model."""
     ddp_model = trainer.strategy.model

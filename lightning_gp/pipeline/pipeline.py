@@ -2,21 +2,22 @@
 
 client gradient -> defense 1 -> ... -> defense n -> **shared gradient** -> observers (taps, meters)
 
-A :class:`~lightning_gp.callbacks.interfaces.ClientStepRunner` produces each client's gradient and
-sends it through :class:`SharedGradientPipeline` (DESIGN.md, "Where a defense runs"):
+A :class:`~lightning_gp.pipeline.stages.ClientStepRunner` produces each client's gradient and
+sends it through the fit's :class:`SharedGradientPipeline`, which it holds from fit start
+(docs/architecture.md, "A gradient from .grad to the wire"):
 
-* ``"local"`` (:class:`LocalClientStep`): one process is one client; the callbacks rewrite
-  ``.grad`` once per optimizer step;
-* ``"ddp"`` (:class:`~lightning_gp.callbacks.ddp.DDPClientStep`): one rank is one client; a
+* ``"local"`` (:class:`~lightning_gp.pipeline.local.LocalClientStep`): one process is one client;
+  the pipeline rewrites ``.grad`` once per optimizer step;
+* ``"ddp"`` (:class:`~lightning_gp.pipeline.ddp.DDPClientStep`): one rank is one client; a
   communication hook defends before the all-reduce;
-
-:func:`~lightning_gp.callbacks.runners.resolve_runner` picks the runner of a fit;
 * a LightningModule or callback that implements the runner interface itself, e.g.
   :class:`~lightning_gp.federated.FederatedSimulation` (many clients per process) or
   :class:`~lightning_gp.callbacks.DPSGD` (the optimizer's step hook, after Opacus noises).
 
+:func:`~lightning_gp.pipeline.runners.resolve_runner` picks the runner of a fit.
+
 Composed defenses and round preparation: a stage that prepares its rounds
-(:attr:`~lightning_gp.callbacks.interfaces.DefenseStage.prepares_rounds`, e.g. ADGP's round mask)
+(:attr:`~lightning_gp.pipeline.stages.DefenseStage.prepares_rounds`, e.g. ADGP's round mask)
 is prepared from every local client's gradient as defended by the stages before it, and that same
 output is what its ``defend`` then receives. :meth:`SharedGradientPipeline.begin_round` therefore
 runs the stages before the last preparing stage on every local client (each once) and keeps the
@@ -27,18 +28,18 @@ the first, ``begin_round`` defends nothing and the stages run client by client a
 from __future__ import annotations
 
 import dataclasses
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_gp.callbacks.interfaces import ClientSetup, ClientStepRunner, DefenseStage, ObserverStage, Pipeline
-from lightning_gp.defenses.base import Gradients, Share, share_in_process
+from lightning_gp.defenses.base import Gradients, Share
 from lightning_gp.named_tensors import write_into
+from lightning_gp.pipeline.stages import ClientSetup, DefenseStage, ObserverStage, StageCall
 
 
 def trainer_callbacks(trainer: pl.Trainer) -> list[Callback]:
@@ -188,11 +189,7 @@ class SharedGradientPipeline:
                     current = {
                         client: stage.defend(
                             gradients,
-                            client_id=client,
-                            round=round,
-                            model=model,
-                            batch=None if batches is None else batches[client],
-                            meta=stage_meta,
+                            StageCall(client, round, model, None if batches is None else batches[client], stage_meta),
                         )
                         for client, gradients in current.items()
                     }
@@ -213,31 +210,19 @@ class SharedGradientPipeline:
         return all(stage.layerwise and not stage.prepares_rounds for stage in self.defenses)
 
     def process(
-        self,
-        gradients: Mapping[str, Tensor],
-        *,
-        client_id: int,
-        round: int,
-        model: nn.Module,
-        batch: Any = None,
-        meta: Mapping[str, Any] | None = None,
-        out: Mapping[str, Tensor] | None = None,
+        self, gradients: Mapping[str, Tensor], call: StageCall, *, out: Mapping[str, Tensor] | None = None
     ) -> Gradients:
         """Defend one client's gradient and show the shared result to every observer (``out``: see
         :meth:`defend`)."""
-        shared = self.defend(gradients, client_id=client_id, round=round, model=model, batch=batch, meta=meta, out=out)
-        self.observe(shared, client_id=client_id, round=round, model=model, batch=batch, meta=meta)
+        shared = self.defend(gradients, call, out=out)
+        self.observe(shared, call)
         return shared
 
     def defend(
         self,
         gradients: Mapping[str, Tensor],
+        call: StageCall,
         *,
-        client_id: int,
-        round: int,
-        model: nn.Module,
-        batch: Any = None,
-        meta: Mapping[str, Any] | None = None,
         part: bool = False,
         out: Mapping[str, Tensor] | None = None,
     ) -> Gradients:
@@ -257,49 +242,51 @@ class SharedGradientPipeline:
             raise RuntimeError("a gradient can be defended part by part only when every defense is layerwise")
         if part and out is not None:
             raise ValueError("out is not supported with part=True (a DDP bucket is copied into its buffer)")
-        shared = dict(gradients)
-        first = 0
-        prepared = None if part else self._prepared.pop(client_id, None)
-        if prepared is not None:
-            if prepared.round != round:
-                raise RuntimeError(
-                    f"client {client_id} is defended for round {round}, but begin_round prepared round "
-                    f"{prepared.round}; call begin_round for every round before its clients are defended"
-                )
-            if gradients.keys() != prepared.raw.keys() or any(gradients[n] is not t for n, t in prepared.raw.items()):
-                raise ValueError(
-                    f"gradients: client {client_id}'s gradients are not the ones given to begin_round for round "
-                    f"{round}, where the stages before the round-preparing "
-                    f"{_stage_name(self.defenses[prepared.next_stage])} already defended them"
-                )
-            shared, first = dict(prepared.defended), prepared.next_stage
-        meta = self._meta(meta)
+        shared, first = self._resume_prepared(gradients, call, part=part)
+        call = self.described(call)
+        if part:
+            call = dataclasses.replace(call, batch=None)
         for index in range(first, len(self.defenses)):
             defense = self.defenses[index]
             if part:
-                shared = defense.defend_layers(shared, client_id=client_id, round=round, model=model, meta=meta)
+                shared = defense.defend_layers(shared, call)
             elif out is not None and index == len(self.defenses) - 1:
-                shared = defense.defend_into(
-                    shared, out, client_id=client_id, round=round, model=model, batch=batch, meta=meta
-                )
+                shared = defense.defend_into(shared, out, call)
             else:
-                shared = defense.defend(shared, client_id=client_id, round=round, model=model, batch=batch, meta=meta)
+                shared = defense.defend(shared, call)
         return shared if out is None else write_into(out, shared)
 
-    def observe(
-        self,
-        shared: Mapping[str, Tensor],
-        *,
-        client_id: int,
-        round: int,
-        model: nn.Module,
-        batch: Any = None,
-        meta: Mapping[str, Any] | None = None,
-    ) -> None:
+    def _resume_prepared(
+        self, gradients: Mapping[str, Tensor], call: StageCall, *, part: bool
+    ) -> tuple[Gradients, int]:
+        """The client's gradient and the index of the stage that defends it next: where
+        :meth:`begin_round` left it, else the gradient as given and the first stage."""
+        prepared = None if part else self._prepared.pop(call.client_id, None)
+        if prepared is None:
+            return dict(gradients), 0
+        if prepared.round != call.round:
+            raise RuntimeError(
+                f"client {call.client_id} is defended for round {call.round}, but begin_round prepared round "
+                f"{prepared.round}; call begin_round for every round before its clients are defended"
+            )
+        if gradients.keys() != prepared.raw.keys() or any(gradients[n] is not t for n, t in prepared.raw.items()):
+            raise ValueError(
+                f"gradients: client {call.client_id}'s gradients are not the ones given to begin_round for round "
+                f"{call.round}, where the stages before the round-preparing "
+                f"{_stage_name(self.defenses[prepared.next_stage])} already defended them"
+            )
+        return dict(prepared.defended), prepared.next_stage
+
+    def observe(self, shared: Mapping[str, Tensor], call: StageCall) -> None:
         """Show one client's whole shared gradient to every observer (the observers of :meth:`process`)."""
-        meta = self._meta(meta)
+        call = self.described(call)
         for observer in self.observers:
-            observer.observe(shared, client_id=client_id, round=round, model=model, batch=batch, meta=meta)
+            observer.observe(shared, call)
+
+    def described(self, call: StageCall) -> StageCall:
+        """``call`` with ``meta["defenses"]`` set to :meth:`describe_defenses` (what the adaptive
+        attacks read of the defenses)."""
+        return dataclasses.replace(call, meta=self._meta(call.meta))
 
     def _meta(self, meta: Mapping[str, Any] | None) -> dict[str, Any]:
         return {**(meta or {}), "defenses": self.describe_defenses()}
@@ -311,67 +298,52 @@ class SharedGradientPipeline:
             observer.observe_aggregate(update, round=round, clients=clients)
 
 
-def stepped_parameters(module: nn.Module, optimizer: Optimizer) -> dict[str, nn.Parameter]:
-    """The trainable parameters of ``module`` that ``optimizer`` steps, by name (what a client shares)."""
-    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    return {n: p for n, p in module.named_parameters() if p.requires_grad and id(p) in stepped}
+class ClientStepRunner(ABC):
+    """Owns the client step: computes each client's gradient and sends it through the fit's pipeline.
 
-
-def single_optimizer(trainer: pl.Trainer) -> Optimizer:
-    if len(trainer.optimizers) != 1:
-        raise ValueError(
-            f"gradient defenses support exactly one optimizer, this module configures {len(trainer.optimizers)}"
-        )
-    return trainer.optimizers[0]
-
-
-def parameter_setup(trainer: pl.Trainer, module: nn.Module) -> ClientSetup:
-    """One client per process (rank); it shares the gradient of the parameters its optimizer steps."""
-    params = stepped_parameters(module, single_optimizer(trainer))
-    if not params:
-        raise ValueError("the optimizer steps none of the module's trainable parameters: no gradient to share")
-    return ClientSetup(trainer.world_size, module, {n: p.shape for n, p in params.items()})
-
-
-@torch.no_grad()
-def defend_parameter_gradients(
-    pipeline: Pipeline,
-    module: nn.Module,
-    optimizer: Optimizer,
-    *,
-    client_id: int,
-    round: int,
-    path: str,
-) -> None:
-    """Run the pipeline on the ``.grad`` of ``module``'s parameters that ``optimizer`` steps.
-
-    A trainable parameter without a gradient this step is shared as zeros (as DDP does), and
-    keeps ``grad=None`` unless a defense (error feedback) sends something for it.
+    At fit start :meth:`start` hands the runner the fit's
+    :class:`~lightning_gp.pipeline.SharedGradientPipeline` (the one object holding the trainer's
+    defense and observer stages); the runner keeps it as :attr:`pipeline` for the fit. Each round
+    it calls ``pipeline.begin_round`` with the raw gradient of every client this process holds
+    (and the model, the clients' batches and the meta ``process`` will get: a stage before a
+    round-preparing one defends them there), then ``pipeline.process`` once per client with the
+    same gradients, then ``pipeline.finish_round`` with the aggregate the clients download.
     """
-    params = stepped_parameters(module, optimizer)
-    gradients = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in params.items()}
-    meta = {"path": path}
-    pipeline.begin_round(round, [client_id], {client_id: gradients}, share_in_process, model=module, meta=meta)
-    # defended in place: .grad holds the shared gradient, with no model-sized temporaries
-    shared = pipeline.process(gradients, client_id=client_id, round=round, model=module, meta=meta, out=gradients)
-    pipeline.finish_round(shared, round=round, clients=1)  # one client: it downloads what it sent
-    for name, p in params.items():
-        if p.grad is None and shared[name].any():
-            p.grad = shared[name]  # the zeros made above, now holding what error feedback sent
 
+    #: recorded as ``meta["path"]`` of every shared gradient
+    execution_path: ClassVar[str]
+    #: ``process`` receives each client's batch; otherwise stages that need the batch read it
+    #: in ``on_train_batch_start`` (the hook that sees the gradient does not see the batch)
+    passes_client_batches: ClassVar[bool] = False
+    #: the shared gradient carries a formal privacy guarantee (DP-SGD) that a stage reading the
+    #: raw client data would void, so such stages are refused
+    formal_privacy: ClassVar[bool] = False
+    #: the fit's pipeline, from :meth:`start` (``None`` before the fit starts)
+    pipeline: SharedGradientPipeline | None = None
 
-class LocalClientStep(ClientStepRunner):
-    """One process is one client: defend ``.grad`` once per optimizer step (after gradient
-    accumulation, before gradient clipping and the step)."""
-
-    execution_path = "local"
-
+    @abstractmethod
     def client_setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> ClientSetup:
-        return parameter_setup(trainer, pl_module)
+        """The run's clients and shared layers (called once the model and optimizers exist)."""
 
-    def before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer, pipeline: Pipeline
-    ) -> None:
-        defend_parameter_gradients(
-            pipeline, pl_module, optimizer, client_id=trainer.global_rank, round=trainer.global_step, path="local"
-        )
+    def start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, pipeline: SharedGradientPipeline) -> None:
+        """Take the fit's pipeline: declare the clients and shared layers to its stages, keep it as
+        :attr:`pipeline`, and :meth:`attach` to the training loop."""
+        pipeline.bind(self.client_setup(trainer, pl_module), self)
+        self.pipeline = pipeline
+        self.attach(trainer, pl_module)
+
+    def attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Hook into the training loop at fit start (default: nothing; e.g. DDP registers its hook)."""
+        return
+
+    def before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> None:
+        """Called from ``on_before_optimizer_step`` (default: nothing; the local runner defends ``.grad`` here)."""
+        return
+
+    def finish(self) -> None:
+        """Let go of the fit's pipeline (at teardown): the next fit gets its own."""
+        self.pipeline = None
+
+    def fit_pipeline(self) -> SharedGradientPipeline:
+        """:attr:`pipeline`; an empty pipeline when the trainer has no stages (nothing started one)."""
+        return SharedGradientPipeline([], []) if self.pipeline is None else self.pipeline

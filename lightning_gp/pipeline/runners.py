@@ -7,9 +7,9 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
-from lightning_gp.callbacks.ddp import DDPClientStep
-from lightning_gp.callbacks.interfaces import ClientStepRunner
-from lightning_gp.callbacks.pipeline import LocalClientStep, trainer_callbacks
+from lightning_gp.pipeline.ddp import DDPClientStep
+from lightning_gp.pipeline.local import LocalClientStep
+from lightning_gp.pipeline.pipeline import ClientStepRunner, SharedGradientPipeline, trainer_callbacks
 
 
 def resolve_runner(trainer: pl.Trainer, pl_module: pl.LightningModule) -> ClientStepRunner:
@@ -35,3 +35,11 @@ def resolve_runner(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Client
         f"{type(strategy).__name__} is not supported (sharded strategies split the gradient before a "
         "client could defend it)"
     )
+
+
+def start_pipeline(trainer: pl.Trainer, pl_module: pl.LightningModule) -> ClientStepRunner:
+    """Build the fit's pipeline from the trainer's stages (in the order given) and hand it to the
+    fit's runner (:meth:`ClientStepRunner.start`), which holds and drives it; returns the runner."""
+    runner = resolve_runner(trainer, pl_module)
+    runner.start(trainer, pl_module, SharedGradientPipeline.from_trainer(trainer))
+    return runner

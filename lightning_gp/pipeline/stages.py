@@ -4,8 +4,8 @@ client batch -> **ClientStepRunner** computes the client's gradient -> **Defense
 -> shared gradient -> **ObserverStage**s see it (taps, meters) -> aggregation -> optimizer step
 
 * :class:`ClientStepRunner` owns the client step: it produces each client's gradient and hands it
-  to the pipeline (:class:`Pipeline`, implemented by
-  :class:`~lightning_gp.callbacks.SharedGradientPipeline`). Built in: one process is one
+  to the fit's :class:`~lightning_gp.pipeline.SharedGradientPipeline`, which it holds from fit
+  start (:meth:`ClientStepRunner.start`). Built in: one process is one
   client (``"local"``), one DDP rank is one client (``"ddp"``, a communication hook). A
   LightningModule (``FederatedSimulation``: many clients per process) or a callback (``DPSGD``:
   the optimizer's step hook, after Opacus noises) takes the role by implementing it.
@@ -13,8 +13,9 @@ client batch -> **ClientStepRunner** computes the client's gradient -> **Defense
   :class:`~lightning_gp.defenses.Defense`).
 * :class:`ObserverStage` sees every shared gradient after all defenses.
 
-A round: the runner calls :meth:`Pipeline.begin_round` with every local client's gradient, then
-:meth:`Pipeline.process` once per local client, then :meth:`Pipeline.finish_round`. A defense
+A round: the runner calls ``pipeline.begin_round`` with every local client's gradient, then
+``pipeline.process`` once per local client (with a :class:`StageCall`: the client, the round, the
+model, the batch and the meta every stage of that call sees), then ``pipeline.finish_round``. A defense
 stage that prepares its rounds (:attr:`DefenseStage.prepares_rounds`, e.g. ADGP choosing the
 round's mask) is prepared from the gradients **as the stages before it defend them**, never from
 the raw ones: in ``[GaussianNoise(...), AlignedDualGradientPruning()]`` the mask comes from the
@@ -23,16 +24,15 @@ last preparing stage therefore defend every local client's gradient in ``begin_r
 ``process`` goes on from that output (no stage runs, nor draws its noise, twice).
 
 The pipeline knows these interfaces only, never the concrete classes, so new methods (a Refiner
-module, PriPrune's pruned FedAvg) plug in by implementing one of them. Nothing here imports
-another module of :mod:`lightning_gp.callbacks`.
+module, PriPrune's pruned FedAvg) plug in by implementing one of them. See docs/architecture.md.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -40,9 +40,27 @@ from torch import Tensor, nn
 from lightning_gp.defenses.base import Gradients, Share
 from lightning_gp.named_tensors import write_into
 
-if TYPE_CHECKING:
-    import lightning.pytorch as pl
-    from torch.optim import Optimizer
+
+@dataclass(frozen=True)
+class StageCall:
+    """One client's gradient on its way through the pipeline: who shares it, when, and what a
+    stage may read to defend or observe it. Built by the runner, passed unchanged to every stage.
+
+    Attributes:
+        client_id: the client whose gradient this is.
+        round: the round index (the optimizer step).
+        model: the model whose gradient it is (the client model, or the LightningModule itself).
+        batch: the client's batch, when the runner passes it (:attr:`~lightning_gp.pipeline.ClientStepRunner.passes_client_batches`);
+            ``None`` otherwise, and for a part of the layers (:meth:`DefenseStage.defend_layers`).
+        meta: what the runner records with the shared gradient (``"path"``, ``"algorithm"``, ...),
+            plus ``"defenses"``, the pipeline's description of its defenses.
+    """
+
+    client_id: int
+    round: int
+    model: nn.Module
+    batch: Any = None
+    meta: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -55,104 +73,13 @@ class ClientSetup:
             LightningModule itself).
         shapes: the name and shape of every layer a client shares, in order.
         passes_client_batches: the runner hands each client's batch to the stages (see
-            :attr:`ClientStepRunner.passes_client_batches`); the pipeline fills it in.
+            :attr:`~lightning_gp.pipeline.ClientStepRunner.passes_client_batches`); the pipeline fills it in.
     """
 
     num_clients: int
     model: nn.Module
     shapes: dict[str, torch.Size]
     passes_client_batches: bool = False
-
-
-class Pipeline(Protocol):
-    """What a runner drives (:class:`~lightning_gp.callbacks.SharedGradientPipeline` implements it)."""
-
-    def begin_round(
-        self,
-        round: int,
-        clients: Sequence[int],
-        local_gradients: Mapping[int, Gradients],
-        share: Share,
-        *,
-        model: nn.Module | None = None,
-        batches: Mapping[int, Any] | None = None,
-        meta: Mapping[str, Any] | None = None,
-        agree: Callable[[bool], bool] | None = None,
-    ) -> None: ...
-
-    def process(
-        self,
-        gradients: Mapping[str, Tensor],
-        *,
-        client_id: int,
-        round: int,
-        model: nn.Module,
-        batch: Any = None,
-        meta: Mapping[str, Any] | None = None,
-        out: Mapping[str, Tensor] | None = None,
-    ) -> Gradients: ...
-
-    def finish_round(self, update: Mapping[str, Tensor], *, round: int, clients: int) -> None: ...
-
-    @property
-    def layerwise(self) -> bool: ...
-
-    def defend(
-        self,
-        gradients: Mapping[str, Tensor],
-        *,
-        client_id: int,
-        round: int,
-        model: nn.Module,
-        batch: Any = None,
-        meta: Mapping[str, Any] | None = None,
-        part: bool = False,
-    ) -> Gradients: ...
-
-    def observe(
-        self,
-        shared: Mapping[str, Tensor],
-        *,
-        client_id: int,
-        round: int,
-        model: nn.Module,
-        batch: Any = None,
-        meta: Mapping[str, Any] | None = None,
-    ) -> None: ...
-
-
-class ClientStepRunner(ABC):
-    """Owns the client step: computes each client's gradient and sends it through the pipeline.
-
-    Implementations call :meth:`SharedGradientPipeline.begin_round` with the raw gradient of every
-    client this process holds (and the model, the clients' batches and the meta ``process`` will
-    get: a stage before a round-preparing one defends them there), then
-    :meth:`SharedGradientPipeline.process` once per client with the same gradients, then
-    :meth:`SharedGradientPipeline.finish_round` with the aggregate the clients download.
-    """
-
-    #: recorded as ``meta["path"]`` of every shared gradient
-    execution_path: ClassVar[str]
-    #: ``process`` receives each client's batch; otherwise stages that need the batch read it
-    #: in ``on_train_batch_start`` (the hook that sees the gradient does not see the batch)
-    passes_client_batches: ClassVar[bool] = False
-    #: the shared gradient carries a formal privacy guarantee (DP-SGD) that a stage reading the
-    #: raw client data would void, so such stages are refused
-    formal_privacy: ClassVar[bool] = False
-
-    @abstractmethod
-    def client_setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> ClientSetup:
-        """The run's clients and shared layers (called once the model and optimizers exist)."""
-
-    def attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule, pipeline: Pipeline) -> None:
-        """Hook into the training loop at fit start (default: nothing; e.g. DDP registers its hook)."""
-        return
-
-    def before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer, pipeline: Pipeline
-    ) -> None:
-        """Called from ``on_before_optimizer_step`` (default: nothing; the local runner defends ``.grad`` here)."""
-        return
 
 
 class DefenseStage(ABC):
@@ -194,41 +121,21 @@ class DefenseStage(ABC):
         return
 
     @abstractmethod
-    def defend(
-        self,
-        gradients: Mapping[str, Tensor],
-        *,
-        client_id: int,
-        round: int,
-        model: nn.Module,
-        batch: Any,
-        meta: Mapping[str, Any],
-    ) -> dict[str, Tensor]:
+    def defend(self, gradients: Mapping[str, Tensor], call: StageCall) -> dict[str, Tensor]:
         """One client's gradient through this stage."""
 
     def defend_into(
-        self,
-        gradients: Mapping[str, Tensor],
-        out: Mapping[str, Tensor],
-        *,
-        client_id: int,
-        round: int,
-        model: nn.Module,
-        batch: Any,
-        meta: Mapping[str, Any],
+        self, gradients: Mapping[str, Tensor], out: Mapping[str, Tensor], call: StageCall
     ) -> dict[str, Tensor]:
         """:meth:`defend` with the result written into ``out`` (tensors like the gradients, possibly
         the gradients themselves) and returned. Default: :meth:`defend`, then a copy; a stage that
         can write ``out`` directly saves the fresh memory (see ``Defense.__call__``)."""
-        shared = self.defend(gradients, client_id=client_id, round=round, model=model, batch=batch, meta=meta)
-        return write_into(out, shared)
+        return write_into(out, self.defend(gradients, call))
 
-    def defend_layers(
-        self, gradients: Mapping[str, Tensor], *, client_id: int, round: int, model: nn.Module, meta: Mapping[str, Any]
-    ) -> dict[str, Tensor]:
+    def defend_layers(self, gradients: Mapping[str, Tensor], call: StageCall) -> dict[str, Tensor]:
         """Some of one client's layers through a :attr:`layerwise` stage, called part after part in
-        layer order within a step (default: :meth:`defend` on the part, without a batch)."""
-        return self.defend(gradients, client_id=client_id, round=round, model=model, batch=None, meta=meta)
+        layer order within a step (``call.batch`` is ``None``; default: :meth:`defend` on the part)."""
+        return self.defend(gradients, call)
 
 
 class ObserverStage(ABC):
@@ -239,16 +146,7 @@ class ObserverStage(ABC):
         return
 
     @abstractmethod
-    def observe(
-        self,
-        gradients: Mapping[str, Tensor],
-        *,
-        client_id: int,
-        round: int,
-        model: nn.Module,
-        batch: Any,
-        meta: Mapping[str, Any],
-    ) -> None:
+    def observe(self, gradients: Mapping[str, Tensor], call: StageCall) -> None:
         """See one client's shared gradient."""
 
     def observe_aggregate(self, update: Mapping[str, Tensor], *, round: int, clients: int) -> None:
