@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import operator
 from collections.abc import Sequence
 from typing import Any, Literal, cast
 
@@ -32,7 +31,7 @@ from lightning_gp.audit.quiet import internal_trainer, quiet_lightning
 from lightning_gp.callbacks import GradientTap
 from lightning_gp.federated import FederatedSimulation
 from lightning_gp.records import TappedGradient
-from lightning_gp.validation import check_int, check_positive_int
+from lightning_gp.validation import as_int, check_int, check_positive_int
 
 
 def public_batch(datamodule: L.LightningDataModule, size: int = 1000) -> Tensor:
@@ -58,16 +57,6 @@ def malicious_server_model(
     return modify_model(model, data.image_shape, data.mean, data.std, public_data=public_batch(datamodule))
 
 
-def _as_int(value: Any) -> Any:
-    """Numpy and 0-d torch integers as ``int``; anything else unchanged (for ``check_int``)."""
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        return value
-    try:
-        return operator.index(value)
-    except TypeError:
-        return value
-
-
 def _chosen_lists(value: Any, name: str, high: int | None) -> list[list[int]]:
     """``value`` as one non-empty list of ints per attacked client, all of one length."""
     example = f"e.g. {name}=[[12, 7], [301, 5]] for two clients with two images each"
@@ -83,7 +72,7 @@ def _chosen_lists(value: Any, name: str, high: int | None) -> list[list[int]]:
         items = list(row)
         if not items:
             raise ValueError(f"{name}[{i}] is empty: each attacked client needs at least one image")
-        lists.append([check_int(_as_int(v), f"{name}[{i}][{j}]", low=0, high=high) for j, v in enumerate(items)])
+        lists.append([check_int(as_int(v), f"{name}[{i}][{j}]", low=0, high=high) for j, v in enumerate(items)])
     lengths = [len(items) for items in lists]
     if len(set(lengths)) > 1:
         raise ValueError(
@@ -152,7 +141,7 @@ def tap_fedsgd_round(
         chosen = _chosen_lists(indices if indices is not None else positions, chosen_name, high)
     if clients is None:
         clients = list(range(len(chosen))) if chosen is not None else [0]
-    clients = [_as_int(c) for c in clients]
+    clients = [as_int(c) for c in clients]
     if not clients or any(isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < num_clients for c in clients):
         raise ValueError(f"clients must be ids in [0, {num_clients}), got {clients}")
     if len(set(clients)) != len(clients):
