@@ -132,33 +132,9 @@ def tap_fedsgd_round(
     chosen_name = "indices" if indices is not None else "positions" if positions is not None else None
     chosen: list[list[int]] | None = None
     if chosen_name is not None:
-        train_dataset = getattr(datamodule, "train_dataset", None)
-        if train_dataset is None:
-            raise ValueError(
-                f"{type(datamodule).__name__} has no train_dataset after setup('fit') to take {chosen_name} from"
-            )
-        high = len(train_dataset) - 1 if chosen_name == "indices" else None
-        chosen = _chosen_lists(indices if indices is not None else positions, chosen_name, high)
-    if clients is None:
-        clients = list(range(len(chosen))) if chosen is not None else [0]
-    clients = [as_int(c) for c in clients]
-    if not clients or any(isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < num_clients for c in clients):
-        raise ValueError(f"clients must be ids in [0, {num_clients}), got {clients}")
-    if len(set(clients)) != len(clients):
-        raise ValueError(f"clients must be distinct, got {clients}")
-    if chosen is not None and len(chosen) != len(clients):
-        raise ValueError(
-            f"{chosen_name} needs one list per attacked client: clients {clients} but {len(chosen)} list(s) in "
-            f"{chosen_name}"
-        )
-    if local_batch_size is None:
-        local_batch_size = len(chosen[0]) if chosen is not None else 1
-    check_positive_int(local_batch_size, "local_batch_size")
-    if chosen is not None and len(chosen[0]) != local_batch_size:
-        raise ValueError(
-            f"local_batch_size={local_batch_size} disagrees with the {len(chosen[0])} image(s) per client in "
-            f"{chosen_name}: every client's batch holds local_batch_size images"
-        )
+        chosen = _chosen_from(datamodule, indices if indices is not None else positions, chosen_name)
+    clients = _attacked_clients(clients, chosen, chosen_name, num_clients)
+    local_batch_size = _local_batch_size(local_batch_size, chosen, chosen_name)
 
     model, secrets = malicious_server_model(attack, model, datamodule)
     simulation = FederatedSimulation(
@@ -176,13 +152,65 @@ def tap_fedsgd_round(
     if chosen is not None:
         for client, items in zip(clients, chosen):
             simulation.choose_batch(round, client, items, by="index" if chosen_name == "indices" else "position")
+    return _tap_round(simulation, round, clients, defenses), model, secrets
+
+
+def _chosen_from(datamodule: L.LightningDataModule, value: Any, chosen_name: str) -> list[list[int]]:
+    """The chosen images (``indices`` into the set-up ``train_dataset``, or ``positions``) as checked lists."""
+    train_dataset = getattr(datamodule, "train_dataset", None)
+    if train_dataset is None:
+        raise ValueError(
+            f"{type(datamodule).__name__} has no train_dataset after setup('fit') to take {chosen_name} from"
+        )
+    high = len(train_dataset) - 1 if chosen_name == "indices" else None
+    return _chosen_lists(value, chosen_name, high)
+
+
+def _attacked_clients(
+    clients: Sequence[int] | None, chosen: list[list[int]] | None, chosen_name: str | None, num_clients: int
+) -> list[int]:
+    """The attacked clients' ids, checked: distinct, in range, one per chosen list (default ``[0]``,
+    or ``0 .. len(chosen) - 1`` with chosen images)."""
+    if clients is None:
+        clients = list(range(len(chosen))) if chosen is not None else [0]
+    clients = [as_int(c) for c in clients]
+    if not clients or any(isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < num_clients for c in clients):
+        raise ValueError(f"clients must be ids in [0, {num_clients}), got {clients}")
+    if len(set(clients)) != len(clients):
+        raise ValueError(f"clients must be distinct, got {clients}")
+    if chosen is not None and len(chosen) != len(clients):
+        raise ValueError(
+            f"{chosen_name} needs one list per attacked client: clients {clients} but {len(chosen)} list(s) in "
+            f"{chosen_name}"
+        )
+    return clients
+
+
+def _local_batch_size(local_batch_size: int | None, chosen: list[list[int]] | None, chosen_name: str | None) -> int:
+    """``local_batch_size``, checked (default: the length of the chosen lists, else 1)."""
+    if local_batch_size is None:
+        local_batch_size = len(chosen[0]) if chosen is not None else 1
+    check_positive_int(local_batch_size, "local_batch_size")
+    if chosen is not None and len(chosen[0]) != local_batch_size:
+        raise ValueError(
+            f"local_batch_size={local_batch_size} disagrees with the {len(chosen[0])} image(s) per client in "
+            f"{chosen_name}: every client's batch holds local_batch_size images"
+        )
+    return local_batch_size
+
+
+def _tap_round(
+    simulation: FederatedSimulation, round: int, clients: Sequence[int], defenses: Sequence[Callback]
+) -> list[TappedGradient]:
+    """Train ``simulation`` through ``round`` behind ``defenses`` and return what each of ``clients``
+    shared in that round, with its batch's training-set indices in ``meta["dataset_indices"]``."""
     taps = [GradientTap(client_id=c, rounds=[round]) for c in clients]
     with quiet_lightning():
         internal_trainer(max_steps=round + 1, callbacks=[*defenses, *taps]).fit(simulation)
     records = [tap.latest() for tap in taps]
     for record in records:
         record.meta["dataset_indices"] = simulation.local_indices(round, record.client_id)
-    return records, model, secrets
+    return records
 
 
 def _strip_wrapper(record: TappedGradient, prefix: str) -> TappedGradient:
