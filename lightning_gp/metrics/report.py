@@ -313,10 +313,7 @@ def reconstruction_report(
     true, predicted = _true_and_matched_labels(reconstruction, true_labels, perm)
     rows = _image_rows(scores, perm, true, predicted, not_reconstructed, batch)
     means = {name: batch_mean([getattr(row, name) for row in rows]) for name in METRICS}
-    label_accuracy = matched_accuracy = None
-    if true is not None and predicted is not None:
-        label_accuracy = _multiset_accuracy(predicted, true)
-        matched_accuracy = sum(p == t for p, t in zip(predicted, true)) / batch
+    label_accuracy, matched_accuracy = _label_accuracies(true, predicted)
     return ReconstructionReport(
         attack=reconstruction.attack,
         match_metric=match_metric,
@@ -417,6 +414,13 @@ def _true_and_matched_labels(
         raise ValueError(f"reconstruction.labels has {len(predicted_all)} entries for {images.shape[0]} images")
     predicted = None if predicted_all is None else [predicted_all[j] for j in perm.tolist()]
     return true, predicted
+
+
+def _label_accuracies(true: Sequence[int] | None, predicted: Sequence[int] | None) -> tuple[float | None, float | None]:
+    """The attack's label accuracy as multisets (order-free), and per matched image; ``None`` without both labels."""
+    if true is None or predicted is None:
+        return None, None
+    return _multiset_accuracy(predicted, true), sum(p == t for p, t in zip(predicted, true)) / len(true)
 
 
 def _image_rows(
