@@ -31,15 +31,20 @@ def flatten_named(tensors: Mapping[str, Tensor], *, dtype: torch.dtype | None = 
     return torch.cat([p.to(dtype) for p in parts])
 
 
-def unflatten_named(flat: Tensor, like: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Split ``flat`` into views shaped (and typed) like the tensors of ``like``, in its order."""
+def unflatten_named(flat: Tensor, like: Mapping[str, Tensor], *, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+    """Split ``flat`` into views shaped (and typed) like the tensors of ``like``, in its order.
+
+    ``dtype`` types every part (e.g. ``torch.bool`` for a mask shaped like float tensors); by
+    default each part takes its ``like`` tensor's dtype. A part already of that dtype stays a view.
+    """
     total = sum(t.numel() for t in like.values())
     if flat.ndim != 1 or flat.numel() != total:
         raise ValueError(f"unflatten_named: expected a 1-D tensor of {total} entries, got shape {tuple(flat.shape)}")
     out, offset = {}, 0
     for name, t in like.items():
         part = flat[offset : offset + t.numel()].view(t.shape)
-        out[name] = part if part.dtype == t.dtype else part.to(t.dtype)
+        target = t.dtype if dtype is None else dtype
+        out[name] = part if part.dtype == target else part.to(target)
         offset += t.numel()
     return out
 

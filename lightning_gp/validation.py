@@ -9,6 +9,7 @@ everywhere. Gradient-specific checks (named layer tensors, NaN/inf) live in
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -69,6 +70,16 @@ def check_int(value: int, name: str, *, low: int | None = None, high: int | None
     if wrong_type or (low is not None and value < low) or (high is not None and value > high):
         raise ValueError(f"{name} must be an int{_int_bounds(low, high)}, got {value!r}")
     return value
+
+
+def as_int(value: Any) -> Any:
+    """Numpy and 0-d torch integers as ``int``; anything else unchanged (for :func:`check_int`)."""
+    if isinstance(value, bool):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
 
 
 def check_positive_int(value: int, name: str) -> int:

@@ -61,11 +61,6 @@ def total_variation(images: Tensor) -> Tensor:
     return dx + dy
 
 
-def nonzero_gradient_names(shared: Mapping[str, Tensor]) -> list[str]:
-    """Layers that carry any signal (a defense may zero whole layers, e.g. size-1 biases)."""
-    return [n for n, g in shared.items() if bool(g.ne(0).any())]
-
-
 def _total(terms: list[Tensor]) -> Tensor:
     """The sum of per-layer terms, added left to right (as ``sum`` would, without its int start)."""
     if not terms:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import operator
 from collections.abc import Sequence
 from typing import Any, Literal, cast
 
@@ -32,7 +31,7 @@ from lightning_gp.audit.quiet import internal_trainer, quiet_lightning
 from lightning_gp.callbacks import GradientTap
 from lightning_gp.federated import FederatedSimulation
 from lightning_gp.records import TappedGradient
-from lightning_gp.validation import check_int, check_positive_int
+from lightning_gp.validation import as_int, check_int, check_positive_int
 
 
 def public_batch(datamodule: L.LightningDataModule, size: int = 1000) -> Tensor:
@@ -58,16 +57,6 @@ def malicious_server_model(
     return modify_model(model, data.image_shape, data.mean, data.std, public_data=public_batch(datamodule))
 
 
-def _as_int(value: Any) -> Any:
-    """Numpy and 0-d torch integers as ``int``; anything else unchanged (for ``check_int``)."""
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        return value
-    try:
-        return operator.index(value)
-    except TypeError:
-        return value
-
-
 def _chosen_lists(value: Any, name: str, high: int | None) -> list[list[int]]:
     """``value`` as one non-empty list of ints per attacked client, all of one length."""
     example = f"e.g. {name}=[[12, 7], [301, 5]] for two clients with two images each"
@@ -83,7 +72,7 @@ def _chosen_lists(value: Any, name: str, high: int | None) -> list[list[int]]:
         items = list(row)
         if not items:
             raise ValueError(f"{name}[{i}] is empty: each attacked client needs at least one image")
-        lists.append([check_int(_as_int(v), f"{name}[{i}][{j}]", low=0, high=high) for j, v in enumerate(items)])
+        lists.append([check_int(as_int(v), f"{name}[{i}][{j}]", low=0, high=high) for j, v in enumerate(items)])
     lengths = [len(items) for items in lists]
     if len(set(lengths)) > 1:
         raise ValueError(
@@ -143,33 +132,9 @@ def tap_fedsgd_round(
     chosen_name = "indices" if indices is not None else "positions" if positions is not None else None
     chosen: list[list[int]] | None = None
     if chosen_name is not None:
-        train_dataset = getattr(datamodule, "train_dataset", None)
-        if train_dataset is None:
-            raise ValueError(
-                f"{type(datamodule).__name__} has no train_dataset after setup('fit') to take {chosen_name} from"
-            )
-        high = len(train_dataset) - 1 if chosen_name == "indices" else None
-        chosen = _chosen_lists(indices if indices is not None else positions, chosen_name, high)
-    if clients is None:
-        clients = list(range(len(chosen))) if chosen is not None else [0]
-    clients = [_as_int(c) for c in clients]
-    if not clients or any(isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < num_clients for c in clients):
-        raise ValueError(f"clients must be ids in [0, {num_clients}), got {clients}")
-    if len(set(clients)) != len(clients):
-        raise ValueError(f"clients must be distinct, got {clients}")
-    if chosen is not None and len(chosen) != len(clients):
-        raise ValueError(
-            f"{chosen_name} needs one list per attacked client: clients {clients} but {len(chosen)} list(s) in "
-            f"{chosen_name}"
-        )
-    if local_batch_size is None:
-        local_batch_size = len(chosen[0]) if chosen is not None else 1
-    check_positive_int(local_batch_size, "local_batch_size")
-    if chosen is not None and len(chosen[0]) != local_batch_size:
-        raise ValueError(
-            f"local_batch_size={local_batch_size} disagrees with the {len(chosen[0])} image(s) per client in "
-            f"{chosen_name}: every client's batch holds local_batch_size images"
-        )
+        chosen = _chosen_from(datamodule, indices if indices is not None else positions, chosen_name)
+    clients = _attacked_clients(clients, chosen, chosen_name, num_clients)
+    local_batch_size = _local_batch_size(local_batch_size, chosen, chosen_name)
 
     model, secrets = malicious_server_model(attack, model, datamodule)
     simulation = FederatedSimulation(
@@ -187,13 +152,65 @@ def tap_fedsgd_round(
     if chosen is not None:
         for client, items in zip(clients, chosen):
             simulation.choose_batch(round, client, items, by="index" if chosen_name == "indices" else "position")
+    return _tap_round(simulation, round, clients, defenses), model, secrets
+
+
+def _chosen_from(datamodule: L.LightningDataModule, value: Any, chosen_name: str) -> list[list[int]]:
+    """The chosen images (``indices`` into the set-up ``train_dataset``, or ``positions``) as checked lists."""
+    train_dataset = getattr(datamodule, "train_dataset", None)
+    if train_dataset is None:
+        raise ValueError(
+            f"{type(datamodule).__name__} has no train_dataset after setup('fit') to take {chosen_name} from"
+        )
+    high = len(train_dataset) - 1 if chosen_name == "indices" else None
+    return _chosen_lists(value, chosen_name, high)
+
+
+def _attacked_clients(
+    clients: Sequence[int] | None, chosen: list[list[int]] | None, chosen_name: str | None, num_clients: int
+) -> list[int]:
+    """The attacked clients' ids, checked: distinct, in range, one per chosen list (default ``[0]``,
+    or ``0 .. len(chosen) - 1`` with chosen images)."""
+    if clients is None:
+        clients = list(range(len(chosen))) if chosen is not None else [0]
+    clients = [as_int(c) for c in clients]
+    if not clients or any(isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < num_clients for c in clients):
+        raise ValueError(f"clients must be ids in [0, {num_clients}), got {clients}")
+    if len(set(clients)) != len(clients):
+        raise ValueError(f"clients must be distinct, got {clients}")
+    if chosen is not None and len(chosen) != len(clients):
+        raise ValueError(
+            f"{chosen_name} needs one list per attacked client: clients {clients} but {len(chosen)} list(s) in "
+            f"{chosen_name}"
+        )
+    return clients
+
+
+def _local_batch_size(local_batch_size: int | None, chosen: list[list[int]] | None, chosen_name: str | None) -> int:
+    """``local_batch_size``, checked (default: the length of the chosen lists, else 1)."""
+    if local_batch_size is None:
+        local_batch_size = len(chosen[0]) if chosen is not None else 1
+    check_positive_int(local_batch_size, "local_batch_size")
+    if chosen is not None and len(chosen[0]) != local_batch_size:
+        raise ValueError(
+            f"local_batch_size={local_batch_size} disagrees with the {len(chosen[0])} image(s) per client in "
+            f"{chosen_name}: every client's batch holds local_batch_size images"
+        )
+    return local_batch_size
+
+
+def _tap_round(
+    simulation: FederatedSimulation, round: int, clients: Sequence[int], defenses: Sequence[Callback]
+) -> list[TappedGradient]:
+    """Train ``simulation`` through ``round`` behind ``defenses`` and return what each of ``clients``
+    shared in that round, with its batch's training-set indices in ``meta["dataset_indices"]``."""
     taps = [GradientTap(client_id=c, rounds=[round]) for c in clients]
     with quiet_lightning():
         internal_trainer(max_steps=round + 1, callbacks=[*defenses, *taps]).fit(simulation)
     records = [tap.latest() for tap in taps]
     for record in records:
         record.meta["dataset_indices"] = simulation.local_indices(round, record.client_id)
-    return records, model, secrets
+    return records
 
 
 def _strip_wrapper(record: TappedGradient, prefix: str) -> TappedGradient:

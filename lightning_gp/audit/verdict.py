@@ -488,20 +488,10 @@ def worst_case_report(
             adaptive attack that fell back): the verdict cannot be "private" then.
         threat_model: the label of the threat model judged ("passive", "active"), for reports.
     """
-    if isinstance(reports, ReconstructionReport) or not isinstance(reports, Sequence):
-        raise TypeError(f"reports must be a sequence of ReconstructionReport, got {type(reports).__name__}")
-    reports = list(reports)
-    if not reports:
-        raise ValueError("reports is empty: give at least one attack's ReconstructionReport")
-    for i, report in enumerate(reports):
-        if not isinstance(report, ReconstructionReport):
-            raise TypeError(f"reports[{i}] must be a ReconstructionReport, got {type(report).__name__}")
+    reports = _checked_reports(reports)
     thresholds = check_verdict_thresholds(thresholds)
     rule = LeakRule(leak_thresholds, noise_ratio_line)
-    if isinstance(max_leak_fraction, bool) or not 0.0 <= float(max_leak_fraction) <= 1.0:
-        raise ValueError(f"max_leak_fraction must be in [0, 1], got {max_leak_fraction!r}")
-    if isinstance(incomplete, str) or not all(isinstance(r, str) for r in incomplete):
-        raise TypeError(f"incomplete must be a sequence of reasons (strings), got {incomplete!r}")
+    _check_leak_fraction_and_incomplete(max_leak_fraction, incomplete)
 
     batch = reports[0].batch_size
     originals = _common_originals(reports)
@@ -511,25 +501,9 @@ def worst_case_report(
         baselines = trivial_baselines(originals, reference_images=reference_images, dataset_mean=dataset_mean)
     floors = guess_floors(originals, baselines)
 
-    rows: list[WorstImage] = []
-    best_psnr_source: list[int] = []
-    for i in range(batch):
-        scored = [(name, row_values(report.rows[i], report)) for name, report in zip(names, reports)]
-        values: dict[str, float | None] = {}
-        sources: dict[str, str | None] = {}
-        for metric in METRICS:
-            best: float | None = None
-            source: str | None = None
-            for name, row in scored:
-                value = row[metric]
-                if value is None or math.isnan(value):
-                    continue
-                if best is None or _better_for_attacker(metric, value, best):
-                    best, source = float(value), name
-            values[metric], sources[metric] = best, source
-        leaked_by = [name for name, row in scored if rule.criteria(row, None if floors is None else floors[i])]
-        rows.append(WorstImage(i, values, sources, bool(leaked_by), leaked_by))
-        best_psnr_source.append(names.index(sources["psnr"]) if sources["psnr"] is not None else 0)
+    rows = [_worst_image(i, names, reports, rule, None if floors is None else floors[i]) for i in range(batch)]
+    # per image, the report with the best PSNR (the first where no attack scored it)
+    best_psnr_source = [names.index(r.attacks["psnr"]) if r.attacks["psnr"] is not None else 0 for r in rows]
 
     means = {metric: batch_mean([r.values[metric] for r in rows]) for metric in METRICS}
     leaked = sum(r.leaks for r in rows)
@@ -541,18 +515,8 @@ def worst_case_report(
     below: bool | None = None
     best_pixels: Tensor | None = None
     if floors is not None:
-        for image, floor in zip(rows, floors):
-            if image.values["psnr"] is not None:
-                image.below_trivial_baseline = image.values["psnr"] < floor["psnr"]
-        if means["psnr"] is not None:
-            below = means["psnr"] < max(b.means["psnr"] for b in baselines)
-        if all(r.reconstructed_pixels is not None for r in reports):
-            best_pixels = torch.stack(
-                [
-                    reports[source].reconstructed_pixels[i]  # type: ignore[index]
-                    for i, source in enumerate(best_psnr_source)
-                ]
-            )
+        below = _mark_below_baselines(rows, floors, means, baselines)
+        best_pixels = _best_psnr_pixels(reports, best_psnr_source)
     return WorstCaseReport(
         attacks=names,
         rows=rows,
@@ -573,6 +537,88 @@ def worst_case_report(
         threat_model=threat_model,
         original_pixels=originals,
         best_psnr_pixels=best_pixels,
+    )
+
+
+def _checked_reports(reports: Sequence[ReconstructionReport]) -> list[ReconstructionReport]:
+    """``reports`` as a non-empty list of :class:`ReconstructionReport` (else the caller's error)."""
+    if isinstance(reports, ReconstructionReport) or not isinstance(reports, Sequence):
+        raise TypeError(f"reports must be a sequence of ReconstructionReport, got {type(reports).__name__}")
+    reports = list(reports)
+    if not reports:
+        raise ValueError("reports is empty: give at least one attack's ReconstructionReport")
+    for i, report in enumerate(reports):
+        if not isinstance(report, ReconstructionReport):
+            raise TypeError(f"reports[{i}] must be a ReconstructionReport, got {type(report).__name__}")
+    return reports
+
+
+def _check_leak_fraction_and_incomplete(max_leak_fraction: float, incomplete: Sequence[str]) -> None:
+    """``max_leak_fraction`` in [0, 1] and ``incomplete`` a sequence of strings (not one string)."""
+    if isinstance(max_leak_fraction, bool) or not 0.0 <= float(max_leak_fraction) <= 1.0:
+        raise ValueError(f"max_leak_fraction must be in [0, 1], got {max_leak_fraction!r}")
+    if isinstance(incomplete, str) or not all(isinstance(r, str) for r in incomplete):
+        raise TypeError(f"incomplete must be a sequence of reasons (strings), got {incomplete!r}")
+
+
+def _attackers_best(
+    metric: str, scored: Sequence[tuple[str, Mapping[str, float | None]]]
+) -> tuple[float | None, str | None]:
+    """The attacker's best value of ``metric`` over the attacks' rows (NaN and missing skipped, first wins
+    ties) and the attack that reached it; ``(None, None)`` when no attack scored it."""
+    best: float | None = None
+    source: str | None = None
+    for name, row in scored:
+        value = row[metric]
+        if value is None or math.isnan(value):
+            continue
+        if best is None or _better_for_attacker(metric, value, best):
+            best, source = float(value), name
+    return best, source
+
+
+def _worst_image(
+    i: int,
+    names: Sequence[str],
+    reports: Sequence[ReconstructionReport],
+    rule: LeakRule,
+    floor: Mapping[str, float] | None,
+) -> WorstImage:
+    """Image ``i``'s worst case: every metric at the attacker's best, and the attacks whose row leaks."""
+    scored = [(name, row_values(report.rows[i], report)) for name, report in zip(names, reports)]
+    values: dict[str, float | None] = {}
+    sources: dict[str, str | None] = {}
+    for metric in METRICS:
+        values[metric], sources[metric] = _attackers_best(metric, scored)
+    leaked_by = [name for name, row in scored if rule.criteria(row, floor)]
+    return WorstImage(i, values, sources, bool(leaked_by), leaked_by)
+
+
+def _mark_below_baselines(
+    rows: Sequence[WorstImage],
+    floors: Sequence[Mapping[str, float]],
+    means: Mapping[str, float | None],
+    baselines: Sequence[BaselineScores],
+) -> bool | None:
+    """Mark each image whose worst-case PSNR is under its trivial guess's; whether the mean PSNR is
+    under the best baseline's (``None`` without a mean PSNR)."""
+    for image, floor in zip(rows, floors):
+        if image.values["psnr"] is not None:
+            image.below_trivial_baseline = image.values["psnr"] < floor["psnr"]
+    if means["psnr"] is None:
+        return None
+    return means["psnr"] < max(b.means["psnr"] for b in baselines)
+
+
+def _best_psnr_pixels(reports: Sequence[ReconstructionReport], best_psnr_source: Sequence[int]) -> Tensor | None:
+    """Every image's reconstruction from the attack with its best PSNR (``None`` unless all reports keep pixels)."""
+    if not all(r.reconstructed_pixels is not None for r in reports):
+        return None
+    return torch.stack(
+        [
+            reports[source].reconstructed_pixels[i]  # type: ignore[index]
+            for i, source in enumerate(best_psnr_source)
+        ]
     )
 
 

@@ -145,6 +145,27 @@ def _threat_sentence(result: SettingAudit, threat: str) -> str:
 def write_report(
     training: list[TrainingResult], audits: list[SettingAudit], budget: AttackBudget, output_dir: Path
 ) -> Path:
+    lines = _training_section(training) + _attack_section_intro(budget)
+    for result in audits:
+        lines += _audit_rows(result)
+    lines += _blank_baseline_note(audits)
+    lines += ["", "## Verdicts", "", *[verdict_sentence(r) for r in audits]]
+    lines += [
+        "",
+        (
+            "Grids: `audit_<defense>.png` (originals, each attack's reconstructions, the worst case). Tapped shared "
+            "gradients of client 0, round 0 of the training runs: `taps/`."
+        ),
+    ]
+    path = output_dir / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    payload = _report_payload(training, audits, budget)
+    (output_dir / "report.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    return path
+
+
+def _training_section(training: list[TrainingResult]) -> list[str]:
+    """The report's title and its table of the training runs (accuracy relative to the first, undefended run)."""
     base = training[0]
     lines = [
         "# lightning-gp demo: FedSGD on the built-in Fashion-MNIST sample",
@@ -162,7 +183,12 @@ def write_report(
             f"| {r.setting} | {r.test_acc:.4f} | {r.test_acc / base.test_acc:.3f} | "
             f"{r.upload_bytes_per_client_round / 1024:.1f} KiB | {r.upload_ratio:.1%} | {r.train_seconds:.0f} s |"
         )
-    lines += [
+    return lines
+
+
+def _attack_section_intro(budget: AttackBudget) -> list[str]:
+    """The attack section's heading, what the audit does and how it judges, and its table's header."""
+    return [
         "",
         (
             "Upload bytes use the cheapest per-layer encoding of each shared gradient: dense float32, values + bitmap, "
@@ -188,45 +214,49 @@ def write_report(
         "| defense | attack | kind | PSNR (dB) | SSIM | LPIPS | noise ratio | images leaked | s |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for result in audits:
-        for cell in result.cells:
-            if not cell.means:
-                lines.append(f"| {result.setting} | {cell.attack} | {cell.kind} | {cell.status}: {cell.note} |||||")
-                continue
-            m = cell.means
-            lines.append(
-                f"| {result.setting} | {cell.attack} | {cell.kind}{' (fallback)' if cell.status == 'fallback' else ''} "
-                f"| {_fmt(m['psnr'], '.2f')} | {_fmt(m['ssim'])} | {_fmt(m['lpips'])} | {_fmt(m['noise_ratio'])} "
-                f"| {cell.leak_fraction:.0%} | {cell.seconds:.0f} |"
-            )
-        for threat, w in (("passive", result.passive), ("active", result.active)):
-            if w is None:
-                continue
-            lines.append(
-                f"| **{result.setting}** | **worst case, {threat}** | | **{_fmt(w.means['psnr'], '.2f')}** "
-                f"| **{_fmt(w.means['ssim'])}** | **{_fmt(w.means.get('lpips'))}** | **{_fmt(w.means.get('noise_ratio'))}** "
-                f"| **{w.leak_fraction:.0%}** | **{w.verdict}** |"
-            )
+
+
+def _audit_rows(result: SettingAudit) -> list[str]:
+    """One setting's rows of the attack table: each attack's cell, then the passive and active worst cases."""
+    lines = []
+    for cell in result.cells:
+        if not cell.means:
+            lines.append(f"| {result.setting} | {cell.attack} | {cell.kind} | {cell.status}: {cell.note} |||||")
+            continue
+        m = cell.means
+        lines.append(
+            f"| {result.setting} | {cell.attack} | {cell.kind}{' (fallback)' if cell.status == 'fallback' else ''} "
+            f"| {_fmt(m['psnr'], '.2f')} | {_fmt(m['ssim'])} | {_fmt(m['lpips'])} | {_fmt(m['noise_ratio'])} "
+            f"| {cell.leak_fraction:.0%} | {cell.seconds:.0f} |"
+        )
+    for threat, w in (("passive", result.passive), ("active", result.active)):
+        if w is None:
+            continue
+        lines.append(
+            f"| **{result.setting}** | **worst case, {threat}** | | **{_fmt(w.means['psnr'], '.2f')}** "
+            f"| **{_fmt(w.means['ssim'])}** | **{_fmt(w.means.get('lpips'))}** | **{_fmt(w.means.get('noise_ratio'))}** "
+            f"| **{w.leak_fraction:.0%}** | **{w.verdict}** |"
+        )
+    return lines
+
+
+def _blank_baseline_note(audits: list[SettingAudit]) -> list[str]:
+    """What a blank guess scores on the first setting's images (nothing without its worst case)."""
     blank = audits[0].worst.baseline("blank") if audits and audits[0].worst is not None else None
-    if blank is not None:
-        lines += [
-            "",
-            (
-                f"Trivial baseline: a blank guess scores PSNR {blank.means['psnr']:.2f} dB, SSIM {blank.means['ssim']:.3f} on "
-                "these images; a 'private' PSNR near it means the attacks recovered nothing."
-            ),
-        ]
-    lines += ["", "## Verdicts", "", *[verdict_sentence(r) for r in audits]]
-    lines += [
+    if blank is None:
+        return []
+    return [
         "",
         (
-            "Grids: `audit_<defense>.png` (originals, each attack's reconstructions, the worst case). Tapped shared "
-            "gradients of client 0, round 0 of the training runs: `taps/`."
+            f"Trivial baseline: a blank guess scores PSNR {blank.means['psnr']:.2f} dB, SSIM {blank.means['ssim']:.3f} on "
+            "these images; a 'private' PSNR near it means the attacks recovered nothing."
         ),
     ]
-    path = output_dir / "report.md"
-    path.write_text("\n".join(lines) + "\n")
-    payload = {
+
+
+def _report_payload(training: list[TrainingResult], audits: list[SettingAudit], budget: AttackBudget) -> dict[str, Any]:
+    """``report.json``: the training runs, every setting's cells and worst cases, and the attack budget."""
+    return {
         "training": [{**r.__dict__, "upload_ratio": r.upload_ratio} for r in training],
         "audit": [
             {
@@ -239,8 +269,6 @@ def write_report(
         ],
         "budget": budget.__dict__,
     }
-    (output_dir / "report.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
-    return path
 
 
 def main(argv: list[str] | None = None) -> None:

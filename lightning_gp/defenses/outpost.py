@@ -41,6 +41,7 @@ from torch import Tensor
 from lightning_gp.defenses.base import Defense, DefenseCall, Gradients
 from lightning_gp.defenses.noise import standard_normal_like
 from lightning_gp.defenses.selection import count_for_rate, largest_entries_mask, largest_magnitude_mask, magnitudes
+from lightning_gp.named_tensors import unflatten_named
 from lightning_gp.validation import check_nonnegative, check_number
 
 #: the key of a client's step counter in its state (no parameter name contains '#')
@@ -71,11 +72,7 @@ def fisher_noise_mask(gradients: Mapping[str, Tensor], phi: float) -> dict[str, 
     Fisher information ``g^2`` (model-wide, ties by position)."""
     scores = torch.cat([magnitudes(g) for g in gradients.values()])
     mask = largest_entries_mask(scores, count_for_rate(phi / 100, scores.numel()))
-    out, offset = {}, 0
-    for name, g in gradients.items():
-        out[name] = mask[offset : offset + g.numel()].view(g.shape)
-        offset += g.numel()
-    return out
+    return unflatten_named(mask, gradients, dtype=torch.bool)
 
 
 def outpost_noise_std(weights: Mapping[str, Tensor], lam: float) -> dict[str, float]:

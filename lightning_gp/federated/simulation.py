@@ -9,7 +9,6 @@ sample clients -> each computes its gradient (FedSGD) or local update (FedAvg) o
 from __future__ import annotations
 
 import math
-import operator
 import warnings
 from collections.abc import Sequence, Sized
 from typing import Any, Literal, cast
@@ -34,17 +33,9 @@ from lightning_gp.federated.partition import PARTITION_SCHEMES, partition
 from lightning_gp.federated.rounds import ClientRounds, RoundLoader, RoundSampler
 from lightning_gp.pipeline.pipeline import ClientStepRunner, trainer_callbacks
 from lightning_gp.pipeline.stages import ClientSetup, DefenseStage, StageCall
-from lightning_gp.validation import check_choice, check_int, check_number, check_positive, check_positive_int
+from lightning_gp.validation import as_int, check_choice, check_int, check_number, check_positive, check_positive_int
 
 Algorithm = Literal["fedsgd", "fedavg"]
-
-
-def _as_index(value: Any) -> Any:
-    """Numpy and 0-d tensor integers as ``int`` (anything else unchanged, for the int check)."""
-    try:
-        return operator.index(value) if not isinstance(value, bool) else value
-    except TypeError:
-        return value
 
 
 def _defense_states(checkpoint: dict[str, Any]) -> set[str]:
@@ -327,7 +318,7 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
         check_int(round, "round", low=0)
         check_int(client, "client", low=0, high=self.num_clients - 1)
         check_choice(by, "by", ("index", "position"))
-        values = [check_int(_as_index(v), "items", low=0) for v in items]
+        values = [check_int(as_int(v), "items", low=0) for v in items]
         if len(values) != self.local_steps * self.local_batch_size:
             raise ValueError(
                 f"items must hold local_steps * local_batch_size = {self.local_steps * self.local_batch_size} "

@@ -183,10 +183,7 @@ def lightning_client_app(
             "data must provide loader(client_id, round) and num_examples(client_id) (e.g. FederatedData), or be a "
             f"function of the Context that returns such an object; got {type(data).__name__}"
         )
-    extra = dict(trainer_kwargs or {})
-    fixed = {"max_epochs", "max_steps", "callbacks"} & set(extra)
-    if fixed:
-        raise ValueError(f"trainer_kwargs may not set {sorted(fixed)}: a round is one epoch of data.loader(...)")
+    extra = _round_trainer_kwargs(trainer_kwargs)
     app = ClientApp(mods=list(mods))
 
     @app.train()
@@ -202,48 +199,80 @@ def lightning_client_app(
             _restore_callback(callback, record, client)
         source = data if isinstance(data, ClientData) else _client_data(data(context))
         loader = source.loader(client, round_idx)
-        trainer = pl.Trainer(
-            **{
-                "logger": False,
-                "enable_checkpointing": False,
-                "enable_progress_bar": False,
-                "enable_model_summary": False,
-                "num_sanity_val_steps": 0,
-                **extra,
-                "max_epochs": 1,
-                "callbacks": local_callbacks,
-            }
-        )
-        with warnings.catch_warnings():  # a round trains only; the module's validation_step is for evaluation
-            warnings.filterwarnings("ignore", message=".*validation_step.*val_dataloader.*")
-            trainer.fit(model, train_dataloaders=loader)
+        trainer = _train_one_epoch(model, loader, extra, local_callbacks)
         for callback in local_callbacks:
             state = callback.state_dict()
             if state:
                 save_state(record, callback.state_key, state)
-        weights = model.state_dict()
-        metrics: dict[str, MetricRecordValues] = {"num-examples": int(source.num_examples(client))}
-        if "train_loss" in trainer.callback_metrics:
-            metrics["train_loss"] = float(trainer.callback_metrics["train_loss"])
-        info = ConfigRecord(
-            {
-                protocol.CLIENT_ID: client,
-                protocol.PARAMETERS: list(trainable_parameters(model)),
-                protocol.LOCAL_STEPS: int(trainer.global_step),
-                protocol.LOCAL_BATCH_SIZE: int(loader.batch_size or 0),
-                protocol.LOCAL_LR: _learning_rate(trainer),
-            }
-        )
-        content = RecordDict(
-            {
-                "arrays": ArrayRecord({name: weights[name] for name in arrays}),
-                "metrics": MetricRecord(metrics),
-                protocol.REPLY_RECORD: info,
-            }
-        )
-        return Message(content, reply_to=msg)
+        return _train_reply(msg, model, arrays, trainer, loader, int(source.num_examples(client)), client)
 
     return app
+
+
+def _round_trainer_kwargs(trainer_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The user's extra ``Trainer`` arguments, refusing those a round fixes (one epoch, our callbacks)."""
+    extra = dict(trainer_kwargs or {})
+    fixed = {"max_epochs", "max_steps", "callbacks"} & set(extra)
+    if fixed:
+        raise ValueError(f"trainer_kwargs may not set {sorted(fixed)}: a round is one epoch of data.loader(...)")
+    return extra
+
+
+def _train_one_epoch(
+    model: pl.LightningModule, loader: DataLoader, extra: Mapping[str, Any], callbacks: list[Callback]
+) -> pl.Trainer:
+    """Fit ``model`` for one epoch of ``loader`` in a quiet local ``Trainer`` (``extra`` on top of its
+    defaults); the fitted Trainer."""
+    trainer = pl.Trainer(
+        **{
+            "logger": False,
+            "enable_checkpointing": False,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "num_sanity_val_steps": 0,
+            **extra,
+            "max_epochs": 1,
+            "callbacks": callbacks,
+        }
+    )
+    with warnings.catch_warnings():  # a round trains only; the module's validation_step is for evaluation
+        warnings.filterwarnings("ignore", message=".*validation_step.*val_dataloader.*")
+        trainer.fit(model, train_dataloaders=loader)
+    return trainer
+
+
+def _train_reply(
+    msg: Message,
+    model: pl.LightningModule,
+    arrays: ArrayRecord,
+    trainer: pl.Trainer,
+    loader: DataLoader,
+    num_examples: int,
+    client: int,
+) -> Message:
+    """The reply to ``msg``: the weights named in the received ``arrays``, ``num-examples`` and
+    ``train_loss`` (if logged), and the :data:`~lightning_gp.flower.protocol.REPLY_RECORD`."""
+    weights = model.state_dict()
+    metrics: dict[str, MetricRecordValues] = {"num-examples": num_examples}
+    if "train_loss" in trainer.callback_metrics:
+        metrics["train_loss"] = float(trainer.callback_metrics["train_loss"])
+    info = ConfigRecord(
+        {
+            protocol.CLIENT_ID: client,
+            protocol.PARAMETERS: list(trainable_parameters(model)),
+            protocol.LOCAL_STEPS: int(trainer.global_step),
+            protocol.LOCAL_BATCH_SIZE: int(loader.batch_size or 0),
+            protocol.LOCAL_LR: _learning_rate(trainer),
+        }
+    )
+    content = RecordDict(
+        {
+            "arrays": ArrayRecord({name: weights[name] for name in arrays}),
+            "metrics": MetricRecord(metrics),
+            protocol.REPLY_RECORD: info,
+        }
+    )
+    return Message(content, reply_to=msg)
 
 
 def _restore_callback(callback: Callback, record: ConfigRecord, client: int) -> None:

@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -287,6 +287,52 @@ def reconstruction_report(
             original's class than trivial guesses do); "n/a" with the reason without ``true_labels``
             or for images the classifier was not built for.
     """
+    _check_report_inputs(reconstruction, originals, match_metric, lpips)
+    thresholds = _check_thresholds(thresholds)
+    batch = originals.shape[0]
+    if true_labels is not None and tuple(true_labels.shape) != (batch,):
+        raise ValueError(f"true_labels must have shape ({batch},), got {tuple(true_labels.shape)}")
+
+    images = reconstruction.images
+    denormalize = _denormalizer(view_or_mean_std, originals.shape[1])
+    with torch.no_grad():
+        orig_px, rec_px, failed = _pixels_and_failures(images, originals, denormalize)
+        if lpips and lpips_fn is None:
+            from lightning_gp.metrics.lpips import LPIPS
+
+            lpips_fn = LPIPS()
+        perm = match_reconstructions(rec_px, orig_px, match_metric, lpips_fn if lpips else None, unusable=failed).cpu()
+        matched = rec_px[perm]
+        not_reconstructed = failed[perm]
+        scores, unavailable = _matched_scores(
+            matched, orig_px, lpips_fn if lpips else None, noise_ratio, evaluator, semantic, true_labels
+        )
+        for name in scores:
+            scores[name] = scores[name].double().masked_fill(not_reconstructed, math.nan)
+
+    true, predicted = _true_and_matched_labels(reconstruction, true_labels, perm)
+    rows = _image_rows(scores, perm, true, predicted, not_reconstructed, batch)
+    means = {name: batch_mean([getattr(row, name) for row in rows]) for name in METRICS}
+    label_accuracy, matched_accuracy = _label_accuracies(true, predicted)
+    return ReconstructionReport(
+        attack=reconstruction.attack,
+        match_metric=match_metric,
+        rows=rows,
+        means=means,
+        label_accuracy=label_accuracy,
+        matched_label_accuracy=matched_accuracy,
+        thresholds=thresholds,
+        private=privacy_flags(means, thresholds),
+        permutation=[int(v) for v in perm.tolist()],
+        original_pixels=orig_px,
+        reconstructed_pixels=matched,
+        unavailable=unavailable,
+    )
+
+
+def _check_report_inputs(reconstruction: Reconstruction, originals: Tensor, match_metric: str, lpips: bool) -> None:
+    """The reconstruction and originals are ``[B, C, H, W]`` batches of one image shape, and the
+    matching metric is known (LPIPS only when LPIPS is computed)."""
     if not isinstance(reconstruction, Reconstruction):
         raise TypeError(f"reconstruction must be a Reconstruction, got {type(reconstruction).__name__}")
     if not isinstance(originals, Tensor) or originals.ndim != 4:
@@ -301,50 +347,63 @@ def reconstruction_report(
         raise ValueError(f"match_metric must be one of {MATCH_METRICS}, got {match_metric!r}")
     if match_metric == "lpips" and not lpips:
         raise ValueError("match_metric='lpips' needs lpips=True")
-    thresholds = _check_thresholds(thresholds)
-    batch = originals.shape[0]
-    if true_labels is not None and tuple(true_labels.shape) != (batch,):
-        raise ValueError(f"true_labels must have shape ({batch},), got {tuple(true_labels.shape)}")
 
-    denormalize = _denormalizer(view_or_mean_std, originals.shape[1])
-    with torch.no_grad():
-        orig_px = denormalize(originals.detach().float().cpu()).cpu()
-        # a reconstruction with any non-finite entry is "not reconstructed": a blank placeholder,
-        # matched last, its original's scores NaN (denormalize would clamp inf into the pixel range)
-        failed = ~torch.isfinite(images.detach().float().cpu()).flatten(1).all(dim=1)
-        rec_px = denormalize(torch.nan_to_num(images.detach().float().cpu(), nan=0.0, posinf=0.0, neginf=0.0)).cpu()
-        rec_px[failed] = 0.0
-        if lpips and lpips_fn is None:
-            from lightning_gp.metrics.lpips import LPIPS
 
-            lpips_fn = LPIPS()
-        perm = match_reconstructions(rec_px, orig_px, match_metric, lpips_fn if lpips else None, unusable=failed).cpu()
-        matched = rec_px[perm]
-        not_reconstructed = failed[perm]
-        scores: dict[str, Tensor] = {
-            "mse": mse(matched, orig_px),
-            "psnr": psnr(matched, orig_px),
-            "ssim": ssim(matched, orig_px),
-            "nmi": nmi(matched, orig_px),
-        }
-        if lpips_fn is not None and lpips:
-            scores["lpips"] = lpips_fn(matched, orig_px)
-        unavailable: dict[str, str] = {}
-        if noise_ratio:
-            ratio = _noise_ratio_or_reason(matched, evaluator)
-            if isinstance(ratio, str):
-                unavailable["noise_ratio"] = ratio
-            else:
-                scores["noise_ratio"] = ratio
-        if semantic:
-            lift = _semantic_or_reason(matched, true_labels)
-            if isinstance(lift, str):
-                unavailable["semantic"] = lift
-            else:
-                scores["semantic"] = lift
-        for name in scores:
-            scores[name] = scores[name].double().masked_fill(not_reconstructed, math.nan)
+def _pixels_and_failures(
+    images: Tensor, originals: Tensor, denormalize: Callable[[Tensor], Tensor]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The originals' and the reconstructions' [0, 1] pixels on the CPU, and which reconstructions failed.
 
+    A reconstruction with any non-finite entry is "not reconstructed": a blank placeholder, matched
+    last, its original's scores NaN (denormalize would clamp inf into the pixel range).
+    """
+    orig_px = denormalize(originals.detach().float().cpu()).cpu()
+    failed = ~torch.isfinite(images.detach().float().cpu()).flatten(1).all(dim=1)
+    rec_px = denormalize(torch.nan_to_num(images.detach().float().cpu(), nan=0.0, posinf=0.0, neginf=0.0)).cpu()
+    rec_px[failed] = 0.0
+    return orig_px, rec_px, failed
+
+
+def _matched_scores(
+    matched: Tensor,
+    orig_px: Tensor,
+    lpips_fn: torch.nn.Module | None,
+    noise_ratio: bool,
+    evaluator: torch.nn.Module | None,
+    semantic: bool,
+    true_labels: Tensor | None,
+) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """Per-image scores of the matched reconstructions (LPIPS with ``lpips_fn``, the noise ratio and
+    the semantic test when asked), and why an asked-for score is not available."""
+    scores: dict[str, Tensor] = {
+        "mse": mse(matched, orig_px),
+        "psnr": psnr(matched, orig_px),
+        "ssim": ssim(matched, orig_px),
+        "nmi": nmi(matched, orig_px),
+    }
+    if lpips_fn is not None:
+        scores["lpips"] = lpips_fn(matched, orig_px)
+    unavailable: dict[str, str] = {}
+    if noise_ratio:
+        ratio = _noise_ratio_or_reason(matched, evaluator)
+        if isinstance(ratio, str):
+            unavailable["noise_ratio"] = ratio
+        else:
+            scores["noise_ratio"] = ratio
+    if semantic:
+        lift = _semantic_or_reason(matched, true_labels)
+        if isinstance(lift, str):
+            unavailable["semantic"] = lift
+        else:
+            scores["semantic"] = lift
+    return scores, unavailable
+
+
+def _true_and_matched_labels(
+    reconstruction: Reconstruction, true_labels: Tensor | None, perm: Tensor
+) -> tuple[list[int] | None, list[int] | None]:
+    """The true labels, and the attack's labels in the matched order (``None`` where not given)."""
+    images = reconstruction.images
     true = None if true_labels is None else [int(v) for v in true_labels.detach().cpu().tolist()]
     predicted_all = (
         None
@@ -354,8 +413,26 @@ def reconstruction_report(
     if predicted_all is not None and len(predicted_all) != images.shape[0]:
         raise ValueError(f"reconstruction.labels has {len(predicted_all)} entries for {images.shape[0]} images")
     predicted = None if predicted_all is None else [predicted_all[j] for j in perm.tolist()]
+    return true, predicted
 
-    rows = [
+
+def _label_accuracies(true: Sequence[int] | None, predicted: Sequence[int] | None) -> tuple[float | None, float | None]:
+    """The attack's label accuracy as multisets (order-free), and per matched image; ``None`` without both labels."""
+    if true is None or predicted is None:
+        return None, None
+    return _multiset_accuracy(predicted, true), sum(p == t for p, t in zip(predicted, true)) / len(true)
+
+
+def _image_rows(
+    scores: Mapping[str, Tensor],
+    perm: Tensor,
+    true: Sequence[int] | None,
+    predicted: Sequence[int] | None,
+    not_reconstructed: Tensor,
+    batch: int,
+) -> list[ImageScores]:
+    """One :class:`ImageScores` per original (``None`` for a score that was not computed)."""
+    return [
         ImageScores(
             index=i,
             matched_index=int(perm[i]),
@@ -372,25 +449,6 @@ def reconstruction_report(
         )
         for i in range(batch)
     ]
-    means = {name: batch_mean([getattr(row, name) for row in rows]) for name in METRICS}
-    label_accuracy = matched_accuracy = None
-    if true is not None and predicted is not None:
-        label_accuracy = _multiset_accuracy(predicted, true)
-        matched_accuracy = sum(p == t for p, t in zip(predicted, true)) / batch
-    return ReconstructionReport(
-        attack=reconstruction.attack,
-        match_metric=match_metric,
-        rows=rows,
-        means=means,
-        label_accuracy=label_accuracy,
-        matched_label_accuracy=matched_accuracy,
-        thresholds=thresholds,
-        private=privacy_flags(means, thresholds),
-        permutation=[int(v) for v in perm.tolist()],
-        original_pixels=orig_px,
-        reconstructed_pixels=matched,
-        unavailable=unavailable,
-    )
 
 
 def _semantic_or_reason(pixels: Tensor, true_labels: Tensor | None) -> Tensor | str:

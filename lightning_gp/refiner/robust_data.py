@@ -247,61 +247,107 @@ def refine(
     raw = {n: g.detach() for n, g in raw.items()}
     weights = utility_weights(raw, params, config.tau)
 
-    x = blended_start(pixels, config.alpha, generator)
-    if start is not None:
-        if start.shape != pixels.shape:
-            raise ValueError(f"start must have the batch's shape {tuple(pixels.shape)}, got {tuple(start.shape)}")
-        fresh = torch.isnan(start.flatten(1)).any(1)
-        x = torch.where(fresh.view(-1, *([1] * (x.ndim - 1))), x, start.to(x))
-    x = x.clamp(0, 1).detach().requires_grad_(True)
+    x = _starting_pixels(pixels, start, config.alpha, generator)
     steps = config.warm_iterations if warm else config.iterations
     optimizer = (
         torch.optim.Adam([x], lr=config.step_size)
         if config.step_rule == "adam"
         else torch.optim.SGD([x], lr=config.step_size)
     )
-    utility, privacy = [], []
     if evaluator.training:
         raise ValueError("evaluator must be in eval mode (a frozen, trained evaluation network)")
-    with torch.enable_grad():
-        for _ in range(steps):
-            robust, _ = parameter_gradients(
-                model, loss_fn, normalize(x, mean, std, sample_ndim=x.ndim - 1), targets, params, create_graph=True
-            )
-            um = utility_measure(robust, raw, weights, config.utility)
-            pm = evaluator(x).mean()
-            utility.append(float(um.detach()))
-            privacy.append(float(pm.detach()))
-            optimizer.zero_grad(set_to_none=True)
-            (x.grad,) = torch.autograd.grad(um - config.beta * pm, [x])
-            optimizer.step()
-            with torch.no_grad():
-                x.clamp_(0, 1)
+    objective = _RefinerObjective(model, loss_fn, targets, params, raw, weights, evaluator, mean, std, config)
+    utility, privacy = objective.optimise(x, optimizer, steps)
     _restore_buffers(model, buffers)
     robust_pixels = x.detach()
     robust_inputs = normalize(robust_pixels, mean, std, sample_ndim=x.ndim - 1)
-    # The final x*: one plain gradient pass gives g* (what is shared) and the last UM; no graph.
-    with torch.enable_grad():
-        robust_grads, _ = parameter_gradients(model, loss_fn, robust_inputs, targets, params, create_graph=False)
-    robust_grads = {n: g.detach() for n, g in robust_grads.items()}
-    with torch.no_grad():
-        utility.append(float(utility_measure(robust_grads, raw, weights, config.utility)))
-        privacy.append(float(evaluator(robust_pixels).mean()))
+    robust_grads, final_utility, final_privacy = objective.final(robust_pixels, robust_inputs)
+    utility.append(final_utility)
+    privacy.append(final_privacy)
     upload, moved = project_upload(robust_grads, raw, config.eps, per_layer=config.projection == "layer")
-    distance = math.sqrt(sum(float(torch.linalg.vector_norm((robust_grads[n] - raw[n]).double())) ** 2 for n in raw))
     return RefinedBatch(
         pixels=robust_pixels,
         inputs=robust_inputs,
         upload=upload,
         raw=raw,
         robust=robust_grads,
-        distance=distance,
+        distance=_gradient_distance(robust_grads, raw),
         projected=moved,
         loss=raw_loss.detach(),
         iterations=steps,
         utility=utility,
         privacy=privacy,
     )
+
+
+def _starting_pixels(pixels: Tensor, start: Tensor | None, alpha: float, generator: torch.Generator | None) -> Tensor:
+    """The optimisation's leaf ``x0`` in [0, 1]: the noise blend, with the non-NaN rows of ``start`` in its place."""
+    x = blended_start(pixels, alpha, generator)
+    if start is not None:
+        if start.shape != pixels.shape:
+            raise ValueError(f"start must have the batch's shape {tuple(pixels.shape)}, got {tuple(start.shape)}")
+        fresh = torch.isnan(start.flatten(1)).any(1)
+        x = torch.where(fresh.view(-1, *([1] * (x.ndim - 1))), x, start.to(x))
+    return x.clamp(0, 1).detach().requires_grad_(True)
+
+
+@dataclass(frozen=True, eq=False)
+class _RefinerObjective:
+    """Eq. 2 on one batch: the utility measure of ``x``'s gradient against the raw one, minus
+    ``beta`` times the evaluator's noise ratio of ``x``."""
+
+    model: nn.Module
+    loss_fn: LossFn
+    targets: Tensor
+    params: Mapping[str, Tensor]
+    raw: Mapping[str, Tensor]
+    weights: Mapping[str, Tensor]
+    evaluator: nn.Module
+    mean: Sequence[float]
+    std: Sequence[float]
+    config: RefinerConfig
+
+    def optimise(self, x: Tensor, optimizer: torch.optim.Optimizer, steps: int) -> tuple[list[float], list[float]]:
+        """``steps`` optimiser steps on the pixels ``x`` (clamped to [0, 1] after each); the UM and PM
+        before each step."""
+        utility, privacy = [], []
+        with torch.enable_grad():
+            for _ in range(steps):
+                robust, _ = parameter_gradients(
+                    self.model,
+                    self.loss_fn,
+                    normalize(x, self.mean, self.std, sample_ndim=x.ndim - 1),
+                    self.targets,
+                    self.params,
+                    create_graph=True,
+                )
+                um = utility_measure(robust, self.raw, self.weights, self.config.utility)
+                pm = self.evaluator(x).mean()
+                utility.append(float(um.detach()))
+                privacy.append(float(pm.detach()))
+                optimizer.zero_grad(set_to_none=True)
+                (x.grad,) = torch.autograd.grad(um - self.config.beta * pm, [x])
+                optimizer.step()
+                with torch.no_grad():
+                    x.clamp_(0, 1)
+        return utility, privacy
+
+    def final(self, pixels: Tensor, inputs: Tensor) -> tuple[dict[str, Tensor], float, float]:
+        """The final ``x*``: one plain gradient pass gives ``g*`` (what is shared), then its UM and PM; no graph."""
+        with torch.enable_grad():
+            grads, _ = parameter_gradients(
+                self.model, self.loss_fn, inputs, self.targets, self.params, create_graph=False
+            )
+        grads = {n: g.detach() for n, g in grads.items()}
+        with torch.no_grad():
+            utility = float(utility_measure(grads, self.raw, self.weights, self.config.utility))
+            privacy = float(self.evaluator(pixels).mean())
+        return grads, utility, privacy
+
+
+def _gradient_distance(robust: Mapping[str, Tensor], raw: Mapping[str, Tensor]) -> float:
+    """``||g* - g||``, the L2 norm over all layers (in float64)."""
+    return math.sqrt(sum(float(torch.linalg.vector_norm((robust[n] - raw[n]).double())) ** 2 for n in raw))
 
 
 @torch.no_grad()

@@ -486,7 +486,39 @@ def train_evaluator(
     L.seed_everything(seed, verbose=False)
     module = EvaluatorTraining(images.channels, width, lr, ratios, seed, verbose)
     datamodule = EvaluatorDataModule(images, batch_size, seed)
-    # Trainer(deterministic=True) switches torch's deterministic mode on for the whole process: restore it.
+    seconds = _fit_deterministically(module, datamodule, epochs)
+    network = module.network.eval().to(memory_format=torch.contiguous_format)  # type: ignore[call-overload]
+    results = evaluate_noise_ratio(network, images.heldout, module.ratios, seed=seed + 12345)
+    checkpoint: dict[str, Any] = {
+        "format": CHECKPOINT_FORMAT,
+        "in_channels": images.channels,
+        "width": float(width),
+        "image_size": images.image_size,
+        "state_dict": {k: v.detach().cpu().clone() for k, v in network.state_dict().items()},
+        "trained_on": images.description,
+        "command": command,
+        "heldout_mae": {r: v["mae"] for r, v in results.items()},
+        "heldout_mean_prediction": {r: v["mean_prediction"] for r, v in results.items()},
+        "recipe": _recipe(epochs, batch_size, lr, module.ratios, seed),
+        "train_images": int(images.train.shape[0]),
+        "heldout_images": int(images.heldout.shape[0]),
+        "train_seconds": seconds,
+        "torch_version": str(torch.__version__),
+        "history": module.history,
+    }
+    if output is not None:
+        output = Path(output)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(checkpoint, output)
+    return checkpoint
+
+
+def _fit_deterministically(module: EvaluatorTraining, datamodule: EvaluatorDataModule, epochs: int) -> float:
+    """Fit ``module`` for ``epochs`` on the CPU in a deterministic Trainer; the seconds it took.
+
+    ``Trainer(deterministic=True)`` switches torch's deterministic mode on for the whole process:
+    the mode and ``CUBLAS_WORKSPACE_CONFIG`` are restored afterwards.
+    """
     deterministic = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     cublas = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
@@ -510,37 +542,18 @@ def train_evaluator(
             os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
         else:
             os.environ["CUBLAS_WORKSPACE_CONFIG"] = cublas
-    seconds = time.perf_counter() - start
-    network = module.network.eval().to(memory_format=torch.contiguous_format)  # type: ignore[call-overload]
-    results = evaluate_noise_ratio(network, images.heldout, module.ratios, seed=seed + 12345)
-    checkpoint: dict[str, Any] = {
-        "format": CHECKPOINT_FORMAT,
-        "in_channels": images.channels,
-        "width": float(width),
-        "image_size": images.image_size,
-        "state_dict": {k: v.detach().cpu().clone() for k, v in network.state_dict().items()},
-        "trained_on": images.description,
-        "command": command,
-        "heldout_mae": {r: v["mae"] for r, v in results.items()},
-        "heldout_mean_prediction": {r: v["mean_prediction"] for r, v in results.items()},
-        "recipe": {
-            "epochs": epochs,
-            "batch_size": batch_size,
-            "lr": float(lr),
-            "ratios": list(module.ratios),
-            "seed": seed,
-            "loss": "binary cross-entropy against the soft target r",
-            "optimizer": "Adam",
-            "mixes_per_step": len(module.ratios),
-        },
-        "train_images": int(images.train.shape[0]),
-        "heldout_images": int(images.heldout.shape[0]),
-        "train_seconds": seconds,
-        "torch_version": str(torch.__version__),
-        "history": module.history,
+    return time.perf_counter() - start
+
+
+def _recipe(epochs: int, batch_size: int, lr: float, ratios: Sequence[float], seed: int) -> dict[str, Any]:
+    """The checkpoint's training recipe (App. D): what a rerun needs to train the same network."""
+    return {
+        "epochs": epochs,
+        "batch_size": batch_size,
+        "lr": float(lr),
+        "ratios": list(ratios),
+        "seed": seed,
+        "loss": "binary cross-entropy against the soft target r",
+        "optimizer": "Adam",
+        "mixes_per_step": len(ratios),
     }
-    if output is not None:
-        output = Path(output)
-        output.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(checkpoint, output)
-    return checkpoint
