@@ -70,7 +70,7 @@ def _defenses() -> dict[str, tuple[Callable[[], list[Any]], tuple[str, ...]]]:
 
     return {
         "undefended": (list, ("ddp",)),
-        "Top-k 20%": (lambda: [callbacks.TopKPruning(k=0.2, seed=1)], ("bucketwise", "held")),
+        "Top-k 20%": (lambda: [callbacks.TopKPruning(rate=0.8, seed=1)], ("bucketwise", "held")),
         "DGP (5%, 75%)": (lambda: [callbacks.DualGradientPruning(k1=0.05, k2=0.75, seed=2)], ("bucketwise", "held")),
         "ADGP (20%, 5%)": (lambda: [callbacks.AlignedDualGradientPruning(k=0.2, k1=0.05, seed=3)], ("held",)),
         "Gaussian noise 0.01": (lambda: [callbacks.GaussianNoise(scale=0.01, seed=4)], ("bucketwise", "held")),

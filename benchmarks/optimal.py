@@ -331,7 +331,7 @@ def estimator() -> list[dict]:
         errors = []
         for seed in range(5):
             estimate = gradient_sensitivity(
-                model, loss, x, y, num_probes=k, chunk_size=50, generator=torch.Generator().manual_seed(seed)
+                model, loss, x, y, probes=k, chunk_size=50, generator=torch.Generator().manual_seed(seed)
             )
             rel = torch.cat(
                 [((estimate[n] - exact[n]).abs() / exact[n]).flatten() for n in exact if (exact[n] > 0).all()]

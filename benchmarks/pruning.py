@@ -31,7 +31,7 @@ from lightning_gp.models import LeNetZhu, ResNet18
 
 PRIVACY_DEFENSES = {
     "undefended": list,
-    "Top-k 20%": lambda: [callbacks.TopKPruning(k=0.2)],
+    "Top-k 20%": lambda: [callbacks.TopKPruning(rate=0.8)],
     "magnitude 80%": lambda: [callbacks.MagnitudePruning(rate=0.8)],
     "DGP (5%, 75%)": lambda: [callbacks.DualGradientPruning(k1=0.05, k2=0.75)],
     "ADGP (20%, 5%)": lambda: [callbacks.AlignedDualGradientPruning(k=0.2, k1=0.05)],
@@ -41,7 +41,7 @@ UTILITY_DEFENSES = {
     "DGP + EF": lambda: [callbacks.DualGradientPruning(k1=0.05, k2=0.75, error_feedback=True)],
     "DGP no EF": lambda: [callbacks.DualGradientPruning(k1=0.05, k2=0.75, error_feedback=False)],
     "ADGP + EF": lambda: [callbacks.AlignedDualGradientPruning(k=0.2, k1=0.05, error_feedback=True)],
-    "Top-k 20% + EF": lambda: [callbacks.TopKPruning(k=0.2, error_feedback=True)],
+    "Top-k 20% + EF": lambda: [callbacks.TopKPruning(rate=0.8, error_feedback=True)],
 }
 
 
@@ -168,7 +168,7 @@ def cost(repeats: int) -> list[dict]:
         step_seconds = median_seconds(step, repeats)
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         for label, defense in (
-            ("Top-k 20%", defenses.TopKPruning(0.2)),
+            ("Top-k 20%", defenses.TopKPruning(rate=0.8)),
             ("magnitude 80%", defenses.MagnitudePruning(0.8)),
             ("DGP (5%, 75%)", defenses.DualGradientPruning()),
             ("ADGP (20%, 5%)", defenses.AlignedDualGradientPruning()),

@@ -50,11 +50,11 @@ from lightning_gp.pipeline import ClientSetup, StageCall
 CE = nn.functional.cross_entropy
 # (mode label, gradient_sensitivity/callback keyword arguments, refresh_every)
 SENSITIVITY_MODES: tuple[tuple[str, dict, int], ...] = (
-    ("batch k=10 (paper)", {"method": "batch", "num_probes": 10}, 1),
-    ("per-example k=2", {"method": "per_example", "num_probes": 2}, 1),
-    ("batch k=10, refresh every 4", {"method": "batch", "num_probes": 10}, 4),
-    ("per-example k=2, refresh every 4", {"method": "per_example", "num_probes": 2}, 4),
-    ("per-example k=2, refresh every 8", {"method": "per_example", "num_probes": 2}, 8),
+    ("batch k=10 (paper)", {"method": "batch", "probes": 10}, 1),
+    ("per-example k=2", {"method": "per_example", "probes": 2}, 1),
+    ("batch k=10, refresh every 4", {"method": "batch", "probes": 10}, 4),
+    ("per-example k=2, refresh every 4", {"method": "per_example", "probes": 2}, 4),
+    ("per-example k=2, refresh every 8", {"method": "per_example", "probes": 2}, 8),
 )
 OPTIMAL_DEFENSES: tuple[tuple[str, Callable[..., DataDependentGradientDefense]], ...] = (
     ("OptimalGradientNoise", lambda **kw: callbacks.OptimalGradientNoise(scale=0.01, seed=0, loss_fn=CE, **kw)),
@@ -242,7 +242,7 @@ def pruning_rows(device: torch.device, repeats: int) -> list[dict]:
     foreign.begin_round(provider, [0, 1], {1: other}, share_in_process)
     rows = []
     for label, defense, target in (
-        ("Top-k 20%", defenses.TopKPruning(0.2), 0.10),
+        ("Top-k 20%", defenses.TopKPruning(rate=0.8), 0.10),
         ("magnitude 80%", defenses.MagnitudePruning(0.8), 0.10),
         ("DGP (5%, 75%)", defenses.DualGradientPruning(), 0.10),
         ("ADGP (20%, 5%), own mask", defenses.AlignedDualGradientPruning(), 0.15),

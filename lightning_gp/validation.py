@@ -120,3 +120,13 @@ def _int_bounds(low: int | None, high: int | None) -> str:
     if high is not None:
         return f" <= {high}"
     return ""
+
+
+def check_int_list(value: int | Sequence[int], name: str) -> list[int]:
+    """An int or a non-empty sequence of ints ``>= 0`` (a selection of clients or rounds), sorted, unique."""
+    if isinstance(value, (str, bytes)):
+        raise ValueError(f"{name} must be an int or a sequence of ints, got {value!r}")
+    values = list(value) if isinstance(value, Sequence) else [value]
+    if not values:
+        raise ValueError(f"{name} must name at least one entry, got an empty sequence")
+    return sorted({check_int(v, name, low=0) for v in values})

@@ -79,7 +79,7 @@ def score(attack: GradientAttack, view: ServerView, x: torch.Tensor) -> float:
 
 def test_support_matching_recovers_a_top_k_pruned_image_the_published_idlg_misses(datamodule):
     model, x, _, g = client(datamodule, seed=0, index=0)
-    defense = D.TopKPruning(0.2, seed=0)
+    defense = D.TopKPruning(rate=0.8, seed=0)
     view = view_of(model, defense(g, 0), datamodule)
     adaptive = [a for a in adaptive_attacks(defense, lbfgs_iterations=60, seed=0) if isinstance(a, DefenseAwareIDLG)]
     assert len(adaptive) == 1
@@ -182,7 +182,7 @@ def test_every_packaged_defense_declares_an_adaptive_attack():
         if cls in abstract:
             continue
         assert has_adaptive_attack(cls.__new__(cls)), cls.__name__
-    assert has_adaptive_attack(C.TopKPruning(k=0.2))  # a callback is unwrapped to its defense
+    assert has_adaptive_attack(C.TopKPruning(rate=0.8))  # a callback is unwrapped to its defense
     assert has_adaptive_attack(C.DPSGD(noise_multiplier=1.0))
     assert has_adaptive_attack(RefinerModule.__new__(RefinerModule))
     assert has_adaptive_attack(PriPruneModule.__new__(PriPruneModule))
@@ -202,8 +202,8 @@ def test_an_unmodelled_defense_gets_the_published_attack_marked_as_fallback(data
 def test_an_attack_given_a_defense_it_does_not_model_says_so_and_falls_back(datamodule):
     model, _, _, g = client(datamodule, seed=0, index=0)
     recorded = [{"name": "TopKPruning", "config": {}}, {"name": "GaussianNoise", "config": {}}]
-    view = view_of(model, D.TopKPruning(0.2, seed=0)(g, 0), datamodule, meta={"defenses": recorded})
-    attack = adaptive_attacks(D.TopKPruning(0.2), iterations=20, seed=0)[0]
+    view = view_of(model, D.TopKPruning(rate=0.8, seed=0)(g, 0), datamodule, meta={"defenses": recorded})
+    attack = adaptive_attacks(D.TopKPruning(rate=0.8), iterations=20, seed=0)[0]
     with pytest.warns(UnmodelledDefenseWarning, match="GaussianNoise"):
         result = attack.reconstruct(view)
     assert result.meta["fallback"] is True and result.meta["unmodelled"] == ["GaussianNoise"]
@@ -246,7 +246,7 @@ def test_the_shared_gradient_pipeline_records_which_defenses_ran(datamodule):
     records, _, _ = tap_fedsgd_round(
         LeNetZhu(),
         datamodule,
-        defenses=[TopKPruning(k=0.2), GaussianNoise(scale=0.01)],
+        defenses=[TopKPruning(rate=0.8), GaussianNoise(scale=0.01)],
         clients=[0],
         num_clients=2,
         seed=0,

@@ -62,7 +62,7 @@ def test_in_the_simulation_every_upload_and_the_server_update_lie_in_the_round_m
     )
     start = {n: p.detach().clone() for n, p in sim.module.named_parameters()}
     adgp = callbacks.AlignedDualGradientPruning(k=0.2, k1=0.05, error_feedback=False, seed=1)
-    taps = [callbacks.GradientTap(client_id=c, rounds=[0]) for c in range(5)]
+    taps = [callbacks.GradientTap(clients=c, rounds=[0]) for c in range(5)]
     quiet_trainer(max_steps=1, callbacks=[adgp, *taps]).fit(sim)
     records = [r for t in taps for r in t.records]
     mask = adgp.defense.round_mask

@@ -567,7 +567,7 @@ def test_support_only_matching_ignores_the_entries_the_client_did_not_send(singl
     from lightning_gp.defenses import TopKPruning
 
     view, x, y = single
-    pruned = TopKPruning(0.2, error_feedback=False)(view.gradients)
+    pruned = TopKPruning(rate=0.8, error_feedback=False)(view.gradients)
     import copy
 
     pruned_view = copy.copy(view)

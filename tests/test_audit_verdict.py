@@ -349,7 +349,7 @@ def test_the_attacker_matches_with_a_plain_function_loss(datamodule) -> None:
 def test_a_composed_setting_is_attacked_as_a_whole_not_as_its_first_member(datamodule) -> None:
     from lightning_gp.attacks import UnmodelledDefenseWarning
 
-    setting = DefenseSetting("noise+topk", [GaussianNoise(scale=1e-3, seed=0), TopKPruning(k=0.2, seed=0)])
+    setting = DefenseSetting("noise+topk", [GaussianNoise(scale=1e-3, seed=0), TopKPruning(rate=0.8, seed=0)])
     with warnings.catch_warnings():
         warnings.simplefilter("error", UnmodelledDefenseWarning)
         attacks = setting.adaptive_attacks(seeded_model(), datamodule, iterations=2, lbfgs_iterations=2)

@@ -147,20 +147,20 @@ def test_demo_reports_cost_and_worst_case_verdicts_with_the_adaptive_attacks(tmp
     )
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     training = report["training"]
-    assert [r["setting"] for r in training] == ["undefended", "TopKPruning(k=0.2)", "DualGradientPruning(default)"]
+    assert [r["setting"] for r in training] == ["undefended", "TopKPruning(rate=0.8)", "DualGradientPruning(default)"]
     undefended, topk, dgp = training
     assert undefended["upload_ratio"] == pytest.approx(1.0)
     assert topk["upload_ratio"] < 0.35 and dgp["upload_ratio"] < 0.35
     assert all(0.0 <= r["test_acc"] <= 1.0 for r in training)
     audits = {a["defense"]: a for a in report["audit"]}
     assert list(audits) == [r["setting"] for r in training]
-    kinds = {(c["attack"], c["kind"]) for c in audits["TopKPruning(k=0.2)"]["cells"]}
+    kinds = {(c["attack"], c["kind"]) for c in audits["TopKPruning(rate=0.8)"]["cells"]}
     assert {("iDLG", "published"), ("IG", "published")} <= kinds
     assert {("adaptive:DefenseAwareInversion", "adaptive"), ("adaptive:DefenseAwareIDLG", "adaptive")} <= kinds
     assert not any(c["kind"] == "adaptive" for c in audits["undefended"]["cells"])
     # iDLG breaks the undefended clients and not the pruned ones, even at the demo's smallest budget
     idlg = {d: next(c for c in a["cells"] if c["attack"] == "iDLG") for d, a in audits.items()}
-    assert idlg["undefended"]["means"]["psnr"] > 40 > 20 > idlg["TopKPruning(k=0.2)"]["means"]["psnr"]
+    assert idlg["undefended"]["means"]["psnr"] > 40 > 20 > idlg["TopKPruning(rate=0.8)"]["means"]["psnr"]
     for threat in ("passive", "active"):  # Robbing the Fed rebuilds every image for the malicious server
         worst = audits["undefended"][threat]
         assert worst["threat_model"] == threat and worst["verdict"] == "leaks" and worst["leak_fraction"] == 1.0
@@ -200,7 +200,7 @@ def test_a_seeded_attack_run_is_bit_identical_and_names_the_tapped_defenses(tmp_
         assert torch.equal(a.reconstruction.images, b.reconstruction.images)
         assert a.report.means == b.report.means
 
-    records, _, _ = tap_fedsgd_round(LeNetZhu(), FashionMNISTSampleDataModule(), defenses=[TopKPruning(k=0.2)])
+    records, _, _ = tap_fedsgd_round(LeNetZhu(), FashionMNISTSampleDataModule(), defenses=[TopKPruning(rate=0.8)])
     tap = records[0].save(tmp_path / "tap.pt")
     attack_main([*common, "--tap_files", f"[{tap}]", "--output_dir", str(tmp_path / "taps")])
     report = json.loads((tmp_path / "taps" / "report.json").read_text())

@@ -86,8 +86,8 @@ def knowledge_of(attack: GradientAttack) -> DefenseKnowledge:
 
 def test_noise_then_pruning_is_modelled_by_one_attack_without_fallback():
     model, _, g = tiny_client()
-    stages = [C.GaussianNoise(scale=0.001, seed=0), C.TopKPruning(k=0.3, seed=0)]
-    view = tiny_view(model, run_defenses([D.GaussianNoise(0.001, seed=0), D.TopKPruning(0.3, seed=0)], g))
+    stages = [C.GaussianNoise(scale=0.001, seed=0), C.TopKPruning(rate=0.7, seed=0)]
+    view = tiny_view(model, run_defenses([D.GaussianNoise(0.001, seed=0), D.TopKPruning(rate=0.7, seed=0)], g))
     view.meta.update(recorded(stages))
 
     # the first stage's attack alone (what a composed setting got before) falls back
@@ -109,7 +109,7 @@ def test_noise_then_pruning_is_modelled_by_one_attack_without_fallback():
 
 
 def test_the_composed_knowledge_has_each_members_support_noise_and_transform():
-    stages = [D.GaussianNoise(0.03, clip=0.5), D.LaplaceNoise(0.02), D.TopKPruning(0.2), D.GradientQuantization(4)]
+    stages = [D.GaussianNoise(0.03, clip=0.5), D.LaplaceNoise(0.02), D.TopKPruning(rate=0.8), D.GradientQuantization(4)]
     knowledge = composed_knowledge(stages)
     assert knowledge.models == ("GaussianNoise", "LaplaceNoise", "TopKPruning", "GradientQuantization")
     assert knowledge.support is True  # the pruning comes after both noises: its zeros arrive
@@ -134,7 +134,7 @@ def test_the_composed_knowledge_has_each_members_support_noise_and_transform():
 
 def test_dp_sgd_is_composed_first_with_its_per_example_clip_and_noise():
     dp = C.DPSGD(noise_multiplier=2.0, max_grad_norm=0.5)
-    knowledge = composed_knowledge([C.TopKPruning(k=0.2), dp, C.GaussianNoise(scale=0.01)])
+    knowledge = composed_knowledge([C.TopKPruning(rate=0.8), dp, C.GaussianNoise(scale=0.01)])
     assert knowledge.defense == "DPSGD+TopKPruning+GaussianNoise"  # the runner clips and noises first
     assert knowledge.per_example_clip == 0.5
     model, _, g = tiny_client()
@@ -147,11 +147,11 @@ def test_dp_sgd_is_composed_first_with_its_per_example_clip_and_noise():
 
 
 def test_supports_hidden_or_kept_by_later_stages():
-    hidden = composed_knowledge([D.TopKPruning(0.2), D.GaussianNoise(0.01)])
+    hidden = composed_knowledge([D.TopKPruning(rate=0.8), D.GaussianNoise(0.01)])
     assert hidden.support is False and hidden.caveats
-    kept = composed_knowledge([D.TopKPruning(0.2), D.GradientQuantization(8)])
+    kept = composed_knowledge([D.TopKPruning(rate=0.8), D.GradientQuantization(8)])
     assert kept.support is True and not kept.caveats  # quantisation keeps zeros zero
-    noiseless = composed_knowledge([D.TopKPruning(0.2), D.GaussianNoise(0.0, clip=0.1)])
+    noiseless = composed_knowledge([D.TopKPruning(rate=0.8), D.GaussianNoise(0.0, clip=0.1)])
     assert noiseless.support is True and noiseless.transform is not None
 
 
@@ -168,12 +168,12 @@ def test_a_composition_with_an_unregistered_defense_is_a_marked_fallback():
     class Mystery:
         pass
 
-    stages = [D.TopKPruning(0.3), Mystery()]
+    stages = [D.TopKPruning(rate=0.7), Mystery()]
     assert "Mystery" in (composition_fallback_reason(stages) or "")
     with pytest.warns(UnmodelledDefenseWarning, match="Mystery"):
         attacks = adaptive_attacks_of(stages, iterations=2, lbfgs_iterations=1, seed=0)
     model, _, g = tiny_client()
-    view = tiny_view(model, D.TopKPruning(0.3)(g, 0))
+    view = tiny_view(model, D.TopKPruning(rate=0.7)(g, 0))
     for attack in attacks:
         result = attack.reconstruct(view)
         assert result.meta["fallback"] is True and "Mystery" in result.meta["fallback_reason"]
@@ -192,7 +192,7 @@ def test_a_member_whose_attack_is_not_knowledge_based_marks_every_attack_as_fall
 
     register_adaptive_attack(Shuffle, factory)
     try:
-        stages = [Shuffle(seed=0), D.TopKPruning(0.3)]
+        stages = [Shuffle(seed=0), D.TopKPruning(rate=0.7)]
         assert defense_knowledge(stages[0]) is None
         with pytest.warns(UnmodelledDefenseWarning, match="Shuffle"):
             attacks = adaptive_attacks_of(stages, iterations=2, lbfgs_iterations=1, seed=0)
@@ -202,7 +202,7 @@ def test_a_member_whose_attack_is_not_knowledge_based_marks_every_attack_as_fall
             "DefenseAwareIDLG",
         ]
         model, _, g = tiny_client()
-        view = tiny_view(model, D.TopKPruning(0.3)(g, 0), recorded(stages))
+        view = tiny_view(model, D.TopKPruning(rate=0.7)(g, 0), recorded(stages))
         with warnings.catch_warnings():  # the pruning's attack runs its model of the pruning, marked
             warnings.simplefilter("error", UnmodelledDefenseWarning)
             results = [a.reconstruct(view) for a in attacks]
@@ -214,7 +214,7 @@ def test_a_member_whose_attack_is_not_knowledge_based_marks_every_attack_as_fall
 
 
 def test_graddefense_does_not_compose_and_says_so():
-    stages = [D.GradDefense(), D.TopKPruning(0.2)]
+    stages = [D.GradDefense(), D.TopKPruning(rate=0.8)]
     with pytest.raises(ValueError, match="GradDefense"):
         composed_knowledge(stages)
     assert "GradDefense" in (composition_fallback_reason(stages) or "")
@@ -228,7 +228,7 @@ def test_graddefense_does_not_compose_and_says_so():
 @pytest.mark.parametrize(
     "defense",
     [
-        D.TopKPruning(0.2),
+        D.TopKPruning(rate=0.8),
         D.GaussianNoise(0.01, clip=0.5),
         D.GradientQuantization(4),
         D.LaplaceNoise(0.01),
@@ -284,7 +284,7 @@ def test_a_users_knowledge_composes_with_the_packaged_defenses():
     )
     key = f"{Clip.__module__}.{Clip.__qualname__}"
     try:
-        knowledge = composed_knowledge([Clip(), D.TopKPruning(0.2)])
+        knowledge = composed_knowledge([Clip(), D.TopKPruning(rate=0.8)])
         assert knowledge.models == ("Clip", "TopKPruning") and knowledge.support and knowledge.transform is not None
         with pytest.raises(ValueError, match="already has"):
             register_defense_knowledge(Clip, lambda d: DefenseKnowledge())
@@ -298,11 +298,11 @@ def test_a_users_knowledge_composes_with_the_packaged_defenses():
 
 def test_api_boundaries_name_the_argument():
     with pytest.raises(TypeError, match="defenses must be a sequence"):
-        adaptive_attacks_of(D.TopKPruning(0.2))
+        adaptive_attacks_of(D.TopKPruning(rate=0.8))
     with pytest.raises(TypeError, match=r"defenses\[1\]"):
-        adaptive_attacks_of([D.TopKPruning(0.2), None])
+        adaptive_attacks_of([D.TopKPruning(rate=0.8), None])
     with pytest.raises(TypeError, match=r"stages\[0\]"):
-        compose_knowledge([D.TopKPruning(0.2)])
+        compose_knowledge([D.TopKPruning(rate=0.8)])
     with pytest.raises(TypeError, match="knowledge must be callable"):
         register_defense_knowledge(D.TopKPruning, None)
     assert adaptive_attacks_of([]) == []
@@ -334,7 +334,7 @@ def test_the_composed_attack_beats_the_fallback_on_noise_then_top_k():
     x, y = dm.train_dataset[0]
     x, y = torch.as_tensor(x)[None], torch.as_tensor(y).view(1)
     g = {n: t.detach() for n, t in parameter_gradients(model, nn.CrossEntropyLoss(), x, y).items()}
-    stages = [D.GaussianNoise(1e-3, seed=0), D.TopKPruning(0.2, seed=0)]
+    stages = [D.GaussianNoise(1e-3, seed=0), D.TopKPruning(rate=0.8, seed=0)]
     view = ServerView(
         model=model,
         gradients=run_defenses(stages, g),

@@ -122,7 +122,7 @@ def test_simulation_prepares_every_later_stage_from_each_client_s_defended_gradi
         def observe_aggregate(self, update, *, round, clients):
             masks.append({n: m.clone() for n, m in adgp.defense.round_mask.items()})
 
-    taps = [GradientTap(client_id=c, rounds=None) for c in range(5)]
+    taps = [GradientTap(clients=c, rounds=None) for c in range(5)]
     callbacks = [GaussianNoise(scale=SCALE, seed=3), GradientDefense(counting), GradientDefense(recorder), adgp]
     quiet_trainer(max_steps=2, callbacks=[*callbacks, *taps, KeepMask(rounds=None)]).fit(sim)
 

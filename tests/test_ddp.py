@@ -91,7 +91,7 @@ def test_two_process_optimal_pruning_uses_each_rank_own_batch_sensitivity(tmp_pa
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    probe_seeds = OptimalGradientPruning(rate=0.6, num_probes=4, seed=5, loss_fn=torch.nn.functional.cross_entropy)
+    probe_seeds = OptimalGradientPruning(rate=0.6, probes=4, seed=5, loss_fn=torch.nn.functional.cross_entropy)
     for rank, saved in enumerate(ranks):
         tapped = saved["tapped"]
         model = TinyNet()

@@ -20,7 +20,7 @@ from lightning_gp.pipeline.ddp import DefendedAllReduce
 WORKER = Path(__file__).parent / "scripts" / "ddp_overlap_worker.py"
 
 LAYERWISE = {
-    "top-k with error feedback": lambda: defenses.TopKPruning(0.3, seed=1),
+    "top-k with error feedback": lambda: defenses.TopKPruning(rate=0.7, seed=1),
     "magnitude with error feedback": lambda: defenses.MagnitudePruning(0.6, error_feedback=True, seed=1),
     "random pruning": lambda: defenses.RandomPruning(0.5, seed=2),
     "DGP": lambda: defenses.DualGradientPruning(seed=3),
@@ -75,7 +75,7 @@ def test_whole_model_defenses_refuse_to_defend_part_of_the_gradient():
 
 
 def test_a_part_must_name_declared_layers_of_the_declared_shapes():
-    topk = defenses.TopKPruning(0.3)
+    topk = defenses.TopKPruning(rate=0.7)
     with pytest.raises(RuntimeError, match="declared first"):
         topk.defend_layers({"a.bias": torch.ones(20)})
     topk.check_layer_shapes({n: torch.Size(s) for n, s in SHAPES.items()})
@@ -177,7 +177,7 @@ def test_bucketwise_observers_see_what_the_rank_sent_not_the_bucket_ddp_reuses(t
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         module, observer = nn.Linear(3, 2), KeepShared()
-        defense = [] if stages == "no defense" else [TopKPruning(k=0.5, seed=0)]
+        defense = [] if stages == "no defense" else [TopKPruning(rate=0.5, seed=0)]
         for stage in defense:
             stage.defense.check_layer_shapes({n: p.shape for n, p in module.named_parameters()})
         pipeline = SharedGradientPipeline(defense, [observer])
@@ -185,7 +185,7 @@ def test_bucketwise_observers_see_what_the_rank_sent_not_the_bucket_ddp_reuses(t
         buffer = torch.arange(1.0, 9.0)
         expected = {"weight": buffer[:6].view(2, 3).clone(), "bias": buffer[6:].clone()}
         if defense:
-            expected = defenses.TopKPruning(0.5, seed=0)(expected)
+            expected = defenses.TopKPruning(rate=0.5, seed=0)(expected)
         hook.on_bucket(OneBucket(module, buffer)).wait()
         buffer.mul_(-1)  # DDP's memory: the next backward writes into it
         assert len(observer.seen) == 1

@@ -171,12 +171,12 @@ def test_matrix_quick_writes_the_table_the_csv_and_the_heatmap(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     table = (tmp_path / "matrix_quick.md").read_text()
-    assert "| undefended |" in table and "| TopKPruning(k=0.2) |" in table and "worst PSNR" in table
+    assert "| undefended |" in table and "| TopKPruning(rate=0.8) |" in table and "worst PSNR" in table
     with open(tmp_path / "matrix_quick.csv") as handle:
         rows = list(csv.DictReader(handle))
     cells = {(r["defense"], r["attack"]): r for r in rows}
-    assert cells["TopKPruning(k=0.2)", "R-GAP"]["status"] == "n/a"
-    assert cells["TopKPruning(k=0.2)", "adaptive:DefenseAwareIDLG"]["kind"] == "adaptive"
+    assert cells["TopKPruning(rate=0.8)", "R-GAP"]["status"] == "n/a"
+    assert cells["TopKPruning(rate=0.8)", "adaptive:DefenseAwareIDLG"]["kind"] == "adaptive"
     for threat in ("passive", "active"):  # one verdict per threat model; --attacks iDLG R-GAP run no active attack
         assert cells["undefended", f"worst case ({threat})"]["status"] in ("leaks", "private", "inconclusive")
     assert cells["undefended", "worst case (active)"]["status"] != "private"

@@ -542,7 +542,7 @@ def sensitivity_of(g: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 OUT_CASES = {
     "magnitude": (lambda: MagnitudePruning(0.5), None),
     "magnitude+ef": (lambda: MagnitudePruning(0.5, error_feedback=True), None),
-    "topk": (lambda: defenses.TopKPruning(0.1, seed=0), None),
+    "topk": (lambda: defenses.TopKPruning(rate=0.9, seed=0), None),
     "dgp": (lambda: defenses.DualGradientPruning(seed=0), None),
     "adgp": (lambda: defenses.AlignedDualGradientPruning(seed=0), None),
     "random": (lambda: defenses.RandomPruning(0.5, seed=0, error_feedback=True), None),

@@ -117,7 +117,7 @@ def federation(tmp_path_factory):
 @pytest.fixture(scope="module")
 def simulated():
     """The in-process FederatedSimulation with the same seeds, clients, local training and defenses."""
-    taps = [callbacks.GradientTap(client_id=c, rounds=None) for c in range(NUM_CLIENTS)]
+    taps = [callbacks.GradientTap(clients=c, rounds=None) for c in range(NUM_CLIENTS)]
     sim = FederatedSimulation(
         initial_model(),
         datamodule=FashionMNISTSampleDataModule(),
@@ -181,11 +181,13 @@ def test_mod_sends_the_defended_update_and_the_tap_reads_it_back():
     data = federated_data()
     weights = server_model().state_dict()
     plain = lightning_client_app(client_module, data)(train_message(weights, 1), context(0))
-    defended_app = lightning_client_app(client_module, data, mods=[UpdateDefenseMod(defenses.TopKPruning(0.1, seed=0))])
+    defended_app = lightning_client_app(
+        client_module, data, mods=[UpdateDefenseMod(defenses.TopKPruning(rate=0.9, seed=0))]
+    )
     reply = defended_app(train_message(weights, 1), context(0))
     names = list(client_module().model.state_dict())
     raw = {f"model.{n}": weights[f"model.{n}"] - weights_of(plain)[f"model.{n}"] for n in names}
-    expected = defenses.TopKPruning(0.1, seed=0)(raw, 0)
+    expected = defenses.TopKPruning(rate=0.9, seed=0)(raw, 0)
     for name, update in expected.items():
         torch.testing.assert_close(weights_of(reply)[name], weights[name] - update)
     strategy = TappedStrategy(FedAvg(), server_model())
@@ -247,7 +249,7 @@ def test_round_coordinating_defense_is_refused_as_an_update_mod():
 
 
 def test_node_whose_client_id_changes_between_rounds_is_refused_by_the_client():
-    app = lightning_client_app(client_module, federated_data(), mods=[UpdateDefenseMod(defenses.TopKPruning(0.1))])
+    app = lightning_client_app(client_module, federated_data(), mods=[UpdateDefenseMod(defenses.TopKPruning(rate=0.9))])
     node = context(0)
     app(train_message(server_model().state_dict(), 1), node)
     node.node_config["partition-id"] = 1

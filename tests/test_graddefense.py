@@ -118,12 +118,12 @@ def test_the_defense_compensates_with_the_noise_of_the_perturbed_share_and_warns
 
 def test_clipping_bounds_each_perturbed_slice_and_leaves_the_others():
     gradients = {"w": torch.ones(100)}
-    shared = GradDefense(10, 5, 0.0, clip=0.5, q=None, seed=2)(gradients, 0, sensitivity={"w": 1.0})["w"]
+    shared = GradDefense(10, 5, 0.0, max_slice_norm=0.5, q=None, seed=2)(gradients, 0, sensitivity={"w": 1.0})["w"]
     norms = shared.view(10, 10).norm(dim=1)  # ten equal slices of 10 ones (norm sqrt(10) each)
     clipped = torch.isclose(norms, torch.tensor(0.5))
     assert int(clipped.sum()) == 5
     assert torch.equal(shared.view(10, 10)[~clipped], torch.ones(5, 10))
-    loose = GradDefense(10, 10, 0.0, clip=100.0, q=None, seed=2)(gradients, 0, sensitivity={"w": 1.0})["w"]
+    loose = GradDefense(10, 10, 0.0, max_slice_norm=100.0, q=None, seed=2)(gradients, 0, sensitivity={"w": 1.0})["w"]
     assert torch.equal(loose, gradients["w"])  # a bound above the norm changes nothing
 
 
@@ -162,10 +162,10 @@ def test_bad_inputs_name_the_argument():
         ({"slices": 0}, "slices"),
         ({"slices": 4, "perturbed_slices": 5}, "perturbed_slices"),
         ({"perturbed_slices": -1}, "perturbed_slices"),
-        ({"sigma": -0.1}, "sigma"),
-        ({"clip": 0.0}, "clip"),
+        ({"scale": -0.1}, "scale"),
+        ({"max_slice_norm": 0.0}, "max_slice_norm"),
         ({"q": 0.5}, "q"),
-        ({"sigma": float("nan")}, "sigma"),
+        ({"scale": float("nan")}, "scale"),
     ]:
         with pytest.raises(ValueError, match=name):
             GradDefense(**kwargs)
@@ -181,8 +181,8 @@ def test_bad_inputs_name_the_argument():
     root = (torch.rand(2, 1, 4, 4), torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="root_per_class"):
         GradDefenseCallback(root_data=root, root_per_class=0)
-    with pytest.raises(ValueError, match="recompute_every"):
-        GradDefenseCallback(root_data=root, recompute_every=0)
+    with pytest.raises(ValueError, match="refresh_every"):
+        GradDefenseCallback(root_data=root, refresh_every=0)
     with pytest.raises(TypeError, match="root_data"):
         GradDefenseCallback(root_data=3.5)
     with pytest.raises(FileNotFoundError, match="neither"):
@@ -280,7 +280,7 @@ def test_the_slice_aware_attack_beats_the_published_one(q, optimiser):
     dm = FashionMNISTSampleDataModule()
     dm.setup("fit")
     model, x, g = _lenet_case(2, dm)
-    callback = GradDefenseCallback(root_data=_root(dm), sigma=0.3, q=q, loss_fn=nn.CrossEntropyLoss(), seed=2)
+    callback = GradDefenseCallback(root_data=_root(dm), scale=0.3, q=q, loss_fn=nn.CrossEntropyLoss(), seed=2)
     shared = callback.defense(g, 0, sensitivity=callback.sensitivity_for(model))
     view = ServerView(
         model=model, gradients=shared, batch_size=1, input_shape=(1, 28, 28), num_classes=10, mean=dm.mean, std=dm.std
@@ -325,7 +325,7 @@ def test_under_ddp_each_rank_shares_its_gradient_through_graddefense_then_outpos
         x, y = tapped["batch"]
         raw = {n: t.detach() for n, t in parameter_gradients(model, nn.CrossEntropyLoss(), x, y).items()}
         sensitivity = root_set_sensitivity(model, nn.CrossEntropyLoss(), *saved["root"])
-        expected = GradDefense(sigma=0.05, q=None, seed=1)(raw, rank, sensitivity=sensitivity)
+        expected = GradDefense(scale=0.05, q=None, seed=1)(raw, rank, sensitivity=sensitivity)
         expected = Outpost(beta=0.0, seed=2)(expected, rank, weights=dict(model.named_parameters()))
         for name in raw:
             torch.testing.assert_close(tapped["gradients"][name], expected[name], rtol=1e-4, atol=1e-6)

@@ -89,6 +89,8 @@ def layer_graph() -> dict[str, set[str]]:
     layers |= {p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
     edges: dict[str, set[str]] = {layer: set() for layer in layers}
     for path in PACKAGE.rglob("*.py"):
+        if path == PACKAGE / "__init__.py":
+            continue  # the package's face re-exports names from the layers, lazily
         layer = path.relative_to(PACKAGE).parts[0].removesuffix(".py")
         for module in imported_modules(path):
             parts = module.split(".")
@@ -190,6 +192,19 @@ def test_each_callbacks_and_pipeline_module_imports_alone():
         "    for loaded in [m for m in sys.modules if m.startswith('lightning_gp')]:\n"
         "        del sys.modules[loaded]\n"
         "    importlib.import_module(name)\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+def test_the_package_face_exports_what_it_names_and_stays_light():
+    script = (
+        "import sys, lightning_gp\n"
+        "assert sorted(lightning_gp.__all__) == sorted(lightning_gp._FACE)\n"
+        "assert not [m for m in sys.modules if m.startswith('lightning_gp.')], 'import lightning_gp loaded subpackages'\n"
+        "for name in lightning_gp.__all__:\n"
+        "    assert getattr(lightning_gp, name).__name__ == name, name\n"
         "print('ok')\n"
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)

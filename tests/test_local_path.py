@@ -151,8 +151,10 @@ def test_nan_gradient_stops_training_with_a_clear_error():
 
 
 def test_tap_rejects_bad_arguments_and_reports_empty_recordings():
-    with pytest.raises(ValueError, match="client_id"):
-        GradientTap(client_id=-1)
+    with pytest.raises(ValueError, match="clients"):
+        GradientTap(clients=-1)
+    with pytest.raises(ValueError, match="clients must name at least one"):
+        GradientTap(clients=[])
     with pytest.raises(ValueError, match="rounds"):
         GradientTap(rounds=[-2])
     with pytest.raises(LookupError, match="recorded nothing"):

@@ -55,7 +55,7 @@ def loader(seed: int = 0, n: int = 8) -> DataLoader:
 # ------------------------------------------------------------------ optimal defenses never guess the loss
 def test_optimal_defense_without_any_loss_is_refused_instead_of_assuming_cross_entropy():
     # Before: a module without `loss_fn` silently got cross-entropy, whatever it trained with.
-    noise = callbacks.OptimalGradientNoise(scale=0.01, num_probes=2, seed=0)
+    noise = callbacks.OptimalGradientNoise(scale=0.01, probes=2, seed=0)
     with pytest.raises(ValueError, match=r"needs the client's loss.*Classifier has no callable `loss_fn`"):
         quiet_trainer(max_steps=1, callbacks=[noise]).fit(Classifier(), loader())
 
@@ -67,9 +67,9 @@ def test_optimal_defense_estimates_with_the_modules_own_loss():
     L.seed_everything(0)
     model = Classifier(loss_fn=squared_error)
     x, y = next(iter(loader()))
-    pruning = callbacks.OptimalGradientPruning(rate=0.5, num_probes=3, seed=4)
-    own = callbacks.OptimalGradientPruning(rate=0.5, num_probes=3, seed=4, loss_fn=squared_error)
-    cross_entropy = callbacks.OptimalGradientPruning(rate=0.5, num_probes=3, seed=4, loss_fn=CE)
+    pruning = callbacks.OptimalGradientPruning(rate=0.5, probes=3, seed=4)
+    own = callbacks.OptimalGradientPruning(rate=0.5, probes=3, seed=4, loss_fn=squared_error)
+    cross_entropy = callbacks.OptimalGradientPruning(rate=0.5, probes=3, seed=4, loss_fn=CE)
     expected = own.estimate(model, x, y, seed_words=(0, 0, 0))
     wrong = cross_entropy.estimate(model, x, y, seed_words=(0, 0, 0))
     assert any(not torch.allclose(expected[n], wrong[n]) for n in expected)  # the two losses differ
@@ -93,13 +93,13 @@ def test_resuming_a_simulation_without_its_defense_callbacks_is_refused(tmp_path
             small_cnn(), datamodule=RandomImages(), num_clients=4, clients_per_round=2, local_batch_size=4, seed=1
         )
 
-    trainer = quiet_trainer(max_steps=2, callbacks=[callbacks.TopKPruning(k=0.2, seed=3)])
+    trainer = quiet_trainer(max_steps=2, callbacks=[callbacks.TopKPruning(rate=0.8, seed=3)])
     trainer.fit(simulation())
     trainer.save_checkpoint(tmp_path / "c.ckpt")
     with pytest.raises(ValueError, match=r"per-client defense state .*TopKPruning.*no such defense callback"):
         quiet_trainer(max_steps=4).fit(simulation(), ckpt_path=tmp_path / "c.ckpt")
     # With the callback the run resumes.
-    quiet_trainer(max_steps=3, callbacks=[callbacks.TopKPruning(k=0.2, seed=3)]).fit(
+    quiet_trainer(max_steps=3, callbacks=[callbacks.TopKPruning(rate=0.8, seed=3)]).fit(
         simulation(), ckpt_path=tmp_path / "c.ckpt"
     )
 
@@ -131,11 +131,11 @@ def test_an_optimizer_that_steps_some_parameters_shares_exactly_those():
 def test_error_feedback_state_of_another_dtype_still_shares_the_gradients_dtype():
     # Before: residuals restored in float64 turned a float32 upload into float64.
     g = {"w": torch.randn(5, 4), "b": torch.randn(4)}
-    first = defenses.TopKPruning(0.25, seed=1)
+    first = defenses.TopKPruning(rate=0.75, seed=1)
     first(g, 0)
     state = first.state_dict()
     state["client_states"] = {c: {n: t.double() for n, t in s.items()} for c, s in state["client_states"].items()}
-    restored = defenses.TopKPruning(0.25, seed=1)
+    restored = defenses.TopKPruning(rate=0.75, seed=1)
     restored.load_state_dict(state)
     shared = restored(g, 0)
     assert {n: t.dtype for n, t in shared.items()} == {"w": torch.float32, "b": torch.float32}
@@ -147,7 +147,7 @@ def test_error_feedback_state_of_another_dtype_still_shares_the_gradients_dtype(
 def all_defenses() -> list[defenses.Defense]:
     return [
         defenses.MagnitudePruning(0.5, error_feedback=True),
-        defenses.TopKPruning(0.2),
+        defenses.TopKPruning(rate=0.8),
         defenses.RandomPruning(0.5),
         defenses.DualGradientPruning(),
         defenses.AlignedDualGradientPruning(),
@@ -185,8 +185,11 @@ def test_dual_pruning_from_send_rate_blames_p_not_k1():
 def test_a_tap_for_a_client_the_run_does_not_have_fails_at_fit_start():
     # Before: it recorded nothing all run and failed only in latest().
     sim = FederatedSimulation(small_cnn(), datamodule=RandomImages(), num_clients=4, clients_per_round=2)
-    with pytest.raises(ValueError, match=r"GradientTap\(client_id=99\) would never record: this run has 4 client"):
-        quiet_trainer(max_steps=1, callbacks=[callbacks.GradientTap(client_id=99)]).fit(sim)
+    with pytest.raises(
+        ValueError,
+        match=r"GradientTap\(clients=\[99\]\): client\(s\) \[99\] would never be recorded: this run has 4 client",
+    ):
+        quiet_trainer(max_steps=1, callbacks=[callbacks.GradientTap(clients=99)]).fit(sim)
 
 
 # ------------------------------------------------------------------ the server's view owns its tensors

@@ -75,7 +75,7 @@ def test_exact_sensitivity_of_a_linear_score_is_one_over_the_batch_size():
     exact = gradient_sensitivity(model, lambda out, _: out.mean(), x, y, exact=True)
     torch.testing.assert_close(exact["weight"], torch.full((1, 3), 0.25))
     probed = gradient_sensitivity(
-        model, lambda out, _: out.mean(), x, y, num_probes=4000, generator=torch.Generator().manual_seed(0)
+        model, lambda out, _: out.mean(), x, y, probes=4000, generator=torch.Generator().manual_seed(0)
     )
     # Each coordinate's (J v)_i ~ N(0, 1/4): the estimate is 0.25 chi2_4000 / 4000 exactly (+-12% at 1e-6 over
     # the three); an unsquared, doubly normalised or wrongly scaled probe falls outside.
@@ -94,7 +94,7 @@ def test_ten_probes_have_median_relative_error_under_half_and_more_probes_do_bet
     probability computed below (all <= 1e-6):
 
     - 10 probes, median error <= 0.5 (P(error <= 0.5) = 0.76 per coordinate);
-    - 10 probes, median error > 0.1 (P(error > 0.1) = 0.83): an estimator that ignores num_probes fails;
+    - 10 probes, median error > 0.1 (P(error > 0.1) = 0.83): an estimator that ignores probes fails;
     - 1000 probes, median error <= 0.1 (P = 0.975).
 
     On the small network (correlated coordinates) every coordinate of a 1000-probe estimate, made in two
@@ -107,10 +107,10 @@ def test_ten_probes_have_median_relative_error_under_half_and_more_probes_do_bet
     exact = gradient_sensitivity(linear, lambda out, _: out.mean(), x, y, exact=True)
     torch.testing.assert_close(exact["weight"], torch.full((1, features), 1 / batch))
 
-    def errors(num_probes: int) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(num_probes)
+    def errors(probes: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(probes)
         estimate = gradient_sensitivity(
-            linear, lambda out, _: out.mean(), x, y, num_probes=num_probes, chunk_size=500, generator=generator
+            linear, lambda out, _: out.mean(), x, y, probes=probes, chunk_size=500, generator=generator
         )
         return relative_errors(estimate, exact)
 
@@ -133,7 +133,7 @@ def test_ten_probes_have_median_relative_error_under_half_and_more_probes_do_bet
     model, (x, y) = tiny_net(), tiny_batch()
     exact = gradient_sensitivity(model, CE, x, y, exact=True)
     estimate = gradient_sensitivity(
-        model, CE, x, y, num_probes=1000, chunk_size=500, generator=torch.Generator().manual_seed(0)
+        model, CE, x, y, probes=1000, chunk_size=500, generator=torch.Generator().manual_seed(0)
     )
     ratios = torch.cat([(estimate[n] / exact[n]).flatten() for n in exact])
     low, high = chi2_band(1000, checks=ratios.numel())  # -23% / +28% for the 83 coordinates
@@ -142,10 +142,8 @@ def test_ten_probes_have_median_relative_error_under_half_and_more_probes_do_bet
 
 def test_chunking_the_probes_does_not_change_the_estimate():
     model, (x, y) = tiny_net(), tiny_batch()
-    whole = gradient_sensitivity(model, CE, x, y, num_probes=6, generator=torch.Generator().manual_seed(3))
-    chunked = gradient_sensitivity(
-        model, CE, x, y, num_probes=6, chunk_size=4, generator=torch.Generator().manual_seed(3)
-    )
+    whole = gradient_sensitivity(model, CE, x, y, probes=6, generator=torch.Generator().manual_seed(3))
+    chunked = gradient_sensitivity(model, CE, x, y, probes=6, chunk_size=4, generator=torch.Generator().manual_seed(3))
     for n in whole:
         torch.testing.assert_close(whole[n], chunked[n])
 
@@ -153,7 +151,7 @@ def test_chunking_the_probes_does_not_change_the_estimate():
 def test_batchnorm_running_statistics_are_untouched_by_the_estimate():
     model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.Tanh(), nn.Flatten(), nn.Linear(4, 3)).train()
     before = {n: b.clone() for n, b in model.named_buffers()}
-    s = gradient_sensitivity(model, CE, torch.randn(4, 1, 3, 4), torch.tensor([0, 1, 2, 0]), num_probes=3)
+    s = gradient_sensitivity(model, CE, torch.randn(4, 1, 3, 4), torch.tensor([0, 1, 2, 0]), probes=3)
     assert all(torch.equal(before[n], b) for n, b in model.named_buffers())
     assert all((v >= 0).all() for v in s.values())
 
@@ -164,7 +162,7 @@ def test_integer_inputs_are_rejected_with_what_to_use_instead():
         gradient_sensitivity(model, CE, torch.randint(0, 10, (3, 2)), torch.tensor([0, 1, 0]))
 
 
-@pytest.mark.parametrize("kwargs", [{"num_probes": 0}, {"num_probes": 2.5}, {"chunk_size": 0}])
+@pytest.mark.parametrize("kwargs", [{"probes": 0}, {"probes": 2.5}, {"chunk_size": 0}])
 def test_bad_probe_arguments_are_rejected(kwargs):
     model, (x, y) = tiny_net(), tiny_batch()
     with pytest.raises(ValueError, match=next(iter(kwargs))):
@@ -339,7 +337,7 @@ def test_clipped_isotropic_noise_clips_before_adding_noise():
         (lambda: OptimalDPSGD(clip=-1.0), "clip"),
         (lambda: OptimalGradientPruning(1.5), "rate"),
         (lambda: OptimalGradientPruning(0.5, scope="model"), "scope"),
-        (lambda: callbacks.OptimalGradientNoise(scale=0.1, num_probes=0), "num_probes"),
+        (lambda: callbacks.OptimalGradientNoise(scale=0.1, probes=0), "probes"),
     ],
 )
 def test_bad_arguments_name_the_argument(make, match):
@@ -380,7 +378,7 @@ def test_local_path_prunes_with_the_sensitivity_of_the_batch_being_trained_on():
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     loss = CE(model(x), y)
     raw = dict(zip(start, torch.autograd.grad(loss, list(model.parameters()))))
-    pruning = callbacks.OptimalGradientPruning(rate=0.5, num_probes=5, seed=7, loss_fn=CE)
+    pruning = callbacks.OptimalGradientPruning(rate=0.5, probes=5, seed=7, loss_fn=CE)
     expected_s = pruning.estimate(model, x, y, seed_words=(0, 0, 0))
     expected = OptimalGradientPruning(0.5)(raw, 0, sensitivity=expected_s)
     tap = callbacks.GradientTap(rounds=[0])
@@ -398,16 +396,14 @@ def test_optimal_noise_trains_in_the_simulation_and_refuses_fedavg():
         tiny_cnn(), datamodule=RandomImages(), num_clients=4, clients_per_round=2, local_batch_size=4
     )
     tap = callbacks.GradientTap(rounds=[1])
-    quiet_trainer(max_steps=2, callbacks=[callbacks.OptimalGradientNoise(scale=0.01, num_probes=3, seed=0), tap]).fit(
-        sim
-    )
+    quiet_trainer(max_steps=2, callbacks=[callbacks.OptimalGradientNoise(scale=0.01, probes=3, seed=0), tap]).fit(sim)
     record = tap.latest()
     assert all(torch.isfinite(v).all() for v in record.gradients.values())
     fedavg = FederatedSimulation(
         tiny_cnn(), datamodule=RandomImages(), algorithm="fedavg", num_clients=4, clients_per_round=2
     )
     with pytest.raises(ValueError, match="fedsgd"):
-        quiet_trainer(max_steps=1, callbacks=[callbacks.OptimalGradientNoise(scale=0.01, num_probes=2)]).fit(fedavg)
+        quiet_trainer(max_steps=1, callbacks=[callbacks.OptimalGradientNoise(scale=0.01, probes=2)]).fit(fedavg)
 
 
 def tiny_cnn() -> nn.Module:
@@ -418,7 +414,7 @@ def test_accumulated_micro_batches_add_their_sensitivities():
     L.seed_everything(0)
     model = Classifier()
     x, y = tiny_batch()
-    noise = callbacks.OptimalGradientNoise(scale=0.0, num_probes=4, seed=3, loss_fn=CE)  # zero noise: bookkeeping only
+    noise = callbacks.OptimalGradientNoise(scale=0.0, probes=4, seed=3, loss_fn=CE)  # zero noise: bookkeeping only
     quiet_trainer(max_steps=1, accumulate_grad_batches=2, callbacks=[noise]).fit(
         model, DataLoader(TensorDataset(x, y), batch_size=2)
     )

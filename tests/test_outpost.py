@@ -58,12 +58,12 @@ def test_each_layer_prunes_exactly_its_rho_percent_smallest_entries():
         "a": torch.tensor([0.5, -3.0, 0.1, 2.0, -0.2, 1.0, 0.05, -4.0, 0.3, 0.7]),
         "b": torch.tensor([[1.0, -1.0], [2.0, 0.5]]),
     }
-    shared = Outpost(beta=0.0, rho=80.0, lam=0.0, seed=0)(gradients, 0, weights=_weights(gradients))
+    shared = Outpost(beta=0.0, rho=80.0, noise_multiplier=0.0, seed=0)(gradients, 0, weights=_weights(gradients))
     # a: 8 of 10 pruned, the two largest |g| (-4, -3) stay; b: round(0.8 * 4) = 3 pruned, 2.0 stays
     assert torch.equal(shared["a"], torch.tensor([0, -3.0, 0, 0, 0, 0, 0, -4.0, 0, 0]))
     assert torch.equal(shared["b"], torch.tensor([[0.0, 0.0], [2.0, 0.0]]))
     # ties are broken by position: |1| twice in b, rho = 50 keeps 2.0 and the first 1.0
-    shared = Outpost(beta=0.0, rho=50.0, lam=0.0, seed=0)(gradients, 0, weights=_weights(gradients))
+    shared = Outpost(beta=0.0, rho=50.0, noise_multiplier=0.0, seed=0)(gradients, 0, weights=_weights(gradients))
     assert torch.equal(shared["b"], torch.tensor([[1.0, 0.0], [2.0, 0.0]]))
 
 
@@ -77,7 +77,7 @@ def test_noise_falls_on_the_top_phi_percent_by_fisher_with_std_lambda_times_the_
         "x": 0.5 * torch.randn(20_000, generator=generator),
         "y": 2.0 * torch.randn(100, 200, generator=generator),
     }
-    defense = Outpost(beta=0.0, phi=40.0, rho=80.0, lam=0.8, seed=3)
+    defense = Outpost(beta=0.0, phi=40.0, rho=80.0, noise_multiplier=0.8, seed=3)
     shared = defense(gradients, 0, weights=weights)
     fisher = torch.cat([g.pow(2).flatten() for g in gradients.values()])
     noised = torch.zeros_like(fisher, dtype=torch.bool)
@@ -122,7 +122,7 @@ def test_bad_inputs_name_the_argument():
         ({"phi": 100.5}, "phi"),
         ({"phi": -1}, "phi"),
         ({"rho": 101}, "rho"),
-        ({"lam": -0.8}, "lam"),
+        ({"noise_multiplier": -0.8}, "noise_multiplier"),
         ({"beta": float("inf")}, "beta"),
     ]:
         with pytest.raises(ValueError, match=name):

@@ -314,7 +314,7 @@ def test_a_checkpoint_of_another_scheme_or_module_kind_is_refused():
 def test_meter_counts_the_weights_clients_send_and_the_model_they_receive():
     L.seed_everything(0)
     sim = simulation(make_priprune(), num_clients=2, clients_per_round=2)
-    meter, taps = CommunicationMeter(), [GradientTap(client_id=c, rounds=[0, 1]) for c in (0, 1)]
+    meter, taps = CommunicationMeter(), [GradientTap(clients=c, rounds=[0, 1]) for c in (0, 1)]
     quiet_trainer(max_steps=2, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[meter, *taps]).fit(sim)
     records = [r for tap in taps for r in tap.records]
     assert len(records) == meter.uploads == 4

@@ -88,7 +88,7 @@ def assert_same_weights(a: nn.Module, b: nn.Module) -> None:
 def test_local_path_logs_to_a_csv_logger_and_leaves_the_weights_bit_identical(tmp_path) -> None:
     baseline = fit_local([MagnitudePruning(rate=0.5)])
     tiny_adaptive = {"iterations": 3, "lbfgs_iterations": 2}
-    audit = PrivacyAudit(steps=[0, 2], attacks=tiny_attacks(), adaptive_budget=tiny_adaptive, **KNOWN)
+    audit = PrivacyAudit(rounds=[0, 2], attacks=tiny_attacks(), adaptive_budget=tiny_adaptive, **KNOWN)
     logger = CSVLogger(tmp_path, name="run")
     audited = fit_local([MagnitudePruning(rate=0.5), audit], logger=logger)
     assert_same_weights(baseline, audited)
@@ -173,8 +173,8 @@ def test_bad_inputs_are_clear_errors(tmp_path) -> None:
         PrivacyAudit(attacks=[])
     with pytest.raises(TypeError, match=r"attacks\[0\] must be a GradientAttack"):
         PrivacyAudit(attacks=[IDLG])  # the class, not an instance
-    with pytest.raises(ValueError, match="steps"):
-        PrivacyAudit(steps=[])
+    with pytest.raises(ValueError, match="rounds"):
+        PrivacyAudit(rounds=[])
     with pytest.raises(ValueError, match="clients"):
         PrivacyAudit(clients=-1)
     with pytest.raises(ValueError, match="leak_thresholds: unknown metric"):
@@ -185,13 +185,13 @@ def test_bad_inputs_are_clear_errors(tmp_path) -> None:
         PrivacyAudit(adaptive_budget={"iterations": 0})
     with pytest.raises(ValueError, match=r"client\(s\) \[3\] never share"):
         fit_local([PrivacyAudit(clients=[0, 3], attacks=tiny_attacks(), **KNOWN)], steps=1)
-    with pytest.raises(ValueError, match=r"step\(s\) \[5\] are outside this run.*max_steps=2"):
-        fit_local([PrivacyAudit(steps=[1, 5], attacks=tiny_attacks(), **KNOWN)], steps=2)
+    with pytest.raises(ValueError, match=r"round\(s\) \[5\] are outside this run.*max_steps=2"):
+        fit_local([PrivacyAudit(rounds=[1, 5], attacks=tiny_attacks(), **KNOWN)], steps=2)
     with pytest.raises(ValueError, match="needs num_classes"):
         fit_local([PrivacyAudit(attacks=tiny_attacks(), mean=(0.5,), std=(0.25,))], steps=1)
     L.seed_everything(0)
-    late = PrivacyAudit(steps=[0, 20], attacks=tiny_attacks(), lpips=False, noise_ratio=False, **KNOWN)
-    with pytest.warns(UserWarning, match=r"step\(s\) \[20\] are past the estimated end of this run \(8"):
+    late = PrivacyAudit(rounds=[0, 20], attacks=tiny_attacks(), lpips=False, noise_ratio=False, **KNOWN)
+    with pytest.warns(UserWarning, match=r"round\(s\) \[20\] are past the estimated end of this run \(8"):
         quiet_trainer(max_epochs=1, default_root_dir=tmp_path, callbacks=[late]).fit(TinyModule(), loader())
     assert [r.round for r in late.results] == [0]
     assert (tmp_path / "privacy_audit" / "step0_client0.png").is_file()  # no logger: grids under default_root_dir
@@ -249,7 +249,7 @@ def test_the_attacker_uses_the_given_loss_and_the_composed_adaptive_attack() -> 
     )
     with warnings.catch_warnings():
         warnings.simplefilter("error", UnmodelledDefenseWarning)
-        fit_local([GaussianNoise(scale=1e-3, seed=0), TopKPruning(k=0.5, seed=0), audit], steps=1)
+        fit_local([GaussianNoise(scale=1e-3, seed=0), TopKPruning(rate=0.5, seed=0), audit], steps=1)
     (result,) = audit.results
     assert all(r.view.loss_fn is smoothed for r in result.attacks)
     adaptive = [r for r in result.attacks if r.reconstruction.meta.get("defense")]

@@ -41,7 +41,7 @@ def test_dgp_sends_exact_counts_among_ties():
 @pytest.mark.parametrize("n", [1, 2, 3, 7])
 def test_tiny_layers_always_send_at_least_one_entry(n):
     g = torch.arange(1.0, n + 1.0)
-    for defense in (DualGradientPruning(error_feedback=False), TopKPruning(0.2, error_feedback=False)):
+    for defense in (DualGradientPruning(error_feedback=False), TopKPruning(rate=0.8, error_feedback=False)):
         assert int((defense({"b": g})["b"] != 0).sum()) >= 1
     assert DualGradientPruning(error_feedback=False)({"b": torch.tensor([-3.0])})["b"].item() == -3.0
 
@@ -68,14 +68,14 @@ def test_error_feedback_residual_is_what_was_not_sent():
 
 
 def test_error_feedback_off_keeps_no_state():
-    defense = TopKPruning(0.2, error_feedback=False)
+    defense = TopKPruning(rate=0.8, error_feedback=False)
     defense({"w": torch.randn(10)})
     assert defense.client_state(0) == {}
 
 
 def test_top_k_sends_the_largest_fraction():
     g = torch.tensor([0.1, -5.0, 3.0, 0.2, -0.3, 4.0, 0.0, 1.0, -2.0, 0.05])
-    shared = TopKPruning(0.3, error_feedback=False)({"w": g})["w"]
+    shared = TopKPruning(rate=0.7, error_feedback=False)({"w": g})["w"]
     assert kept(shared) == {1, 2, 5}
 
 
@@ -103,7 +103,7 @@ def test_send_rate_and_p_give_the_papers_k1_and_k2():
         (lambda: DualGradientPruning(k1=0.1, k2=1.2), "k2 must be in"),
         (lambda: DualGradientPruning.from_send_rate(0.0), "send_rate must be > 0"),
         (lambda: DualGradientPruning.from_send_rate(0.2, p=-1), "p must be"),
-        (lambda: TopKPruning(1.5), "k must be in"),
+        (lambda: TopKPruning(rate=-0.5), "rate must be in"),
         (lambda: RandomPruning(-0.2), "rate must be in"),
     ],
 )

@@ -100,7 +100,7 @@ def reference_defense(make, kind: str, layers: dict[str, torch.Tensor], steps: i
             p = residual[name] + g * (step + 1)
             n = p.numel()
             if kind == "topk":
-                mask = reference_band(p, 0, count_sent(make.k, n))
+                mask = reference_band(p, 0, count_sent(1.0 - make.rate, n))
             elif kind == "magnitude":
                 mask = reference_band(p, 0, n - count_for_rate(make.rate, n))
             else:
@@ -119,9 +119,9 @@ def reference_defense(make, kind: str, layers: dict[str, torch.Tensor], steps: i
 @pytest.mark.parametrize(
     ("kind", "make"),
     [
-        ("topk", lambda: TopKPruning(0.2, seed=0)),
-        ("topk", lambda: TopKPruning(0.0, seed=0)),
-        ("topk", lambda: TopKPruning(1.0, seed=0)),
+        ("topk", lambda: TopKPruning(rate=0.8, seed=0)),
+        ("topk", lambda: TopKPruning(rate=1.0, seed=0)),
+        ("topk", lambda: TopKPruning(rate=0.0, seed=0)),
         ("magnitude", lambda: MagnitudePruning(0.8, error_feedback=True, seed=0)),
         ("magnitude", lambda: MagnitudePruning(0.0, error_feedback=True, seed=0)),
         ("magnitude", lambda: MagnitudePruning(1.0, error_feedback=True, seed=0)),

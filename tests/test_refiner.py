@@ -252,7 +252,7 @@ def test_plain_trainer_shares_and_steps_with_the_projected_upload() -> None:
     x, y = batch(8, seed=4)
     module = refiner_module(learning_rate=0.5)
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
-    tap, uploads = GradientTap(client_id=0, rounds=0), TapUpload()
+    tap, uploads = GradientTap(clients=0, rounds=0), TapUpload()
     trainer(max_steps=1, callbacks=[tap, uploads]).fit(module, DataLoader(TensorDataset(x, y), batch_size=8))
     shared, upload = tap.latest().gradients, uploads.uploads[0]
     assert set(shared) == set(upload) == {f"module.{n}" for n, _ in tiny_model().named_parameters()}
@@ -266,7 +266,7 @@ def test_plain_trainer_shares_and_steps_with_the_projected_upload() -> None:
 def test_defense_callbacks_rewrite_refiners_upload() -> None:
     x, y = batch(8, seed=5)
     module = refiner_module()
-    tap, uploads = GradientTap(client_id=0, rounds=0), TapUpload()
+    tap, uploads = GradientTap(clients=0, rounds=0), TapUpload()
     trainer(max_steps=1, callbacks=[MagnitudePruning(rate=0.5, error_feedback=False), tap, uploads]).fit(
         module, DataLoader(TensorDataset(x, y), batch_size=8)
     )
@@ -313,7 +313,7 @@ def lenet_refiner(**kwargs) -> RefinerModule:
 def test_simulation_shares_each_clients_projected_upload() -> None:
     refiner = lenet_refiner(eps=0.02)
     simulation = sample_simulation(refiner, clients_per_round=4)  # every client takes part in round 0
-    tap = GradientTap(client_id=2, rounds=0)
+    tap = GradientTap(clients=2, rounds=0)
     trainer(max_steps=1, callbacks=[tap]).fit(simulation)
     record = tap.latest()
     x, y = record.batch

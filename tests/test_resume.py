@@ -138,19 +138,19 @@ def two_linear_cnn() -> nn.Module:
 DIGEST = "'sha256:[0-9a-f]{16}'"
 CHANGED_SETTINGS = [
     (
-        "num_probes: 2 in the checkpoint, 3 now",
-        lambda: OptimalGradientNoise(num_probes=2, seed=3),
-        lambda: OptimalGradientNoise(num_probes=3, seed=3),
+        "probes: 2 in the checkpoint, 3 now",
+        lambda: OptimalGradientNoise(probes=2, seed=3),
+        lambda: OptimalGradientNoise(probes=3, seed=3),
     ),
     (
         "method: 'batch' in the checkpoint, 'per_example' now",
-        lambda: OptimalGradientNoise(num_probes=2, seed=3),
-        lambda: OptimalGradientNoise(num_probes=2, method="per_example", seed=3),
+        lambda: OptimalGradientNoise(probes=2, seed=3),
+        lambda: OptimalGradientNoise(probes=2, method="per_example", seed=3),
     ),
     (
         "refresh_every: 1 in the checkpoint, 2 now",
-        lambda: OptimalGradientPruning(num_probes=2, seed=3),
-        lambda: OptimalGradientPruning(num_probes=2, refresh_every=2, seed=3),
+        lambda: OptimalGradientPruning(probes=2, seed=3),
+        lambda: OptimalGradientPruning(probes=2, refresh_every=2, seed=3),
     ),
     (
         "layer: '3' in the checkpoint, '5' now",
@@ -168,9 +168,9 @@ CHANGED_SETTINGS = [
         lambda: GradDefense(root_data="train", seed=3),
     ),
     (
-        "recompute_every: 1 in the checkpoint, 2 now",
+        "refresh_every: 1 in the checkpoint, 2 now",
         lambda: GradDefense(root_data="train", root_per_class=2, seed=3),
-        lambda: GradDefense(root_data="train", root_per_class=2, recompute_every=2, seed=3),
+        lambda: GradDefense(root_data="train", root_per_class=2, refresh_every=2, seed=3),
     ),
     (
         f"root_data: {DIGEST} in the checkpoint, {DIGEST} now",  # the same shapes, other targets
@@ -204,8 +204,8 @@ def test_chunk_size_is_no_setting_of_the_checkpoint():
 
 # every third round computes a new statistic: the checkpoint after round 3 comes between two of them
 KEPT_STATE = {
-    "graddefense": lambda: [GradDefense(root_data="train", root_per_class=2, recompute_every=3, sigma=0.05, seed=3)],
-    "optimal": lambda: [OptimalGradientNoise(scale=0.05, num_probes=2, refresh_every=3, seed=3)],
+    "graddefense": lambda: [GradDefense(root_data="train", root_per_class=2, refresh_every=3, scale=0.05, seed=3)],
+    "optimal": lambda: [OptimalGradientNoise(scale=0.05, probes=2, refresh_every=3, seed=3)],
 }
 
 
@@ -238,7 +238,7 @@ def test_a_resumed_trainer_reuses_graddefenses_sensitivity_bit_for_bit(tmp_path)
     def defense():
         root = torch.randn(4, 1, 12, 12, generator=torch.Generator().manual_seed(1)), torch.arange(4)
         # 40 slices: fine enough that step 4's own sensitivity would cut other slices than step 3's
-        return [GradDefense(root_data=root, slices=40, perturbed_slices=20, recompute_every=3, sigma=0.05, seed=3)]
+        return [GradDefense(root_data=root, slices=40, perturbed_slices=20, refresh_every=3, scale=0.05, seed=3)]
 
     straight, loader, callbacks = classifier_run(defense)
     saver = ModelCheckpoint(tmp_path, every_n_train_steps=4, save_top_k=-1)  # within the run: at step 4

@@ -70,7 +70,7 @@ def test_a_location_with_no_entries_ranks_nothing():
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: TopKPruning(0.2, seed=0),
+        lambda: TopKPruning(rate=0.8, seed=0),
         lambda: DualGradientPruning(seed=0),
         lambda: AlignedDualGradientPruning(seed=0),
         lambda: DualGradientPruning(error_feedback=False, seed=0),

@@ -53,7 +53,7 @@ def test_per_example_estimate_with_a_subset_is_unbiased_with_the_stated_variance
     terms = [gradient_sensitivity(model, CE, x[b : b + 1], y[b : b + 1], exact=True) for b in range(size)]
     estimates = [
         gradient_sensitivity(
-            model, CE, x, y, num_probes=k, method="per_example", subset=m, generator=torch.Generator().manual_seed(s)
+            model, CE, x, y, probes=k, method="per_example", subset=m, generator=torch.Generator().manual_seed(s)
         )
         for s in range(draws)
     ]
@@ -78,9 +78,7 @@ def test_per_example_probes_are_unbiased_and_less_noisy_than_batch_probes():
 
     def draws(method: str) -> dict[str, torch.Tensor]:
         runs = [
-            gradient_sensitivity(
-                model, CE, x, y, num_probes=2, method=method, generator=torch.Generator().manual_seed(s)
-            )
+            gradient_sensitivity(model, CE, x, y, probes=2, method=method, generator=torch.Generator().manual_seed(s))
             for s in range(200)
         ]
         return {n: torch.stack([r[n] for r in runs]) for n in exact}
@@ -95,7 +93,7 @@ def test_per_example_probes_are_unbiased_and_less_noisy_than_batch_probes():
 
 def test_chunking_per_example_probes_does_not_change_the_estimate():
     model, (x, y) = tiny_net(), batch()
-    kwargs = dict(num_probes=5, method="per_example", subset=3)
+    kwargs = dict(probes=5, method="per_example", subset=3)
     whole = gradient_sensitivity(model, CE, x, y, generator=torch.Generator().manual_seed(3), **kwargs)
     chunked = gradient_sensitivity(model, CE, x, y, chunk_size=2, generator=torch.Generator().manual_seed(3), **kwargs)
     for n in whole:
@@ -123,7 +121,7 @@ def test_per_example_refuses_batchnorm_in_training_mode_and_non_mean_losses():
     x, y = batch()
     with pytest.raises(ValueError, match="BatchNorm in training mode"):
         gradient_sensitivity(model.train(), CE, x, y, method="per_example")
-    gradient_sensitivity(model.train(), CE, x, y, num_probes=2)  # the batch estimator handles it
+    gradient_sensitivity(model.train(), CE, x, y, probes=2)  # the batch estimator handles it
     # in eval mode BatchNorm is a fixed affine map per example: the decomposition is exact again
     model.eval()
     torch.testing.assert_close(
@@ -180,7 +178,7 @@ def test_refresh_every_reuses_the_last_estimate_until_it_is_due():
     model = Frozen(tiny_net())
     x, y = batch(12, seed=5)
     pruning = callbacks.OptimalGradientPruning(
-        rate=0.5, num_probes=3, seed=7, loss_fn=CE, method="per_example", refresh_every=2
+        rate=0.5, probes=3, seed=7, loss_fn=CE, method="per_example", refresh_every=2
     )
     tap = callbacks.GradientTap(rounds=[0, 1, 2])
     quiet_trainer(max_steps=3, callbacks=[pruning, tap]).fit(model, DataLoader(TensorDataset(x, y), batch_size=4))

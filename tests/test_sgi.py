@@ -32,7 +32,7 @@ def test_sgi_recovers_the_mask_exactly_from_the_received_weights():
         server_lr=1.0,
         seed=1,
     )
-    tap = GradientTap(client_id=2, rounds=[1])
+    tap = GradientTap(clients=2, rounds=[1])
     L.seed_everything(0)
     quiet_trainer(max_steps=2, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[tap]).fit(sim)
     view = server_view(tap.latest(), small_cnn(), num_classes=4)

@@ -28,7 +28,7 @@ def simulation(**kwargs) -> FederatedSimulation:
 
 
 def all_client_taps(num_clients: int) -> list[GradientTap]:
-    return [GradientTap(client_id=c, rounds=None) for c in range(num_clients)]
+    return [GradientTap(clients=c, rounds=None) for c in range(num_clients)]
 
 
 def test_fedsgd_server_applies_the_mean_of_the_defended_client_gradients():

@@ -133,7 +133,7 @@ def graddefense_knowledge(
     """The server's model of a :class:`~lightning_gp.defenses.GradDefense` (its ``sigma``, slice
     counts and ``q``); ``slicing(view)`` gives the flat slice boundaries (the callback's root set),
     without it every layer is judged as one slice."""
-    sigma, q = float(defense.sigma), defense.q
+    sigma, q = float(defense.scale), defense.q
 
     def basis(view: ServerView) -> Tensor | None:
         return None if q is None else compensation_basis(view.gradients, float(q))
@@ -172,8 +172,8 @@ def outpost_was_perturbed(shared: Mapping[str, Tensor], phi: float, rho: float) 
 
 
 def outpost_knowledge(defense: Any, *, name: str = "Outpost") -> DefenseKnowledge:
-    """The server's model of an :class:`~lightning_gp.defenses.Outpost` (``phi``, ``rho``, ``lam``)."""
-    phi, rho, lam = float(defense.phi), float(defense.rho), float(defense.lam)
+    """The server's model of an :class:`~lightning_gp.defenses.Outpost` (``phi``, ``rho``, ``noise_multiplier``)."""
+    phi, rho, lam = float(defense.phi), float(defense.rho), float(defense.noise_multiplier)
 
     def weights(view: ServerView) -> dict[str, Tensor]:
         shared = view.gradients

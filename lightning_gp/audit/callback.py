@@ -78,7 +78,7 @@ from lightning_gp.metrics import reconstruction_report
 from lightning_gp.metrics.figures import save_comparison_grid
 from lightning_gp.pipeline.stages import ClientSetup, DefenseStage, StageCall
 from lightning_gp.records import TappedGradient
-from lightning_gp.validation import check_bool, check_int
+from lightning_gp.validation import check_bool, check_int, check_int_list
 
 #: Metrics logged per attack and for the worst case (LPIPS and the noise ratio when computed).
 LOGGED_METRICS = ("psnr", "ssim", "lpips", "noise_ratio")
@@ -144,20 +144,11 @@ class _RandomState:
         random.setstate(self.python)
 
 
-def _int_list(value: int | Sequence[int], name: str) -> list[int]:
-    if isinstance(value, (str, bytes)):
-        raise ValueError(f"{name} must be an int or a sequence of ints, got {value!r}")
-    values = list(value) if isinstance(value, Sequence) else [value]
-    if not values:
-        raise ValueError(f"{name} must name at least one entry, got an empty sequence")
-    return sorted({check_int(v, name, low=0) for v in values})
-
-
 class PrivacyAudit(SharedGradientObserver):
     """Attack the chosen clients' shared gradients at chosen steps of a run and log how much leaks.
 
     Args:
-        steps: the steps (optimizer steps; rounds of a ``FederatedSimulation``) to audit.
+        rounds: the rounds (optimizer steps; rounds of a ``FederatedSimulation``) to audit.
         clients: the client ids to audit (0 on the local path; the rank under DDP).
         attacks: the attackers (``GradientAttack`` instances), all run on every audited gradient;
             ``None``: :func:`default_attacks` for the batch size (iDLG for one image, else
@@ -195,7 +186,7 @@ class PrivacyAudit(SharedGradientObserver):
 
     def __init__(
         self,
-        steps: int | Sequence[int] = 0,
+        rounds: int | Sequence[int] = 0,
         clients: int | Sequence[int] = 0,
         attacks: Sequence[GradientAttack] | None = None,
         *,
@@ -216,8 +207,8 @@ class PrivacyAudit(SharedGradientObserver):
         dirpath: str | Path | None = None,
         prefix: str = "privacy_audit",
     ) -> None:
-        self.steps = _int_list(steps, "steps")
-        self.clients = _int_list(clients, "clients")
+        self.rounds = check_int_list(rounds, "rounds")
+        self.clients = check_int_list(clients, "clients")
         if attacks is not None:
             attacks = list(attacks)
             if not attacks:
@@ -264,7 +255,7 @@ class PrivacyAudit(SharedGradientObserver):
 
     # ------------------------------------------------------------------ pipeline
     def wants(self, client_id: int, round: int) -> bool:
-        return client_id in self.clients and round in self.steps
+        return client_id in self.clients and round in self.rounds
 
     def bind(self, setup: ClientSetup) -> None:
         never = [c for c in self.clients if c >= setup.num_clients]
@@ -280,15 +271,15 @@ class PrivacyAudit(SharedGradientObserver):
         super().on_fit_start(trainer, pl_module)
         max_steps = trainer.max_steps
         if max_steps is not None and max_steps >= 0:
-            outside = [s for s in self.steps if s >= max_steps]
+            outside = [s for s in self.rounds if s >= max_steps]
             if outside:
                 raise ValueError(
-                    f"PrivacyAudit(steps={self.steps}): step(s) {outside} are outside this run, which stops after "
+                    f"PrivacyAudit(rounds={self.rounds}): round(s) {outside} are outside this run, which stops after "
                     f"max_steps={max_steps} (steps 0..{max_steps - 1})"
                 )
         else:
             self._check_estimated_steps(trainer)
-        past = [s for s in self.steps if s < trainer.global_step]
+        past = [s for s in self.rounds if s < trainer.global_step]
         if past:
             warnings.warn(
                 f"PrivacyAudit: step(s) {past} were run before this fit started (resumed at step "
@@ -350,10 +341,10 @@ class PrivacyAudit(SharedGradientObserver):
         except Exception:  # no sized dataloader: the length is unknown, nothing to check
             return
         if isinstance(estimate, (int, float)) and math.isfinite(estimate):
-            outside = [s for s in self.steps if s >= estimate]
+            outside = [s for s in self.rounds if s >= estimate]
             if outside:
                 warnings.warn(
-                    f"PrivacyAudit(steps={self.steps}): step(s) {outside} are past the estimated end of this run "
+                    f"PrivacyAudit(rounds={self.rounds}): round(s) {outside} are past the estimated end of this run "
                     f"({int(estimate)} optimizer steps); they will not be audited unless the run goes on longer",
                     stacklevel=2,
                 )
@@ -411,7 +402,7 @@ class PrivacyAudit(SharedGradientObserver):
         self._run_pending(trainer)
         audited = {(r.round, r.client_id) for r in self.results}
         missing = [
-            (s, c) for s in self.steps for c in self.clients if (s, c) not in audited and s < trainer.global_step
+            (s, c) for s in self.rounds for c in self.clients if (s, c) not in audited and s < trainer.global_step
         ]
         if missing:
             warnings.warn(

@@ -51,7 +51,7 @@ class DefenseSetting:
     """One defense at one setting, ready to run.
 
     Attributes:
-        name: the row label, e.g. ``"TopKPruning(k=0.2)"``.
+        name: the row label, e.g. ``"TopKPruning(rate=0.8)"``.
         callbacks: the defense callbacks of every client (fresh objects: they hold client state).
         wrap: wraps the user's model in the module that defends it (Refiner, PriPrune).
         algorithm: ``"fedsgd"`` (clients share one gradient) or ``"fedavg"`` (one local SGD step at
@@ -232,7 +232,7 @@ for _entry in (
         "TopKPruning",
         "pruning",
         "DGC-style Top-k",
-        _callbacks("TopKPruning(k=0.2)", lambda s: [TopKPruning(k=0.2, seed=s)]),
+        _callbacks("TopKPruning(rate=0.8)", lambda s: [TopKPruning(rate=0.8, seed=s)]),
     ),
     CatalogEntry(
         "MagnitudePruning",

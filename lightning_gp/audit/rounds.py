@@ -204,7 +204,7 @@ def _tap_round(
 ) -> list[TappedGradient]:
     """Train ``simulation`` through ``round`` behind ``defenses`` and return what each of ``clients``
     shared in that round, with its batch's training-set indices in ``meta["dataset_indices"]``."""
-    taps = [GradientTap(client_id=c, rounds=[round]) for c in clients]
+    taps = [GradientTap(clients=c, rounds=[round]) for c in clients]
     with quiet_lightning():
         internal_trainer(max_steps=round + 1, callbacks=[*defenses, *taps]).fit(simulation)
     records = [tap.latest() for tap in taps]

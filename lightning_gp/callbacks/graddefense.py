@@ -7,7 +7,7 @@ Where the sensitivity is computed (DESIGN.md, "Where a defense runs"):
 * :class:`~lightning_gp.federated.FederatedSimulation`: in ``defend``, under the server model,
   once per round for all of its clients (the root set and the weights are the same for each).
 
-It is recomputed every ``recompute_every`` rounds (default 1: every round, as Plato's trainer
+It is recomputed every ``refresh_every`` rounds (default 1: every round, as Plato's trainer
 recomputes it at the start of each round's local training; the official demos compute it once);
 the sensitivity in use is checkpointed, so a resumed run reuses it as the uninterrupted run would.
 The root set is public, so unlike Soteria or the optimal defenses this defense reads no client
@@ -51,12 +51,12 @@ class GradDefense(GradientDefense, defense=graddefense.GradDefense):
             (Plato's ``extract_root_set``; the official code draws it from the training set).
         slices, perturbed_slices, sigma, clip, q: see :class:`lightning_gp.defenses.GradDefense`.
         root_per_class: items per class taken from a dataset (Plato's 5).
-        recompute_every: rounds between sensitivity updates, ``>= 1``.
+        refresh_every: rounds between sensitivity updates, ``>= 1``.
         loss_fn: ``loss_fn(logits, targets)`` of the root set; default: the LightningModule's
             (or FederatedSimulation's) ``loss_fn`` attribute.
 
     The root set (a datamodule split by name, any other root set by a digest of its tensors),
-    ``root_per_class`` and ``recompute_every`` are part of :attr:`state_key`: a resume with other
+    ``root_per_class`` and ``refresh_every`` are part of :attr:`state_key`: a resume with other
     values is refused.
     """
 
@@ -67,11 +67,11 @@ class GradDefense(GradientDefense, defense=graddefense.GradDefense):
         *,
         root_data: Any,
         root_per_class: int = 5,
-        recompute_every: int = 1,
+        refresh_every: int = 1,
         loss_fn: LossFn | None = None,
     ) -> None:
         self.root_per_class = check_positive_int(root_per_class, "root_per_class")
-        self.recompute_every = check_positive_int(recompute_every, "recompute_every")
+        self.refresh_every = check_positive_int(refresh_every, "refresh_every")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         self.loss_fn = loss_fn
@@ -109,7 +109,7 @@ class GradDefense(GradientDefense, defense=graddefense.GradDefense):
             **super().adapter_config(),
             "root_data": self._root_id,
             "root_per_class": self.root_per_class,
-            "recompute_every": self.recompute_every,
+            "refresh_every": self.refresh_every,
         }
 
     def adapter_state(self) -> dict[str, Any]:
@@ -147,7 +147,7 @@ class GradDefense(GradientDefense, defense=graddefense.GradDefense):
             sensitivity = self.round_sensitivity(call.round, call.model)
         else:
             cached = self._cache
-            if cached is None or cached[0] > call.round or call.round - cached[0] >= self.recompute_every:
+            if cached is None or cached[0] > call.round or call.round - cached[0] >= self.refresh_every:
                 raise RuntimeError(
                     "GradDefense computes the sensitivity at the start of each training batch, and saw none for "
                     f"step {call.round} (manual optimization is not supported)"
@@ -157,9 +157,9 @@ class GradDefense(GradientDefense, defense=graddefense.GradDefense):
 
     # ---------------------------------------------------------------- the sensitivity
     def round_sensitivity(self, round: int, model: nn.Module) -> dict[str, Tensor]:
-        """The sensitivity of ``round``: reused within ``recompute_every`` rounds, else recomputed."""
+        """The sensitivity of ``round``: reused within ``refresh_every`` rounds, else recomputed."""
         cached = self._cache
-        if cached is not None and 0 <= round - cached[0] < self.recompute_every:
+        if cached is not None and 0 <= round - cached[0] < self.refresh_every:
             return cached[1]
         sensitivity = self.sensitivity_for(model)
         self._cache = (round, sensitivity)

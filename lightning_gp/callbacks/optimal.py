@@ -5,7 +5,7 @@ Where the sensitivity is estimated (each client's batch, on every path) is the j
 accumulation the micro-batches' sensitivities add up (``g = mean_b g_b``, so ``s = sum_b s_b / A^2``).
 
 Cost (ConvNet, batch 16, one CPU thread): the sensitivity dominates a defended step; ``method``,
-``num_probes``, ``subset`` and ``refresh_every`` trade it against the estimate's error (see
+``probes``, ``subset`` and ``refresh_every`` trade it against the estimate's error (see
 :func:`~lightning_gp.defenses.gradient_sensitivity` for the estimators' variances).
 ``refresh_every=N`` reuses a client's last estimate for its next ``N - 1`` steps: the sensitivity
 is then computed from older weights and another batch, stale by design.
@@ -30,17 +30,17 @@ from lightning_gp.validation import check_choice, check_positive_int
 
 class SensitivityGradientDefense(DataDependentGradientDefense):
     """Adapts a :class:`~lightning_gp.defenses.SensitivityDefense`: estimates ``s`` with
-    ``num_probes`` jvp probes on the client's batch, then defends.
+    ``probes`` jvp probes on the client's batch, then defends.
 
     Args:
         defense: the data-dependent defense.
-        num_probes: Gaussian input probes per estimate (the paper's ``k = 10``).
+        probes: Gaussian input probes per estimate (the paper's ``k = 10``).
         chunk_size: probes evaluated at once (``None``: all); lower it to bound memory.
         loss_fn: ``loss_fn(logits, targets)``, averaged over the batch; default: the LightningModule's
             ``loss_fn`` attribute. One of the two is required (the loss is never guessed). Batches
             must be ``(inputs, targets, ...)`` with floating-point inputs.
-        method: ``"batch"`` (the paper's estimator, ``num_probes`` probes over the whole batch) or
-            ``"per_example"`` (``num_probes`` probes per example; lower variance per probe, needs a
+        method: ``"batch"`` (the paper's estimator, ``probes`` probes over the whole batch) or
+            ``"per_example"`` (``probes`` probes per example; lower variance per probe, needs a
             mean-reduced loss and no BatchNorm in training mode, refused at fit start otherwise).
         subset: ``"per_example"`` only: probe this many examples of each batch, rescaled (unbiased,
             noisier); must not exceed the batch size (checked on every batch).
@@ -49,7 +49,7 @@ class SensitivityGradientDefense(DataDependentGradientDefense):
             :class:`~lightning_gp.callbacks.DataDependentGradientDefense`. Gradient accumulation:
             a refreshed step combines its micro-batches.
 
-    ``num_probes``, ``method``, ``subset`` and ``refresh_every`` are part of :attr:`state_key`
+    ``probes``, ``method``, ``subset`` and ``refresh_every`` are part of :attr:`state_key`
     (a resume with other values is refused); ``chunk_size`` (memory) and ``loss_fn`` are not.
     """
 
@@ -59,7 +59,7 @@ class SensitivityGradientDefense(DataDependentGradientDefense):
     def adapt(
         self,
         *,
-        num_probes: int = 10,
+        probes: int = 10,
         chunk_size: int | None = None,
         loss_fn: LossFn | None = None,
         method: str = "batch",
@@ -69,7 +69,7 @@ class SensitivityGradientDefense(DataDependentGradientDefense):
         if not isinstance(self.defense, optimal.SensitivityDefense):
             raise TypeError(f"defense must be a SensitivityDefense, got {type(self.defense).__name__}")
         super().adapt(refresh_every=refresh_every)
-        check_positive_int(num_probes, "num_probes")
+        check_positive_int(probes, "probes")
         if chunk_size is not None:
             check_positive_int(chunk_size, "chunk_size")
         if loss_fn is not None and not callable(loss_fn):
@@ -81,7 +81,7 @@ class SensitivityGradientDefense(DataDependentGradientDefense):
                 raise ValueError(
                     f"subset={subset} needs method='per_example' (the batch estimator probes every example)"
                 )
-        self.num_probes = num_probes
+        self.probes = probes
         self.chunk_size = chunk_size
         self.loss_fn = loss_fn
         self.method = method
@@ -91,7 +91,7 @@ class SensitivityGradientDefense(DataDependentGradientDefense):
     def adapter_config(self) -> dict[str, Any]:
         return {
             **super().adapter_config(),
-            "num_probes": self.num_probes,
+            "probes": self.probes,
             "method": self.method,
             "subset": self.subset,
         }
@@ -137,7 +137,7 @@ class SensitivityGradientDefense(DataDependentGradientDefense):
             loss_fn,
             inputs,
             targets,
-            num_probes=self.num_probes,
+            probes=self.probes,
             chunk_size=self.chunk_size,
             generator=generator,
             method=self.method,

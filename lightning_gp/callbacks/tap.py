@@ -13,14 +13,14 @@ from torch import Tensor, nn
 from lightning_gp.callbacks.base import SharedGradientObserver
 from lightning_gp.pipeline.stages import ClientSetup, StageCall
 from lightning_gp.records import TappedGradient
-from lightning_gp.validation import check_bool, check_int
+from lightning_gp.validation import check_bool, check_int, check_int_list
 
 
 class GradientTap(SharedGradientObserver):
-    """Keep the shared (post-defense) gradient of one client in chosen rounds.
+    """Keep the shared (post-defense) gradients of chosen clients in chosen rounds.
 
     Args:
-        client_id: the client to record (the global rank under DDP, 0 on a single device).
+        clients: the client id(s) to record (the global rank under DDP, 0 on a single device).
         rounds: the round (optimizer step) indices to record; ``None`` records every round.
         dirpath: if set, each record is also written to ``dirpath/round{r}_client{c}.pt``.
         record_data: keep the client's batch with the record, for scoring reconstructions.
@@ -28,12 +28,12 @@ class GradientTap(SharedGradientObserver):
 
     def __init__(
         self,
-        client_id: int = 0,
+        clients: int | Sequence[int] = 0,
         rounds: int | Sequence[int] | None = 0,
         dirpath: str | None = None,
         record_data: bool = True,
     ) -> None:
-        self.client_id = check_int(client_id, "client_id", low=0)
+        self.clients = check_int_list(clients, "clients")
         if isinstance(rounds, int):
             rounds = [rounds]
         self.rounds = None if rounds is None else sorted({check_int(r, "rounds", low=0) for r in rounds})
@@ -43,13 +43,14 @@ class GradientTap(SharedGradientObserver):
         self.batches = StepBatches()
 
     def wants(self, client_id: int, round: int) -> bool:
-        return client_id == self.client_id and (self.rounds is None or round in self.rounds)
+        return client_id in self.clients and (self.rounds is None or round in self.rounds)
 
     def bind(self, setup: ClientSetup) -> None:
-        if self.client_id >= setup.num_clients:
+        outside = [c for c in self.clients if c >= setup.num_clients]
+        if outside:
             raise ValueError(
-                f"GradientTap(client_id={self.client_id}) would never record: this run has {setup.num_clients} "
-                f"client(s), ids 0..{setup.num_clients - 1} (under DDP the client id is the rank)"
+                f"GradientTap(clients={self.clients}): client(s) {outside} would never be recorded: this run has "
+                f"{setup.num_clients} client(s), ids 0..{setup.num_clients - 1} (under DDP the client id is the rank)"
             )
         self.batches.given = setup.passes_client_batches
 
@@ -79,7 +80,7 @@ class GradientTap(SharedGradientObserver):
     def latest(self) -> TappedGradient:
         if not self.records:
             raise LookupError(
-                f"GradientTap recorded nothing: client {self.client_id} shared no gradient in rounds {self.rounds}"
+                f"GradientTap recorded nothing: clients {self.clients} shared no gradient in rounds {self.rounds}"
             )
         return self.records[-1]
 

@@ -67,7 +67,7 @@ def _fmt(value: float | None, spec: str = ".3f") -> str:
 def train(name: str, rounds: int, output_dir: Path, seed: int) -> TrainingResult:
     setting = defense_catalog([name])[0].build(seed, 1)
     print(f"\n== training {setting.name}: FedSGD, 10 clients x 8 images per round, {rounds} rounds", flush=True)
-    tap = GradientTap(client_id=0, rounds=[0], dirpath=str(output_dir / "taps" / slug(setting.name)))
+    tap = GradientTap(clients=0, rounds=[0], dirpath=str(output_dir / "taps" / slug(setting.name)))
     L.seed_everything(seed, verbose=False)
     result = train_setting(
         setting, LeNetZhu(), FashionMNISTSampleDataModule(batch_size=500), rounds=rounds, seed=seed, callbacks=[tap]

@@ -11,13 +11,13 @@ also in Plato's ``examples/gradient_leakage_attacks/defense/GradDefense``):
    is cut into ``slices`` contiguous slices of equal sensitivity, each layer's sensitivity spread
    evenly over its coordinates.
 3. **Perturbation** (:func:`perturb_slices`): ``perturbed_slices`` slices drawn uniformly at random
-   (the official reservoir sample) get ``N(0, sigma^2)`` on every coordinate; with ``clip``, each
-   drawn slice is first scaled to L2 norm at most ``clip``.
+   (the official reservoir sample) get ``N(0, scale^2)`` on every coordinate; with ``max_slice_norm``,
+   each drawn slice is first scaled to L2 norm at most ``max_slice_norm``.
 4. **Compensation** (:func:`compensate`, the official ``denoise``): the flattened gradient is
    reshaped into a ``v x w`` matrix with ``v / w`` close to ``Q`` (``v`` the smallest divisor of the
    size ``>= sqrt(Q n)``); the eigenvectors of its column covariance whose eigenvalues fall inside
    the Marchenko-Pastur bulk of the noise, ``[(1 - 1/sqrt(Q'))^2 s^2, (1 + 1/sqrt(Q'))^2 s^2]``
-   with ``Q' = v / w`` and ``s^2 = (perturbed_slices / slices) sigma^2``, are projected out.
+   with ``Q' = v / w`` and ``s^2 = (perturbed_slices / slices) scale^2``, are projected out.
 
 Where this differs from the official code, and why:
 
@@ -31,7 +31,7 @@ Where this differs from the official code, and why:
   softmax cross-entropy classifier zero sensitivity: its gradient sums to zero over the classes
   for every input, so the all-ones product vanishes;
 * clipping scales each drawn slice of the (batch) gradient; the official code clips each
-  example's slice (per-example gradients, with the bound equal to ``sigma``), which the shared
+  example's slice (per-example gradients, with the bound equal to the noise std ``sigma``), which the shared
   batch gradient does not expose. For one example the two agree;
 * compensation runs on the client's own perturbed gradient, before it is shared. The paper runs it
   on the server's aggregate, a step this framework has no hook for. It is deterministic
@@ -61,8 +61,8 @@ from lightning_gp.functional import LossFn
 from lightning_gp.named_tensors import flatten_named, unflatten_named
 from lightning_gp.validation import check_int, check_nonnegative, check_number, check_positive_int
 
-#: Plato's GradDefense settings (README and configs): 10 slices, 5 noised, sigma 0.01, Q = 6
-DEFAULT_SLICES, DEFAULT_PERTURBED_SLICES, DEFAULT_SIGMA, DEFAULT_Q = 10, 5, 0.01, 6.0
+#: Plato's GradDefense settings (README and configs): 10 slices, 5 noised, noise std (the paper's sigma) 0.01, Q = 6
+DEFAULT_SLICES, DEFAULT_PERTURBED_SLICES, DEFAULT_SCALE, DEFAULT_Q = 10, 5, 0.01, 6.0
 
 
 # ---------------------------------------------------------------------------------- 1. sensitivity
@@ -170,24 +170,24 @@ def perturb_slices(
     gradients: Mapping[str, Tensor],
     boundaries: list[int],
     chosen: list[int],
-    sigma: float,
+    scale: float,
     generator: torch.Generator,
     *,
-    clip: float | None = None,
+    max_slice_norm: float | None = None,
 ) -> Gradients:
-    """Add ``N(0, sigma^2)`` to every coordinate of the ``chosen`` slices (step 3), each first
-    scaled to L2 norm at most ``clip`` when given. Other coordinates are returned unchanged."""
+    """Add ``N(0, scale^2)`` to every coordinate of the ``chosen`` slices (step 3), each first
+    scaled to L2 norm at most ``max_slice_norm`` when given. Other coordinates are returned unchanged."""
     flat = flatten_named(gradients).clone()
     mask = torch.zeros_like(flat, dtype=torch.bool)
     for k in chosen:
         start, stop = boundaries[k], boundaries[k + 1]
         mask[start:stop] = True
-        if clip is not None and stop > start:
+        if max_slice_norm is not None and stop > start:
             norm = float(flat[start:stop].double().norm())
-            if norm > clip:
-                flat[start:stop] *= clip / norm
+            if norm > max_slice_norm:
+                flat[start:stop] *= max_slice_norm / norm
     noise = standard_normal_like(flat, generator)
-    flat = torch.where(mask, flat + sigma * noise, flat)
+    flat = torch.where(mask, flat + scale * noise, flat)
     return {n: t.clone() for n, t in unflatten_named(flat, gradients).items()}
 
 
@@ -247,8 +247,8 @@ class GradDefense(Defense):
     Args:
         slices: number of slices of equal sensitivity (the paper's 10), ``>= 1``.
         perturbed_slices: slices that get noise, in ``[0, slices]`` (the paper's 5).
-        sigma: std of the Gaussian noise on a perturbed coordinate, ``>= 0`` (Plato's 0.01).
-        clip: L2 bound of each perturbed slice before the noise, ``> 0``; ``None``: no clipping.
+        scale: std of the Gaussian noise on a perturbed coordinate (the paper's sigma), ``>= 0`` (Plato's 0.01).
+        max_slice_norm: L2 bound of each perturbed slice before the noise, ``> 0``; ``None``: no clipping.
         q: the compensation matrix's aspect ratio ``Q >= 1`` (the paper's 6); ``None``: share the
             perturbed gradient uncompensated (what the paper's attack experiments saw).
     """
@@ -257,9 +257,9 @@ class GradDefense(Defense):
         self,
         slices: int = DEFAULT_SLICES,
         perturbed_slices: int = DEFAULT_PERTURBED_SLICES,
-        sigma: float = DEFAULT_SIGMA,
+        scale: float = DEFAULT_SCALE,
         *,
-        clip: float | None = None,
+        max_slice_norm: float | None = None,
         q: float | None = DEFAULT_Q,
         seed: int | None = None,
         nonfinite: str = "error",
@@ -267,8 +267,10 @@ class GradDefense(Defense):
         super().__init__(seed=seed, nonfinite=nonfinite)
         self.slices = check_positive_int(slices, "slices")
         self.perturbed_slices = check_int(perturbed_slices, "perturbed_slices", low=0, high=self.slices)
-        self.sigma = check_nonnegative(sigma, "sigma")
-        self.clip = None if clip is None else check_nonnegative(clip, "clip", strict=True)
+        self.scale = check_nonnegative(scale, "scale")
+        self.max_slice_norm = (
+            None if max_slice_norm is None else check_nonnegative(max_slice_norm, "max_slice_norm", strict=True)
+        )
         self.q = None if q is None else check_number(q, "q", low=1.0)
         self._warned_uncompensated = False
 
@@ -276,15 +278,15 @@ class GradDefense(Defense):
         return {
             "slices": self.slices,
             "perturbed_slices": self.perturbed_slices,
-            "sigma": self.sigma,
-            "clip": self.clip,
+            "scale": self.scale,
+            "max_slice_norm": self.max_slice_norm,
             "q": self.q,
         }
 
     @property
     def compensation_noise_std(self) -> float:
-        """The per-coordinate noise std compensation assumes: ``sigma sqrt(perturbed_slices / slices)``."""
-        return self.sigma * math.sqrt(self.perturbed_slices / self.slices)
+        """The per-coordinate noise std compensation assumes: ``scale sqrt(perturbed_slices / slices)``."""
+        return self.scale * math.sqrt(self.perturbed_slices / self.slices)
 
     def slice_boundaries(self, gradients: Mapping[str, Tensor], sensitivity: Mapping[str, float | Tensor]) -> list[int]:
         """The slices of ``gradients`` under ``sensitivity`` (:func:`equal_sensitivity_slices`)."""
@@ -307,7 +309,9 @@ class GradDefense(Defense):
     def transform(self, gradients: Gradients, state: Gradients, call: DefenseCall) -> tuple[Gradients, Gradients]:
         boundaries = self.slice_boundaries(gradients, call.statistic)
         chosen = choose_slices(self.slices, self.perturbed_slices, call.generator)
-        shared = perturb_slices(gradients, boundaries, chosen, self.sigma, call.generator, clip=self.clip)
+        shared = perturb_slices(
+            gradients, boundaries, chosen, self.scale, call.generator, max_slice_norm=self.max_slice_norm
+        )
         if self.q is not None:
             size = sum(g.numel() for g in gradients.values())
             if compensation_shape(size, self.q)[1] >= 2:

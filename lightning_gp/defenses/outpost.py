@@ -75,9 +75,9 @@ def fisher_noise_mask(gradients: Mapping[str, Tensor], phi: float) -> dict[str, 
     return unflatten_named(mask, gradients, dtype=torch.bool)
 
 
-def outpost_noise_std(weights: Mapping[str, Tensor], lam: float) -> dict[str, float]:
+def outpost_noise_std(weights: Mapping[str, Tensor], noise_multiplier: float) -> dict[str, float]:
     """The noise std of every layer: ``lambda min(Var(W_l), 1)``."""
-    return {n: lam * layer_risk(w) for n, w in weights.items()}
+    return {n: noise_multiplier * layer_risk(w) for n, w in weights.items()}
 
 
 class Outpost(Defense):
@@ -91,7 +91,7 @@ class Outpost(Defense):
         beta: decay of the perturbation probability ``1 / (1 + beta t)``, ``>= 0`` (0: every step).
         phi: percent of the model's entries (largest ``g^2``) that get noise, in [0, 100].
         rho: percent of each layer's entries (smallest ``|g|``) pruned, in [0, 100].
-        lam: noise multiplier ``lambda >= 0``: the std on layer ``l`` is ``lambda min(Var(W_l), 1)``.
+        noise_multiplier: the paper's ``lambda >= 0``: the std on layer ``l`` is ``lambda min(Var(W_l), 1)``.
     """
 
     reads_weights = True
@@ -101,7 +101,7 @@ class Outpost(Defense):
         beta: float = 0.1,
         phi: float = 40.0,
         rho: float = 80.0,
-        lam: float = 0.8,
+        noise_multiplier: float = 0.8,
         *,
         seed: int | None = None,
         nonfinite: str = "error",
@@ -110,12 +110,12 @@ class Outpost(Defense):
         self.beta = check_nonnegative(beta, "beta")
         self.phi = check_number(phi, "phi", low=0.0, high=100.0)
         self.rho = check_number(rho, "rho", low=0.0, high=100.0)
-        self.lam = check_nonnegative(lam, "lam")
+        self.noise_multiplier = check_nonnegative(noise_multiplier, "noise_multiplier")
         #: whether the last call perturbed (for inspection; the server sees it from the zeros)
         self.last_perturbed: bool | None = None
 
     def config(self) -> dict[str, Any]:
-        return {"beta": self.beta, "phi": self.phi, "rho": self.rho, "lam": self.lam}
+        return {"beta": self.beta, "phi": self.phi, "rho": self.rho, "noise_multiplier": self.noise_multiplier}
 
     def init_client_state(self, gradients: Gradients) -> Gradients:
         device = next(iter(gradients.values())).device
@@ -124,7 +124,7 @@ class Outpost(Defense):
     def prepare(  # type: ignore[override]
         self, gradients: Mapping[str, Tensor], *, weights: Mapping[str, Tensor] | None = None
     ) -> dict[str, float]:
-        """The noise std of every layer (``lam min(Var(W_l), 1)``) from the current ``weights``."""
+        """The noise std of every layer (``noise_multiplier min(Var(W_l), 1)``) from the current ``weights``."""
         if weights is None:
             raise TypeError(
                 "Outpost scales its noise by the spread of the current weights: pass weights={name: parameter} "
@@ -142,7 +142,7 @@ class Outpost(Defense):
         ]
         if wrong:
             raise ValueError(f"weights must be tensors shaped like the gradients: {wrong[:5]}")
-        return outpost_noise_std({n: weights[n] for n in gradients}, self.lam)
+        return outpost_noise_std({n: weights[n] for n in gradients}, self.noise_multiplier)
 
     def transform(self, gradients: Gradients, state: Gradients, call: DefenseCall) -> tuple[Gradients, Gradients]:
         counter = state[STEP_KEY]

@@ -93,26 +93,32 @@ class MagnitudePruning(_LayerwisePruning):
 
 
 class TopKPruning(_LayerwisePruning):
-    """Share the ``k`` fraction of largest-magnitude entries of every layer (DGC, Lin et al. 2018).
+    """Zero the ``rate`` fraction of smallest-magnitude entries of every layer and share the rest,
+    the largest ``1 - rate`` (Top-k of DGC, Lin et al. 2018), with per-client error feedback.
 
-    ``max(1, round(k * n))`` entries of an ``n``-entry layer are sent (at least one, so no entry
-    accumulates forever); with error feedback (on by default, as in DGC) the rest is carried to
-    the client's next round. ``k = 0`` sends nothing.
+    ``max(1, round((1 - rate) n))`` entries of an ``n``-entry layer are sent (at least one, so no
+    entry accumulates forever); with error feedback (on by default, as in DGC) the rest is carried
+    to the client's next round. ``rate = 1`` sends nothing. Without error feedback it differs from
+    :class:`MagnitudePruning` only on tiny layers (which send one entry here).
+
+    Args:
+        rate: fraction of each layer's entries zeroed, in [0, 1] (DGC's ``k`` is ``1 - rate``).
+        error_feedback: keep the pruned remainder per client and add it to the next gradient.
     """
 
     layerwise = True  # each layer's mask and residual from that layer alone
 
     def __init__(
-        self, k: float = 0.2, *, error_feedback: bool = True, seed: int | None = None, nonfinite: str = "error"
+        self, rate: float = 0.8, *, error_feedback: bool = True, seed: int | None = None, nonfinite: str = "error"
     ) -> None:
         super().__init__(error_feedback=error_feedback, seed=seed, nonfinite=nonfinite)
-        self.k = check_rate(k, "k")
+        self.rate = check_rate(rate, "rate")
 
     def config(self) -> dict[str, Any]:
-        return {"k": self.k, "error_feedback": self.error_feedback}
+        return {"rate": self.rate, "error_feedback": self.error_feedback}
 
     def layer_mask(self, name: str, values: Tensor, out: Tensor) -> Tensor:
-        return largest_magnitude_mask_into(values, count_sent(self.k, values.numel()), out, self._workspace)
+        return largest_magnitude_mask_into(values, count_sent(1.0 - self.rate, values.numel()), out, self._workspace)
 
 
 class RandomPruning(SparsifyingDefense):

@@ -54,7 +54,7 @@ def gradient_sensitivity(
     inputs: Tensor,
     targets: Tensor,
     *,
-    num_probes: int = 10,
+    probes: int = 10,
     chunk_size: int | None = None,
     generator: torch.Generator | None = None,
     exact: bool = False,
@@ -69,7 +69,7 @@ def gradient_sensitivity(
         loss_fn: ``loss_fn(module(inputs), targets)``, the loss whose gradient is shared.
         inputs: the client's batch; must be floating point (the loss is differentiated w.r.t. it).
         targets: the labels (held fixed).
-        num_probes: Gaussian probes ``k`` (the paper uses 10): for ``"batch"`` over the whole batch,
+        probes: Gaussian probes ``k`` (the paper uses 10): for ``"batch"`` over the whole batch,
             for ``"per_example"`` per probed example. The relative error falls like ``1/sqrt(k)``.
         chunk_size: probes evaluated at once under ``vmap`` (``None``: all); lower it to save memory.
             With ``exact=True``: Jacobian columns at once.
@@ -98,7 +98,7 @@ def gradient_sensitivity(
         )
     if inputs.shape[0] != targets.shape[0]:
         raise ValueError(f"inputs and targets disagree on the batch size: {inputs.shape[0]} vs {targets.shape[0]}")
-    check_positive_int(num_probes, "num_probes")
+    check_positive_int(probes, "probes")
     if chunk_size is not None:
         check_positive_int(chunk_size, "chunk_size")
     check_choice(method, "method", SENSITIVITY_METHODS)
@@ -122,9 +122,7 @@ def gradient_sensitivity(
     inputs, targets = inputs.detach(), targets.detach()
     with _batch_statistics_without_updates(module):
         if method == "per_example":
-            return _per_example(
-                module, loss_fn, params, inputs, targets, num_probes, chunk_size, generator, exact, subset
-            )
+            return _per_example(module, loss_fn, params, inputs, targets, probes, chunk_size, generator, exact, subset)
         loss = functional_loss(module, loss_fn, frozen_state(module))
 
         def gradient_of(x: Tensor) -> dict[str, Tensor]:
@@ -138,12 +136,14 @@ def gradient_sensitivity(
             return jvp(gradient_of, (inputs,), (v,))[1]
 
         total = {n: torch.zeros_like(p) for n, p in params.items()}
-        for count in _chunks(num_probes, chunk_size):
-            probes = torch.randn((count, *inputs.shape), generator=generator, device=inputs.device, dtype=inputs.dtype)
-            products = vmap(directional, randomness="same")(probes)
+        for count in _chunks(probes, chunk_size):
+            directions = torch.randn(
+                (count, *inputs.shape), generator=generator, device=inputs.device, dtype=inputs.dtype
+            )
+            products = vmap(directional, randomness="same")(directions)
             for n in total:
                 total[n] += products[n].pow(2).sum(0)
-    return {n: s / num_probes for n, s in total.items()}
+    return {n: s / probes for n, s in total.items()}
 
 
 def batch_mixing(module: nn.Module) -> bool:
@@ -162,7 +162,7 @@ def _per_example(
     params: dict[str, Tensor],
     inputs: Tensor,
     targets: Tensor,
-    num_probes: int,
+    probes: int,
     chunk_size: int | None,
     generator: torch.Generator | None,
     exact: bool,
@@ -200,9 +200,9 @@ def _per_example(
         loss, tangent, logits = jvp(lambda z: example_loss(p, z, y), (x,), (v,), has_aux=True)  # type: ignore[misc]
         return tangent, (loss, logits)
 
-    def example_terms(x: Tensor, y: Tensor, probes: Tensor) -> tuple[dict[str, Tensor], Tensor, Tensor]:
+    def example_terms(x: Tensor, y: Tensor, directions: Tensor) -> tuple[dict[str, Tensor], Tensor, Tensor]:
         products, (loss, logits) = vmap(lambda v: grad(directional, has_aux=True)(params, x, y, v), randomness="same")(
-            probes
+            directions
         )
         return {n: t.pow(2).sum(0) for n, t in products.items()}, loss[0], logits[0]
 
@@ -211,16 +211,16 @@ def _per_example(
     )
     losses = logits = inputs
     # drawn at once (k x m inputs: small) so that chunking does not change the draws
-    probes = torch.randn((num_probes, *inputs.shape), generator=generator, device=inputs.device, dtype=inputs.dtype)
+    directions = torch.randn((probes, *inputs.shape), generator=generator, device=inputs.device, dtype=inputs.dtype)
     start = 0
-    for count in _chunks(num_probes, chunk_size):
-        terms, losses, logits = per_example(inputs, targets, probes[start : start + count])
+    for count in _chunks(probes, chunk_size):
+        terms, losses, logits = per_example(inputs, targets, directions[start : start + count])
         start += count
         for n in total:
             total[n] += terms[n].sum(0)
     _check_mean_reduction(loss_fn, logits, targets, losses)
     # (B / m) (1 / B^2) sum over the m probed examples, each the mean over its k probes
-    return {n: s / (num_probes * probed * batch_size) for n, s in total.items()}
+    return {n: s / (probes * probed * batch_size) for n, s in total.items()}
 
 
 def _check_mean_reduction(loss_fn: LossFn, logits: Tensor, targets: Tensor, losses: Tensor) -> None:

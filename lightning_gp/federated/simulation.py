@@ -63,7 +63,7 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
             or ``ClientUpdateProvider`` (FedAvg, e.g. PriPruneModule) runs its own client step.
         datamodule: where the data comes from: its ``train_dataset`` is split among the clients
             and its val/test loaders evaluate the global model. Pass it here, not to ``fit``.
-        loss: the client loss (mean over the batch); default: ``module.loss_fn`` if present,
+        loss_fn: the client loss (mean over the batch); default: ``module.loss_fn`` if present,
             else cross-entropy.
         algorithm: ``"fedsgd"`` (clients share one gradient of their local batch) or
             ``"fedavg"`` (clients run ``local_steps`` SGD steps at ``local_lr`` and share
@@ -96,7 +96,7 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
         self,
         module: nn.Module,
         datamodule: pl.LightningDataModule | None = None,
-        loss: nn.Module | None = None,
+        loss_fn: nn.Module | None = None,
         algorithm: Algorithm = "fedsgd",
         num_clients: int = 10,
         clients_per_round: int = 10,
@@ -164,14 +164,14 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
         self.seed = seed
         self.module = module
         self.source_datamodule = datamodule
-        self.loss_fn = loss if loss is not None else getattr(module, "loss_fn", None) or nn.CrossEntropyLoss()
+        self.loss_fn = loss_fn if loss_fn is not None else getattr(module, "loss_fn", None) or nn.CrossEntropyLoss()
         self.automatic_optimization = False
         self.client_indices: list[Tensor] | None = None
         self._rounds: ClientRounds | None = None
         self._restored_defense_states: set[str] = set()
         self._monitors: dict[int, str] = {}  # scheduler id -> the metric a ReduceLROnPlateau monitors
         self._choices: dict[tuple[int, int], tuple[list[int], str]] = {}  # (round, client) -> chosen data
-        self.save_hyperparameters(ignore=["module", "datamodule", "loss"])
+        self.save_hyperparameters(ignore=["module", "datamodule", "loss_fn"])
 
     # ------------------------------------------------------------------ the client step
     def client_setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> ClientSetup:

@@ -18,7 +18,7 @@ def main(outdir: str) -> None:
     L.seed_everything(7)
     data = TensorDataset(torch.randn(32, 3, 4), torch.randint(0, 3, (32,)))
     root = (torch.randn(6, 3, 4), torch.tensor([0, 1, 2, 0, 1, 2]))
-    taps = [GradientTap(client_id=0), GradientTap(client_id=1)]
+    taps = [GradientTap(clients=0), GradientTap(clients=1)]
     outpost = Outpost(beta=0.0, seed=2)
     trainer = L.Trainer(
         accelerator="cpu",
@@ -29,7 +29,7 @@ def main(outdir: str) -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[GradDefense(root_data=root, sigma=0.05, q=None, seed=1), outpost, *taps],
+        callbacks=[GradDefense(root_data=root, scale=0.05, q=None, seed=1), outpost, *taps],
     )
     trainer.fit(TinyNet(), DataLoader(data, batch_size=4))
     rank = trainer.global_rank

@@ -25,7 +25,7 @@ from lightning_gp.callbacks import (
 
 STEPS = 3
 SETTINGS = {
-    "topk_ef": lambda: [TopKPruning(k=0.3, seed=1)],
+    "topk_ef": lambda: [TopKPruning(rate=0.7, seed=1)],
     "gaussian": lambda: [GaussianNoise(scale=0.01, seed=2)],
     "dgp_then_stochastic_8bit": lambda: [
         DualGradientPruning(seed=3),
@@ -75,8 +75,8 @@ def run(setting: str, hold: bool, data: TensorDataset) -> dict:
     L.seed_everything(11, verbose=False)
     defenses = SETTINGS[setting]()
     taps = [
-        GradientTap(client_id=0, rounds=None, record_data=False),
-        GradientTap(client_id=1, rounds=None, record_data=False),
+        GradientTap(clients=0, rounds=None, record_data=False),
+        GradientTap(clients=1, rounds=None, record_data=False),
     ]
     record = Record(defenses[0], hold)
     trainer = L.Trainer(

@@ -100,8 +100,8 @@ def unused_parameters(outdir: str) -> None:
     """Two steps of Top-k with error feedback; the aux head is used in step 0 only."""
     L.seed_everything(7)
     data = TensorDataset(torch.randn(32, 3, 4), torch.randint(0, 3, (32,)))
-    defense = TopKPruning(k=0.2, seed=1)
-    taps = [GradientTap(client_id=0, rounds=None), GradientTap(client_id=1, rounds=None)]
+    defense = TopKPruning(rate=0.8, seed=1)
+    taps = [GradientTap(clients=0, rounds=None), GradientTap(clients=1, rounds=None)]
     record = RecordEveryStep()
     trainer = ddp_trainer(2, [defense, *taps, record], find_unused=True)
     model = BranchyNet()
@@ -132,12 +132,12 @@ def main(outdir: str, defense_name: str = "magnitude") -> None:
         return
     L.seed_everything(7)
     data = TensorDataset(torch.randn(32, 3, 4), torch.randint(0, 3, (32,)))
-    taps = [GradientTap(client_id=0), GradientTap(client_id=1)]
+    taps = [GradientTap(clients=0), GradientTap(clients=1)]
     record = RecordAggregated()
     defense = {
         "magnitude": lambda: MagnitudePruning(rate=0.7),
         "adgp": lambda: AlignedDualGradientPruning(k=0.2, k1=0.05, seed=3),
-        "optimal": lambda: OptimalGradientPruning(rate=0.6, num_probes=4, seed=5),
+        "optimal": lambda: OptimalGradientPruning(rate=0.6, probes=4, seed=5),
         "soteria": lambda: Soteria(rate=0.5, seed=5),
     }[defense_name]()
     trainer = L.Trainer(

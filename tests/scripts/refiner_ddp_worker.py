@@ -47,7 +47,7 @@ def main(outdir: str) -> None:
         warm_start=True,
         seed=3,
     )
-    taps = [GradientTap(client_id=0), GradientTap(client_id=1)]
+    taps = [GradientTap(clients=0), GradientTap(clients=1)]
     record = RecordAggregated()
     trainer = L.Trainer(
         accelerator="cpu",
