@@ -1,0 +1,126 @@
+"""The attack registries: the adaptive attack(s) of every defense and the published attacks by name.
+
+The expectation table was written from what the registry returned before registration moved next
+to each attack's definition: the move must not change which attack a defense gets.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from lightning_gp.attacks import (
+    DefenseAwareIDLG,
+    DefenseAwareInversion,
+    UnmodelledDefenseWarning,
+    adaptive_attacks,
+    adaptive_attacks_of,
+    has_adaptive_attack,
+)
+from lightning_gp.audit import AttackBudget, defense_catalog, published_attacks
+from lightning_gp.models import LeNetZhu
+
+PAIR = ("DefenseAwareInversion", "DefenseAwareIDLG")
+ADAM = ("DefenseAwareInversion",)
+
+#: catalogue entry -> (the attacks' classes, the knowledge they are built on: ``describe()`` or None)
+EXPECTED: dict[str, tuple[tuple[str, ...], str | None]] = {
+    "undefended": ((), None),
+    "TopKPruning": (PAIR, "defense='TopKPruning', support"),
+    "MagnitudePruning": (PAIR, "defense='MagnitudePruning', support"),
+    "RandomPruning": (PAIR, "defense='RandomPruning', support"),
+    "DualGradientPruning": (PAIR, "defense='DualGradientPruning', support"),
+    "AlignedDualGradientPruning": (PAIR, "defense='AlignedDualGradientPruning', support"),
+    "OptimalGradientPruning": (PAIR, "defense='OptimalGradientPruning', support"),
+    "OptimalGradientNoise": (PAIR, "defense='OptimalGradientNoise', support, noise_std"),
+    "OptimalDPSGD": (PAIR, "defense='OptimalDPSGD', support, transform, noise_std"),
+    "GaussianNoise": (PAIR, "defense='GaussianNoise', noise_std"),
+    "LaplaceNoise": (PAIR, "defense='LaplaceNoise', noise_std"),
+    "GradientQuantization": (ADAM, "defense='GradientQuantization', transform"),
+    "DPSGD": (PAIR, "defense='DPSGD', per_example_clip=1, noise_std"),
+    "Soteria": (PAIR, "defense='Soteria', support"),
+    "GradDefense": (PAIR, "defense='GradDefense', coordinate_weights, view_transform"),
+    "Outpost": (PAIR, "defense='Outpost', coordinate_weights, view_transform"),
+    "PRECODE": (("PRECODEAwareInversion",), None),
+    "ATS": (("ATSAwareInversion", "ATSAwareRobbing"), None),
+    "Refiner": (("RefinerAwareInversion",), None),
+    "PriPrune": (("SGI",), None),
+}
+
+#: the names ``published_attacks`` accepted before the registry, in its order
+PUBLISHED = ["DLG", "iDLG", "IG", "GradInversion", "R-GAP", "RtF"]
+
+
+def test_the_expectation_table_covers_the_whole_catalogue():
+    assert [e.name for e in defense_catalog()] == list(EXPECTED)
+
+
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_every_catalogue_defense_resolves_to_the_attacks_it_had(name):
+    (entry,) = defense_catalog([name])
+    torch.manual_seed(0)
+    found = entry.build(0, 1).defenses(LeNetZhu())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnmodelledDefenseWarning)  # none of them is a fallback
+        attacks = adaptive_attacks_of(found, iterations=2, lbfgs_iterations=2, seed=0)
+    classes, knowledge = EXPECTED[name]
+    assert tuple(type(a).__name__ for a in attacks) == classes
+    assert all(has_adaptive_attack(d) for d in found)
+    for attack in attacks:
+        built_on = getattr(attack, "knowledge", None)
+        assert (None if built_on is None else built_on.describe()) == knowledge
+        if built_on is not None:
+            assert built_on.models == (type(found[0]).__name__,) and built_on.fallback_reason is None
+
+
+def test_an_unregistered_defense_gets_the_documented_fallback():
+    class Mystery:
+        pass
+
+    message = (
+        "no adaptive attack is registered for Mystery: using the published Inverting Gradients, marked as a "
+        "fallback (register one with lightning_gp.attacks.register_adaptive_attack)"
+    )
+    assert not has_adaptive_attack(Mystery())
+    with pytest.warns(UnmodelledDefenseWarning) as caught:
+        attacks = adaptive_attacks(Mystery(), iterations=3, lbfgs_iterations=2, restarts=2, seed=0)
+    assert [str(w.message) for w in caught] == [message]
+    assert [type(a) for a in attacks] == [DefenseAwareInversion, DefenseAwareIDLG]
+    for attack in attacks:
+        k = attack.knowledge
+        assert (k.defense, k.models, k.support, k.fallback_reason) == ("Mystery", (), False, "Mystery is not modelled")
+    assert (attacks[0].iterations, attacks[0].restarts) == (3, 2)
+    assert (attacks[1].iterations, attacks[1].restarts) == (2, 4)
+    with pytest.warns(UnmodelledDefenseWarning, match="Mystery"):
+        assert [type(a) for a in adaptive_attacks_of([Mystery()], iterations=3)] == [
+            DefenseAwareInversion,
+            DefenseAwareIDLG,
+        ]
+
+
+def test_the_published_attacks_are_the_names_accepted_before_in_the_same_order():
+    budget = AttackBudget(ig_iterations=7, lbfgs_iterations=3, rtf_bins=16)
+    specs = published_attacks(budget)
+    assert [s.name for s in specs] == PUBLISHED
+    assert all(s.kind == "published" for s in specs)
+    built = {s.name: s.build(0, LeNetZhu()) for s in specs}
+    assert {n: type(a).__name__ for n, a in built.items()} == {
+        "DLG": "DLG",
+        "iDLG": "IDLG",
+        "IG": "InvertingGradients",
+        "GradInversion": "GradInversion",
+        "R-GAP": "RGAP",
+        "RtF": "RobbingTheFed",
+    }
+    assert (built["DLG"].iterations, built["iDLG"].iterations, built["IG"].iterations) == (3, 3, 7)
+    assert (built["GradInversion"].iterations, built["GradInversion"].bn_weight) == (7, 0.0)  # LeNetZhu: no BN
+    assert built["RtF"].num_bins == 16
+    assert [s.name for s in published_attacks(budget, ["RtF", "DLG"])] == ["RtF", "DLG"]
+
+
+def test_an_unknown_published_attack_is_an_error_listing_the_choices():
+    with pytest.raises(ValueError) as err:
+        published_attacks(AttackBudget(), ["IG", "Nope", "dlg"])
+    assert str(err.value) == f"unknown attack(s) ['Nope', 'dlg']; published attacks: {PUBLISHED}"
