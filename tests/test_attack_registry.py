@@ -6,19 +6,28 @@ to each attack's definition: the move must not change which attack a defense get
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import warnings
 
 import pytest
 import torch
 
+from lightning_gp import defenses as D
 from lightning_gp.attacks import (
     DefenseAwareIDLG,
     DefenseAwareInversion,
+    DefenseKnowledge,
+    InvertingGradients,
     UnmodelledDefenseWarning,
     adaptive_attacks,
     adaptive_attacks_of,
+    declaration_of,
     has_adaptive_attack,
+    register_adaptive_attack,
+    register_defense_knowledge,
 )
+from lightning_gp.attacks.registry import _DECLARATIONS
 from lightning_gp.audit import AttackBudget, defense_catalog, published_attacks
 from lightning_gp.models import LeNetZhu
 
@@ -51,6 +60,30 @@ EXPECTED: dict[str, tuple[tuple[str, ...], str | None]] = {
 
 #: the names ``published_attacks`` accepted before the registry, in its order
 PUBLISHED = ["DLG", "iDLG", "IG", "GradInversion", "R-GAP", "RtF"]
+
+#: every class with a declared adaptive attack (the 16 qualified names the registry was keyed by)
+DECLARED = sorted(
+    [
+        "lightning_gp.augmentation.module.ATSModule",
+        "lightning_gp.callbacks.dp_sgd.DPSGD",
+        "lightning_gp.callbacks.graddefense.GradDefense",
+        "lightning_gp.defenses.graddefense.GradDefense",
+        "lightning_gp.defenses.noise.GaussianNoise",
+        "lightning_gp.defenses.noise.LaplaceNoise",
+        "lightning_gp.defenses.optimal.OptimalDPSGD",
+        "lightning_gp.defenses.optimal.OptimalGradientNoise",
+        "lightning_gp.defenses.optimal.OptimalGradientPruning",
+        "lightning_gp.defenses.outpost.Outpost",
+        "lightning_gp.defenses.quantization.GradientQuantization",
+        "lightning_gp.defenses.soteria.Soteria",
+        "lightning_gp.defenses.sparsification.SparsifyingDefense",
+        "lightning_gp.models.precode.PRECODE",
+        "lightning_gp.priprune.module.PrunedFedAvgModule",
+        "lightning_gp.refiner.module.RefinerModule",
+    ]
+)
+#: the modules that register them: each beside the attack it declares
+REGISTERING_MODULES = ["adaptive", "ats_aware", "perturbation_aware", "precode_aware", "refiner_aware", "sgi"]
 
 
 def test_the_expectation_table_covers_the_whole_catalogue():
@@ -124,3 +157,63 @@ def test_an_unknown_published_attack_is_an_error_listing_the_choices():
     with pytest.raises(ValueError) as err:
         published_attacks(AttackBudget(), ["IG", "Nope", "dlg"])
     assert str(err.value) == f"unknown attack(s) ['Nope', 'dlg']; published attacks: {PUBLISHED}"
+
+
+def test_the_registry_is_complete_once_the_package_is_imported_whatever_came_first():
+    # a fresh interpreter per first import: the defense modules first (PriPrune's imports the attacks'
+    # ServerView), then the package; every declaration is keyed by its class, beside its attack
+    script = (
+        "import importlib, sys\n"
+        "importlib.import_module(sys.argv[1])\n"
+        "import lightning_gp.attacks as A\n"
+        "from lightning_gp.attacks.registry import _DECLARATIONS\n"
+        "print(sorted(f'{c.__module__}.{c.__qualname__}' for c in A.declared_defenses()))\n"
+        "print(sorted({d.registrant.rsplit('.', 1)[0] for d in _DECLARATIONS.values()}))\n"
+    )
+    expected = [
+        str(DECLARED),
+        str(["lightning_gp.attacks." + m for m in REGISTERING_MODULES]),
+    ]
+    for first in ("lightning_gp.priprune", "lightning_gp.attacks"):
+        done = subprocess.run(
+            [sys.executable, "-c", script, first], capture_output=True, text=True, check=False, timeout=300
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.splitlines() == expected, first
+
+
+def test_registering_a_second_attack_for_one_class_is_an_error_naming_both():
+    class Shuffle(D.Defense):
+        def transform(self, gradients, state, generator):
+            return dict(gradients), state
+
+    @register_adaptive_attack(Shuffle)
+    def first(defense, kwargs):
+        return [InvertingGradients(**kwargs)]
+
+    def second(defense):
+        return DefenseKnowledge()
+
+    try:
+        assert declaration_of(Shuffle(seed=0)).factory is first
+        with pytest.raises(ValueError) as err:
+            register_defense_knowledge(Shuffle, second)
+        message = str(err.value)
+        assert f"{__name__}.{Shuffle.__qualname__}" in message
+        assert f"{first.__module__}.{first.__qualname__}" in message
+        assert f"{second.__module__}.{second.__qualname__}" in message
+        assert declaration_of(Shuffle(seed=0)).factory is first  # the refused one changed nothing
+        register_defense_knowledge(Shuffle, second, replace=True)
+        assert declaration_of(Shuffle(seed=0)).knowledge is second
+    finally:
+        _DECLARATIONS.pop(Shuffle, None)
+    # a packaged defense's class is taken too, by the module that defines its attack
+    with pytest.raises(ValueError, match=r"lightning_gp\.attacks\.adaptive\._gaussian"):
+        register_adaptive_attack(D.GaussianNoise, first)
+
+
+def test_a_defense_is_keyed_by_its_class_never_by_a_name():
+    with pytest.raises(TypeError, match="the defense class itself"):
+        register_adaptive_attack("lightning_gp.defenses.noise.GaussianNoise", lambda d, kw: [])
+    with pytest.raises(TypeError, match="the defense class itself"):
+        register_defense_knowledge(D.GaussianNoise(0.01), lambda d: DefenseKnowledge())
