@@ -15,16 +15,21 @@ import torch
 
 from lightning_gp import defenses as D
 from lightning_gp.attacks import (
+    DLG,
     DefenseAwareIDLG,
     DefenseAwareInversion,
     DefenseKnowledge,
     InvertingGradients,
+    RobbingTheFed,
     UnmodelledDefenseWarning,
     adaptive_attacks,
     adaptive_attacks_of,
+    attacks_by_name,
     declaration_of,
     has_adaptive_attack,
+    published_attack_names,
     register_adaptive_attack,
+    register_attack,
     register_defense_knowledge,
 )
 from lightning_gp.attacks.registry import _DECLARATIONS
@@ -159,7 +164,7 @@ def test_an_unknown_published_attack_is_an_error_listing_the_choices():
     assert str(err.value) == f"unknown attack(s) ['Nope', 'dlg']; published attacks: {PUBLISHED}"
 
 
-def test_the_registry_is_complete_once_the_package_is_imported_whatever_came_first():
+def test_the_registries_are_complete_once_the_package_is_imported_whatever_came_first():
     # a fresh interpreter per first import: the defense modules first (PriPrune's imports the attacks'
     # ServerView), then the package; every declaration is keyed by its class, beside its attack
     script = (
@@ -169,10 +174,12 @@ def test_the_registry_is_complete_once_the_package_is_imported_whatever_came_fir
         "from lightning_gp.attacks.registry import _DECLARATIONS\n"
         "print(sorted(f'{c.__module__}.{c.__qualname__}' for c in A.declared_defenses()))\n"
         "print(sorted({d.registrant.rsplit('.', 1)[0] for d in _DECLARATIONS.values()}))\n"
+        "print(A.published_attack_names())\n"
     )
     expected = [
         str(DECLARED),
         str(["lightning_gp.attacks." + m for m in REGISTERING_MODULES]),
+        str(PUBLISHED),
     ]
     for first in ("lightning_gp.priprune", "lightning_gp.attacks"):
         done = subprocess.run(
@@ -217,3 +224,10 @@ def test_a_defense_is_keyed_by_its_class_never_by_a_name():
         register_adaptive_attack("lightning_gp.defenses.noise.GaussianNoise", lambda d, kw: [])
     with pytest.raises(TypeError, match="the defense class itself"):
         register_defense_knowledge(D.GaussianNoise(0.01), lambda d: DefenseKnowledge())
+
+
+def test_a_published_name_is_registered_once():
+    with pytest.raises(ValueError, match=r"'IG' is already lightning_gp\.attacks\.optimization\.InvertingGradients"):
+        register_attack("IG", order=99, build=lambda budget, seed, model: DLG(seed=seed))(DLG)
+    assert published_attack_names() == PUBLISHED
+    assert [p.attack_type for p in attacks_by_name(["IG", "RtF"])] == [InvertingGradients, RobbingTheFed]

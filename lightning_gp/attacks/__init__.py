@@ -4,8 +4,8 @@ Every attack takes a :class:`ServerView` (the model sent, the shared gradient, w
 model allows) and returns a :class:`Reconstruction`. Attacks never see the client's data.
 
 Each module registers its attacks where it defines them (:mod:`lightning_gp.attacks.registry`):
-the adaptive attack of each defense class. Importing this package imports every such module, so
-the registry is complete before any lookup.
+the adaptive attack of each defense class, and the published attacks by name. Importing this
+package imports every such module, so the registries are complete before any lookup.
 """
 
 from lightning_gp.attacks.adaptive import (
@@ -37,9 +37,13 @@ from lightning_gp.attacks.precode_aware import PRECODEAwareInversion, find_preco
 from lightning_gp.attacks.refiner_aware import RefinerAwareInversion
 from lightning_gp.attacks.registry import (
     AdaptiveDeclaration,
+    PublishedAttack,
+    attacks_by_name,
     declaration_of,
     declared_defenses,
+    published_attack_names,
     register_adaptive_attack,
+    register_attack,
     register_defense_knowledge,
 )
 from lightning_gp.attacks.resolution import (
@@ -75,6 +79,7 @@ __all__ = [
     "ImprintedModel",
     "InvertingGradients",
     "PRECODEAwareInversion",
+    "PublishedAttack",
     "Reconstruction",
     "RefinerAwareInversion",
     "RobbingTheFed",
@@ -82,6 +87,7 @@ __all__ = [
     "UnmodelledDefenseWarning",
     "adaptive_attacks",
     "adaptive_attacks_of",
+    "attacks_by_name",
     "classification_layer",
     "compose_knowledge",
     "composed_knowledge",
@@ -102,11 +108,13 @@ __all__ = [
     "optimize_images",
     "outpost_knowledge",
     "parameter_gradients",
+    "published_attack_names",
     "received_weights",
     "recover_features",
     "recover_labels",
     "recover_mask",
     "register_adaptive_attack",
+    "register_attack",
     "register_defense_knowledge",
     "squared_l2_distance",
     "straight_through_quantization",

@@ -1,4 +1,4 @@
-"""The attack registry: the adaptive attack(s) each defense class declares.
+"""The attack registries: the adaptive attack(s) each defense class declares, and the published attacks by name.
 
 Registration happens beside each attack's definition, as a decorator keyed by the defense class
 itself (never its name), so renaming or moving a defense breaks the import of its attack instead
@@ -9,9 +9,11 @@ of silently turning the attack into a fallback:
 - :mod:`lightning_gp.attacks.perturbation_aware`: GradDefense (the defense and its callback), Outpost;
 - :mod:`lightning_gp.attacks.refiner_aware`, :mod:`~lightning_gp.attacks.ats_aware`,
   :mod:`~lightning_gp.attacks.precode_aware`, :mod:`~lightning_gp.attacks.sgi`: Refiner, ATS,
-  PRECODE and pruned FedAvg / PriPrune.
+  PRECODE and pruned FedAvg / PriPrune;
+- the published attacks (:func:`register_attack`) in :mod:`~lightning_gp.attacks.optimization`,
+  :mod:`~lightning_gp.attacks.rgap` and :mod:`~lightning_gp.attacks.robbing_the_fed`.
 
-``import lightning_gp.attacks`` imports every one of these modules, so the registry is complete
+``import lightning_gp.attacks`` imports every one of these modules, so the registries are complete
 once the package is imported (and every lookup goes through the package). A new defense (a
 baseline, a user's own) plugs in its attack the same way, in the module that defines the attack.
 
@@ -21,11 +23,13 @@ unregistered defense, compositions) is :mod:`lightning_gp.attacks.resolution`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from lightning_gp.attacks.adaptive import DefenseKnowledge
     from lightning_gp.attacks.base import GradientAttack
 
@@ -40,6 +44,7 @@ KnowledgeFactory = Callable[[Any], "DefenseKnowledge"]
 KnowledgeAttacks = Callable[["DefenseKnowledge", dict[str, Any]], "list[GradientAttack]"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+A = TypeVar("A", bound=type)
 
 
 def _qualified(obj: Any) -> str:
@@ -145,3 +150,72 @@ def declaration_of(defense: Any) -> AdaptiveDeclaration | None:
 def declared_defenses() -> list[type]:
     """Every defense class with a declared adaptive attack, in registration order."""
     return list(_DECLARATIONS)
+
+
+# ------------------------------------------------------------------------------ published attacks
+class Budget(Protocol):
+    """The iterations a published attack is built with (:class:`~lightning_gp.audit.AttackBudget`)."""
+
+    @property
+    def ig_iterations(self) -> int: ...
+    @property
+    def lbfgs_iterations(self) -> int: ...
+    @property
+    def rtf_bins(self) -> int: ...
+
+
+#: ``build(budget, seed, model) -> attack``: a fresh attack for one client of the model ``model``.
+AttackBuilder = Callable[[Budget, int, "nn.Module"], "GradientAttack"]
+
+
+@dataclass(frozen=True)
+class PublishedAttack:
+    """A published attack: its name (a column of the audit), its class, how it is built from a
+    budget, and its position among the published attacks (``order``)."""
+
+    name: str
+    attack_type: type
+    build: AttackBuilder
+    order: int
+
+
+_PUBLISHED: dict[str, PublishedAttack] = {}
+
+
+def register_attack(name: str, *, build: AttackBuilder, order: int) -> Callable[[A], A]:
+    """Class decorator: publish the attack as ``name``, built by ``build(budget, seed, model)``,
+    ``order``-th among the published attacks (the audit's columns). Applied on the attack's class
+    where it is defined; a name registered twice is an error naming both classes."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty str, got {name!r}")
+    if not callable(build):
+        raise TypeError(f"build must be callable, got {type(build).__name__}")
+
+    def register(attack_type: A) -> A:
+        existing = _PUBLISHED.get(name)
+        if existing is not None:
+            raise ValueError(
+                f"the published attack {name!r} is already {_qualified(existing.attack_type)}; "
+                f"{_qualified(attack_type)} cannot take the name"
+            )
+        _PUBLISHED[name] = PublishedAttack(name, attack_type, build, order)
+        return attack_type
+
+    return register
+
+
+def published_attack_names() -> list[str]:
+    """The names of the published attacks, in their order."""
+    return [p.name for p in sorted(_PUBLISHED.values(), key=lambda p: p.order)]
+
+
+def attacks_by_name(names: Sequence[str] | None = None) -> list[PublishedAttack]:
+    """The published attacks (all, in their order, or the ``names`` given, in that order); an
+    unknown name is an error listing the choices."""
+    known = published_attack_names()
+    if names is None:
+        return [_PUBLISHED[n] for n in known]
+    unknown = [n for n in names if n not in _PUBLISHED]
+    if unknown:
+        raise ValueError(f"unknown attack(s) {unknown}; published attacks: {known}")
+    return [_PUBLISHED[n] for n in names]
