@@ -35,7 +35,7 @@ from lightning_gp.attacks import (
     register_adaptive_attack,
     straight_through_quantization,
 )
-from lightning_gp.attacks.registry import _FACTORIES
+from lightning_gp.attacks.registry import _DECLARATIONS
 from lightning_gp.data import FashionMNISTSampleDataModule
 from lightning_gp.metrics.image_quality import psnr
 from lightning_gp.models import LeNetZhu
@@ -234,9 +234,9 @@ def test_register_adaptive_attack_plugs_in_a_new_defense_and_refuses_duplicates(
         with pytest.raises(ValueError, match="already has an adaptive attack"):
             register_adaptive_attack(Shuffle, factory)
     finally:
-        _FACTORIES.pop(f"{Shuffle.__module__}.{Shuffle.__qualname__}", None)
-    with pytest.raises(ValueError, match="qualified name"):
-        register_adaptive_attack("Shuffle", factory)
+        _DECLARATIONS.pop(Shuffle, None)
+    with pytest.raises(TypeError, match="the defense class itself"):  # a name, qualified or not, is refused
+        register_adaptive_attack("tests.test_adaptive_attacks.Shuffle", factory)
 
 
 def test_the_shared_gradient_pipeline_records_which_defenses_ran(datamodule):

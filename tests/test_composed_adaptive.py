@@ -39,7 +39,7 @@ from lightning_gp.attacks import (
     register_adaptive_attack,
     register_defense_knowledge,
 )
-from lightning_gp.attacks.registry import _FACTORIES, _KNOWLEDGE
+from lightning_gp.attacks.registry import _DECLARATIONS
 from lightning_gp.defenses.quantization import quantize
 
 
@@ -210,7 +210,7 @@ def test_a_member_whose_attack_is_not_knowledge_based_marks_every_attack_as_fall
         assert results[0].meta["unmodelled"] == ["TopKPruning"]
         assert results[1].meta["unmodelled"] == ["Shuffle"] and "support_fraction" in results[1].meta
     finally:
-        _FACTORIES.pop(f"{Shuffle.__module__}.{Shuffle.__qualname__}", None)
+        _DECLARATIONS.pop(Shuffle, None)
 
 
 def test_graddefense_does_not_compose_and_says_so():
@@ -282,7 +282,6 @@ def test_a_users_knowledge_composes_with_the_packaged_defenses():
         Clip,
         lambda d: DefenseKnowledge(defense="Clip", models=("Clip",), support=False, transform=coordinate_clip(0.1)),
     )
-    key = f"{Clip.__module__}.{Clip.__qualname__}"
     try:
         knowledge = composed_knowledge([Clip(), D.TopKPruning(rate=0.8)])
         assert knowledge.models == ("Clip", "TopKPruning") and knowledge.support and knowledge.transform is not None
@@ -292,8 +291,7 @@ def test_a_users_knowledge_composes_with_the_packaged_defenses():
         register_adaptive_attack(Clip, lambda d, kw: [InvertingGradients(**kw)], replace=True)
         assert defense_knowledge(Clip()) is None
     finally:
-        _FACTORIES.pop(key, None)
-        _KNOWLEDGE.pop(key, None)
+        _DECLARATIONS.pop(Clip, None)
 
 
 def test_api_boundaries_name_the_argument():

@@ -2,6 +2,10 @@
 
 Every attack takes a :class:`ServerView` (the model sent, the shared gradient, what the threat
 model allows) and returns a :class:`Reconstruction`. Attacks never see the client's data.
+
+Each module registers its attacks where it defines them (:mod:`lightning_gp.attacks.registry`):
+the adaptive attack of each defense class, and the published attacks by name. Importing this
+package imports every such module, so the registries are complete before any lookup.
 """
 
 from lightning_gp.attacks.adaptive import (
@@ -12,6 +16,8 @@ from lightning_gp.attacks.adaptive import (
     UnmodelledDefenseWarning,
     compose_knowledge,
     coordinate_clip,
+    defense_aware_attacks,
+    defense_aware_inversion,
     layer_noise_weights,
     mark_fallback,
     straight_through_quantization,
@@ -26,20 +32,28 @@ from lightning_gp.attacks.gradient_matching import (
 )
 from lightning_gp.attacks.labels import classification_layer, recover_labels
 from lightning_gp.attacks.optimization import DLG, IDLG, GradInversion, InvertingGradients, optimize_images
+from lightning_gp.attacks.perturbation_aware import graddefense_knowledge, outpost_knowledge
 from lightning_gp.attacks.precode_aware import PRECODEAwareInversion, find_precode, recover_features
 from lightning_gp.attacks.refiner_aware import RefinerAwareInversion
 from lightning_gp.attacks.registry import (
+    AdaptiveDeclaration,
+    PublishedAttack,
+    attacks_by_name,
+    declaration_of,
+    declared_defenses,
+    published_attack_names,
+    register_adaptive_attack,
+    register_attack,
+    register_defense_knowledge,
+)
+from lightning_gp.attacks.resolution import (
     adaptive_attacks,
     adaptive_attacks_of,
     composed_knowledge,
     composition_fallback_reason,
-    defense_aware_attacks,
-    defense_aware_inversion,
     defense_knowledge,
     has_adaptive_attack,
     modelled_defense,
-    register_adaptive_attack,
-    register_defense_knowledge,
 )
 from lightning_gp.attacks.rgap import RGAP
 from lightning_gp.attacks.robbing_the_fed import ImprintBlock, ImprintedModel, RobbingTheFed
@@ -53,6 +67,7 @@ __all__ = [
     "SGI",
     "ATSAwareInversion",
     "ATSAwareRobbing",
+    "AdaptiveDeclaration",
     "AttackNotApplicable",
     "ComposedTransform",
     "DefenseAwareIDLG",
@@ -64,6 +79,7 @@ __all__ = [
     "ImprintedModel",
     "InvertingGradients",
     "PRECODEAwareInversion",
+    "PublishedAttack",
     "Reconstruction",
     "RefinerAwareInversion",
     "RobbingTheFed",
@@ -71,27 +87,34 @@ __all__ = [
     "UnmodelledDefenseWarning",
     "adaptive_attacks",
     "adaptive_attacks_of",
+    "attacks_by_name",
     "classification_layer",
     "compose_knowledge",
     "composed_knowledge",
     "composition_fallback_reason",
     "coordinate_clip",
     "cosine_distance",
+    "declaration_of",
+    "declared_defenses",
     "defense_aware_attacks",
     "defense_aware_inversion",
     "defense_knowledge",
     "find_precode",
+    "graddefense_knowledge",
     "has_adaptive_attack",
     "layer_noise_weights",
     "mark_fallback",
     "modelled_defense",
     "optimize_images",
+    "outpost_knowledge",
     "parameter_gradients",
+    "published_attack_names",
     "received_weights",
     "recover_features",
     "recover_labels",
     "recover_mask",
     "register_adaptive_attack",
+    "register_attack",
     "register_defense_knowledge",
     "squared_l2_distance",
     "straight_through_quantization",

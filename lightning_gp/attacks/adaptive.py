@@ -1,4 +1,4 @@
-"""Defense-aware gradient matching: the attacker who knows the defense (DESIGN.md, "defense-aware IG").
+"""Defense-aware gradient matching: the attacker who knows the defense.
 
 A defense is credible only against the attacker who knows it (Carlini et al., "On Evaluating
 Adversarial Robustness", 2019: adaptive attacks). What the server knows of a defense is a
@@ -27,7 +27,10 @@ the shared one:
 - **skipped layers**: layers a defense is known to perturb (e.g. the layer Soteria defends) are
   left out of the match.
 
-Which of these applies is declared per defense in :mod:`lightning_gp.attacks.registry`. An attack
+Which of these applies is declared per defense at the end of this module (the defense-aware pair
+of :func:`defense_aware_attacks`, registered with
+:func:`~lightning_gp.attacks.registry.register_defense_knowledge` on each defense class;
+GradDefense's and Outpost's in :mod:`lightning_gp.attacks.perturbation_aware`). An attack
 given a view whose recorded defenses (``meta["defenses"]``, written by the shared-gradient
 pipeline) include one it does not model says so (:class:`UnmodelledDefenseWarning`), runs the
 published attack instead and marks the result ``meta["fallback"]``.
@@ -42,7 +45,7 @@ import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -55,9 +58,15 @@ from lightning_gp.attacks.gradient_matching import (
     total_variation,
 )
 from lightning_gp.attacks.optimization import IDLG, InvertingGradients
+from lightning_gp.attacks.registry import register_defense_knowledge
 from lightning_gp.attacks.sgi import recover_mask
 from lightning_gp.attacks.view import ServerView
-from lightning_gp.defenses.quantization import quantize
+from lightning_gp.callbacks.dp_sgd import DPSGD
+from lightning_gp.defenses.noise import GaussianNoise, LaplaceNoise
+from lightning_gp.defenses.optimal import OptimalDPSGD, OptimalGradientNoise, OptimalGradientPruning
+from lightning_gp.defenses.quantization import GradientQuantization, quantize
+from lightning_gp.defenses.soteria import Soteria
+from lightning_gp.defenses.sparsification import SparsifyingDefense
 from lightning_gp.validation import check_nonnegative, check_positive, check_positive_int
 
 #: A differentiable map of the dummy gradient: the deterministic part of a defense.
@@ -588,3 +597,87 @@ def mark_fallback(attack: _Attack, reason: str, unmodelled: Sequence[str] = ()) 
     attack.__class__ = marked
     attack._fallback_marking = (reason, tuple(str(u) for u in unmodelled))  # type: ignore[attr-defined]
     return attack
+
+
+# ------------------------------------------------------------------------------ the attacks on a knowledge
+def defense_aware_attacks(knowledge: DefenseKnowledge, kwargs: dict[str, Any]) -> list[GradientAttack]:
+    """The two defense-aware optimisers on ``knowledge``: Inverting Gradients (Adam, cosine) and
+    iDLG (L-BFGS, L2, restarts). Budget keys: ``iterations`` (Adam), ``lbfgs_iterations``,
+    ``restarts`` (IG's; iDLG keeps at least 4), ``seed``, ``device``, ``progress_every``; any other
+    key goes to :class:`DefenseAwareInversion`."""
+    kwargs = dict(kwargs)
+    common = {k: kwargs.pop(k) for k in ("seed", "device", "progress_every") if k in kwargs}
+    lbfgs_iterations = kwargs.pop("lbfgs_iterations", 100)
+    restarts = kwargs.get("restarts", 1)
+    return [
+        DefenseAwareInversion(knowledge, **kwargs, **common),
+        DefenseAwareIDLG(knowledge, iterations=lbfgs_iterations, restarts=max(4, restarts), **common),
+    ]
+
+
+def defense_aware_inversion(knowledge: DefenseKnowledge, kwargs: dict[str, Any]) -> list[GradientAttack]:
+    """The defense-aware Inverting Gradients alone (Adam), for a knowledge whose transform L-BFGS
+    cannot use (quantisation: without the straight-through rounding iDLG is the published one)."""
+    kwargs = dict(kwargs)
+    kwargs.pop("lbfgs_iterations", None)
+    return [DefenseAwareInversion(knowledge, **kwargs)]
+
+
+# ------------------------------------------------------------------------------ registered here
+# What the server knows of each defense whose adaptive attack is the defense-aware pair (or, for
+# quantisation, its Adam half); GradDefense's and Outpost's are in perturbation_aware.
+def _knows(target: Any, **options: Any) -> DefenseKnowledge:
+    name = type(target).__name__
+    return DefenseKnowledge(defense=name, models=(name,), **options)
+
+
+# Soteria's pruned columns arrive as exact zeros: the support-restricted match skips them
+@register_defense_knowledge(Soteria)
+@register_defense_knowledge(OptimalGradientPruning)
+@register_defense_knowledge(SparsifyingDefense)
+def _pruning(target: Any) -> DefenseKnowledge:
+    return _knows(target, support=True)
+
+
+@register_defense_knowledge(GradientQuantization, attacks=defense_aware_inversion)
+def _quantization(target: Any) -> DefenseKnowledge:
+    # A zero of a quantised layer says |g| < m / 2L, not "not sent": every entry is matched. The
+    # rounding is applied straight-through (stochastic rounding is unbiased: nothing to apply).
+    # Only the Adam attack (defense_aware_inversion): L-BFGS cannot use the straight-through
+    # rounding, and without it it is the published iDLG.
+    transform = None if target.stochastic_rounding else straight_through_quantization(target.bits)
+    return _knows(target, support=False, transform=transform)
+
+
+@register_defense_knowledge(GaussianNoise)
+def _gaussian(target: Any) -> DefenseKnowledge:
+    transform = None if target.clip is None else coordinate_clip(target.clip)
+    return _knows(target, support=False, transform=transform, noise_std=target.scale)
+
+
+@register_defense_knowledge(LaplaceNoise)
+def _laplace(target: Any) -> DefenseKnowledge:
+    return _knows(target, support=False, noise_std=math.sqrt(2) * target.scale)
+
+
+@register_defense_knowledge(OptimalGradientNoise)
+def _optimal_noise(target: Any) -> DefenseKnowledge:
+    # zero-gradient coordinates get no noise (Eq. 8), so the support is known; the per-coordinate
+    # variance depends on the client's data, its average power is scale^2
+    return _knows(target, support=True, noise_std=target.scale)
+
+
+@register_defense_knowledge(OptimalDPSGD)
+def _optimal_dp_sgd(target: Any) -> DefenseKnowledge:
+    return _knows(target, support=True, transform=coordinate_clip(target.clip), noise_std=target.scale)
+
+
+@register_defense_knowledge(DPSGD)
+def _dp_sgd(target: Any) -> DefenseKnowledge:
+    def noise_std(view: ServerView) -> float:
+        sigma = target.noise_multiplier_used if target.noise_multiplier_used is not None else target.noise_multiplier
+        if sigma is None:
+            raise ValueError("DPSGD has not chosen its noise multiplier yet (it does at fit start)")
+        return float(sigma) * target.max_grad_norm / view.batch_size
+
+    return _knows(target, support=False, per_example_clip=target.max_grad_norm, noise_std=noise_std)

@@ -38,9 +38,11 @@ from lightning_gp.attacks.base import GradientAttack, Reconstruction
 from lightning_gp.attacks.gradient_matching import cosine_distance, parameter_gradients
 from lightning_gp.attacks.labels import recover_labels
 from lightning_gp.attacks.optimization import InvertingGradients
+from lightning_gp.attacks.registry import register_adaptive_attack
 from lightning_gp.attacks.robbing_the_fed import RobbingTheFed
 from lightning_gp.attacks.view import ServerView
 from lightning_gp.augmentation.ats import ATSPolicy
+from lightning_gp.augmentation.module import ATSModule
 from lightning_gp.normalization import normalize
 from lightning_gp.validation import check_nonnegative
 
@@ -183,3 +185,12 @@ class ATSAwareRobbing(RobbingTheFed):
 
 
 __all__ = ["ATSAwareInversion", "ATSAwareRobbing"]
+
+
+@register_adaptive_attack(ATSModule)
+def _ats(target: ATSModule, kwargs: dict[str, Any]) -> list[GradientAttack]:
+    """ATS's adaptive attacks: IG recovers the transformed batch, a malicious server's imprint layer
+    recovers it exactly; the policy's inverse maps either back (no L-BFGS part)."""
+    kwargs.pop("lbfgs_iterations", None)
+    rtf_kwargs = {k: kwargs[k] for k in ("seed", "device", "progress_every") if k in kwargs}
+    return [ATSAwareInversion(target.policy, **kwargs), ATSAwareRobbing(target.policy, **rtf_kwargs)]

@@ -4,6 +4,9 @@ DLG (Zhu et al. 2019) and iDLG (Zhao et al. 2020) minimise the squared L2 gradie
 with L-BFGS; Inverting Gradients (Geiping et al. 2020) minimises ``1 - cosine + a_TV TV(x)``
 with Adam on signed gradients inside the data box; GradInversion (Yin et al. 2021) adds
 image priors and matches BatchNorm statistics.
+
+Each is registered here as a published attack (:func:`~lightning_gp.attacks.registry.register_attack`:
+its name in the audit and how a budget builds it).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from lightning_gp.attacks.gradient_matching import (
     total_variation,
 )
 from lightning_gp.attacks.labels import recover_labels
+from lightning_gp.attacks.registry import register_attack
 from lightning_gp.attacks.view import ServerView
 from lightning_gp.validation import check_bool, check_nonnegative, check_positive, check_positive_int
 
@@ -39,6 +43,7 @@ def known_or_recovered_labels(view: ServerView) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------- DLG
+@register_attack("DLG", order=0, build=lambda budget, seed, model: DLG(iterations=budget.lbfgs_iterations, seed=seed))
 class DLG(GradientAttack):
     """Deep Leakage from Gradients (Zhu et al., NeurIPS 2019, Alg. 1).
 
@@ -138,6 +143,7 @@ class DLG(GradientAttack):
         return final, images.detach(), labels, trace
 
 
+@register_attack("iDLG", order=1, build=lambda budget, seed, model: IDLG(iterations=budget.lbfgs_iterations, seed=seed))
 class IDLG(DLG):
     """Improved DLG (Zhao et al. 2020): recover the label analytically from the sign of the
     last layer's gradient (Sec. 3), then run DLG on the inputs alone with that label."""
@@ -299,6 +305,9 @@ def _finite_or_inf(value: float) -> float:
     return value if math.isfinite(value) else math.inf
 
 
+@register_attack(
+    "IG", order=2, build=lambda budget, seed, model: InvertingGradients(iterations=budget.ig_iterations, seed=seed)
+)
 class InvertingGradients(GradientAttack):
     """Inverting Gradients (Geiping et al., NeurIPS 2020, Eq. 4).
 
@@ -474,6 +483,18 @@ class InvertingGradients(GradientAttack):
         return None
 
 
+def _has_batch_norm(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+@register_attack(
+    "GradInversion",
+    order=3,
+    # the BatchNorm prior needs BatchNorm layers: without them the L2 + TV + norm priors remain
+    build=lambda budget, seed, model: GradInversion(
+        iterations=budget.ig_iterations, bn_weight=1e-2 if _has_batch_norm(model) else 0.0, seed=seed
+    ),
+)
 class GradInversion(InvertingGradients):
     """GradInversion (Yin et al., CVPR 2021, Eq. 3-8) without its multi-seed group consistency.
 

@@ -22,6 +22,9 @@ the shared gradient are compared too (the pruned dummy must be zero there). When
 shared gradient is the raw one and the published match applies. (Matching only the entries
 estimated as kept, the layer's largest ``|shared|``, did worse on LeNet: at ``lambda = 0.8`` the
 noise is not small next to the kept entries, and noise on pruned entries pollutes the estimate.)
+
+Both are registered here (:func:`~lightning_gp.attacks.registry.register_defense_knowledge`):
+GradDefense as the pure defense and as its callback (which holds the root set), Outpost.
 """
 
 from __future__ import annotations
@@ -35,9 +38,11 @@ import torch
 from torch import Tensor
 
 from lightning_gp.attacks.adaptive import DefenseKnowledge, KnownTransform
+from lightning_gp.attacks.registry import register_defense_knowledge
 from lightning_gp.attacks.view import ServerView
-from lightning_gp.defenses.graddefense import compensation_shape
-from lightning_gp.defenses.outpost import outpost_noise_std, prune_below_percentile
+from lightning_gp.callbacks import graddefense as graddefense_callback
+from lightning_gp.defenses.graddefense import GradDefense, compensation_shape
+from lightning_gp.defenses.outpost import Outpost, outpost_noise_std, prune_below_percentile
 from lightning_gp.defenses.selection import count_for_rate
 from lightning_gp.named_tensors import flatten_named, unflatten_named
 
@@ -171,6 +176,7 @@ def outpost_was_perturbed(shared: Mapping[str, Tensor], phi: float, rho: float) 
     return pruned > 0 and zeros >= max(1, pruned - noised)
 
 
+@register_defense_knowledge(Outpost)
 def outpost_knowledge(defense: Any, *, name: str = "Outpost") -> DefenseKnowledge:
     """The server's model of an :class:`~lightning_gp.defenses.Outpost` (``phi``, ``rho``, ``noise_multiplier``)."""
     phi, rho, lam = float(defense.phi), float(defense.rho), float(defense.noise_multiplier)
@@ -197,4 +203,18 @@ def outpost_knowledge(defense: Any, *, name: str = "Outpost") -> DefenseKnowledg
 
     return DefenseKnowledge(
         defense=name, models=(name,), support=False, coordinate_weights=weights, view_transform=view_transform
+    )
+
+
+@register_defense_knowledge(GradDefense)
+def _graddefense(target: Any) -> DefenseKnowledge:
+    # without the root set the slices are unknown: every layer is judged as one slice
+    return graddefense_knowledge(target)
+
+
+@register_defense_knowledge(graddefense_callback.GradDefense)
+def _graddefense_callback(target: Any) -> DefenseKnowledge:
+    # the server holds the public root set and the model it sent: it cuts the same slices
+    return graddefense_knowledge(
+        target.defense, lambda view: target.slice_boundaries_for(view.model, view.gradients, view.loss_fn)
     )

@@ -31,6 +31,7 @@ analytic recovery when ``B = 1``), so a batch is recovered only as far as that f
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -40,7 +41,9 @@ from lightning_gp.attacks.base import AttackNotApplicable, GradientAttack, Recon
 from lightning_gp.attacks.gradient_matching import cosine_distance, total_variation
 from lightning_gp.attacks.labels import classification_layer, recover_labels
 from lightning_gp.attacks.optimization import best_of_restarts, random_images
+from lightning_gp.attacks.registry import register_adaptive_attack
 from lightning_gp.attacks.view import ServerView
+from lightning_gp.models.precode import PRECODE
 from lightning_gp.validation import check_nonnegative, check_positive, check_positive_int
 
 
@@ -230,3 +233,11 @@ def _labels(view: ServerView) -> Tensor:
     _, bias = classification_layer(view)
     use_bias = bias is not None and view.batch_size <= view.num_classes
     return recover_labels(view, method="bias" if use_bias else "auto").to(view.device)
+
+
+@register_adaptive_attack(PRECODE)
+def _precode(target: PRECODE, kwargs: dict[str, Any]) -> list[GradientAttack]:
+    """PRECODE's adaptive attack: the VB encoder's gradient gives the features whatever eps was;
+    invert them (Adam only)."""
+    kwargs.pop("lbfgs_iterations", None)
+    return [PRECODEAwareInversion(**kwargs)]

@@ -49,7 +49,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -57,8 +57,10 @@ from torch import Tensor
 from lightning_gp.attacks.base import GradientAttack, Reconstruction
 from lightning_gp.attacks.gradient_matching import cosine_distance, parameter_gradients, total_variation
 from lightning_gp.attacks.optimization import IDLG, best_of_restarts, known_or_recovered_labels, random_images
+from lightning_gp.attacks.registry import register_adaptive_attack
 from lightning_gp.attacks.view import ServerView
 from lightning_gp.normalization import normalize
+from lightning_gp.refiner.module import RefinerModule
 from lightning_gp.validation import check_bool, check_choice, check_nonnegative, check_positive, check_positive_int
 
 Strategy = Literal["ball", "ball_lbfgs", "sphere", "unblend", "invert"]
@@ -354,3 +356,11 @@ __all__ = [
     "ball_distance",
     "tv_denoise",
 ]
+
+
+@register_adaptive_attack(RefinerModule)
+def _refiner(target: RefinerModule, kwargs: dict[str, Any]) -> list[GradientAttack]:
+    """Refiner's adaptive attack: this module's attack with the module's ``eps``, ``alpha`` and projection."""
+    config = target.config
+    kwargs.pop("lbfgs_iterations", None)
+    return [RefinerAwareInversion(eps=config.eps, alpha=config.alpha, projection=config.projection, **kwargs)]

@@ -51,6 +51,7 @@ from torch import Tensor, nn
 
 from lightning_gp.attacks.base import AttackNotApplicable, GradientAttack, Reconstruction
 from lightning_gp.attacks.labels import recover_labels
+from lightning_gp.attacks.registry import register_attack
 from lightning_gp.attacks.view import ServerView
 
 SUPPORTED = (
@@ -523,6 +524,7 @@ def solve_layer(system: LayerSystem, rcond: float, refinements: int) -> tuple[Te
 # --------------------------------------------------------------------------------------------
 
 
+@register_attack("R-GAP", order=4, build=lambda budget, seed, model: RGAP(seed=seed))  # the published attack
 class RGAP(GradientAttack):
     """R-GAP (Zhu & Blaschko, ICLR 2021): analytic recursive inversion of one image's gradient.
 

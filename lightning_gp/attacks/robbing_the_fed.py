@@ -51,6 +51,7 @@ from scipy.stats import norm
 from torch import Tensor, nn
 
 from lightning_gp.attacks.base import AttackNotApplicable, GradientAttack, Reconstruction
+from lightning_gp.attacks.registry import register_attack
 from lightning_gp.attacks.view import ServerView
 from lightning_gp.normalization import input_bounds, per_channel
 
@@ -365,6 +366,9 @@ def select_bins(bias_diff: Tensor, count: int, rel_threshold: float) -> Tensor:
     return candidates.sort().values
 
 
+@register_attack(  # the published attack (active: it sends a modified model)
+    "RtF", order=5, build=lambda budget, seed, model: RobbingTheFed(num_bins=budget.rtf_bins, seed=seed)
+)
 class RobbingTheFed(GradientAttack):
     """Robbing the Fed (Fowl et al., ICLR 2022): recover inputs verbatim through an imprint block.
 

@@ -15,7 +15,10 @@ The dummy update is the gradient of the dummy batch for one local step, and for 
 ``S`` dummy batches from ``w_prev``, the pruned weights of the sent model held at zero), so the
 true batch reproduces the update exactly. Given a FedSGD shared gradient instead, the support is
 the gradient's nonzero pattern and SGI is Inverting Gradients on the shared support: the adaptive
-attack on any pruning defense (DESIGN.md, "defense-aware IG").
+attack on any pruning defense.
+
+SGI is registered here as the adaptive attack of :class:`~lightning_gp.priprune.PrunedFedAvgModule`
+(PriPrune's module inherits it).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable, Mapping
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -33,7 +36,9 @@ from lightning_gp.attacks.base import AttackNotApplicable, GradientAttack, Recon
 from lightning_gp.attacks.gradient_matching import cosine_distance, parameter_gradients, total_variation
 from lightning_gp.attacks.labels import recover_labels
 from lightning_gp.attacks.optimization import best_of_restarts
+from lightning_gp.attacks.registry import register_adaptive_attack
 from lightning_gp.attacks.view import ServerView
+from lightning_gp.priprune.module import PrunedFedAvgModule
 from lightning_gp.validation import check_choice, check_nonnegative, check_positive, check_positive_int
 
 UpdateKind = Literal["auto", "weights", "gradient"]
@@ -245,3 +250,10 @@ class SGI(GradientAttack):
                 "local_lr": lr,
             },
         )
+
+
+@register_adaptive_attack(PrunedFedAvgModule)
+def _sgi(target: PrunedFedAvgModule, kwargs: dict[str, Any]) -> list[GradientAttack]:
+    """The adaptive attack of pruned FedAvg and PriPrune (a subclass): SGI (Adam only)."""
+    kwargs.pop("lbfgs_iterations", None)
+    return [SGI(**kwargs)]

@@ -35,16 +35,12 @@ import torch
 from torch import Tensor, nn
 
 from lightning_gp.attacks import (
-    DLG,
-    IDLG,
-    RGAP,
     AttackNotApplicable,
     GradientAttack,
-    GradInversion,
-    InvertingGradients,
+    PublishedAttack,
     Reconstruction,
-    RobbingTheFed,
     ServerView,
+    attacks_by_name,
 )
 from lightning_gp.audit.catalog import DefenseSetting
 from lightning_gp.audit.engine import AttackResult, attack_record, attacker_loss
@@ -90,36 +86,15 @@ class AttackSpec:
     build: Callable[[int, nn.Module], GradientAttack]
 
 
-def _has_batch_norm(model: nn.Module) -> bool:
-    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
-
-
 def published_attacks(budget: AttackBudget, names: Sequence[str] | None = None) -> list[AttackSpec]:
-    """The published attacks of the matrix (all, or the ``names`` given, in that order)."""
-    specs = [
-        AttackSpec("DLG", "published", lambda seed, model: DLG(iterations=budget.lbfgs_iterations, seed=seed)),
-        AttackSpec("iDLG", "published", lambda seed, model: IDLG(iterations=budget.lbfgs_iterations, seed=seed)),
-        AttackSpec(
-            "IG", "published", lambda seed, model: InvertingGradients(iterations=budget.ig_iterations, seed=seed)
-        ),
-        AttackSpec(
-            "GradInversion",
-            "published",
-            # the BatchNorm prior needs BatchNorm layers: without them the L2 + TV + norm priors remain
-            lambda seed, model: GradInversion(
-                iterations=budget.ig_iterations, bn_weight=1e-2 if _has_batch_norm(model) else 0.0, seed=seed
-            ),
-        ),
-        AttackSpec("R-GAP", "published", lambda seed, model: RGAP(seed=seed)),
-        AttackSpec("RtF", "published", lambda seed, model: RobbingTheFed(num_bins=budget.rtf_bins, seed=seed)),
-    ]
-    if names is None:
-        return specs
-    by_name = {s.name: s for s in specs}
-    unknown = [n for n in names if n not in by_name]
-    if unknown:
-        raise ValueError(f"unknown attack(s) {unknown}; published attacks: {list(by_name)}")
-    return [by_name[n] for n in names]
+    """The published attacks of the matrix (all, in their order, or the ``names`` given, in that
+    order): the registry of :mod:`lightning_gp.attacks.registry`, where each attack registers its
+    name and how ``budget`` builds it beside its definition. An unknown name is an error listing them."""
+    return [_published_spec(p, budget) for p in attacks_by_name(names)]
+
+
+def _published_spec(published: PublishedAttack, budget: AttackBudget) -> AttackSpec:
+    return AttackSpec(published.name, "published", lambda seed, model: published.build(budget, seed, model))
 
 
 @dataclass

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from lightning_gp.attacks.view import ServerView
 from lightning_gp.federated.aggregation import weighted_mean
 from lightning_gp.functional import LossFn, trainable_parameters
 from lightning_gp.named_tensors import flatten_named, unflatten_named
@@ -54,6 +53,9 @@ from lightning_gp.validation import (
     check_positive,
     check_positive_int,
 )
+
+if TYPE_CHECKING:  # the attacks import this module (SGI is registered on PrunedFedAvgModule)
+    from lightning_gp.attacks.view import ServerView
 
 PREFIX = "module."  # the client model's parameters are named module.<name> in these wrappers
 _FORMAT = "lightning_gp.PrunedFedAvg/1"
@@ -505,6 +507,8 @@ def server_view(record: TappedGradient, model: nn.Module, **kwargs: Any) -> Serv
     view's ``gradients`` are the update ``w_global - w_shared`` and its ``meta`` says FedAvg, so
     :class:`~lightning_gp.attacks.SGI` reads the received weights from it.
     """
+    from lightning_gp.attacks.view import ServerView
+
     strip = {n: n.removeprefix(PREFIX) for n in [*record.gradients, *record.model_state]}
     bare = dataclasses.replace(
         record,
