@@ -87,7 +87,8 @@ DECLARED = sorted(
         "lightning_gp.refiner.module.RefinerModule",
     ]
 )
-#: the modules that register them: each beside the attack it declares
+#: the modules that register them: each beside the attack it declares (a class defined above the
+#: attacks, e.g. DPSGD or RefinerModule, registers in its own module the attack defined here)
 REGISTERING_MODULES = ["adaptive", "ats_aware", "perturbation_aware", "precode_aware", "refiner_aware", "sgi"]
 
 
@@ -164,24 +165,29 @@ def test_an_unknown_published_attack_is_an_error_listing_the_choices():
     assert str(err.value) == f"unknown attack(s) ['Nope', 'dlg']; published attacks: {PUBLISHED}"
 
 
-def test_the_registries_are_complete_once_the_package_is_imported_whatever_came_first():
-    # a fresh interpreter per first import: the defense modules first (PriPrune's imports the attacks'
-    # ServerView), then the package; every declaration is keyed by its class, beside its attack
+def test_the_registries_are_complete_once_the_defining_modules_are_imported_whatever_came_first():
+    # a fresh interpreter per first import; the pure defenses' attacks are declared by the attacks
+    # package itself, a class defined above it (DPSGD, RefinerModule, ...) declares its own in its module
     script = (
         "import importlib, sys\n"
         "importlib.import_module(sys.argv[1])\n"
         "import lightning_gp.attacks as A\n"
+        "below = [c for c in A.declared_defenses() if c.__module__.split('.')[1] in ('defenses', 'models', 'augmentation')]\n"
+        "import lightning_gp.callbacks, lightning_gp.refiner, lightning_gp.priprune\n"
         "from lightning_gp.attacks.registry import _DECLARATIONS\n"
         "print(sorted(f'{c.__module__}.{c.__qualname__}' for c in A.declared_defenses()))\n"
         "print(sorted({d.registrant.rsplit('.', 1)[0] for d in _DECLARATIONS.values()}))\n"
         "print(A.published_attack_names())\n"
+        "print(sorted(f'{c.__module__}.{c.__qualname__}' for c in below))\n"
     )
+    below = [n for n in DECLARED if n.split(".")[1] in ("defenses", "models", "augmentation")]
     expected = [
         str(DECLARED),
         str(["lightning_gp.attacks." + m for m in REGISTERING_MODULES]),
         str(PUBLISHED),
+        str(below),
     ]
-    for first in ("lightning_gp.priprune", "lightning_gp.attacks"):
+    for first in ("lightning_gp.priprune", "lightning_gp.callbacks", "lightning_gp.attacks"):
         done = subprocess.run(
             [sys.executable, "-c", script, first], capture_output=True, text=True, check=False, timeout=300
         )
@@ -191,7 +197,7 @@ def test_the_registries_are_complete_once_the_package_is_imported_whatever_came_
 
 def test_registering_a_second_attack_for_one_class_is_an_error_naming_both():
     class Shuffle(D.Defense):
-        def transform(self, gradients, state, generator):
+        def transform(self, gradients, state, call):
             return dict(gradients), state
 
     @register_adaptive_attack(Shuffle)

@@ -130,11 +130,11 @@ MAY_IMPORT: dict[str, set[str]] = {
     "models": FLOOR,
     "data": FLOOR,
     "augmentation": FLOOR | {"models", "data"},
-    "refiner": FLOOR | {"models", "data"},
     "attacks": FLOOR | {"defenses", "models", "augmentation"},
+    "refiner": FLOOR | {"models", "data", "attacks"},
     "metrics": FLOOR | {"attacks", "refiner"},
     "pipeline": FLOOR | {"defenses"},
-    "callbacks": FLOOR | {"defenses", "pipeline"},
+    "callbacks": FLOOR | {"defenses", "pipeline", "attacks"},
     "federated": FLOOR | {"defenses", "pipeline"},
 }
 _BELOW_AUDIT = set(MAY_IMPORT) | {"augmentation", "refiner", "metrics"}

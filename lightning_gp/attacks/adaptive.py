@@ -61,7 +61,6 @@ from lightning_gp.attacks.optimization import IDLG, InvertingGradients
 from lightning_gp.attacks.registry import register_defense_knowledge
 from lightning_gp.attacks.sgi import recover_mask
 from lightning_gp.attacks.view import ServerView
-from lightning_gp.callbacks.dp_sgd import DPSGD
 from lightning_gp.defenses.noise import GaussianNoise, LaplaceNoise
 from lightning_gp.defenses.optimal import OptimalDPSGD, OptimalGradientNoise, OptimalGradientPruning
 from lightning_gp.defenses.quantization import GradientQuantization, quantize
@@ -672,8 +671,10 @@ def _optimal_dp_sgd(target: Any) -> DefenseKnowledge:
     return _knows(target, support=True, transform=coordinate_clip(target.clip), noise_std=target.scale)
 
 
-@register_defense_knowledge(DPSGD)
-def _dp_sgd(target: Any) -> DefenseKnowledge:
+def dp_sgd_knowledge(target: Any) -> DefenseKnowledge:
+    """What the server knows of a :class:`~lightning_gp.callbacks.DPSGD` client (registered beside
+    ``DPSGD``): each example clipped to ``max_grad_norm``, Gaussian noise of the multiplier used."""
+
     def noise_std(view: ServerView) -> float:
         sigma = target.noise_multiplier_used if target.noise_multiplier_used is not None else target.noise_multiplier
         if sigma is None:

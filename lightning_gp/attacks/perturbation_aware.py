@@ -40,7 +40,6 @@ from torch import Tensor
 from lightning_gp.attacks.adaptive import DefenseKnowledge, KnownTransform
 from lightning_gp.attacks.registry import register_defense_knowledge
 from lightning_gp.attacks.view import ServerView
-from lightning_gp.callbacks import graddefense as graddefense_callback
 from lightning_gp.defenses.graddefense import GradDefense, compensation_shape
 from lightning_gp.defenses.outpost import Outpost, outpost_noise_std, prune_below_percentile
 from lightning_gp.defenses.selection import count_for_rate
@@ -212,8 +211,9 @@ def _graddefense(target: Any) -> DefenseKnowledge:
     return graddefense_knowledge(target)
 
 
-@register_defense_knowledge(graddefense_callback.GradDefense)
-def _graddefense_callback(target: Any) -> DefenseKnowledge:
+def graddefense_callback_knowledge(target: Any) -> DefenseKnowledge:
+    """What the server knows of a :class:`~lightning_gp.callbacks.GradDefense` client (registered
+    beside it): the defense, and the slices, since it holds the public root set and the model it sent."""
     # the server holds the public root set and the model it sent: it cuts the same slices
     return graddefense_knowledge(
         target.defense, lambda view: target.slice_boundaries_for(view.model, view.gradients, view.loss_fn)

@@ -57,10 +57,8 @@ from torch import Tensor
 from lightning_gp.attacks.base import GradientAttack, Reconstruction
 from lightning_gp.attacks.gradient_matching import cosine_distance, parameter_gradients, total_variation
 from lightning_gp.attacks.optimization import IDLG, best_of_restarts, known_or_recovered_labels, random_images
-from lightning_gp.attacks.registry import register_adaptive_attack
 from lightning_gp.attacks.view import ServerView
 from lightning_gp.normalization import normalize
-from lightning_gp.refiner.module import RefinerModule
 from lightning_gp.validation import check_bool, check_choice, check_nonnegative, check_positive, check_positive_int
 
 Strategy = Literal["ball", "ball_lbfgs", "sphere", "unblend", "invert"]
@@ -358,9 +356,8 @@ __all__ = [
 ]
 
 
-@register_adaptive_attack(RefinerModule)
-def _refiner(target: RefinerModule, kwargs: dict[str, Any]) -> list[GradientAttack]:
-    """Refiner's adaptive attack: this module's attack with the module's ``eps``, ``alpha`` and projection."""
+def refiner_adaptive_attacks(target: Any, kwargs: dict[str, Any]) -> list[GradientAttack]:
+    """The adaptive attack of a :class:`~lightning_gp.refiner.RefinerModule` (registered beside it): this module's attack with the module's ``eps``, ``alpha`` and projection."""
     config = target.config
     kwargs.pop("lbfgs_iterations", None)
     return [RefinerAwareInversion(eps=config.eps, alpha=config.alpha, projection=config.projection, **kwargs)]

@@ -1,20 +1,22 @@
 """The attack registries: the adaptive attack(s) each defense class declares, and the published attacks by name.
 
-Registration happens beside each attack's definition, as a decorator keyed by the defense class
-itself (never its name), so renaming or moving a defense breaks the import of its attack instead
-of silently turning the attack into a fallback:
+Registration is a declaration keyed by the defense class itself (never its name), so renaming or
+moving a defense breaks an import instead of silently turning its attack into a fallback:
 
 - :mod:`lightning_gp.attacks.adaptive`: the defense-aware pair on the pruning, noise, clipping,
-  quantisation, Soteria, the optimal defenses and DP-SGD;
-- :mod:`lightning_gp.attacks.perturbation_aware`: GradDefense (the defense and its callback), Outpost;
-- :mod:`lightning_gp.attacks.refiner_aware`, :mod:`~lightning_gp.attacks.ats_aware`,
-  :mod:`~lightning_gp.attacks.precode_aware`, :mod:`~lightning_gp.attacks.sgi`: Refiner, ATS,
-  PRECODE and pruned FedAvg / PriPrune;
+  quantisation, Soteria and the optimal defenses;
+- :mod:`lightning_gp.attacks.perturbation_aware`: GradDefense, Outpost;
+- :mod:`~lightning_gp.attacks.ats_aware`, :mod:`~lightning_gp.attacks.precode_aware`: ATS, PRECODE;
+- a class defined above the attacks declares its attack in its own module (the attacks may not
+  import it): ``DPSGD`` and the ``GradDefense`` callback (:mod:`lightning_gp.callbacks`),
+  ``RefinerModule`` (:mod:`lightning_gp.refiner.module`), ``PrunedFedAvgModule``
+  (:mod:`lightning_gp.priprune.module`, SGI);
 - the published attacks (:func:`register_attack`) in :mod:`~lightning_gp.attacks.optimization`,
   :mod:`~lightning_gp.attacks.rgap` and :mod:`~lightning_gp.attacks.robbing_the_fed`.
 
-``import lightning_gp.attacks`` imports every one of these modules, so the registries are complete
-once the package is imported (and every lookup goes through the package). A new defense (a
+``import lightning_gp.attacks`` imports every attack module, so the pure defenses' declarations
+are complete once the package is imported; a higher class is declared whenever its module is
+imported, which holding an instance of it implies. A new defense (a
 baseline, a user's own) plugs in its attack the same way, in the module that defines the attack.
 
 This module holds the tables only; building the attacks of a client's defenses (the fallback for an
@@ -30,18 +32,19 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, overload
 if TYPE_CHECKING:
     from torch import nn
 
-    from lightning_gp.attacks.adaptive import DefenseKnowledge
     from lightning_gp.attacks.base import GradientAttack
 
 #: ``factory(defense, attack_kwargs) -> attacks``; ``attack_kwargs`` is the budget: ``iterations``
 #: (of the Adam attacks), ``lbfgs_iterations``, ``restarts``, ``seed``, and any option of the
 #: attacks the factory builds.
 AdaptiveFactory = Callable[[Any, dict[str, Any]], "list[GradientAttack]"]
-#: ``knowledge(defense) -> DefenseKnowledge``: what the server knows of ``defense``.
-KnowledgeFactory = Callable[[Any], "DefenseKnowledge"]
+#: ``knowledge(defense) -> DefenseKnowledge``: what the server knows of ``defense``. Typed ``Any``
+#: here: :mod:`lightning_gp.attacks.adaptive`, which defines ``DefenseKnowledge``, registers through
+#: this module, and the registry stays below it (no import cycle, not even for type checking).
+KnowledgeFactory = Callable[[Any], Any]
 #: ``attacks(knowledge, attack_kwargs) -> attacks``: the attacks built on a knowledge
 #: (:func:`~lightning_gp.attacks.adaptive.defense_aware_attacks` when none is given).
-KnowledgeAttacks = Callable[["DefenseKnowledge", dict[str, Any]], "list[GradientAttack]"]
+KnowledgeAttacks = Callable[[Any, dict[str, Any]], "list[GradientAttack]"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 A = TypeVar("A", bound=type)

@@ -36,9 +36,7 @@ from lightning_gp.attacks.base import AttackNotApplicable, GradientAttack, Recon
 from lightning_gp.attacks.gradient_matching import cosine_distance, parameter_gradients, total_variation
 from lightning_gp.attacks.labels import recover_labels
 from lightning_gp.attacks.optimization import best_of_restarts
-from lightning_gp.attacks.registry import register_adaptive_attack
 from lightning_gp.attacks.view import ServerView
-from lightning_gp.priprune.module import PrunedFedAvgModule
 from lightning_gp.validation import check_choice, check_nonnegative, check_positive, check_positive_int
 
 UpdateKind = Literal["auto", "weights", "gradient"]
@@ -252,8 +250,8 @@ class SGI(GradientAttack):
         )
 
 
-@register_adaptive_attack(PrunedFedAvgModule)
-def _sgi(target: PrunedFedAvgModule, kwargs: dict[str, Any]) -> list[GradientAttack]:
-    """The adaptive attack of pruned FedAvg and PriPrune (a subclass): SGI (Adam only)."""
+def sgi_adaptive_attacks(target: Any, kwargs: dict[str, Any]) -> list[GradientAttack]:
+    """The adaptive attack of pruned FedAvg and PriPrune (a subclass), registered beside
+    :class:`~lightning_gp.priprune.PrunedFedAvgModule`: SGI (Adam only)."""
     kwargs.pop("lbfgs_iterations", None)
     return [SGI(**kwargs)]

@@ -20,6 +20,8 @@ from opacus.validators import ModuleValidator
 from torch import nn
 from torch.utils.data import DataLoader
 
+from lightning_gp.attacks.adaptive import dp_sgd_knowledge
+from lightning_gp.attacks.registry import register_defense_knowledge
 from lightning_gp.pipeline.local import defend_parameter_gradients, parameter_setup
 from lightning_gp.pipeline.pipeline import ClientStepRunner
 from lightning_gp.pipeline.stages import ClientSetup
@@ -463,3 +465,7 @@ def _check_module(pl_module: pl.LightningModule) -> None:
         + f" ({'; '.join(reasons)}). Replace BatchNorm with GroupNorm (e.g. ResNet18(norm='group')) or run "
         "opacus.validators.ModuleValidator.fix(model) on the model before training"
     )
+
+
+# The server's adaptive attack on a DP-SGD client (declared here, beside the class it models).
+register_defense_knowledge(DPSGD, dp_sgd_knowledge)

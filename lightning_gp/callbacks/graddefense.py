@@ -26,6 +26,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
+from lightning_gp.attacks.perturbation_aware import graddefense_callback_knowledge
+from lightning_gp.attacks.registry import register_defense_knowledge
 from lightning_gp.callbacks.base import GradientDefense
 from lightning_gp.callbacks.data_dependent import sensitivity_of_layers
 from lightning_gp.defenses import graddefense
@@ -274,3 +276,7 @@ def _per_class(dataset: Any, per_class: int) -> tuple[Tensor, Tensor]:
     inputs = torch.stack([torch.as_tensor(x) for x, _ in items])
     labels_out = torch.as_tensor([int(y) for _, y in items], dtype=torch.int64)
     return _checked_pair((inputs, labels_out), "the root set")
+
+
+# The server's adaptive attack on a GradDefense client (declared here, beside the class it models).
+register_defense_knowledge(GradDefense, graddefense_callback_knowledge)

@@ -25,6 +25,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from lightning_gp.attacks.registry import register_adaptive_attack
+from lightning_gp.attacks.sgi import sgi_adaptive_attacks
 from lightning_gp.federated.aggregation import weighted_mean
 from lightning_gp.functional import LossFn, trainable_parameters
 from lightning_gp.named_tensors import flatten_named, unflatten_named
@@ -516,3 +518,7 @@ def server_view(record: TappedGradient, model: nn.Module, **kwargs: Any) -> Serv
         model_state={strip[n]: t for n, t in record.model_state.items()},
     )
     return ServerView.from_tap(bare, model, **kwargs)
+
+
+# The adaptive attack of pruned FedAvg and PriPrune (declared here, beside the class it attacks).
+register_adaptive_attack(PrunedFedAvgModule, sgi_adaptive_attacks)

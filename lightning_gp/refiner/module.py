@@ -32,6 +32,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
+from lightning_gp.attacks.refiner_aware import refiner_adaptive_attacks
+from lightning_gp.attacks.registry import register_adaptive_attack
 from lightning_gp.functional import LossFn
 from lightning_gp.models.wrapper import TrainingWrapper
 from lightning_gp.normalization import per_channel
@@ -343,3 +345,7 @@ def _unpack(batch: Any) -> tuple[Tensor, Tensor, Tensor | None]:
         )
     inputs, targets = batch[0], batch[1]
     return inputs, targets, batch[2] if len(batch) == 3 else None
+
+
+# Refiner's adaptive attack (declared here, beside the class it attacks).
+register_adaptive_attack(RefinerModule, refiner_adaptive_attacks)
