@@ -1,4 +1,4 @@
-"""PriPrune (issue 11; papers/priprune.txt Table 2, Fig. 4, Fig. 8c, Fig. 9): pruned FedAvg, its leak, the defense.
+"""PriPrune (issue 11; Chu et al., PriPrune, Table 2, Fig. 4, Fig. 8c, Fig. 9): pruned FedAvg, its leak, the defense.
 
 Setting: LeNetZhu on Fashion-MNIST (the built-in sample; ``--full`` adds the full set), 50 clients holding two
 label shards each (non-IID), 10 sampled per round, FedAvg (server SGD at lr 1), one local epoch of 3 steps of

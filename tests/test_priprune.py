@@ -1,4 +1,4 @@
-"""PriPrune (papers/priprune.txt): base pruning, the defense mask, pseudo-pruning, aggregation, resume."""
+"""PriPrune (Chu et al.): base pruning, the defense mask, pseudo-pruning, aggregation, resume."""
 
 from __future__ import annotations
 

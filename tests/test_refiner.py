@@ -1,4 +1,4 @@
-"""Refiner (papers/refiner.txt): the utility measure, the upload projection, and RefinerModule on
+"""Refiner (Fan et al., USENIX Security 2025): the utility measure, the upload projection, and RefinerModule on
 every client path (plain Trainer, 2-process DDP, FederatedSimulation) with warm start and resume.
 
 The mechanics tests use a small seeded evaluation network (the App. D architecture at width

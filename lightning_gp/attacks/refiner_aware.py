@@ -1,6 +1,6 @@
 """An adaptive attack on Refiner: the server knows the defense and its settings, not ``x`` or ``g``.
 
-Refiner (papers/refiner.txt) uploads ``u``, the gradient ``g*`` of robust data ``x*`` projected to
+Refiner (Fan et al., USENIX Security 2025) uploads ``u``, the gradient ``g*`` of robust data ``x*`` projected to
 within ``eps`` of the raw gradient ``g`` (App. J, Eq. 14), where ``x*`` was optimised from the
 noise blend ``x0 = (1 - alpha) x + alpha v``, ``v ~ U[0, 1]`` (Sec. 3.4). The paper's adaptive
 attack (Sec. 4.4, App. M) first solves ``||g* - g||^2 = const`` for some ``g'`` and then runs a

@@ -1,7 +1,7 @@
 """The callback base of defenses that read the client's raw batch (the optimal defenses, Soteria).
 
 Such a defense needs a statistic of the batch behind the gradient (the sensitivity, Soteria's
-feature scores). Where it comes from depends on the path (DESIGN.md, "Where a defense runs"):
+feature scores). Where it comes from depends on the runner (docs/architecture.md, "Flow 1"):
 
 * single device and DDP: at ``on_train_batch_start``, from the module and the batch about to be
   trained on (the weights the backward pass will use); with gradient accumulation the

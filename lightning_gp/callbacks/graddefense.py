@@ -1,6 +1,6 @@
 """The GradDefense callback: sensitivity on a public root set, then slice, perturb and compensate.
 
-Where the sensitivity is computed (DESIGN.md, "Where a defense runs"):
+Where the sensitivity is computed (docs/architecture.md, "Flow 1"):
 
 * single device and DDP: at ``on_train_batch_start``, under the weights the coming backward pass
   uses (no autograd work runs inside DDP's communication hook);

@@ -3,7 +3,7 @@
 "Optimal Defenses Against Gradient Reconstruction Attacks" (Sec. 3.3-3.6, Alg. 1, App. B).
 Each defense needs, besides the gradient ``g`` of the client's batch ``x``, the sensitivity
 ``s_i = ||d g_i / d x||^2`` of every coordinate (:func:`~lightning_gp.defenses.gradient_sensitivity`).
-The readings DESIGN.md takes:
+The readings taken where the paper contradicts itself:
 
 * Noise variance ``Sigma_ii ∝ sqrt(s_i) / max(|g_i|, c)``: Eq. 8 and the Lagrangian of Theorem 2
   carry the square root; Algorithm 1's ``||.||^2`` without it is a typo.

@@ -5,7 +5,7 @@ after the feature extractor, see :func:`defended_layer`), each feature ``f`` is 
 
     score_f = sum_b ||d r_{b,f} / d x_b|| / (r_{b,f} + 0.1)
 
-(the official code's per-feature ratio, DESIGN.md "Baselines"), and the columns of that layer's
+(the official code's per-feature ratio), and the columns of that layer's
 WEIGHT gradient belonging to the ``rate`` fraction of features with the SMALLEST scores are zeroed.
 Only that layer is defended; every other layer is shared as is.
 

@@ -1,4 +1,4 @@
-"""Update-level defenses as a Flower client mod (DESIGN.md, "Where a defense runs": Flower).
+"""Update-level defenses as a Flower client mod (docs/architecture.md, "Flow 1"; here on Flower).
 
 The FedAvg update a client shares is ``w_global - w_local`` after its local training. Pruning,
 quantisation and noise of that update are pure transforms of it, so they run as a Flower mod

@@ -15,7 +15,7 @@ Choices, with the official code (github.com/dAI-SY-Group/PRECODE, ``src/Variatio
 - ``eps`` is sampled in evaluation mode too, as in the official code (it has no train/eval switch):
   predictions are stochastic. ``sample_in_eval=False`` decodes ``z = mu`` in evaluation mode.
 - ``sigma = softplus(s - sigma_shift)`` with ``sigma_shift = 5`` by default, the VIB parameterisation
-  (Alemi et al. 2017; 1Konny/VIB-pytorch) this suite's DESIGN names; the official PRECODE module
+  (Alemi et al. 2017; 1Konny/VIB-pytorch); the official PRECODE module
   uses ``softplus(s)`` (``sigma_shift=0``). The shift sets the initial noise (``softplus(-5) ~ 0.007``
   vs ``softplus(0) ~ 0.69``).
 - The official code builds the VB into each architecture by hand; here :class:`PRECODE` wraps any

@@ -1,4 +1,4 @@
-"""PriPrune (papers/priprune.txt): pruned FedAvg, its base pruning schemes and the learned defense mask.
+"""PriPrune (Chu et al., "PriPrune: Quantifying and Preserving Privacy in Pruned Federated Learning", ACM TOMPECS): pruned FedAvg, its base pruning schemes and the learned defense mask.
 
 ``FederatedSimulation(module=PriPruneModule(model, base_scheme="magnitude"), algorithm="fedavg")``
 trains with PriPrune; :class:`PrunedFedAvgModule` is the same pruned FedAvg without the defense.

@@ -61,7 +61,7 @@ def layer_shares(tensors: Mapping[str, Tensor]) -> Tensor:
 def privacy_loss(
     gradients: Mapping[str, Tensor] | Tensor, alphas: Mapping[str, Tensor] | Tensor, shares: Tensor | None = None
 ) -> Tensor:
-    """``L_pri = sum_l (N_l / N) sum_j |g_lj| (1 - alpha_lj)`` (Eq. 17 as DESIGN.md reads it).
+    """``L_pri = sum_l (N_l / N) sum_j |g_lj| (1 - alpha_lj)`` (Eq. 17, with the per-layer share ``N_l / N``).
 
     Sharing a weight with a large gradient costs privacy, so minimising ``L_pri`` raises
     ``alpha`` (the probability of withholding) where ``|g|`` is large. ``gradients`` are

@@ -1,4 +1,4 @@
-"""Refiner (papers/refiner.txt): clients share the projected gradient of optimised robust data.
+"""Refiner (Fan et al., "Refiner: Data Refining against Gradient Leakage Attacks in Federated Learning", USENIX Security 2025): clients share the projected gradient of optimised robust data.
 
 * :class:`RefinerModule` wraps a model so each client's batch is replaced by robust data
   (plain Trainer, DDP, and per client inside ``FederatedSimulation``);

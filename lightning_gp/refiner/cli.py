@@ -64,7 +64,9 @@ def build_train_parser() -> ArgumentParser:
 
 
 def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(prog="lightning-gp refiner", description="Refiner tools (papers/refiner.txt).")
+    parser = ArgumentParser(
+        prog="lightning-gp refiner", description="Refiner tools (Fan et al., USENIX Security 2025)."
+    )
     subcommands = parser.add_subcommands(dest="subcommand")
     subcommands.add_subcommand(
         "train-evaluator", build_train_parser(), help="train the evaluation network and write its checkpoint"

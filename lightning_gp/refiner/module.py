@@ -1,6 +1,6 @@
 """``RefinerModule``: train a model on Refiner's robust data instead of the raw batch.
 
-Refiner (papers/refiner.txt) is not a gradient transform: each client optimises a substitute
+Refiner (Fan et al., USENIX Security 2025) is not a gradient transform: each client optimises a substitute
 batch ``x*`` with the live model, then shares the gradient of ``x*`` projected to within ``eps``
 of its raw gradient (:mod:`lightning_gp.refiner.robust_data`). ``RefinerModule`` wraps a user's
 model so that this is what a client computes, wherever the client step runs:

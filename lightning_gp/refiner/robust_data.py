@@ -1,6 +1,6 @@
 """Refiner's client step in pure torch: optimise robust data, then project the upload.
 
-Refiner (papers/refiner.txt, Sec. 3, App. J; DESIGN.md "Refiner") replaces a client's batch
+Refiner (Fan et al., USENIX Security 2025, Sec. 3, App. J) replaces a client's batch
 ``x`` by robust data ``x*`` whose gradient keeps the model's utility but whose picture carries
 no information about ``x``:
 
@@ -40,7 +40,7 @@ StepRule = Literal["sgd", "adam"]
 
 @dataclass(frozen=True)
 class RefinerConfig:
-    """The knobs of Refiner, with the paper's defaults (Sec. 5.1, App. J; DESIGN.md).
+    """The knobs of Refiner, with the paper's defaults (Sec. 5.1, App. J).
 
     Args:
         alpha: noise blend of the start ``x0 = (1 - alpha) x + alpha v`` (Sec. 3.4), in [0, 1].
