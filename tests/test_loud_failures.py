@@ -263,33 +263,6 @@ def test_a_tap_file_round_trips_exactly(tmp_path):
         TappedGradient(0, 0, {}, {}, "m", meta={"x": object()}).save(tmp_path / "bad.pt")
 
 
-# ------------------------------------------------------------------ callbacks take their transforms' defaults
-@pytest.mark.parametrize(
-    "name",
-    [
-        "MagnitudePruning",
-        "TopKPruning",
-        "RandomPruning",
-        "DualGradientPruning",
-        "AlignedDualGradientPruning",
-        "GaussianNoise",
-        "LaplaceNoise",
-        "GradientQuantization",
-        "OptimalGradientNoise",
-        "OptimalGradientPruning",
-        "OptimalDPSGD",
-    ],
-)
-def test_callback_wrappers_take_the_same_arguments_and_defaults_as_their_transforms(name):
-    transform = inspect.signature(getattr(defenses, name).__init__).parameters
-    callback = inspect.signature(getattr(callbacks, name).__init__).parameters
-    for argument, parameter in transform.items():
-        if argument == "self":
-            continue
-        assert argument in callback, f"callbacks.{name} lacks {argument}"
-        assert callback[argument].default == parameter.default, (name, argument)
-
-
 # ------------------------------------------------------------------ schedulers inside the simulation
 class PlateauClassifier(L.LightningModule):
     def __init__(self, monitor: str) -> None:
