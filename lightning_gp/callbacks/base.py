@@ -91,11 +91,7 @@ class GradientDefense(SharedGradientCallback, DefenseStage):
         defense's arguments instead of the defense: ``MagnitudePruning(rate=0.8)``. ``knobs`` are
         the adapter's own settings (:meth:`adapt`), keyword-only."""
         cls = type(self)
-        if cls.defense_class is not None:
-            if defense is not None:
-                raise TypeError(
-                    f"{cls.__name__} builds its {cls.defense_class.__name__}: pass its arguments by keyword"
-                )
+        if cls.defense_class is not None:  # a named subclass: its __init__ takes keywords only
             names = _defense_parameters(cls.defense_class)
             defense = cls.defense_class(**{n: kwargs.pop(n) for n in names if n in kwargs})
         if not isinstance(defense, Defense):
