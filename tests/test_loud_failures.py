@@ -7,7 +7,6 @@ ranges in tests/test_metrics.py, the 0-image idx file in tests/test_array_data.p
 
 from __future__ import annotations
 
-import inspect
 import pickle
 
 import lightning as L
