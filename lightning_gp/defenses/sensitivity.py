@@ -88,6 +88,24 @@ def gradient_sensitivity(
     Returns:
         ``{name: s}`` with ``s`` the shape of the parameter, non-negative.
     """
+    _check_tensors(inputs, targets)
+    _check_options(module, probes, chunk_size, method, subset, inputs.shape[0])
+    params = {n: p.detach() for n, p in trainable_parameters(module).items()}
+    if not params:
+        raise ValueError("the module has no trainable parameters")
+    inputs, targets = inputs.detach(), targets.detach()
+    with _batch_statistics_without_updates(module):
+        if method == "per_example":
+            return _per_example(module, loss_fn, params, inputs, targets, probes, chunk_size, generator, exact, subset)
+        gradient_of = _batch_gradient(module, loss_fn, params, targets)
+        if exact:
+            return _batch_exact(gradient_of, params, inputs)
+        total = _batch_probe_sums(gradient_of, params, inputs, probes, chunk_size, generator)
+    return {n: s / probes for n, s in total.items()}
+
+
+def _check_tensors(inputs: Tensor, targets: Tensor) -> None:
+    """``inputs`` and ``targets`` are tensors of one batch, the inputs floating point."""
     if not isinstance(inputs, Tensor) or not isinstance(targets, Tensor):
         raise TypeError("inputs and targets must be tensors")
     if not inputs.is_floating_point():
@@ -98,11 +116,16 @@ def gradient_sensitivity(
         )
     if inputs.shape[0] != targets.shape[0]:
         raise ValueError(f"inputs and targets disagree on the batch size: {inputs.shape[0]} vs {targets.shape[0]}")
+
+
+def _check_options(
+    module: nn.Module, probes: int, chunk_size: int | None, method: str, subset: int | None, batch_size: int
+) -> None:
+    """The estimator's options are valid, and ``method='per_example'`` is sound for ``module``."""
     check_positive_int(probes, "probes")
     if chunk_size is not None:
         check_positive_int(chunk_size, "chunk_size")
     check_choice(method, "method", SENSITIVITY_METHODS)
-    batch_size = inputs.shape[0]
     if subset is not None:
         if method != "per_example":
             raise ValueError(f"subset={subset!r} needs method='per_example' (the batch estimator probes all examples)")
@@ -116,34 +139,47 @@ def gradient_sensitivity(
             "estimate) would be wrong. Use method='batch', or put the BatchNorm layers in eval mode"
         )
 
-    params = {n: p.detach() for n, p in trainable_parameters(module).items()}
-    if not params:
-        raise ValueError("the module has no trainable parameters")
-    inputs, targets = inputs.detach(), targets.detach()
-    with _batch_statistics_without_updates(module):
-        if method == "per_example":
-            return _per_example(module, loss_fn, params, inputs, targets, probes, chunk_size, generator, exact, subset)
-        loss = functional_loss(module, loss_fn, frozen_state(module))
 
-        def gradient_of(x: Tensor) -> dict[str, Tensor]:
-            return grad(loss)(params, x, targets)
+def _batch_gradient(
+    module: nn.Module, loss_fn: LossFn, params: dict[str, Tensor], targets: Tensor
+) -> Callable[[Tensor], dict[str, Tensor]]:
+    """``x -> dL/dtheta`` of the whole batch at ``params``, the targets held fixed."""
+    loss = functional_loss(module, loss_fn, frozen_state(module))
 
-        if exact:
-            jacobian = jacfwd(gradient_of, randomness="same")(inputs)
-            return {n: jacobian[n].pow(2).flatten(params[n].dim()).sum(-1) for n in params}
+    def gradient_of(x: Tensor) -> dict[str, Tensor]:
+        return grad(loss)(params, x, targets)
 
-        def directional(v: Tensor) -> dict[str, Tensor]:
-            return jvp(gradient_of, (inputs,), (v,))[1]
+    return gradient_of
 
-        total = {n: torch.zeros_like(p) for n, p in params.items()}
-        for count in _chunks(probes, chunk_size):
-            directions = torch.randn(
-                (count, *inputs.shape), generator=generator, device=inputs.device, dtype=inputs.dtype
-            )
-            products = vmap(directional, randomness="same")(directions)
-            for n in total:
-                total[n] += products[n].pow(2).sum(0)
-    return {n: s / probes for n, s in total.items()}
+
+def _batch_exact(
+    gradient_of: Callable[[Tensor], dict[str, Tensor]], params: dict[str, Tensor], inputs: Tensor
+) -> dict[str, Tensor]:
+    """``||d g_i / d x||^2`` from the full Jacobian (``jacfwd``): tiny models only."""
+    jacobian = jacfwd(gradient_of, randomness="same")(inputs)
+    return {n: jacobian[n].pow(2).flatten(params[n].dim()).sum(-1) for n in params}
+
+
+def _batch_probe_sums(
+    gradient_of: Callable[[Tensor], dict[str, Tensor]],
+    params: dict[str, Tensor],
+    inputs: Tensor,
+    probes: int,
+    chunk_size: int | None,
+    generator: torch.Generator | None,
+) -> dict[str, Tensor]:
+    """``sum_j (J v_j)_i^2`` over ``probes`` Gaussian probes of the whole batch, drawn chunk by chunk."""
+
+    def directional(v: Tensor) -> dict[str, Tensor]:
+        return jvp(gradient_of, (inputs,), (v,))[1]
+
+    total = {n: torch.zeros_like(p) for n, p in params.items()}
+    for count in _chunks(probes, chunk_size):
+        directions = torch.randn((count, *inputs.shape), generator=generator, device=inputs.device, dtype=inputs.dtype)
+        products = vmap(directional, randomness="same")(directions)
+        for n in total:
+            total[n] += products[n].pow(2).sum(0)
+    return total
 
 
 def batch_mixing(module: nn.Module) -> bool:
