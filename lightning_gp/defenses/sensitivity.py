@@ -192,6 +192,9 @@ def _chunks(total: int, chunk_size: int | None) -> list[int]:
     return [min(chunk, total - start) for start in range(0, total, chunk)]
 
 
+_ExampleLoss = Callable[[dict[str, Tensor], Tensor, Tensor], tuple[Tensor, Tensor]]
+
+
 def _per_example(
     module: nn.Module,
     loss_fn: LossFn,
@@ -210,26 +213,56 @@ def _per_example(
         chosen = torch.randperm(batch_size, generator=generator, device=inputs.device)[:subset]
         inputs, targets = inputs[chosen], targets[chosen]
     probed = inputs.shape[0]
+    example_loss = _example_loss(module, loss_fn)
+    if exact:
+        total = _per_example_jacobian_sums(example_loss, params, inputs, targets, chunk_size)
+        return {n: s / batch_size**2 for n, s in total.items()}
+    total = _per_example_probe_sums(example_loss, loss_fn, params, inputs, targets, probes, chunk_size, generator)
+    # (B / m) (1 / B^2) sum over the m probed examples, each the mean over its k probes
+    return {n: s / (probes * probed * batch_size) for n, s in total.items()}
+
+
+def _example_loss(module: nn.Module, loss_fn: LossFn) -> _ExampleLoss:
+    """``(params, x_b, y_b) -> (l_b, logits_b)``: one example's loss (and logits) as a batch of one."""
     frozen = frozen_state(module)
 
     def example_loss(p: dict[str, Tensor], x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         logits = functional_call(module, {**frozen, **p}, (x.unsqueeze(0),))
         return loss_fn(logits, y.unsqueeze(0)), logits.squeeze(0)
 
+    return example_loss
+
+
+def _per_example_jacobian_sums(
+    example_loss: _ExampleLoss, params: dict[str, Tensor], inputs: Tensor, targets: Tensor, chunk_size: int | None
+) -> dict[str, Tensor]:
+    """``sum_b ||d g_{b,i} / d x_b||^2`` exactly: each example's Jacobian, ``chunk_size`` columns at once."""
     total = {n: torch.zeros_like(p) for n, p in params.items()}
-    if exact:
-        for x, y in zip(inputs, targets):
+    for x, y in zip(inputs, targets):
 
-            def gradient_of(z: Tensor, y: Tensor = y) -> dict[str, Tensor]:
-                return grad(example_loss, has_aux=True)(params, z, y)[0]
+        def gradient_of(z: Tensor, y: Tensor = y) -> dict[str, Tensor]:
+            return grad(example_loss, has_aux=True)(params, z, y)[0]
 
-            columns = torch.eye(x.numel(), device=x.device, dtype=x.dtype).view(-1, *x.shape)
-            for start in range(0, len(columns), chunk_size or len(columns)):
-                basis = columns[start : start + (chunk_size or len(columns))]
-                products = vmap(lambda v, x=x, f=gradient_of: jvp(f, (x,), (v,))[1], randomness="same")(basis)
-                for n in total:
-                    total[n] += products[n].pow(2).sum(0)
-        return {n: s / batch_size**2 for n, s in total.items()}
+        columns = torch.eye(x.numel(), device=x.device, dtype=x.dtype).view(-1, *x.shape)
+        for start in range(0, len(columns), chunk_size or len(columns)):
+            basis = columns[start : start + (chunk_size or len(columns))]
+            products = vmap(lambda v, x=x, f=gradient_of: jvp(f, (x,), (v,))[1], randomness="same")(basis)
+            for n in total:
+                total[n] += products[n].pow(2).sum(0)
+    return total
+
+
+def _per_example_probe_sums(
+    example_loss: _ExampleLoss,
+    loss_fn: LossFn,
+    params: dict[str, Tensor],
+    inputs: Tensor,
+    targets: Tensor,
+    probes: int,
+    chunk_size: int | None,
+    generator: torch.Generator | None,
+) -> dict[str, Tensor]:
+    """``sum_b sum_j (J_b v_{b,j})_i^2`` over ``probes`` Gaussian probes per example (checks the loss is a mean)."""
 
     def directional(p: dict[str, Tensor], x: Tensor, y: Tensor, v: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         # <d l_b / d x_b, v>: its gradient in theta is (d g_b / d x_b) v (reverse-over-forward)
@@ -245,6 +278,7 @@ def _per_example(
     per_example: Callable[..., tuple[dict[str, Tensor], Tensor, Tensor]] = vmap(
         example_terms, in_dims=(0, 0, 1), randomness="different"
     )
+    total = {n: torch.zeros_like(p) for n, p in params.items()}
     losses = logits = inputs
     # drawn at once (k x m inputs: small) so that chunking does not change the draws
     directions = torch.randn((probes, *inputs.shape), generator=generator, device=inputs.device, dtype=inputs.dtype)
@@ -255,8 +289,7 @@ def _per_example(
         for n in total:
             total[n] += terms[n].sum(0)
     _check_mean_reduction(loss_fn, logits, targets, losses)
-    # (B / m) (1 / B^2) sum over the m probed examples, each the mean over its k probes
-    return {n: s / (probes * probed * batch_size) for n, s in total.items()}
+    return total
 
 
 def _check_mean_reduction(loss_fn: LossFn, logits: Tensor, targets: Tensor, losses: Tensor) -> None:
