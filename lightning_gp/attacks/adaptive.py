@@ -488,6 +488,32 @@ def compose_knowledge(stages: Sequence[DefenseKnowledge]) -> DefenseKnowledge:
     - **coordinate weights / view transforms** (GradDefense, Outpost) are computed from the shared
       gradient as if their defense ran alone: a composition with one is refused (``ValueError``).
     """
+    _check_stages(stages)
+    if len(stages) == 1:
+        return stages[0]
+    names = [stage.defense or f"stage {i}" for i, stage in enumerate(stages)]
+    _refuse_per_view_stages(stages, names)
+    stages, names = _clipping_stage_first(stages, names)
+    caveats: list[str] = [c for s in stages for c in s.caveats]
+    support, hidden_supports = _composed_support(stages, names)
+    caveats += hidden_supports + _transform_caveats(stages, names)
+    noise_std = _composed_noise_std(stages)
+    reasons = [s.fallback_reason for s in stages if s.fallback_reason]
+    return DefenseKnowledge(
+        defense="+".join(names),
+        models=() if any(not s.models for s in stages) else tuple(dict.fromkeys(m for s in stages for m in s.models)),
+        support=support,
+        transform=_composed_transform(stages),
+        per_example_clip=stages[0].per_example_clip,
+        noise_std=noise_std,
+        skip_layers=tuple(dict.fromkeys(layer for s in stages for layer in s.skip_layers)),
+        fallback_reason="; ".join(reasons) if reasons else None,
+        caveats=tuple(dict.fromkeys(caveats)),
+    )
+
+
+def _check_stages(stages: Sequence[DefenseKnowledge]) -> None:
+    """``stages`` is a non-empty sequence (not a string) of :class:`DefenseKnowledge`."""
     if isinstance(stages, (str, bytes)) or not isinstance(stages, Sequence):
         raise TypeError(f"stages must be a sequence of DefenseKnowledge, got {type(stages).__name__}")
     for i, stage in enumerate(stages):
@@ -495,9 +521,10 @@ def compose_knowledge(stages: Sequence[DefenseKnowledge]) -> DefenseKnowledge:
             raise TypeError(f"stages[{i}] must be a DefenseKnowledge, got {type(stage).__name__}")
     if not stages:
         raise ValueError("stages must hold at least one DefenseKnowledge")
-    if len(stages) == 1:
-        return stages[0]
-    names = [stage.defense or f"stage {i}" for i, stage in enumerate(stages)]
+
+
+def _refuse_per_view_stages(stages: Sequence[DefenseKnowledge], names: list[str]) -> None:
+    """A stage whose weights or transform are read from the shared gradient does not compose."""
     per_view = [
         names[i] for i, s in enumerate(stages) if s.coordinate_weights is not None or s.view_transform is not None
     ]
@@ -506,13 +533,23 @@ def compose_knowledge(stages: Sequence[DefenseKnowledge]) -> DefenseKnowledge:
             f"cannot compose {names}: the per-entry weights or view transform of {per_view} are computed from the "
             "shared gradient as if that defense ran alone"
         )
+
+
+def _clipping_stage_first(
+    stages: Sequence[DefenseKnowledge], names: list[str]
+) -> tuple[list[DefenseKnowledge], list[str]]:
+    """The stages (and names) with the per-example clip moved first (the runner clips first); two are refused."""
     clipping = [i for i, s in enumerate(stages) if s.per_example_clip is not None]
     if len(clipping) > 1:
         raise ValueError(f"cannot compose {names}: {[names[i] for i in clipping]} all clip per example (one runner)")
     order = clipping + [i for i in range(len(stages)) if i not in clipping]
-    stages, names = [stages[i] for i in order], [names[i] for i in order]
+    return [stages[i] for i in order], [names[i] for i in order]
 
-    caveats: list[str] = [c for s in stages for c in s.caveats]
+
+def _composed_support(stages: list[DefenseKnowledge], names: list[str]) -> tuple[bool, list[str]]:
+    """Whether a stage's support reaches the server (no later stage noises over it), and a caveat
+    for each support a later noise hides."""
+    caveats = []
     support = False
     for i, stage in enumerate(stages):
         if not stage.support:
@@ -522,7 +559,12 @@ def compose_knowledge(stages: Sequence[DefenseKnowledge]) -> DefenseKnowledge:
             caveats.append(f"{names[i]}'s pruned entries are noised over by {hiders[0]}: every entry is matched")
         else:
             support = True
-    transforms = [s.transform for s in stages if s.transform is not None]
+    return support, caveats
+
+
+def _transform_caveats(stages: list[DefenseKnowledge], names: list[str]) -> list[str]:
+    """A caveat for each transform that follows a noising stage (it is applied to the noiseless dummy)."""
+    caveats = []
     for i, stage in enumerate(stages):
         noised_before = [names[j] for j in range(i) if stages[j].noise_std is not None]
         if stage.transform is not None and noised_before:
@@ -530,29 +572,27 @@ def compose_knowledge(stages: Sequence[DefenseKnowledge]) -> DefenseKnowledge:
                 f"{names[i]}'s transform is applied to the noiseless dummy gradient; the client applied it after the "
                 f"noise of {noised_before}"
             )
+    return caveats
+
+
+def _composed_noise_std(stages: list[DefenseKnowledge]) -> NoiseStd | None:
+    """Independent noises add in variance, ``sqrt(sum sigma_i^2)``: a function of the view if any stage's is."""
     noise = [s.noise_std for s in stages if s.noise_std is not None]
-    noise_std: NoiseStd | None
     if not noise:
-        noise_std = None
-    elif all(not callable(n) for n in noise):
-        noise_std = math.sqrt(sum(float(cast(float, n)) ** 2 for n in noise))
-    else:
+        return None
+    if all(not callable(n) for n in noise):
+        return math.sqrt(sum(float(cast(float, n)) ** 2 for n in noise))
 
-        def noise_std(view: ServerView) -> float:
-            return math.sqrt(sum((float(n(view)) if callable(n) else float(n)) ** 2 for n in noise))
+    def noise_std(view: ServerView) -> float:
+        return math.sqrt(sum((float(n(view)) if callable(n) else float(n)) ** 2 for n in noise))
 
-    reasons = [s.fallback_reason for s in stages if s.fallback_reason]
-    return DefenseKnowledge(
-        defense="+".join(names),
-        models=() if any(not s.models for s in stages) else tuple(dict.fromkeys(m for s in stages for m in s.models)),
-        support=support,
-        transform=None if not transforms else transforms[0] if len(transforms) == 1 else ComposedTransform(transforms),
-        per_example_clip=stages[0].per_example_clip,
-        noise_std=noise_std,
-        skip_layers=tuple(dict.fromkeys(layer for s in stages for layer in s.skip_layers)),
-        fallback_reason="; ".join(reasons) if reasons else None,
-        caveats=tuple(dict.fromkeys(caveats)),
-    )
+    return noise_std
+
+
+def _composed_transform(stages: list[DefenseKnowledge]) -> KnownTransform | None:
+    """The stages' transforms in order: none, the one, or a :class:`ComposedTransform` of them."""
+    transforms = [s.transform for s in stages if s.transform is not None]
+    return None if not transforms else transforms[0] if len(transforms) == 1 else ComposedTransform(transforms)
 
 
 _Attack = TypeVar("_Attack", bound=GradientAttack)

@@ -88,6 +88,24 @@ def gradient_sensitivity(
     Returns:
         ``{name: s}`` with ``s`` the shape of the parameter, non-negative.
     """
+    _check_tensors(inputs, targets)
+    _check_options(module, probes, chunk_size, method, subset, inputs.shape[0])
+    params = {n: p.detach() for n, p in trainable_parameters(module).items()}
+    if not params:
+        raise ValueError("the module has no trainable parameters")
+    inputs, targets = inputs.detach(), targets.detach()
+    with _batch_statistics_without_updates(module):
+        if method == "per_example":
+            return _per_example(module, loss_fn, params, inputs, targets, probes, chunk_size, generator, exact, subset)
+        gradient_of = _batch_gradient(module, loss_fn, params, targets)
+        if exact:
+            return _batch_exact(gradient_of, params, inputs)
+        total = _batch_probe_sums(gradient_of, params, inputs, probes, chunk_size, generator)
+    return {n: s / probes for n, s in total.items()}
+
+
+def _check_tensors(inputs: Tensor, targets: Tensor) -> None:
+    """``inputs`` and ``targets`` are tensors of one batch, the inputs floating point."""
     if not isinstance(inputs, Tensor) or not isinstance(targets, Tensor):
         raise TypeError("inputs and targets must be tensors")
     if not inputs.is_floating_point():
@@ -98,11 +116,16 @@ def gradient_sensitivity(
         )
     if inputs.shape[0] != targets.shape[0]:
         raise ValueError(f"inputs and targets disagree on the batch size: {inputs.shape[0]} vs {targets.shape[0]}")
+
+
+def _check_options(
+    module: nn.Module, probes: int, chunk_size: int | None, method: str, subset: int | None, batch_size: int
+) -> None:
+    """The estimator's options are valid, and ``method='per_example'`` is sound for ``module``."""
     check_positive_int(probes, "probes")
     if chunk_size is not None:
         check_positive_int(chunk_size, "chunk_size")
     check_choice(method, "method", SENSITIVITY_METHODS)
-    batch_size = inputs.shape[0]
     if subset is not None:
         if method != "per_example":
             raise ValueError(f"subset={subset!r} needs method='per_example' (the batch estimator probes all examples)")
@@ -116,34 +139,47 @@ def gradient_sensitivity(
             "estimate) would be wrong. Use method='batch', or put the BatchNorm layers in eval mode"
         )
 
-    params = {n: p.detach() for n, p in trainable_parameters(module).items()}
-    if not params:
-        raise ValueError("the module has no trainable parameters")
-    inputs, targets = inputs.detach(), targets.detach()
-    with _batch_statistics_without_updates(module):
-        if method == "per_example":
-            return _per_example(module, loss_fn, params, inputs, targets, probes, chunk_size, generator, exact, subset)
-        loss = functional_loss(module, loss_fn, frozen_state(module))
 
-        def gradient_of(x: Tensor) -> dict[str, Tensor]:
-            return grad(loss)(params, x, targets)
+def _batch_gradient(
+    module: nn.Module, loss_fn: LossFn, params: dict[str, Tensor], targets: Tensor
+) -> Callable[[Tensor], dict[str, Tensor]]:
+    """``x -> dL/dtheta`` of the whole batch at ``params``, the targets held fixed."""
+    loss = functional_loss(module, loss_fn, frozen_state(module))
 
-        if exact:
-            jacobian = jacfwd(gradient_of, randomness="same")(inputs)
-            return {n: jacobian[n].pow(2).flatten(params[n].dim()).sum(-1) for n in params}
+    def gradient_of(x: Tensor) -> dict[str, Tensor]:
+        return grad(loss)(params, x, targets)
 
-        def directional(v: Tensor) -> dict[str, Tensor]:
-            return jvp(gradient_of, (inputs,), (v,))[1]
+    return gradient_of
 
-        total = {n: torch.zeros_like(p) for n, p in params.items()}
-        for count in _chunks(probes, chunk_size):
-            directions = torch.randn(
-                (count, *inputs.shape), generator=generator, device=inputs.device, dtype=inputs.dtype
-            )
-            products = vmap(directional, randomness="same")(directions)
-            for n in total:
-                total[n] += products[n].pow(2).sum(0)
-    return {n: s / probes for n, s in total.items()}
+
+def _batch_exact(
+    gradient_of: Callable[[Tensor], dict[str, Tensor]], params: dict[str, Tensor], inputs: Tensor
+) -> dict[str, Tensor]:
+    """``||d g_i / d x||^2`` from the full Jacobian (``jacfwd``): tiny models only."""
+    jacobian = jacfwd(gradient_of, randomness="same")(inputs)
+    return {n: jacobian[n].pow(2).flatten(params[n].dim()).sum(-1) for n in params}
+
+
+def _batch_probe_sums(
+    gradient_of: Callable[[Tensor], dict[str, Tensor]],
+    params: dict[str, Tensor],
+    inputs: Tensor,
+    probes: int,
+    chunk_size: int | None,
+    generator: torch.Generator | None,
+) -> dict[str, Tensor]:
+    """``sum_j (J v_j)_i^2`` over ``probes`` Gaussian probes of the whole batch, drawn chunk by chunk."""
+
+    def directional(v: Tensor) -> dict[str, Tensor]:
+        return jvp(gradient_of, (inputs,), (v,))[1]
+
+    total = {n: torch.zeros_like(p) for n, p in params.items()}
+    for count in _chunks(probes, chunk_size):
+        directions = torch.randn((count, *inputs.shape), generator=generator, device=inputs.device, dtype=inputs.dtype)
+        products = vmap(directional, randomness="same")(directions)
+        for n in total:
+            total[n] += products[n].pow(2).sum(0)
+    return total
 
 
 def batch_mixing(module: nn.Module) -> bool:
@@ -154,6 +190,9 @@ def batch_mixing(module: nn.Module) -> bool:
 def _chunks(total: int, chunk_size: int | None) -> list[int]:
     chunk = total if chunk_size is None else min(chunk_size, total)
     return [min(chunk, total - start) for start in range(0, total, chunk)]
+
+
+_ExampleLoss = Callable[[dict[str, Tensor], Tensor, Tensor], tuple[Tensor, Tensor]]
 
 
 def _per_example(
@@ -174,26 +213,56 @@ def _per_example(
         chosen = torch.randperm(batch_size, generator=generator, device=inputs.device)[:subset]
         inputs, targets = inputs[chosen], targets[chosen]
     probed = inputs.shape[0]
+    example_loss = _example_loss(module, loss_fn)
+    if exact:
+        total = _per_example_jacobian_sums(example_loss, params, inputs, targets, chunk_size)
+        return {n: s / batch_size**2 for n, s in total.items()}
+    total = _per_example_probe_sums(example_loss, loss_fn, params, inputs, targets, probes, chunk_size, generator)
+    # (B / m) (1 / B^2) sum over the m probed examples, each the mean over its k probes
+    return {n: s / (probes * probed * batch_size) for n, s in total.items()}
+
+
+def _example_loss(module: nn.Module, loss_fn: LossFn) -> _ExampleLoss:
+    """``(params, x_b, y_b) -> (l_b, logits_b)``: one example's loss (and logits) as a batch of one."""
     frozen = frozen_state(module)
 
     def example_loss(p: dict[str, Tensor], x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         logits = functional_call(module, {**frozen, **p}, (x.unsqueeze(0),))
         return loss_fn(logits, y.unsqueeze(0)), logits.squeeze(0)
 
+    return example_loss
+
+
+def _per_example_jacobian_sums(
+    example_loss: _ExampleLoss, params: dict[str, Tensor], inputs: Tensor, targets: Tensor, chunk_size: int | None
+) -> dict[str, Tensor]:
+    """``sum_b ||d g_{b,i} / d x_b||^2`` exactly: each example's Jacobian, ``chunk_size`` columns at once."""
     total = {n: torch.zeros_like(p) for n, p in params.items()}
-    if exact:
-        for x, y in zip(inputs, targets):
+    for x, y in zip(inputs, targets):
 
-            def gradient_of(z: Tensor, y: Tensor = y) -> dict[str, Tensor]:
-                return grad(example_loss, has_aux=True)(params, z, y)[0]
+        def gradient_of(z: Tensor, y: Tensor = y) -> dict[str, Tensor]:
+            return grad(example_loss, has_aux=True)(params, z, y)[0]
 
-            columns = torch.eye(x.numel(), device=x.device, dtype=x.dtype).view(-1, *x.shape)
-            for start in range(0, len(columns), chunk_size or len(columns)):
-                basis = columns[start : start + (chunk_size or len(columns))]
-                products = vmap(lambda v, x=x, f=gradient_of: jvp(f, (x,), (v,))[1], randomness="same")(basis)
-                for n in total:
-                    total[n] += products[n].pow(2).sum(0)
-        return {n: s / batch_size**2 for n, s in total.items()}
+        columns = torch.eye(x.numel(), device=x.device, dtype=x.dtype).view(-1, *x.shape)
+        for start in range(0, len(columns), chunk_size or len(columns)):
+            basis = columns[start : start + (chunk_size or len(columns))]
+            products = vmap(lambda v, x=x, f=gradient_of: jvp(f, (x,), (v,))[1], randomness="same")(basis)
+            for n in total:
+                total[n] += products[n].pow(2).sum(0)
+    return total
+
+
+def _per_example_probe_sums(
+    example_loss: _ExampleLoss,
+    loss_fn: LossFn,
+    params: dict[str, Tensor],
+    inputs: Tensor,
+    targets: Tensor,
+    probes: int,
+    chunk_size: int | None,
+    generator: torch.Generator | None,
+) -> dict[str, Tensor]:
+    """``sum_b sum_j (J_b v_{b,j})_i^2`` over ``probes`` Gaussian probes per example (checks the loss is a mean)."""
 
     def directional(p: dict[str, Tensor], x: Tensor, y: Tensor, v: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         # <d l_b / d x_b, v>: its gradient in theta is (d g_b / d x_b) v (reverse-over-forward)
@@ -209,6 +278,7 @@ def _per_example(
     per_example: Callable[..., tuple[dict[str, Tensor], Tensor, Tensor]] = vmap(
         example_terms, in_dims=(0, 0, 1), randomness="different"
     )
+    total = {n: torch.zeros_like(p) for n, p in params.items()}
     losses = logits = inputs
     # drawn at once (k x m inputs: small) so that chunking does not change the draws
     directions = torch.randn((probes, *inputs.shape), generator=generator, device=inputs.device, dtype=inputs.dtype)
@@ -219,8 +289,7 @@ def _per_example(
         for n in total:
             total[n] += terms[n].sum(0)
     _check_mean_reduction(loss_fn, logits, targets, losses)
-    # (B / m) (1 / B^2) sum over the m probed examples, each the mean over its k probes
-    return {n: s / (probes * probed * batch_size) for n, s in total.items()}
+    return total
 
 
 def _check_mean_reduction(loss_fn: LossFn, logits: Tensor, targets: Tensor, losses: Tensor) -> None:
