@@ -253,4 +253,4 @@ def test_the_shared_gradient_pipeline_records_which_defenses_ran(datamodule):
     )
     names = [d["name"] for d in records[0].meta["defenses"]]
     assert names == ["TopKPruning", "GaussianNoise"]
-    assert records[0].meta["defenses"][0]["config"]["k"] == 0.2
+    assert records[0].meta["defenses"][0]["config"]["rate"] == 0.8
