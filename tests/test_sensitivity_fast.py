@@ -38,6 +38,24 @@ def test_exact_per_example_decomposition_equals_the_batch_jacobian(make):
         torch.testing.assert_close(split[n], whole[n], rtol=1e-5, atol=1e-9)
 
 
+def test_the_exact_per_example_sensitivity_of_a_subset_is_rescaled_like_the_probed_one():
+    # Before: exact=True with subset=m divided the m examples' sum by B^2, m/B too low. The exact
+    # estimate of a subset is (B/m)(1/B^2) sum over the subset, so its mean over every subset of
+    # one example (B=2: each drawn by some seed) is the whole batch's s, to float precision.
+    model, (x, y) = tiny_net(), batch(size=2)
+    whole = gradient_sensitivity(model, CE, x, y, exact=True)
+    per = {}
+    for seed in range(16):
+        estimate = gradient_sensitivity(
+            model, CE, x, y, exact=True, method="per_example", subset=1, generator=torch.Generator().manual_seed(seed)
+        )
+        per[tuple(round(float(v.sum()), 12) for v in estimate.values())] = estimate
+    assert len(per) == 2  # both examples were drawn
+    first, second = per.values()
+    for n in whole:
+        torch.testing.assert_close((first[n] + second[n]) / 2, whole[n], rtol=1e-5, atol=1e-9)
+
+
 def test_per_example_estimate_with_a_subset_is_unbiased_with_the_stated_variance():
     """Mean of 400 seeded estimates (1 probe per example, 2 of 4 examples) against the exact s.
 

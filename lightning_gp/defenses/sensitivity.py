@@ -216,7 +216,8 @@ def _per_example(
     example_loss = _example_loss(module, loss_fn)
     if exact:
         total = _per_example_jacobian_sums(example_loss, params, inputs, targets, chunk_size)
-        return {n: s / batch_size**2 for n, s in total.items()}
+        # (B / m) (1 / B^2) sum over the m examples taken (all of them without a subset)
+        return {n: s / (probed * batch_size) for n, s in total.items()}
     total = _per_example_probe_sums(example_loss, loss_fn, params, inputs, targets, probes, chunk_size, generator)
     # (B / m) (1 / B^2) sum over the m probed examples, each the mean over its k probes
     return {n: s / (probes * probed * batch_size) for n, s in total.items()}
