@@ -105,6 +105,16 @@ def test_projection_returns_the_robust_gradient_when_within_eps() -> None:
     assert not moved and all(torch.equal(upload[n], robust[n]) for n in raw)
 
 
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_an_infinite_eps_turns_the_projection_off_as_documented(per_layer: bool) -> None:
+    # Before: RefinerConfig(eps=math.inf) was accepted, then project_upload refused it after the optimisation
+    raw, robust = named(0), named(1, scale=3.0)
+    upload, moved = project_upload(robust, raw, eps=math.inf, per_layer=per_layer)
+    assert not moved and all(torch.equal(upload[n], robust[n]) for n in raw)
+    with pytest.raises(ValueError, match="eps must be a number >= 0"):
+        project_upload(robust, raw, eps=float("nan"))
+
+
 @pytest.mark.parametrize("eps", [0.01, 0.1, 1.0])
 def test_projection_lands_at_exactly_eps_towards_the_robust_gradient(eps: float) -> None:
     raw, robust = named(0), named(1, scale=3.0)

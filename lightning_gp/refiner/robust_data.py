@@ -74,10 +74,7 @@ class RefinerConfig:
         check_rate(self.tau, "tau")
         check_positive(self.step_size, "step_size")
         check_choice(self.step_rule, "step_rule", ("sgd", "adam"))
-        if not (isinstance(self.eps, (int, float)) and not isinstance(self.eps, bool)) or math.isnan(self.eps):
-            raise ValueError(f"eps must be a number >= 0 (math.inf turns the projection off), got {self.eps!r}")
-        if self.eps < 0:
-            raise ValueError(f"eps must be >= 0, got {self.eps}")
+        check_radius(self.eps)
         check_choice(self.projection, "projection", ("global", "layer"))
         check_choice(self.utility, "utility", ("printed", "sentence"))
 
@@ -142,6 +139,13 @@ def utility_measure(
     return torch.stack(terms).sum()
 
 
+def check_radius(eps: float) -> float:
+    """The projection radius: a number ``>= 0``; ``math.inf`` turns the projection off."""
+    if not (isinstance(eps, (int, float)) and not isinstance(eps, bool)) or math.isnan(eps) or eps < 0:
+        raise ValueError(f"eps must be a number >= 0 (math.inf turns the projection off), got {eps!r}")
+    return eps
+
+
 def project_upload(
     robust: Mapping[str, Tensor], raw: Mapping[str, Tensor], eps: float, *, per_layer: bool = False
 ) -> tuple[dict[str, Tensor], bool]:
@@ -151,7 +155,7 @@ def project_upload(
     ``g + eps (g* - g) / ||g* - g||`` (at exactly distance ``eps`` from ``g``). ``per_layer``
     applies the rule to each layer with its own norm (each layer then within ``eps``).
     """
-    check_nonnegative(eps, "eps")
+    check_radius(eps)
     if set(robust) != set(raw):
         raise ValueError(f"robust and raw gradients name different layers: {sorted(set(robust) ^ set(raw))}")
     delta = {n: robust[n].detach() - raw[n].detach() for n in raw}
