@@ -150,7 +150,7 @@ def test_simulation_path_audits_chosen_clients_without_changing_the_run(tmp_path
 
     baseline = fit([])
     audit = PrivacyAudit(
-        steps=1, clients=[0, 2], attacks=[InvertingGradients(iterations=3)], lpips=False, noise_ratio=False, **KNOWN
+        rounds=1, clients=[0, 2], attacks=[InvertingGradients(iterations=3)], lpips=False, noise_ratio=False, **KNOWN
     )
     logger = CSVLogger(tmp_path, name="sim")
     audited = fit([audit], logger=logger)
@@ -211,7 +211,7 @@ class _Raises(GradientAttack):
 
 def test_failed_or_inapplicable_attacks_make_the_verdict_inconclusive_without_stopping_the_run() -> None:
     broken = PrivacyAudit(
-        steps=[0],
+        rounds=[0],
         attacks=[InvertingGradients(iterations=2), _Raises(RuntimeError("diverged. Step 3."))],
         adaptive=False,
         thresholds={"psnr": 15.0, "ssim": 0.5},  # LPIPS of 12x12 images upsampled for AlexNet says little
@@ -226,7 +226,11 @@ def test_failed_or_inapplicable_attacks_make_the_verdict_inconclusive_without_st
     assert any("diverged. Step 3." in reason for reason in result.worst.verdict_reasons), result.worst.verdict_reasons
 
     nothing = PrivacyAudit(
-        steps=[0], attacks=[_Raises(AttackNotApplicable("needs BatchNorm"))], adaptive=False, save_images=False, **KNOWN
+        rounds=[0],
+        attacks=[_Raises(AttackNotApplicable("needs BatchNorm"))],
+        adaptive=False,
+        save_images=False,
+        **KNOWN,
     )
     with pytest.warns(UserWarning, match="no attack could run"):
         fit_local([nothing], steps=1)
@@ -240,7 +244,7 @@ def test_the_attacker_uses_the_given_loss_and_the_composed_adaptive_attack() -> 
         return nn.functional.cross_entropy(logits, targets, label_smoothing=0.1)
 
     audit = PrivacyAudit(
-        steps=[0],
+        rounds=[0],
         attacks=[InvertingGradients(iterations=2)],
         adaptive_budget={"iterations": 2, "lbfgs_iterations": 2},
         loss_fn=smoothed,

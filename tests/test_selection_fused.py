@@ -9,6 +9,7 @@ import torch
 from test_pruning_fast_paths import layer
 
 from lightning_gp.defenses import AlignedDualGradientPruning, DualGradientPruning, TopKPruning
+from lightning_gp.defenses.base import DefenseCall
 from lightning_gp.defenses.selection import HISTOGRAM_MIN_NUMEL, MagnitudeRanks, Workspace, location_bits
 from lightning_gp.defenses.sparsification import SparsifyingDefense
 
@@ -87,8 +88,10 @@ def test_layer_by_layer_transform_gives_the_bits_of_accumulating_the_whole_model
     state_whole = whole.init_client_state(layers)
     for step in range(3):
         gradients = {n: g * (step + 1) for n, g in layers.items()}
-        shared_fused, state_fused = fused.transform(gradients, state_fused, torch.Generator())
-        shared_whole, state_whole = SparsifyingDefense.transform(whole, gradients, state_whole, torch.Generator())
+        shared_fused, state_fused = fused.transform(gradients, state_fused, DefenseCall(0, torch.Generator()))
+        shared_whole, state_whole = SparsifyingDefense.transform(
+            whole, gradients, state_whole, DefenseCall(0, torch.Generator())
+        )
         for name in layers:
             assert torch.equal(shared_fused[name], shared_whole[name]), (step, name)
             assert torch.equal(shared_fused[name].signbit(), shared_whole[name].signbit()), (step, name)

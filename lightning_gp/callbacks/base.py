@@ -34,7 +34,8 @@ class SharedGradientCallback(Callback):
     ``on_before_optimizer_step``, which this callback forwards). The callbacks know no runner.
     """
 
-    runner: ClientStepRunner | None = None  # the fit's runner, on the callback that started it only
+    #: the runner of the fit this callback started (the last one, after the fit), else None
+    runner: ClientStepRunner | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
@@ -53,8 +54,7 @@ class SharedGradientCallback(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().teardown(trainer, pl_module, stage)
         if self.runner is not None:
-            self.runner.finish()
-            self.runner = None
+            self.runner.finish()  # the runner stays, for inspection after the fit; its pipeline goes
 
 
 class GradientDefense(SharedGradientCallback, DefenseStage):

@@ -34,7 +34,6 @@ from lightning_gp.flower.state import client_record, load_state, partition_id, s
 
 #: the node's Context.state record of the update-level defenses
 STATE_RECORD = "lightning_gp.update_defenses"
-_CALL_PARAMETERS = set(inspect.signature(Defense.__call__).parameters)
 
 
 def update_level_defense(defense: Defense | GradientDefense) -> Defense:
@@ -52,7 +51,7 @@ def update_level_defense(defense: Defense | GradientDefense) -> Defense:
             f"update defenses must be lightning_gp.defenses.Defense objects (or their callbacks), got "
             f"{type(defense).__name__}"
         )
-    extra = [p for p in inspect.signature(type(defense).__call__).parameters if p not in _CALL_PARAMETERS]
+    extra = [] if type(defense).prepare is Defense.prepare else list(inspect.signature(defense.prepare).parameters)[1:]
     if extra:
         raise ValueError(
             f"{type(defense).__name__} needs {', '.join(extra)} computed from the client's batch or model besides the "
