@@ -9,6 +9,9 @@ TORCH_VERSION := $(shell $(PY) -c "import torch; print(torch.__version__)" 2>/de
                          $(PYTHON) -c "import torch; print(torch.__version__)" 2>/dev/null || \
                          echo 2.13.0)
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test`: one per core (-n auto), at most TEST_WORKERS; each runs torch on
+# one thread (tests/conftest.py). `make test TEST_WORKERS=0` runs in one process.
+TEST_WORKERS ?= 2
 
 .PHONY: install test lint format demo bench clean
 
@@ -27,7 +30,7 @@ $(STAMP): setup.cfg pyproject.toml Makefile
 	@touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" $(if $(filter 0,$(TEST_WORKERS)),,-n auto --maxprocesses $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 
 # ruff (lint + format check) and mypy, configured in pyproject.toml.
 lint: $(STAMP)

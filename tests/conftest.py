@@ -1,3 +1,4 @@
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -7,6 +8,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests import their helpers module
 warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+
+if "PYTEST_XDIST_WORKER" in os.environ:
+    # `make test` runs one pytest-xdist worker per core: one torch thread each (and in the processes
+    # they start) keeps the workers from oversubscribing the cores.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")

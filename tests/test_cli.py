@@ -1,12 +1,20 @@
 """The lightning-gp command and the demo, run the way a user runs them."""
 
+import io
 import json
+import logging
 import subprocess
 import sys
+import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+
+from lightning_gp.cli import main as cli_main
+from lightning_gp.cli.attack import main as attack_main
+from lightning_gp.cli.demo import main as demo_main
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -21,40 +29,73 @@ def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return result
 
 
+@dataclass
+class Output:
+    stdout: str
+    stderr: str  # also Lightning's log lines, which a fresh process writes to stderr
+
+
+@pytest.fixture
+def cli(tmp_path, capsys, monkeypatch):
+    """Run a command's ``main(argv)`` in this process, in ``tmp_path``, and return what it printed.
+
+    A fresh interpreter per call costs seconds of imports; the ``python -m`` entry points and the
+    console script are run once each in a real process below. ``cli(main, args)`` asserts that the
+    command succeeded; ``cli(main, args, fails=True)`` that it failed (exited non-zero or raised) and
+    returns the error with what it printed."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lightning-gp"])  # as a fresh process sees it, not pytest's arguments
+
+    def call(main, args: list[str], fails: bool = False) -> Output:
+        log = io.StringIO()
+        handler = logging.StreamHandler(log)
+        lightning_log = logging.getLogger("lightning.pytorch")  # where rank_zero_info logs
+        lightning_log.addHandler(handler)
+        capsys.readouterr()
+        error = None
+        try:
+            main(args)
+        except SystemExit as stop:
+            if stop.code not in (0, None):
+                error = f"exit status {stop.code}"
+        except Exception as exc:
+            error = "".join(traceback.format_exception(exc))
+        finally:
+            lightning_log.removeHandler(handler)
+        captured = capsys.readouterr()
+        output = Output(captured.out, captured.err + log.getvalue() + (error or ""))
+        if fails:
+            assert error is not None, f"{args} succeeded:\n{output.stdout[-3000:]}"
+        else:
+            assert error is None, f"{args} failed:\n{output.stdout[-3000:]}\n{output.stderr[-3000:]}"
+        return output
+
+    return call
+
+
 def test_configs_exist_for_an_undefended_and_a_defended_fedsgd_run():
     names = {c.stem for c in CONFIGS}
     assert {"fedsgd_undefended", "fedsgd_magnitude_pruning"} <= names
 
 
 @pytest.mark.parametrize("config", FIT_CONFIGS, ids=lambda c: c.stem)
-def test_every_config_runs_a_fast_dev_run(config, tmp_path):
-    result = run(
-        [sys.executable, "-m", "lightning_gp.cli", "fit", "--config", str(config), "--trainer.fast_dev_run=true"],
-        tmp_path,
-    )
+def test_every_config_runs_a_fast_dev_run(config, cli):
+    result = cli(cli_main, ["fit", "--config", str(config), "--trainer.fast_dev_run=true"])
     assert "`Trainer.fit` stopped" in result.stdout + result.stderr
 
 
 @pytest.mark.parametrize("subcommand", ["validate", "test"])
-def test_validate_and_test_subcommands_evaluate_the_simulated_model(subcommand, tmp_path):
+def test_validate_and_test_subcommands_evaluate_the_simulated_model(subcommand, cli):
     config = ROOT / "configs" / "fedsgd_undefended.yaml"
-    result = run(
-        [
-            sys.executable,
-            "-m",
-            "lightning_gp.cli",
-            subcommand,
-            "--config",
-            str(config),
-            "--trainer.limit_val_batches=1",
-            "--trainer.limit_test_batches=1",
-        ],
-        tmp_path,
+    result = cli(
+        cli_main,
+        [subcommand, "--config", str(config), "--trainer.limit_val_batches=1", "--trainer.limit_test_batches=1"],
     )
     assert f"{'val' if subcommand == 'validate' else 'test'}_acc" in result.stdout
 
 
 def test_defended_config_puts_the_defense_on_the_trainer(tmp_path):
+    # `python -m lightning_gp.cli` itself, in a fresh process, once
     config = ROOT / "configs" / "fedsgd_magnitude_pruning.yaml"
     result = run([sys.executable, "-m", "lightning_gp.cli", "fit", "--config", str(config), "--print_config"], tmp_path)
     assert "lightning_gp.callbacks.MagnitudePruning" in result.stdout and "rate: 0.8" in result.stdout
@@ -66,39 +107,21 @@ def test_console_script_is_installed():
     assert "fit" in subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120).stdout
 
 
-def test_bad_config_value_is_reported_by_name(tmp_path):
+def test_bad_config_value_is_reported_by_name(tmp_path, cli):
     text = (ROOT / "configs" / "fedsgd_magnitude_pruning.yaml").read_text()
     assert "rate: 0.8" in text
     config = tmp_path / "bad.yaml"
     config.write_text(text.replace("rate: 0.8", "rate: 1.5"))
-    result = subprocess.run(
-        [sys.executable, "-m", "lightning_gp.cli", "fit", "--config", str(config), "--trainer.fast_dev_run=true"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
-    assert result.returncode != 0
+    result = cli(cli_main, ["fit", "--config", str(config), "--trainer.fast_dev_run=true"], fails=True)
     assert "rate must be in [0, 1]" in result.stderr
 
 
 @pytest.mark.parametrize("config", ATTACK_CONFIGS, ids=lambda c: c.stem)
-def test_every_attack_config_writes_its_report(config, tmp_path):
-    args = [
-        sys.executable,
-        "-m",
-        "lightning_gp.cli",
-        "attack",
-        "--config",
-        str(config),
-        "--output_dir",
-        str(tmp_path / "out"),
-        "--clients",
-        "[0]",
-    ]
+def test_every_attack_config_writes_its_report(config, tmp_path, cli):
+    args = ["attack", "--config", str(config), "--output_dir", str(tmp_path / "out"), "--clients", "[0]"]
     if "iterations:" in config.read_text():
         args.append("--attack.init_args.iterations=3")
-    run(args, tmp_path)
+    cli(cli_main, args)
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["attack"] and len(report["clients"]) == 1
     assert set(report["private"]) >= {"psnr", "ssim", "lpips"}
@@ -114,25 +137,17 @@ def test_every_attack_config_writes_its_report(config, tmp_path):
     assert "private?" not in text  # one rule, stated once: no per-metric "private" column beside it
 
 
-def test_attack_command_reports_a_bad_config_by_name(tmp_path):
+def test_attack_command_reports_a_bad_config_by_name(tmp_path, cli):
     config = tmp_path / "bad.yaml"
     config.write_text((ROOT / "configs" / "attack_idlg.yaml").read_text().replace("iterations: 300", "iterations: 0"))
-    result = subprocess.run(
-        [sys.executable, "-m", "lightning_gp.cli", "attack", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
-    assert result.returncode != 0 and "iterations must be a positive int" in result.stderr
+    result = cli(cli_main, ["attack", "--config", str(config)], fails=True)
+    assert "iterations must be a positive int" in result.stderr
 
 
-def test_demo_reports_cost_and_worst_case_verdicts_with_the_adaptive_attacks(tmp_path):
-    run(
+def test_demo_reports_cost_and_worst_case_verdicts_with_the_adaptive_attacks(tmp_path, cli):
+    cli(
+        demo_main,
         [
-            sys.executable,
-            "-m",
-            "lightning_gp.cli.demo",
             "--rounds",
             "4",
             "--ig-iterations",
@@ -143,7 +158,6 @@ def test_demo_reports_cost_and_worst_case_verdicts_with_the_adaptive_attacks(tmp
             "--output-dir",
             str(tmp_path / "out"),
         ],
-        tmp_path,
     )
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     training = report["training"]
@@ -173,6 +187,7 @@ def test_demo_reports_cost_and_worst_case_verdicts_with_the_adaptive_attacks(tmp
 
 
 def test_demo_refuses_an_unknown_defense(tmp_path):
+    # `python -m lightning_gp.cli.demo` itself, in a fresh process, once
     result = subprocess.run(
         [sys.executable, "-m", "lightning_gp.cli.demo", "--defenses", "Nope", "--output-dir", str(tmp_path)],
         capture_output=True,
@@ -188,7 +203,6 @@ def test_a_seeded_attack_run_is_bit_identical_and_names_the_tapped_defenses(tmp_
     and a report on tap files names the defenses the tap recorded, not the config's."""
     from lightning_gp.audit import tap_fedsgd_round
     from lightning_gp.callbacks import TopKPruning
-    from lightning_gp.cli.attack import main as attack_main
     from lightning_gp.data import FashionMNISTSampleDataModule
     from lightning_gp.models import LeNetZhu
 

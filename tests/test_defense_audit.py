@@ -150,6 +150,8 @@ def test_matrix_quick_writes_the_table_the_csv_and_the_heatmap(tmp_path):
     result = run_benchmark(
         "matrix.py",
         "--quick",
+        "--threads",
+        "1",  # its default, 2, oversubscribes the cores the other pytest-xdist worker runs on
         "--sample",
         "--defenses",
         "undefended",
@@ -257,6 +259,8 @@ def test_baselines_quick_writes_the_summary_every_attack_and_soteria_cost(tmp_pa
     result = run_benchmark(
         "baselines.py",
         "--quick",
+        "--threads",
+        "1",  # its default, 2, oversubscribes the cores the other pytest-xdist worker runs on
         "--sample",
         "--defenses",
         "undefended",
