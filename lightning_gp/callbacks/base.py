@@ -31,7 +31,7 @@ class SharedGradientCallback(Callback):
     :class:`~lightning_gp.pipeline.SharedGradientPipeline` of the fit from the trainer's stages and
     hands it to the runner of the client step, which holds it and drives it (the DDP runner
     registers its communication hook; the local runner rewrites ``.grad`` from
-    ``on_before_optimizer_step``, which this callback forwards). The callbacks know no runner.
+    ``on_before_optimizer_step``, which this callback forwards). The stages themselves know no runner.
     """
 
     #: the runner of the fit this callback started (the last one, after the fit), else None
@@ -96,18 +96,15 @@ class GradientDefense(SharedGradientCallback, DefenseStage):
             defense = cls.defense_class(**{n: kwargs.pop(n) for n in names if n in kwargs})
         if not isinstance(defense, Defense):
             raise TypeError(f"defense must be a lightning_gp.defenses.Defense, got {type(defense).__name__}")
+        unknown = sorted(set(kwargs) - set(_adapt_parameters(cls)))
+        if unknown:
+            known = [*(_defense_parameters(cls.defense_class) if cls.defense_class else []), *_adapt_parameters(cls)]
+            takes = ", ".join(known) or "no settings besides the defense"
+            raise TypeError(f"{cls.__name__} got unexpected arguments {unknown}; it takes {takes}")
         self.defense = defense
         # adapter_state came from the checkpoint this fit resumes: on_fit_start keeps it
         self._adapter_restored = False
-        try:
-            self.adapt(**kwargs)
-        except TypeError as err:
-            if "unexpected keyword argument" not in str(err):
-                raise
-            known = [*(_defense_parameters(cls.defense_class) if cls.defense_class else []), *_adapt_parameters(cls)]
-            raise TypeError(
-                f"{cls.__name__} got unexpected arguments {sorted(set(kwargs) - set(known))}; it takes {', '.join(known)}"
-            ) from None
+        self.adapt(**kwargs)
 
     def adapt(self) -> None:
         """Take the adapter's own settings, keyword-only (a data-dependent adapter: how it estimates
