@@ -182,8 +182,8 @@ def test_demo_reports_cost_and_worst_case_verdicts_with_the_adaptive_attacks(tmp
     text = (tmp_path / "out" / "report.md").read_text()
     assert "**worst case, passive**" in text and "**worst case, active**" in text
     assert "## Verdicts" in text and "Trivial baseline" in text and "Against a malicious server" in text
-    assert (tmp_path / "out" / "audit_TopKPruning_k_0_2.png").exists()
-    assert (tmp_path / "out" / "taps" / "TopKPruning_k_0_2" / "round0_client0.pt").exists()
+    assert (tmp_path / "out" / "audit_TopKPruning_rate_0_8.png").exists()
+    assert (tmp_path / "out" / "taps" / "TopKPruning_rate_0_8" / "round0_client0.pt").exists()
 
 
 def test_demo_refuses_an_unknown_defense(tmp_path):
