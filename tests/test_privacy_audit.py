@@ -260,3 +260,19 @@ def test_the_attacker_uses_the_given_loss_and_the_composed_adaptive_attack() -> 
     assert adaptive and all(not r.reconstruction.meta.get("fallback") for r in adaptive)
     assert {r.reconstruction.meta["defense"] for r in adaptive} == {"GaussianNoise+TopKPruning"}
     assert not any("fell back" in reason for reason in result.worst.verdict_reasons)
+
+
+def test_a_batch_with_more_images_than_classes_is_audited_with_the_true_labels_granted_and_said() -> None:
+    # Before: label recovery assumes distinct labels, so at a batch of 8 images of 4 classes every
+    # attack was n/a and the audit said nothing useful (the README's example at batch 64 failed)
+    L.seed_everything(0)
+    quiet = dict(adaptive=False, lpips=False, noise_ratio=False, save_images=False)
+    audit = PrivacyAudit(rounds=0, attacks=tiny_attacks(), **quiet, **KNOWN)
+    with pytest.warns(UserWarning, match=r"given the true labels: a batch of 8 images of 4 classes"):
+        quiet_trainer(max_steps=1, callbacks=[audit]).fit(TinyModule(), loader(batch_size=8))
+    (result,) = audit.results
+    assert len(result.attacks) == 2 and not result.skipped  # iDLG and IG both ran
+    assert result.labels_granted is not None and "stronger attacker" in result.labels_granted
+    small = PrivacyAudit(rounds=0, attacks=tiny_attacks(), **quiet, **KNOWN)
+    quiet_trainer(max_steps=1, callbacks=[small]).fit(TinyModule(), loader(batch_size=2))
+    assert small.results[0].labels_granted is None  # distinct labels are possible: recovered, not granted

@@ -112,6 +112,8 @@ class AuditResult:
             a verdict is "inconclusive").
         skipped: attack -> why it has no result ("n/a: ..." or "error: ...").
         active_verdict: always "inconclusive"; ``active_reason`` says why (:data:`ACTIVE_NOT_AUDITED`).
+        labels_granted: why the attackers were given the true labels although ``labels_known=False``
+            (a batch with more images than classes), else None.
     """
 
     round: int
@@ -123,6 +125,7 @@ class AuditResult:
     skipped: dict[str, str] = field(default_factory=dict)
     active_verdict: str = "inconclusive"
     active_reason: str = ACTIVE_NOT_AUDITED
+    labels_granted: str | None = None
 
 
 class _RandomState:
@@ -156,7 +159,9 @@ class PrivacyAudit(SharedGradientObserver):
         num_classes, mean, std: what the server knows (classes; the inputs' per-channel
             normalisation); ``None`` takes them from the datamodule (``trainer.datamodule``, or
             the simulation's ``source_datamodule``).
-        labels_known: the threat model grants the server the client's labels.
+        labels_known: the threat model grants the server the client's labels. Without it, a batch of
+            more images than classes (labels repeat; recovery from the gradient assumes distinct
+            labels) is audited with the true labels granted, said in ``AuditResult.labels_granted``.
         loss_fn: the loss the client trains with, which the attacker matches with; ``None``: the
             LightningModule's (or its wrapped model's) ``loss_fn`` attribute, else cross-entropy with
             a warning at fit start (a guessed loss is a wrong attack: pass it when you train with another).
@@ -221,6 +226,7 @@ class PrivacyAudit(SharedGradientObserver):
         self.mean = None if mean is None else tuple(float(v) for v in mean)
         self.std = None if std is None else tuple(float(v) for v in std)
         self.labels_known = check_bool(labels_known, "labels_known")
+        self._warned_labels = False
         self.lpips = check_bool(lpips, "lpips")
         self.noise_ratio = check_bool(noise_ratio, "noise_ratio")
         if loss_fn is not None and not callable(loss_fn):
@@ -440,6 +446,7 @@ class PrivacyAudit(SharedGradientObserver):
         results: list[AttackResult] = []
         skipped: dict[str, str] = {}
         gaps: list[str] = []
+        labels_granted = self._labels_granted(int(record.inputs.shape[0]), num_classes)
         if self._defended and not self.adaptive:
             gaps.append("the adaptive attacks were not run (adaptive=False)")
         for attack in attacks:
@@ -452,7 +459,7 @@ class PrivacyAudit(SharedGradientObserver):
                     num_classes=num_classes,
                     mean=mean,
                     std=std,
-                    labels_known=self.labels_known,
+                    labels_known=self.labels_known or labels_granted is not None,
                     lpips=self.lpips,
                     noise_ratio=self.noise_ratio,
                     lpips_fn=self._lpips_fn,
@@ -502,7 +509,26 @@ class PrivacyAudit(SharedGradientObserver):
             threat_model="passive",
         )
         metrics = self._metrics(record.client_id, worst)
-        return AuditResult(record.round, record.client_id, results, worst, metrics, skipped=skipped)
+        return AuditResult(
+            record.round, record.client_id, results, worst, metrics, skipped=skipped, labels_granted=labels_granted
+        )
+
+    def _labels_granted(self, batch_size: int, num_classes: int) -> str | None:
+        """Why the attackers are given the client's true labels although ``labels_known=False``, or None.
+
+        Label recovery from a gradient assumes distinct labels, impossible when the batch holds more
+        images than there are classes; the audit then grants the true labels (a stronger attacker,
+        so the verdict can only err against the defense) instead of leaving every attack n/a."""
+        if self.labels_known or batch_size <= num_classes:
+            return None
+        reason = (
+            f"the attackers were given the true labels: a batch of {batch_size} images of {num_classes} classes "
+            "repeats labels, which label recovery from the gradient cannot handle (a stronger attacker)"
+        )
+        if not self._warned_labels:
+            self._warned_labels = True
+            warnings.warn(f"PrivacyAudit: {reason}", stacklevel=3)
+        return reason
 
     def _metrics(self, client_id: int, worst: WorstCaseReport) -> dict[str, float]:
         base = f"{self.prefix}/client{client_id}"
