@@ -176,6 +176,9 @@ def test_pruning_after_dp_shares_a_sparse_noised_gradient_and_the_step_uses_it()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer, model = fit(dp, model=model, extra=[MagnitudePruning(rate=0.8), tap], max_steps=1)
     record = tap.latest()
+    # Before: meta["defenses"] named the pruning only, although DP-SGD clipped and noised first
+    assert [d["name"] for d in record.meta["defenses"]] == ["DPSGD", "MagnitudePruning"]
+    assert record.meta["defenses"][0]["config"]["max_grad_norm"] == 1e3
     shared = record.gradients
     for name in ("net.0.weight", "net.3.weight"):
         assert (shared[name] != 0).float().mean().item() == pytest.approx(0.2, abs=0.02)

@@ -134,6 +134,10 @@ class DPSGD(Callback, ClientStepRunner):
 
     # ------------------------------------------------------------------ configuration
 
+    def describe_defenses(self) -> list[dict[str, Any]]:
+        """DP-SGD clips and noises before the defense stages: recorded first in ``meta["defenses"]``."""
+        return [{"name": type(self).__name__, "config": self.config()}]
+
     def config(self) -> dict[str, Any]:
         return {
             "noise_multiplier": self.noise_multiplier,

@@ -81,6 +81,8 @@ class SharedGradientPipeline:
         self.defenses = defenses
         self.observers = observers
         self._prepared: dict[int, _PreparedClient] = {}
+        #: what the runner itself does to the gradient before the stages (DP-SGD's clip and noise)
+        self._runner_defenses: list[dict[str, Any]] = []
 
     @classmethod
     def from_trainer(cls, trainer: pl.Trainer) -> SharedGradientPipeline:
@@ -110,14 +112,16 @@ class SharedGradientPipeline:
                         f"reported epsilon. Use {type(runner).__name__} alone, or with data-independent defenses "
                         "(pruning, GaussianNoise) after it"
                     )
+        self._runner_defenses = runner.describe_defenses()
         setup = dataclasses.replace(setup, passes_client_batches=runner.passes_client_batches)
         for member in self.members:
             member.bind(setup)
 
     def describe_defenses(self) -> list[dict[str, Any]]:
         """What the server is assumed to know of the defenses (recorded as ``meta["defenses"]``, read by
-        the adaptive attacks): each stage's defense class name and configuration, in order."""
-        described = []
+        the adaptive attacks): the runner's own (DP-SGD), then each stage's defense class name and
+        configuration, in the order they apply."""
+        described = [dict(d) for d in self._runner_defenses]
         for stage in self.defenses:
             inner: Any = getattr(stage, "defense", stage)
             config = inner.config() if callable(getattr(inner, "config", None)) else {}
@@ -339,6 +343,11 @@ class ClientStepRunner(ABC):
     def before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> None:
         """Called from ``on_before_optimizer_step`` (default: nothing; the local runner defends ``.grad`` here)."""
         return
+
+    def describe_defenses(self) -> list[dict[str, Any]]:
+        """What this runner does to a client's gradient before the stages see it, described like the
+        stages' defenses (``{"name", "config"}``; recorded first in ``meta["defenses"]``). Default: none."""
+        return []
 
     def finish(self) -> None:
         """Let go of the fit's pipeline (at teardown): the next fit gets its own."""
