@@ -220,3 +220,27 @@ def test_a_seeded_attack_run_is_bit_identical_and_names_the_tapped_defenses(tmp_
     report = json.loads((tmp_path / "taps" / "report.json").read_text())
     assert [d.split("(")[0] for d in report["defenses"]] == ["TopKPruning"]  # the config says MagnitudePruning
     assert "TopKPruning" in (tmp_path / "taps" / "report.md").read_text().splitlines()[0]
+
+
+def test_top_level_help_is_short_and_lists_every_command(capsys):
+    # Before: `lightning-gp --help` was LightningCLI's and listed neither attack nor refiner
+    from lightning_gp.cli import main
+
+    main(["--help"])
+    text = capsys.readouterr().out
+    assert len(text.splitlines()) <= 30
+    for command in ("fit", "attack", "refiner", "lightning-gp attack --help-full"):
+        assert command in text
+
+
+def test_attack_help_is_short_and_the_full_one_is_one_flag_away(capsys):
+    # Before: `lightning-gp attack --help` was 634 lines, most of them every torch.nn.Module subclass
+    from lightning_gp.cli.attack import main as attack_main
+
+    assert attack_main(["--help"]) == []
+    text = capsys.readouterr().out
+    assert len(text.splitlines()) <= 40 and "--config" in text and "--tap_files" in text
+    assert "torch.nn.modules" not in text
+    with pytest.raises(SystemExit) as done:
+        attack_main(["--help-full"])
+    assert done.value.code == 0 and len(capsys.readouterr().out.splitlines()) > 100

@@ -48,6 +48,11 @@ class LightningGPCLI(LightningCLI):
 def main(args: Any = None) -> None:
     """Console entry point (``lightning-gp``): ``attack`` (an audit), ``refiner`` (Refiner tools), else LightningCLI."""
     argv = sys.argv[1:] if args is None else args
+    if isinstance(argv, list) and argv in ([], ["-h"], ["--help"]):
+        from lightning_gp.cli.help import TOP_HELP
+
+        print(TOP_HELP)
+        return
     if isinstance(argv, list) and argv[:1] == ["attack"]:
         from lightning_gp.cli.attack import main as attack_main
 

@@ -10,6 +10,7 @@ server's view, and writes ``report.json``, ``report.md`` and ``reconstructions.p
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from torch import nn
 
 from lightning_gp.attacks import GradientAttack
 from lightning_gp.audit import AttackResult, attack_record, mean_scores, tap_fedsgd_round, worst_case_report
+from lightning_gp.cli.help import short_help
 from lightning_gp.data import ImageClassificationDataModule
 from lightning_gp.metrics import (
     PRIVACY_THRESHOLDS,
@@ -47,7 +49,7 @@ def build_parser() -> ArgumentParser:
         default=None,
         help="client ids whose shared gradients are attacked (default [0], or one per list of indices/positions)",
     )
-    parser.add_argument("--num_clients", type=int, default=10)
+    parser.add_argument("--num_clients", type=int, default=10, help="clients the training set is split among")
     parser.add_argument(
         "--local_batch_size",
         type=int | None,
@@ -72,8 +74,8 @@ def build_parser() -> ArgumentParser:
         "--tap_files", type=list[str], default=[], help="attack these GradientTap files instead of simulating"
     )
     parser.add_argument("--lpips", type=bool, default=True, help="score LPIPS (needs the pretrained AlexNet weights)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output_dir", type=str, default="attack_output")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the model, the partition and the attack")
+    parser.add_argument("--output_dir", type=str, default="attack_output", help="where the report and figures go")
     return parser
 
 
@@ -220,8 +222,29 @@ def _images_note(record: TappedGradient) -> str:
     return f", training images {list(indices)}" if indices is not None else ""
 
 
+#: what ``lightning-gp attack --help`` shows as examples
+EXAMPLES = (
+    "lightning-gp attack --config configs/attack_inverting_gradients.yaml",
+    "lightning-gp attack --config configs/attack_rgap.yaml --indices '[[3]]' --output_dir out",
+    "lightning-gp attack --config configs/attack_inverting_gradients.yaml --tap_files '[taps/round0_client0.pt]'",
+)
+
+
 def main(argv: list[str] | None = None) -> list[AttackResult]:
     parser = build_parser()
+    args = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in args):
+        print(
+            short_help(
+                parser,
+                usage="lightning-gp attack --config CONFIG [options]",
+                examples=EXAMPLES,
+                full_flag="lightning-gp attack --help-full",
+            )
+        )
+        return []
+    if "--help-full" in args:
+        argv = ["--help" if a == "--help-full" else a for a in args]
     instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # renamed in jsonargparse 4.49
     parsed = parser.parse_args(argv)
     # seeded before anything is built: the model's initial weights come from the generator too
