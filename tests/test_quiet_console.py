@@ -126,3 +126,23 @@ def test_quiet_lightning_restores_levels_and_filters_even_on_error(data) -> None
         assert [lg.level for lg in loggers] == levels and warnings.filters == filters
     finally:
         loggers[1].setLevel(logging.NOTSET)
+
+
+def test_the_command_line_drops_known_library_noise_and_keeps_lightning_s_own_lines(tmp_path):
+    # Before: every `lightning-gp fit` printed the litlogger / litmodels tips, the tensorboardX notice
+    # and a LeafSpec deprecation from inside Lightning
+    from pathlib import Path
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "fedsgd_magnitude_pruning.yaml"
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_gp.cli", "fit", "--config", str(config), "--trainer.fast_dev_run=true"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    output = done.stdout + done.stderr
+    for noise in ("litlogger", "litmodels", "tensorboardX", "LeafSpec"):
+        assert noise not in output, noise
+    assert "`Trainer.fit` stopped" in output  # Lightning's own lines about the run still show

@@ -52,6 +52,48 @@ def quiet_lightning() -> Iterator[None]:
                 logger.setLevel(level)
 
 
+#: Known library noise a user cannot act on, dropped by the suite's own entry points
+#: (:func:`library_noise_silenced`): Lightning's tips about its paid add-ons, its tensorboardX notice,
+#: a pytree deprecation inside Lightning, and Opacus' notes about its own internals.
+_NOISE_MESSAGES = (
+    r".*`tensorboardX` has been removed as a dependency",
+    r".*`isinstance\(treespec, LeafSpec\)` is deprecated",
+    r".*Secure RNG turned off",
+    r".*Using a non-full backward hook",
+    r".*Optimal order is the (largest|smallest) alpha",
+)
+
+
+class _DropTips(logging.Filter):
+    """Drops Lightning's "💡 Tip: try installing litlogger / litmodels" lines."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("Tip:" in message and ("litlogger" in message or "litmodels" in message))
+
+
+@contextmanager
+def library_noise_silenced() -> Iterator[None]:
+    """Run one of the suite's own entry points (``lightning-gp``, the demo) without known library
+    noise (:data:`_NOISE_MESSAGES`, Lightning's add-on tips). Every other line, warning and error
+    still shows; filters and logger state are restored on exit, so a user's own Trainer, built
+    outside the block, prints as usual."""
+    from lightning_utilities.core import rank_zero
+
+    loggers = [logging.getLogger(name) for name in sorted({*_RANK_ZERO_LOGGERS, rank_zero.log.name})]
+    tips = _DropTips()
+    with warnings.catch_warnings():
+        for message in _NOISE_MESSAGES:
+            warnings.filterwarnings("ignore", message=message)
+        for logger in loggers:
+            logger.addFilter(tips)
+        try:
+            yield
+        finally:
+            for logger in loggers:
+                logger.removeFilter(tips)
+
+
 def internal_trainer(*, max_steps: int, callbacks: Sequence[Callback], **kwargs: Any) -> L.Trainer:
     """A ``Trainer`` for this package's own short runs (taps, catalogue training): CPU, no validation,
     logger, checkpoints, progress bar or model summary. Build it inside :func:`quiet_lightning`."""

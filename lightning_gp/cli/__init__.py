@@ -54,16 +54,21 @@ def main(args: Any = None) -> None:
         print(TOP_HELP)
         return
     if isinstance(argv, list) and argv[:1] == ["attack"]:
+        from lightning_gp.audit.quiet import library_noise_silenced
         from lightning_gp.cli.attack import main as attack_main
 
-        attack_main(argv[1:])
+        with library_noise_silenced():
+            attack_main(argv[1:])
         return
     if isinstance(argv, list) and argv[:1] == ["refiner"]:
         from lightning_gp.refiner.cli import main as refiner_main
 
         refiner_main(argv[1:])
         return
-    LightningGPCLI(args=args)
+    from lightning_gp.audit.quiet import library_noise_silenced
+
+    with library_noise_silenced():  # the suite's entry point: known library noise goes, the rest shows
+        LightningGPCLI(args=args)
 
 
 if __name__ == "__main__":
