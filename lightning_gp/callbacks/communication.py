@@ -96,6 +96,13 @@ class CommunicationMeter(SharedGradientObserver):
         self._step_upload = self._step_download = self._step_dense = self._step_uploads = 0
         self._weights_round = False
 
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # epoch-level values are written whatever log_every_n_steps is: a run shorter than the
+        # logging interval still records what it sent
+        if self.total_dense_bytes:
+            pl_module.log("comm/run_upload_ratio", self.upload_ratio, on_step=False, on_epoch=True)
+            pl_module.log("comm/run_download_ratio", self.download_ratio, on_step=False, on_epoch=True)
+
     @property
     def upload_ratio(self) -> float:
         return self.total_upload_bytes / self.total_dense_bytes if self.total_dense_bytes else float("nan")

@@ -314,7 +314,9 @@ class DPSGD(Callback, ClientStepRunner):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.privacy_accountant is not None:
-            pl_module.log("dp_epsilon", self.epsilon)
+            pl_module.log(
+                "dp_epsilon", self.epsilon, prog_bar=True
+            )  # on the bar and ProgressPrinter, not only in the logs
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
