@@ -130,3 +130,33 @@ def check_int_list(value: int | Sequence[int], name: str) -> list[int]:
     if not values:
         raise ValueError(f"{name} must name at least one entry, got an empty sequence")
     return sorted({check_int(v, name, low=0) for v in values})
+
+
+def check_model_fits_data(model: Any, datamodule: Any) -> None:
+    """Refuse, naming both sides, a model that cannot take the datamodule's images or predicts
+    another number of classes; a no-op for a datamodule that does not declare ``image_shape`` and
+    ``num_classes`` (a user's own). One forward pass of a zero image, without gradients."""
+    shape, classes = getattr(datamodule, "image_shape", None), getattr(datamodule, "num_classes", None)
+    if shape is None or classes is None:
+        return
+    import torch
+
+    name, data = type(model).__name__, type(datamodule).__name__
+    hint = f"set the model's in_channels / image_size / num_classes to the data's ({tuple(shape)}, {classes} classes)"
+    parameter = next(iter(model.parameters()), None)
+    probe = torch.zeros(1, *shape, device=parameter.device if parameter is not None else None)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = model(probe)
+    except RuntimeError as err:
+        raise ValueError(f"{name} cannot take {data}'s images of shape {tuple(shape)}: {err}. {hint}") from err
+    finally:
+        model.train(was_training)
+    if not isinstance(logits, torch.Tensor):
+        return  # a wrapper with its own output (a tuple, a dict): only the input side is checked
+    if logits.ndim != 2 or logits.shape[1] != classes:
+        raise ValueError(
+            f"{name} predicts {tuple(logits.shape[1:])} outputs per image, but {data} has {classes} classes; {hint}"
+        )

@@ -22,7 +22,9 @@ class GradientTap(SharedGradientObserver):
     Args:
         clients: the client id(s) to record (the global rank under DDP, 0 on a single device).
         rounds: the round (optimizer step) indices to record; ``None`` records every round.
-        dirpath: if set, each record is also written to ``dirpath/round{r}_client{c}.pt``.
+        dirpath: each record is also written to ``dirpath/round{r}_client{c}.pt``. ``None``: to
+            ``<the run's log directory>/taps`` when the Trainer has a logger (a run from a config
+            keeps its records after it exits), else kept in memory only (:attr:`records`).
         record_data: keep the client's batch with the record, for scoring reconstructions.
     """
 
@@ -41,6 +43,17 @@ class GradientTap(SharedGradientObserver):
         self.record_data = check_bool(record_data, "record_data")
         self.records: list[TappedGradient] = []
         self.batches = StepBatches()
+        #: where this fit writes its records (``dirpath``, the log directory's ``taps``, or None)
+        self.record_dir: Path | None = None if dirpath is None else Path(dirpath)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        if self.dirpath is not None:
+            self.record_dir = Path(self.dirpath)
+        elif trainer.loggers and trainer.log_dir is not None:
+            self.record_dir = Path(trainer.log_dir) / "taps"
+        else:
+            self.record_dir = None
 
     def wants(self, client_id: int, round: int) -> bool:
         return client_id in self.clients and (self.rounds is None or round in self.rounds)
@@ -74,8 +87,8 @@ class GradientTap(SharedGradientObserver):
             meta=meta,
         )
         self.records.append(record)
-        if self.dirpath is not None:
-            record.save(Path(self.dirpath) / f"round{round}_client{client_id}.pt")
+        if self.record_dir is not None:
+            record.save(self.record_dir / f"round{round}_client{client_id}.pt")
 
     def latest(self) -> TappedGradient:
         if not self.records:

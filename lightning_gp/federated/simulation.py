@@ -33,7 +33,15 @@ from lightning_gp.federated.partition import PARTITION_SCHEMES, partition
 from lightning_gp.federated.rounds import ClientRounds, RoundLoader, RoundSampler
 from lightning_gp.pipeline.pipeline import ClientStepRunner, trainer_callbacks
 from lightning_gp.pipeline.stages import ClientSetup, DefenseStage, StageCall
-from lightning_gp.validation import as_int, check_choice, check_int, check_number, check_positive, check_positive_int
+from lightning_gp.validation import (
+    as_int,
+    check_choice,
+    check_int,
+    check_model_fits_data,
+    check_number,
+    check_positive,
+    check_positive_int,
+)
 
 Algorithm = Literal["fedsgd", "fedavg"]
 
@@ -187,6 +195,7 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
         self._restored_defense_states = _defense_states(checkpoint)
 
     def on_fit_start(self) -> None:
+        check_model_fits_data(self.module, self.source_datamodule)
         # Lightning restores callback state only into callbacks present now and drops the rest
         # without a word; for a defense that would reset every client's error-feedback residuals
         # and random streams. The guard lives here, not in the defense callbacks, because it must

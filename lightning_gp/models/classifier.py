@@ -6,7 +6,7 @@ import lightning as L
 import torch
 from torch import nn
 
-from lightning_gp.validation import check_choice, check_nonnegative, check_positive
+from lightning_gp.validation import check_choice, check_model_fits_data, check_nonnegative, check_positive
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -48,6 +48,10 @@ class ImageClassifier(L.LightningModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
+
+    def on_fit_start(self) -> None:
+        # a model built for other images fails here with both sides named, not deep in a conv
+        check_model_fits_data(self.model, getattr(self.trainer, "datamodule", None))
 
     def _loss_acc(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         images, targets = batch
