@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # one thread (tests/conftest.py). `make test TEST_WORKERS=0` runs in one process.
 TEST_WORKERS ?= 2
 
-.PHONY: install test lint format demo bench clean
+.PHONY: install test lint format demo bench flower-example clean
 
 install: $(STAMP)
 
@@ -44,6 +44,17 @@ format: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m lightning_gp.cli.demo --output-dir demo_output
+
+# The Flower example (examples/flower) from a checkout: installs the optional Flower extra into
+# .venv (torch pinned as above), then runs the apps on Flower's simulation engine and fails loudly.
+FLOWER_STAMP := $(VENV)/.lightning-gp-flower-installed
+
+$(FLOWER_STAMP): $(STAMP) setup.cfg
+	$(PY) -m pip install --quiet -c $(VENV)/constraints.txt "torch==$(TORCH_VERSION)" -e ".[flower]"
+	@touch $(FLOWER_STAMP)
+
+flower-example: $(FLOWER_STAMP)
+	cd examples/flower && ../../$(PY) run.py
 
 bench: $(STAMP)
 	@echo "benchmarks live in benchmarks/; run one with: $(PY) benchmarks/<name>.py --help"

@@ -7,7 +7,7 @@ from flwr.app import ArrayRecord, Context
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
-from lgp_flower_example.task import audit_data, model
+from lgp_flower_example.task import audit_data, model, settings
 from lightning_gp.flower import TappedStrategy
 
 app = ServerApp()
@@ -15,10 +15,11 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    torch.manual_seed(int(context.run_config["seed"]))
+    config = settings(context)
+    torch.manual_seed(int(config["seed"]))
     initial = model(context)
-    tap_dir = Path(str(context.run_config["tap-dir"])).expanduser()
-    num_clients = int(context.run_config["num-clients"])
+    tap_dir = Path(str(config["tap-dir"])).expanduser()
+    num_clients = int(config["num-clients"])
     strategy = TappedStrategy(
         FedAvg(fraction_evaluate=0.0, min_train_nodes=num_clients, min_available_nodes=num_clients),
         initial,
@@ -29,7 +30,7 @@ def main(grid: Grid, context: Context) -> None:
     strategy.start(
         grid=grid,
         initial_arrays=ArrayRecord(initial.state_dict()),
-        num_rounds=int(context.run_config["num-server-rounds"]),
+        num_rounds=int(config["num-server-rounds"]),
     )
     upload, encoded = strategy.total_upload_bytes, strategy.total_update_encoded_bytes
     print(f"tapped {len(strategy.records)} client updates into {tap_dir}")

@@ -1,7 +1,10 @@
-"""What both sides share: the model and each client's data."""
+"""What both sides share: the run's settings, the model and each client's data."""
 
 from functools import cache
+from pathlib import Path
+from typing import Any
 
+import tomllib
 from flwr.app import Context
 
 from lightning_gp.data import FashionMNISTSampleDataModule
@@ -9,9 +12,22 @@ from lightning_gp.flower import FederatedData
 from lightning_gp.models import ImageClassifier, LeNetZhu
 
 
+@cache
+def default_settings() -> dict[str, Any]:
+    """The app's `[tool.flwr.app.config]` in pyproject.toml."""
+    with open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as handle:
+        return dict(tomllib.load(handle)["tool"]["flwr"]["app"]["config"])
+
+
+def settings(context: Context) -> dict[str, Any]:
+    """The run's settings: ``flwr run``'s run config (pyproject defaults and ``--run-config``), or the
+    pyproject's defaults when the apps run in ``run.py``'s simulation, which passes no run config."""
+    return {**default_settings(), **dict(context.run_config)}
+
+
 def model(context: Context) -> ImageClassifier:
     """The clients' LightningModule; its SGD learning rate is the local one."""
-    return ImageClassifier(LeNetZhu(), lr=float(context.run_config["local-lr"]))
+    return ImageClassifier(LeNetZhu(), lr=float(settings(context)["local-lr"]))
 
 
 @cache
@@ -34,5 +50,5 @@ def client_data(context: Context) -> FederatedData:
 def audit_data(context: Context, num_clients: int) -> FederatedData:
     """The same split, for the server of this audit to score reconstructions against (a real
     server never holds the clients' data)."""
-    config = context.run_config
+    config = settings(context)
     return _data(num_clients, int(config["local-batch-size"]), int(config["local-steps"]), int(config["seed"]))
