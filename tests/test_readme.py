@@ -1,0 +1,195 @@
+"""Every code block of the README runs as written, so the README cannot drift from the API.
+
+``python`` blocks are executed in README order in one shared namespace (later sections use the
+names earlier ones imported or built: ``L``, ``LeNetZhu``, ``FashionMNISTSampleDataModule``, ``dm``),
+in a temporary working directory so the files they write land there. They run exactly as written;
+only their size is capped, from outside, so the suite stays CI-sized:
+
+- ``lightning.Trainer`` (``lightning.pytorch.Trainer``, the same class) is a subclass whose
+  ``__init__`` caps ``max_steps`` at 2 (2 when not given), ``max_epochs`` at 1 when given, runs
+  ``limit_val_batches`` / ``limit_test_batches`` = 1 on the CPU, and turns off the progress bar and
+  checkpointing, and the logger unless the block passes one;
+- ``FederatedSimulation``, the name the blocks import, is from the block after its import on a
+  subclass (the class the package builds inside, e.g. in ``tap_fedsgd_round``, is untouched) that trains at most 2 clients per
+  round for at most 1 local step (the PriPrune block's 10 clients x 3 local steps of Conv2 cost
+  about 45 s a round on one thread; each of its clients still gets its own mask and update);
+- ``lightning_gp.attacks.InvertingGradients`` is a subclass whose ``iterations`` is at most 5
+  (the README's attack budgets are 2500; the blocks' other attacks are built, not run).
+
+``bash`` blocks are not run (they are long trainings, attacks and benchmarks): every file a command
+line names must exist, every ``--flag`` given to a benchmark script must be one it parses, every
+``make`` target must be in the Makefile, and every ``lightning-gp fit|attack --config ...`` line must
+parse with ``--print_config`` (in process, nothing trained).
+
+The one block that may not run is the Flower example, where the optional ``flwr`` extra is not
+installed: every other block still runs, then the test is reported skipped with that reason.
+
+The block counts are asserted: a block added to the README fails here until it is run (or,
+for a ``bash`` block, checked).
+"""
+
+import importlib.util
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import lightning
+import lightning.pytorch
+import pytest
+
+import lightning_gp.attacks
+import lightning_gp.federated
+from lightning_gp.attacks import registry
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+
+PYTHON_BLOCKS = 12
+BASH_BLOCKS = 6
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def code_blocks(text: str) -> list[tuple[str, str, str]]:
+    """``(language, section, code)`` of every fenced block, in order; the section is the last
+    ``##``/``###`` heading above it."""
+    blocks = []
+    section = ""
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith(("## ", "### ")):
+            section = line.lstrip("#").strip()
+        if line.startswith("```"):
+            language = line[3:].strip()
+            body = []
+            i += 1
+            while not lines[i].startswith("```"):
+                body.append(lines[i])
+                i += 1
+            blocks.append((language, section, "\n".join(body) + "\n"))
+        i += 1
+    return blocks
+
+
+BLOCKS = code_blocks(README.read_text())
+
+
+def blocks_of(language: str) -> list[tuple[str, str]]:
+    return [(section, code) for lang, section, code in BLOCKS if lang == language]
+
+
+def test_the_readme_has_the_blocks_this_test_runs():
+    assert len(blocks_of("python")) == PYTHON_BLOCKS, "a python block was added or removed: run it here"
+    assert len(blocks_of("bash")) == BASH_BLOCKS, "a bash block was added or removed: check it here"
+
+
+class CappedTrainer(lightning.pytorch.Trainer):
+    def __init__(self, *args, **kwargs):
+        steps = kwargs.get("max_steps", -1)
+        kwargs["max_steps"] = 2 if steps is None or steps < 0 else min(steps, 2)
+        if kwargs.get("max_epochs") is not None:
+            kwargs["max_epochs"] = 1
+        kwargs.update(
+            accelerator="cpu",
+            devices=1,
+            limit_val_batches=1,
+            limit_test_batches=1,
+            enable_progress_bar=False,
+            enable_checkpointing=False,
+        )
+        kwargs.setdefault("logger", False)
+        super().__init__(*args, **kwargs)
+
+
+class CappedInvertingGradients(lightning_gp.attacks.InvertingGradients):
+    def __init__(self, *args, iterations: int = 5, **kwargs):
+        super().__init__(*args, iterations=min(iterations, 5), **kwargs)
+
+
+class CappedSimulation(lightning_gp.federated.FederatedSimulation):
+    def __init__(self, *args, clients_per_round: int = 10, local_steps: int = 1, **kwargs):
+        super().__init__(*args, clients_per_round=min(clients_per_round, 2), local_steps=min(local_steps, 1), **kwargs)
+
+
+def test_every_python_block_runs_as_written(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(lightning, "Trainer", CappedTrainer)
+    monkeypatch.setattr(lightning.pytorch, "Trainer", CappedTrainer)
+    monkeypatch.setattr(lightning_gp.attacks, "InvertingGradients", CappedInvertingGradients)
+    monkeypatch.setattr(registry, "_DECLARATIONS", dict(registry._DECLARATIONS))  # a block registers one
+    namespace: dict = {"__name__": "readme"}
+    not_run = []
+    for number, (section, code) in enumerate(blocks_of("python"), 1):
+        if "lightning_gp.flower" in code and importlib.util.find_spec("flwr") is None:
+            not_run.append(
+                f"block {number} ({section}) needs the optional Flower extra: pip install 'lightning-gp[flower]'"
+            )
+            continue
+        try:
+            exec(compile(code, f"README.md python block {number} ({section})", "exec"), namespace)
+            if namespace.get("FederatedSimulation") is lightning_gp.federated.FederatedSimulation:
+                namespace["FederatedSimulation"] = CappedSimulation  # for the blocks after this one
+        except Exception as error:
+            raise AssertionError(f"README python block {number} ({section}) failed:\n{code}") from error
+    if not_run:
+        pytest.skip("every other README python block ran; " + "; ".join(not_run))
+
+
+# --------------------------------------------------------------------------------------------- bash
+
+
+def command_lines(code: str) -> list[list[str]]:
+    lines = []
+    for line in code.splitlines():
+        line = line.split("  #")[0].strip()
+        if line:
+            lines.append(shlex.split(line, comments=True))
+    return lines
+
+
+BASH_LINES = [words for _, code in blocks_of("bash") for words in command_lines(code)]
+
+
+def test_every_bash_line_is_a_known_command():
+    for words in BASH_LINES:
+        assert words[0] in {"make", "lightning-gp", ".venv/bin/python"}, f"unchecked command: {words}"
+
+
+@pytest.mark.parametrize("words", [w for w in BASH_LINES if w[0] == "make"], ids=" ".join)
+def test_make_targets_exist(words):
+    makefile = (ROOT / "Makefile").read_text()
+    for target in words[1:]:
+        assert re.search(rf"^{re.escape(target)}:", makefile, re.MULTILINE), f"no make target {target!r}"
+
+
+@pytest.mark.parametrize("words", [w for w in BASH_LINES if w[0] == ".venv/bin/python"], ids=" ".join)
+def test_benchmark_scripts_exist_and_take_the_flags_given(words):
+    script = ROOT / words[1]
+    assert script.is_file(), f"{words[1]} does not exist"
+    source = script.read_text() + (ROOT / "benchmarks" / "_common.py").read_text()
+    for flag in (w for w in words[2:] if w.startswith("--")):
+        assert f'"{flag}"' in source, f"{words[1]} does not parse {flag}"
+
+
+@pytest.mark.parametrize("words", [w for w in BASH_LINES if w[0] == "lightning-gp"], ids=" ".join)
+def test_cli_lines_name_configs_that_parse(words, tmp_path, monkeypatch, capsys):
+    """``lightning-gp fit|attack --config X ...`` as written, plus ``--print_config``: the config and
+    every override parse (in this process, from ``tmp_path``), and nothing is trained."""
+    from lightning_gp.cli import main
+
+    config = words[words.index("--config") + 1]
+    assert (ROOT / config).is_file(), f"{config} does not exist"
+    args = [str(ROOT / w) if w == config else w for w in words[1:]]
+    if "--print_config" not in args:
+        args.append("--print_config")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lightning-gp"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        main(args)
+    assert stop.value.code in (0, None), capsys.readouterr().err[-3000:]
+    printed = capsys.readouterr().out
+    assert printed.strip(), f"{words} printed no config"
