@@ -1,11 +1,14 @@
-"""The three roles on the path of a shared gradient, as explicit interfaces.
+"""The stages on the path of a shared gradient, and what a stage call carries.
+
+The runner interface (:class:`~lightning_gp.pipeline.ClientStepRunner`) lives beside the pipeline
+it holds (:mod:`lightning_gp.pipeline.pipeline`).
 
 client batch -> **ClientStepRunner** computes the client's gradient -> **DefenseStage**s rewrite it
 -> shared gradient -> **ObserverStage**s see it (taps, meters) -> aggregation -> optimizer step
 
-* :class:`ClientStepRunner` owns the client step: it produces each client's gradient and hands it
+* :class:`~lightning_gp.pipeline.ClientStepRunner` owns the client step: it produces each client's gradient and hands it
   to the fit's :class:`~lightning_gp.pipeline.SharedGradientPipeline`, which it holds from fit
-  start (:meth:`ClientStepRunner.start`). Built in: one process is one
+  start (``ClientStepRunner.start``). Built in: one process is one
   client (``"local"``), one DDP rank is one client (``"ddp"``, a communication hook). A
   LightningModule (``FederatedSimulation``: many clients per process) or a callback (``DPSGD``:
   the optimizer's step hook, after Opacus noises) takes the role by implementing it.
