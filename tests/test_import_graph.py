@@ -182,6 +182,12 @@ def test_audit_modules_import_each_other_without_a_cycle_and_never_the_package_f
         assert "audit" not in layer_graph()[layer], f"lightning_gp.{layer} imports lightning_gp.audit"
 
 
+def run_fresh(script: str) -> None:
+    """Run ``script`` in a fresh interpreter; it must end by printing ``ok``."""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
 def test_each_callbacks_and_pipeline_module_imports_alone():
     """Each module imported first, in a fresh interpreter state of the package (cycles that only
     break for one import order show up here)."""
@@ -194,8 +200,7 @@ def test_each_callbacks_and_pipeline_module_imports_alone():
         "    importlib.import_module(name)\n"
         "print('ok')\n"
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+    run_fresh(script)
 
 
 def test_the_package_face_exports_what_it_names_and_stays_light():
@@ -207,8 +212,7 @@ def test_the_package_face_exports_what_it_names_and_stays_light():
         "    assert getattr(lightning_gp, name).__name__ == name, name\n"
         "print('ok')\n"
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+    run_fresh(script)
 
 
 if __name__ == "__main__":
