@@ -123,17 +123,24 @@ def test_an_attack_that_fails_on_one_client_keeps_the_other_clients_leaks(datamo
     assert [r.report.not_reconstructed for r in audit.results["RtF"]] == [[], [0], []]
 
 
-def test_an_attack_that_raises_on_one_client_keeps_the_others_and_marks_the_cell_error(datamodule) -> None:
-    class FailSecondClient(RobbingTheFed):
+def failing_on_the_second_client(error: Exception) -> type[RobbingTheFed]:
+    """RtF that raises ``error`` on the second client it attacks (and attacks the others)."""
+
+    class FailsOnSecondClient(RobbingTheFed):
         calls = 0
 
         def reconstruct(self, view: ServerView) -> Reconstruction:
-            FailSecondClient.calls += 1
-            if FailSecondClient.calls == 2:
-                raise RuntimeError("lost the imprint. Second client.")
+            FailsOnSecondClient.calls += 1
+            if FailsOnSecondClient.calls == 2:
+                raise error
             return super().reconstruct(view)
 
-    audit = audit_undefended(datamodule, 3, spec("RtF", lambda: FailSecondClient(num_bins=8, seed=0)))
+    return FailsOnSecondClient
+
+
+def test_an_attack_that_raises_on_one_client_keeps_the_others_and_marks_the_cell_error(datamodule) -> None:
+    attack = failing_on_the_second_client(RuntimeError("lost the imprint. Second client."))
+    audit = audit_undefended(datamodule, 3, spec("RtF", lambda: attack(num_bins=8, seed=0)))
     cell = audit.cell("RtF")
     assert cell.status == "error" and "lost the imprint. Second client." in cell.note
     assert audit.active is not None and audit.active.verdict == "leaks"  # the leaks found stand
@@ -142,16 +149,8 @@ def test_an_attack_that_raises_on_one_client_keeps_the_others_and_marks_the_cell
 
 
 def test_an_attack_that_does_not_apply_to_one_client_keeps_the_others_leaks(datamodule) -> None:
-    class NotForSecondClient(RobbingTheFed):
-        calls = 0
-
-        def reconstruct(self, view: ServerView) -> Reconstruction:
-            NotForSecondClient.calls += 1
-            if NotForSecondClient.calls == 2:
-                raise AttackNotApplicable("not for this client")
-            return super().reconstruct(view)
-
-    audit = audit_undefended(datamodule, 3, spec("RtF", lambda: NotForSecondClient(num_bins=8, seed=0)))
+    attack = failing_on_the_second_client(AttackNotApplicable("not for this client"))
+    audit = audit_undefended(datamodule, 3, spec("RtF", lambda: attack(num_bins=8, seed=0)))
     cell = audit.cell("RtF")
     assert cell.status == "error" and "client 1: n/a: not for this client" in cell.note
     assert audit.active is not None and audit.active.verdict == "leaks"
