@@ -78,4 +78,7 @@ def main(outdir: str) -> None:
 
 
 if __name__ == "__main__":
+    from process_group import leave_process_group
+
     main(sys.argv[1])
+    leave_process_group()
