@@ -193,3 +193,18 @@ def test_cli_lines_name_configs_that_parse(words, tmp_path, monkeypatch, capsys)
     assert stop.value.code in (0, None), capsys.readouterr().err[-3000:]
     printed = capsys.readouterr().out
     assert printed.strip(), f"{words} printed no config"
+
+
+def test_docs_point_only_to_files_in_the_repository():
+    """The design notes and paper texts the project was built from are not shipped: no README,
+    doc, config or docstring may send a reader to ``DESIGN.md`` or ``papers/``; cite the paper."""
+    sources = [README, *(ROOT / "docs").rglob("*.md"), *(ROOT / "configs").rglob("*.yaml")]
+    sources += [*(ROOT / "lightning_gp").rglob("*.py"), *(ROOT / "lightning_gp").rglob("*.md")]
+    sources += [*(ROOT / "benchmarks").glob("*.py"), *(ROOT / "examples").rglob("*.py")]
+    offending = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for path in sources
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if "DESIGN.md" in line or "papers/" in line
+    ]
+    assert not offending, f"references to files outside the repository: {offending}"
