@@ -17,7 +17,11 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_gp.cli.shapes import data_built_first, instantiate
 
 
 class LightningGPCLI(LightningCLI):
@@ -34,6 +38,16 @@ class LightningGPCLI(LightningCLI):
             args=args,
             **kwargs,
         )
+
+    def instantiate_classes(self) -> None:
+        """Build the datamodule first and give the model the data's shape arguments
+        (:mod:`lightning_gp.cli.shapes`), then build everything as LightningCLI does."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        parser = self._parser(self.subcommand)
+        with data_built_first(config, lambda spec: instantiate(parser, Namespace(data=spec)).data) as note:
+            if note:
+                rank_zero_info(f"lightning-gp: {note}")
+            super().instantiate_classes()
 
     def _dump_config(self) -> None:
         # Lightning's hyperparameter instantiator for LightningDataModules reads the top-level

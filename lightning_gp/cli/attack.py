@@ -16,13 +16,14 @@ from typing import Any
 
 import lightning as L
 import torch
-from jsonargparse import ActionConfigFile, ArgumentParser
+from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from lightning_gp.attacks import GradientAttack
 from lightning_gp.audit import AttackResult, attack_record, mean_scores, tap_fedsgd_round, worst_case_report
 from lightning_gp.cli.help import short_help
+from lightning_gp.cli.shapes import data_built_first, instantiate
 from lightning_gp.data import ImageClassificationDataModule
 from lightning_gp.metrics import (
     PRIVACY_THRESHOLDS,
@@ -245,11 +246,13 @@ def main(argv: list[str] | None = None) -> list[AttackResult]:
         return []
     if "--help-full" in args:
         argv = ["--help" if a == "--help-full" else a for a in args]
-    instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # renamed in jsonargparse 4.49
     parsed = parser.parse_args(argv)
     # seeded before anything is built: the model's initial weights come from the generator too
     L.seed_everything(parsed.seed, verbose=False)
-    config = instantiate(parsed)
+    with data_built_first(parsed, lambda spec: instantiate(parser, Namespace(data=spec)).data) as note:
+        if note:
+            print(note)
+        config = instantiate(parser, parsed)
     results = run(config)
     threat = "active" if callable(getattr(config.attack, "modify_model", None)) else "passive"
     defenses = recorded_defenses(results) if config.tap_files else [repr(d) for d in config.defenses]
