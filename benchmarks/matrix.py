@@ -267,7 +267,7 @@ def rows_from_csv(path: Path, training_path: Path | None = None) -> tuple[list[M
                     row.upload_bytes = _number(trained[row.setting]["upload_bytes"])
                     row.dense_bytes = _number(trained[row.setting]["dense_bytes"])
             sources = sorted({r["source"] for r in trained.values() if r.get("source")})
-            source = f"{training_path.name}" + (f" ({'; '.join(sources)})" if sources else "")
+            source = training_path.name + "".join(f", {s}" for s in sources)
     return list(rows.values()), columns, source
 
 

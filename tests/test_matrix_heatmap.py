@@ -98,7 +98,7 @@ def test_a_run_without_training_takes_its_accuracy_from_the_training_csv_or_says
         writer.writerow(["defense", "rounds", "test_acc", "upload_bytes", "dense_bytes", "source"])
         writer.writerows([[d, 200, acc, 53704, 53704, "run X"] for d, acc in (("undefended", 0.7), ("dp", 0.35))])
     rows, _, source = matrix.rows_from_csv(tmp_path / "matrix.csv", tmp_path / "matrix_training.csv")
-    assert source == "matrix_training.csv (run X)"
+    assert source == "matrix_training.csv, run X"
     assert matrix.pmm(rows) == {"undefended": 1.0, "dp": pytest.approx(0.5), "half": None}
 
 
