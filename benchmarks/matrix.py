@@ -17,8 +17,12 @@ threat model; a defense is private only if no image leaks and the audit is compl
 fallback makes it "inconclusive"). Each row also reports the accuracy after ``--rounds`` FedSGD rounds as a
 fraction of the undefended run's (PMM) and the bytes a client uploads per round.
 
-Writes benchmarks/results/matrix.{csv,md} and matrix_heatmap.png (``--output-dir`` to change).
-``--quick`` is a CI-sized smoke run (2 images, tiny budgets, 10 rounds); the full run attacks 8 images.
+Writes benchmarks/results/matrix.{csv,md}, matrix_heatmap.png (mean PSNR and share leaked per cell,
+PMM and the verdicts per row) and matrix_summary.md (one screen: which setting to pick and why,
+``lightning_gp.audit.summary``); a run with training also writes matrix_training.csv (accuracy and
+bytes per setting). ``--output-dir`` to change where. ``--replot`` redraws the heatmap and the
+summary from the CSVs already written, without attacking or training again. ``--quick`` is a
+CI-sized smoke run (2 images, tiny budgets, 10 rounds); the full run attacks 8 images.
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ import argparse
 import csv
 import math
 import multiprocessing
+import textwrap
 import time
 import warnings
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +54,8 @@ from lightning_gp.audit import (
     published_attacks,
     train_setting,
 )
+from lightning_gp.audit.figure import VERDICT_COLORS
+from lightning_gp.audit.summary import Candidate, choice_sentence, choose, combined_verdict, summary_markdown
 from lightning_gp.metrics.lpips import LPIPS
 from lightning_gp.models import LeNetZhu
 
@@ -157,48 +165,339 @@ def csv_rows(audits: list[SettingAudit], training: dict[str, TrainingResult]) ->
     return out
 
 
-def heatmap(audits: list[SettingAudit], columns: list[str], path: Path) -> None:
-    import matplotlib
+Score = tuple[float | None, float | None, str]  # (mean PSNR, share of images leaked, status or verdict)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    names = [*columns, "adaptive", "worst case"]
-    values = torch.full((len(audits), len(names)), math.nan)
-    labels = [["" for _ in names] for _ in audits]
-    for i, audit in enumerate(audits):
-        for j, column in enumerate(columns):
+@dataclass
+class MatrixRow:
+    """One row of the heatmap and the summary: what the audit and the training say of one setting
+    (built from the audits of this run, :func:`matrix_rows`, or from the CSVs, :func:`rows_from_csv`)."""
+
+    setting: str
+    cells: dict[str, Score] = field(default_factory=dict)  # published attack -> its score
+    adaptive: Score | None = None  # the best of the setting's adaptive attacks
+    worst: dict[str, Score] = field(default_factory=dict)  # threat model -> worst case and verdict
+    reasons: dict[str, str] = field(default_factory=dict)  # threat model -> the verdict's first reason
+    test_acc: float | None = None
+    upload_bytes: float | None = None
+    dense_bytes: float | None = None
+
+
+def _finite_or_none(value: float | None) -> float | None:
+    return None if value is None or math.isnan(value) else float(value)
+
+
+def matrix_rows(audits: list[SettingAudit], columns: list[str], training: dict[str, TrainingResult]) -> list[MatrixRow]:
+    """The heatmap's rows from this run's audits and training."""
+    rows = []
+    for audit in audits:
+        row = MatrixRow(audit.setting)
+        for column in columns:
             try:
                 cell = audit.cell(column)
             except KeyError:
                 continue
-            if cell.means.get("psnr") is not None:
-                values[i, j] = min(cell.means["psnr"], 60.0)
-                labels[i][j] = f"{cell.means['psnr']:.0f}\n{cell.leak_fraction:.0%}"
-            else:
-                labels[i][j] = cell.status
+            row.cells[column] = (_finite_or_none(cell.means.get("psnr")), cell.leak_fraction, cell.status)
         adaptive = [c for c in audit.cells if c.kind == "adaptive" and c.means.get("psnr") is not None]
         if adaptive:
             best = max(adaptive, key=lambda c: c.means["psnr"])
-            values[i, -2] = min(best.means["psnr"], 60.0)
-            labels[i][-2] = f"{best.means['psnr']:.0f}\n{best.leak_fraction:.0%}"
-        if audit.worst is not None and audit.worst.means["psnr"] is not None:
-            values[i, -1] = min(audit.worst.means["psnr"], 60.0)
-            labels[i][-1] = (
-                f"{audit.worst.means['psnr']:.0f}\n{audit.worst.leak_fraction:.0%}\n{audit.worst.verdict[:5]}"
+            row.adaptive = (best.means["psnr"], best.leak_fraction, best.status)
+        for threat, worst in (("passive", audit.passive), ("active", audit.active)):
+            if worst is None:
+                row.worst[threat] = (None, None, "inconclusive")
+                row.reasons[threat] = "no attack produced a report"
+                continue
+            row.worst[threat] = (_finite_or_none(worst.means["psnr"]), worst.leak_fraction, worst.verdict)
+            row.reasons[threat] = worst.verdict_reasons[0] if worst.verdict_reasons else ""
+        result = training.get(audit.setting)
+        if result is not None:
+            row.test_acc = result.test_acc
+            row.upload_bytes = result.upload_bytes_per_client_round
+            row.dense_bytes = result.dense_bytes_per_client_round
+        rows.append(row)
+    return rows
+
+
+def _number(text: str) -> float | None:
+    try:
+        return _finite_or_none(float(text))
+    except (TypeError, ValueError):
+        return None
+
+
+def rows_from_csv(path: Path, training_path: Path | None = None) -> tuple[list[MatrixRow], list[str], str]:
+    """The heatmap's rows and published columns from a matrix CSV (what ``csv_rows`` wrote), and where
+    the accuracy comes from: the CSV's own notes (a run with training), else ``training_path``
+    (``matrix_training.csv``: defense, rounds, test_acc, upload_bytes, dense_bytes, source)."""
+    with open(path, newline="") as handle:
+        records = list(csv.DictReader(handle))
+    rows: dict[str, MatrixRow] = {}
+    columns: list[str] = []
+    adaptive: dict[str, list[Score]] = {}
+    for record in records:
+        row = rows.setdefault(record["defense"], MatrixRow(record["defense"]))
+        score: Score = (_number(record["psnr"]), _number(record["leak_fraction"]), record["status"])
+        if record["kind"] == "published":
+            row.cells[record["attack"]] = score
+            if record["attack"] not in columns:
+                columns.append(record["attack"])
+        elif record["kind"] == "adaptive":
+            if score[0] is not None:
+                adaptive.setdefault(row.setting, []).append(score)
+        elif record["kind"] == "worst":
+            row.worst[record["threat"]] = score
+            notes = record["note"].split("; ")
+            fields = dict(n.split("=", 1) for n in notes if "=" in n and n.split("=", 1)[0] in ("test_acc", "upload"))
+            reasons = [n for n in notes if not ("=" in n and n.split("=", 1)[0] in ("test_acc", "upload"))]
+            row.reasons[record["threat"]] = reasons[0] if reasons else ""
+            if "test_acc" in fields:
+                row.test_acc = float(fields["test_acc"])
+                row.upload_bytes = float(fields["upload"].removesuffix("B"))
+    for setting, scores in adaptive.items():
+        rows[setting].adaptive = max(scores, key=lambda s: s[0] if s[0] is not None else -math.inf)
+    source = f"the training recorded in {path.name}"
+    if not any(r.test_acc is not None for r in rows.values()):
+        source = "not measured (--no-training)"
+        if training_path is not None and training_path.is_file():
+            with open(training_path, newline="") as handle:
+                trained = {r["defense"]: r for r in csv.DictReader(handle)}
+            for row in rows.values():
+                if row.setting in trained:
+                    row.test_acc = _number(trained[row.setting]["test_acc"])
+                    row.upload_bytes = _number(trained[row.setting]["upload_bytes"])
+                    row.dense_bytes = _number(trained[row.setting]["dense_bytes"])
+            sources = sorted({r["source"] for r in trained.values() if r.get("source")})
+            source = training_path.name + "".join(f", {s}" for s in sources)
+    return list(rows.values()), columns, source
+
+
+def training_rows(training: dict[str, TrainingResult], source: str) -> list[dict]:
+    """``matrix_training.csv``: what each setting cost (read back by ``--replot`` of a run without training)."""
+    return [
+        {
+            "defense": r.setting,
+            "rounds": r.rounds,
+            "test_acc": r.test_acc,
+            "upload_bytes": r.upload_bytes_per_client_round,
+            "dense_bytes": r.dense_bytes_per_client_round,
+            "source": source,
+        }
+        for r in training.values()
+    ]
+
+
+def pmm(rows: list[MatrixRow]) -> dict[str, float | None]:
+    """Accuracy relative to the undefended row's (PMM), per setting (``None``: not measured)."""
+    base = next((r.test_acc for r in rows if r.setting == "undefended"), None)
+    return {r.setting: None if r.test_acc is None or not base else r.test_acc / base for r in rows}
+
+
+def upload_ratio(row: MatrixRow, rows: list[MatrixRow]) -> float | None:
+    """Bytes a client uploads per round relative to the dense gradient (the undefended upload when the row
+    does not say its own dense size)."""
+    dense = row.dense_bytes or next((r.upload_bytes for r in rows if r.setting == "undefended"), None)
+    return None if row.upload_bytes is None or not dense else row.upload_bytes / dense
+
+
+def candidates(rows: list[MatrixRow], threats: tuple[str, ...] = ("passive", "active")) -> list[Candidate]:
+    """The summary's candidates: one per setting, judged over ``threats`` together (private only if
+    private against every one; the leak and PSNR of the worst of them)."""
+    ratios = pmm(rows)
+    out = []
+    for row in rows:
+        scores = [row.worst.get(t, (None, None, "inconclusive")) for t in threats]
+        verdict = combined_verdict(s[2] for s in scores)
+        leaks = [s[1] for s in scores if s[1] is not None]
+        psnrs = [s[0] for s in scores if s[0] is not None]
+        reason = next((row.reasons.get(t, "") for t in threats if row.worst.get(t, ("", "", ""))[2] != "private"), "")
+        ratio = upload_ratio(row, rows)
+        out.append(
+            Candidate(
+                row.setting,
+                verdict,
+                max(leaks) if leaks else None,
+                max(psnrs) if psnrs else None,
+                accuracy=ratios[row.setting],
+                cost=f"upload {ratio:.0%}" if ratio is not None else "",
+                reason=reason,
             )
-    fig, ax = plt.subplots(figsize=(1.3 * len(names) + 3, 0.55 * len(audits) + 1.5))
-    image = ax.imshow(values.numpy(), cmap="magma_r", vmin=0, vmax=60, aspect="auto")
-    ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
-    ax.set_yticks(range(len(audits)), [a.setting for a in audits])
-    for i in range(len(audits)):
-        for j in range(len(names)):
-            ax.text(j, i, labels[i][j], ha="center", va="center", fontsize=7, color="tab:cyan")
-    fig.colorbar(image, ax=ax, label="mean PSNR (dB, capped at 60); text: PSNR / images leaked")
-    ax.set_title("Defense x attack (LeNetZhu, FedSGD round 0); worst case = per image, best attack")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        )
+    return out
+
+
+def matrix_summary(rows: list[MatrixRow], accuracy_source: str, setup: str = "", suffix: str = "") -> str:
+    """``matrix_summary.md``: the pick against both servers (the active worst case covers every attack)
+    and, if it differs, against an honest-but-curious server only."""
+    both = candidates(rows)
+    passive = choose(candidates(rows, ("passive",)))
+    notes = []
+    if (passive.pick and passive.pick.name) != (choose(both).pick and choose(both).pick.name):
+        notes.append("Against an honest-but-curious server only: " + choice_sentence(passive, "PMM"))
+    context = [
+        "Judged against both servers (passive and active; a setting is private only if private against each). "
+        + (f"{setup} " if setup else "")
+        + f"PMM: accuracy relative to undefended, from {accuracy_source}. Every cell: matrix{suffix}.md, "
+        f"matrix{suffix}.csv; the picture: matrix{suffix}_heatmap.png."
+    ]
+    return summary_markdown(
+        "Defense matrix: which setting to pick",
+        both,
+        rule=LeakRule().describe(),
+        context=context,
+        notes=notes,
+        accuracy_name="PMM",
+    )
+
+
+def _line(points: float) -> float:
+    """One line of text of ``points`` in inches, with the line spacing."""
+    return points * 1.35 / 72
+
+
+def _text_color(rgba: tuple[float, ...]) -> str:
+    """Black on a light background, white on a dark one (relative luminance of the cell's colour)."""
+    r, g, b = rgba[:3]
+    return "black" if 0.2126 * r + 0.7152 * g + 0.0722 * b > 0.45 else "white"
+
+
+def _psnr_text(score: Score | None) -> str:
+    if score is None:
+        return "-"
+    psnr, leak, status = score
+    if psnr is None:
+        return status if status != "ok" else "-"
+    text = ("inf" if math.isinf(psnr) else f"{psnr:.0f}") + (f"\n{leak:.0%}" if leak is not None else "")
+    return text + {"fallback": " fb", "error": " err"}.get(status, "")
+
+
+def heatmap(rows: list[MatrixRow], columns: list[str], path: Path, pick: str | None = None) -> dict[str, Any]:
+    """Draw the heatmap; return what it shows (``columns``; per row its ``labels`` and ``texts``,
+    ``colors`` the text colour of each cell), for tests.
+
+    PSNR cells (each published attack, the best adaptive one, the worst case per threat model) are
+    coloured by mean PSNR (capped at 60 dB) with "PSNR / share of images leaked" in black or white by
+    the background's luminance; then the PMM (accuracy relative to undefended) and the verdict per
+    threat model, coloured red (leaks), orange (inconclusive) or green (private). ``pick``: the
+    setting the summary picks, its label in bold.
+    """
+    from matplotlib import colormaps
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.colors import ListedColormap, Normalize
+    from matplotlib.figure import Figure
+
+    threats = ("passive", "active")
+    psnr_names = [*columns, "adaptive (best)", *(f"{t} worst" for t in threats)]
+    names = [*psnr_names, "PMM", *(f"{t} verdict" for t in threats)]
+    ratios = pmm(rows)
+    n, m = len(rows), len(psnr_names)
+    scores: list[list[Score | None]] = [
+        [*(r.cells.get(c) for c in columns), r.adaptive, *(r.worst.get(t) for t in threats)] for r in rows
+    ]
+    values = [[math.nan if s is None or s[0] is None else min(s[0], 60.0) for s in row] for row in scores]
+
+    font = 10  # pt: 14 px at DPI 100
+    # the layout in inches: label | PSNR cells | PMM | verdicts, under the title and the rotated column names
+    label_in = max(len(r.setting) for r in rows) * 0.6 * font / 72 + 0.3
+    cell_w, cell_h, gap, pad = 0.9, 0.46, 0.12, 0.3
+    width = label_in + (m + 3) * cell_w + 2 * gap + 1.1  # 1.1: room for the last rotated column name
+    title = textwrap.wrap(
+        "Every defense against every attack: PSNR and share of images leaked, worst case per threat model, "
+        "accuracy kept (PMM), verdicts",
+        int((width - 2 * pad) * 72 / (0.6 * 12)),
+    )
+    caption = textwrap.wrap(
+        "Worst case: per image, the attacker's best over the attacks of the threat model. PMM: accuracy / "
+        f"undefended accuracy (n/m: not measured). Leak rule: {LeakRule().describe()}.",
+        int((width - 2 * pad) * 72 / (0.55 * font)),
+    )
+    caption_in = len(caption) * _line(font) + pad
+    bar_y = caption_in + 0.55  # the colour bar, its ticks and label under it
+    grid_y = bar_y + 0.15 + 0.35
+    grid_h = n * cell_h
+    height = grid_y + grid_h + 1.3 + len(title) * _line(12) + pad  # 1.3: the rotated column names
+    fig = Figure(figsize=(width, height), dpi=100)
+    FigureCanvasAgg(fig)
+
+    def axes(x: float, y: float, w: float, h: float) -> Any:
+        return fig.add_axes((x / width, y / height, w / width, h / height))
+
+    x_acc = label_in + m * cell_w + gap
+    ax_psnr = axes(label_in, grid_y, m * cell_w, grid_h)
+    ax_acc = axes(x_acc, grid_y, cell_w, grid_h)
+    ax_verdict = axes(x_acc + cell_w + gap, grid_y, 2 * cell_w, grid_h)
+    bar = axes(label_in, bar_y, m * cell_w, 0.15)
+    cmap = colormaps["magma_r"].with_extremes(bad="#eeeeee")
+    norm = Normalize(0, 60)
+    image = ax_psnr.imshow(values, cmap=cmap, norm=norm, aspect="auto")
+    acc_cmap = colormaps["Greens"].with_extremes(bad="#eeeeee")
+    acc_norm = Normalize(0.0, 1.3)
+    accuracy = [[math.nan if ratios[r.setting] is None else ratios[r.setting]] for r in rows]
+    ax_acc.imshow(accuracy, cmap=acc_cmap, norm=acc_norm, aspect="auto")
+    codes = {"leaks": 0, "inconclusive": 1, "private": 2}
+    verdict_cmap = ListedColormap([VERDICT_COLORS["leaks"], VERDICT_COLORS["inconclusive"], VERDICT_COLORS["private"]])
+    verdicts = [[r.worst.get(t, (None, None, "inconclusive"))[2] for t in threats] for r in rows]
+    ax_verdict.imshow(
+        [[codes[v] for v in row] for row in verdicts], cmap=verdict_cmap, vmin=-0.5, vmax=2.5, aspect="auto"
+    )
+
+    texts: list[list[str]] = []
+    colors: list[list[str]] = []
+    for i, row in enumerate(rows):
+        row_texts, row_colors = [], []
+        for j, score in enumerate(scores[i]):
+            text = _psnr_text(score)
+            color = "#555555" if math.isnan(values[i][j]) else _text_color(cmap(norm(values[i][j])))
+            ax_psnr.text(j, i, text, ha="center", va="center", fontsize=font, color=color)
+            row_texts.append(text)
+            row_colors.append(color)
+        ratio = ratios[row.setting]
+        text = "n/m" if ratio is None else f"{ratio:.2f}"
+        color = "#555555" if ratio is None else _text_color(acc_cmap(acc_norm(ratio)))
+        ax_acc.text(0, i, text, ha="center", va="center", fontsize=font, color=color)
+        row_texts.append(text)
+        row_colors.append(color)
+        for j, verdict in enumerate(verdicts[i]):
+            text = {"inconclusive": "inconcl."}.get(verdict, verdict)
+            ax_verdict.text(j, i, text, ha="center", va="center", fontsize=font, color="white", fontweight="bold")
+            row_texts.append(text)
+            row_colors.append("white")
+        texts.append(row_texts)
+        colors.append(row_colors)
+
+    labels = [f"{r.setting}  [pick]" if r.setting == pick else r.setting for r in rows]
+    for ax, first, count in ((ax_psnr, 0, m), (ax_acc, m, 1), (ax_verdict, m + 1, 2)):
+        ax.set_xticks(range(count), names[first : first + count], rotation=35, ha="right", fontsize=font)
+        ax.xaxis.tick_top()
+        ax.tick_params(axis="x", labeltop=True, labelbottom=False)
+        for tick in ax.get_xticklabels():
+            tick.set_rotation_mode("anchor")
+            tick.set_ha("left")
+        ax.set_yticks(range(n), labels if ax is ax_psnr else [], fontsize=font)
+        ax.set_xticks([x - 0.5 for x in range(1, count)], minor=True)
+        ax.set_yticks([y - 0.5 for y in range(1, n)], minor=True)
+        ax.grid(which="minor", color="white", linewidth=1)
+        ax.tick_params(which="minor", length=0)
+    for tick, row in zip(ax_psnr.get_yticklabels(), rows):
+        if row.setting == pick:
+            tick.set_fontweight("bold")
+    for x in (len(columns) - 0.5, len(columns) + 0.5):  # published | adaptive | worst cases
+        ax_psnr.axvline(x, color="black", linewidth=2)
+    fig.text(
+        pad / width,
+        1 - pad / height,
+        "\n".join(title),
+        fontsize=12,
+        fontweight="bold",
+        va="top",
+        ha="left",
+        linespacing=1.3,
+    )
+    colorbar = fig.colorbar(image, cax=bar, orientation="horizontal")
+    colorbar.set_label("mean PSNR (dB, capped at 60); cell text: PSNR / share of images leaked", fontsize=font)
+    colorbar.ax.tick_params(labelsize=font)
+    fig.text(pad / width, pad / height, "\n".join(caption), fontsize=font, va="bottom", ha="left", linespacing=1.3)
+    fig.savefig(path, dpi=100)
+    return {"columns": names, "labels": labels, "texts": texts, "colors": colors}
 
 
 def run_defense(job: tuple) -> tuple[SettingAudit, TrainingResult | None]:
@@ -266,8 +565,18 @@ def main() -> None:
         "--jobs", type=int, default=1, help="defenses run in parallel processes (e.g. 2 with --threads 1)"
     )
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument(
+        "--replot",
+        action="store_true",
+        help="redraw the heatmap and the summary from matrix[_quick].csv in --output-dir (no attack, no training); "
+        "accuracy from its notes, else from matrix[_quick]_training.csv there",
+    )
     args = parser.parse_args()
     quick = args.quick
+    suffix = "_quick" if quick else ""
+    if args.replot:
+        replot(args.output_dir, suffix)
+        return
     images = args.images or (2 if quick else 8)
     budget = AttackBudget(
         ig_iterations=args.ig_iterations or (40 if quick else 1000),
@@ -327,16 +636,43 @@ def main() -> None:
         )
         + (" QUICK RUN: budgets far too small for conclusions." if quick else "")
     )
-    suffix = "_quick" if quick else ""
     (args.output_dir / f"matrix{suffix}.md").write_text(f"# matrix\n\n{preamble}\n\n{table}\n")
     detailed = csv_rows(audits, training)
     with open(args.output_dir / f"matrix{suffix}.csv", "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(detailed[0]))
         writer.writeheader()
         writer.writerows(detailed)
-    heatmap(audits, columns, args.output_dir / f"matrix{suffix}_heatmap.png")
+    source = "not measured (--no-training)"
+    if training:
+        source = f"{rounds} FedSGD rounds of this run (seed {args.seed})"
+        with open(args.output_dir / f"matrix{suffix}_training.csv", "w", newline="") as handle:
+            trained = training_rows(training, source)
+            writer = csv.DictWriter(handle, fieldnames=list(trained[0]))
+            writer.writeheader()
+            writer.writerows(trained)
     print("\n" + table)
-    print(f"\nwritten: {args.output_dir / f'matrix{suffix}.md'}, .csv, matrix{suffix}_heatmap.png")
+    write_figures(matrix_rows(audits, columns, training), columns, args.output_dir, suffix, source)
+
+
+def write_figures(rows: list[MatrixRow], columns: list[str], output_dir: Path, suffix: str, source: str) -> str:
+    """Write the heatmap and the summary of ``rows``; return the summary."""
+    both = choose(candidates(rows))
+    quick = "QUICK RUN: budgets far too small for conclusions." if suffix == "_quick" else ""
+    summary = matrix_summary(rows, source, quick, suffix)
+    (output_dir / f"matrix{suffix}_summary.md").write_text(summary)
+    heatmap(rows, columns, output_dir / f"matrix{suffix}_heatmap.png", pick=both.pick.name if both.pick else None)
+    print("\n" + summary)
+    print(f"written: {output_dir}/matrix{suffix}_heatmap.png, matrix{suffix}_summary.md")
+    return summary
+
+
+def replot(output_dir: Path, suffix: str) -> None:
+    """Redraw the heatmap and the summary from the CSVs a run wrote (no attack, no training)."""
+    path = output_dir / f"matrix{suffix}.csv"
+    if not path.is_file():
+        raise SystemExit(f"--replot: no {path} (run the matrix first, or give --output-dir / --quick)")
+    rows, columns, source = rows_from_csv(path, output_dir / f"matrix{suffix}_training.csv")
+    write_figures(rows, columns, output_dir, suffix, source)
 
 
 if __name__ == "__main__":

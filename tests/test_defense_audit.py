@@ -184,6 +184,10 @@ def test_matrix_quick_writes_the_table_the_csv_and_the_heatmap(tmp_path):
     assert cells["undefended", "worst case (active)"]["status"] != "private"
     assert "passive verdict" in table and "active verdict" in table
     assert (tmp_path / "matrix_quick_heatmap.png").stat().st_size > 0
+    summary = (tmp_path / "matrix_quick_summary.md").read_text()  # which setting to pick, on one screen
+    assert summary.startswith("# Defense matrix: which setting to pick") and len(summary.splitlines()) <= 40
+    with open(tmp_path / "matrix_quick_training.csv") as handle:  # what --replot reads back
+        assert {r["defense"] for r in csv.DictReader(handle)} == {"undefended", "TopKPruning(rate=0.8)"}
 
 
 def test_tap_sees_the_client_images_not_a_shuffled_batch(datamodule):

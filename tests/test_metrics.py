@@ -28,7 +28,7 @@ from lightning_gp.metrics import (
     save_reconstruction_grid,
     ssim,
 )
-from lightning_gp.metrics.figures import grid_size_inches
+from lightning_gp.metrics.figures import MAX_COLUMNS, grid_size_inches
 
 
 @pytest.fixture(scope="module")
@@ -442,6 +442,17 @@ def test_comparison_grid_png(sample, tmp_path):
     width, height = _png_size(path)
     w_in, h_in = grid_size_inches(8, None, runs=2, label_margin=True)
     assert width / height == pytest.approx(w_in / h_in, rel=0.02)
+
+
+def test_a_long_batch_wraps_into_rows_of_bounded_width(tmp_path):
+    # a column per image made 64 images x 4 runs a 7867 x 745 px strip; rows of MAX_COLUMNS wrap it
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(64, 1, 28, 28, generator=g)
+    runs = [(name, x, x.flip(0), None) for name in ("InvertingGradients", "DefenseAwareInversion")]
+    width, height = _png_size(save_comparison_grid(runs, tmp_path / "long.png"))
+    assert width <= MAX_COLUMNS * 1.2 * 100 + 200 and height > width / 2
+    width, _ = _png_size(save_reconstruction_grid(x, x, tmp_path / "long_single.png"))
+    assert width <= MAX_COLUMNS * 1.2 * 100 + 10
 
 
 def test_comparison_grid_rejects_runs_on_other_batches(sample, tmp_path):

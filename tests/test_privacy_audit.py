@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import math
+import struct
 import warnings
 from pathlib import Path
 
@@ -276,3 +277,33 @@ def test_a_batch_with_more_images_than_classes_is_audited_with_the_true_labels_g
     small = PrivacyAudit(rounds=0, attacks=tiny_attacks(), **quiet, **KNOWN)
     quiet_trainer(max_steps=1, callbacks=[small]).fit(TinyModule(), loader(batch_size=2))
     assert small.results[0].labels_granted is None  # distinct labels are possible: recovered, not granted
+
+
+def test_a_batch_of_16_gives_a_bounded_figure_and_a_one_screen_summary_beside_it(tmp_path) -> None:
+    g = torch.Generator().manual_seed(0)
+    images = (torch.rand(16, 1, 12, 12, generator=g) - 0.5) / 0.25
+    data = DataLoader(TensorDataset(images, torch.randint(0, 4, (16,), generator=g)), batch_size=16)
+    attacks = [InvertingGradients(iterations=2), InvertingGradients(iterations=3), InvertingGradients(iterations=4)]
+    audit = PrivacyAudit(attacks=attacks, adaptive=False, lpips=False, noise_ratio=False, **KNOWN)
+    L.seed_everything(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # 16 images of 4 classes: the labels are granted, said in a warning
+        quiet_trainer(max_steps=1, default_root_dir=tmp_path, callbacks=[MagnitudePruning(rate=0.5), audit]).fit(
+            TinyModule(), data
+        )
+    (result,) = audit.results
+    # one column per image and a row per attack made this 2100 px wide (64 images: 7867 px)
+    assert result.image_path == tmp_path / "privacy_audit" / "step0_client0.png"
+    width, height = struct.unpack(">II", result.image_path.read_bytes()[16:24])
+    assert width <= 1400 and height <= 1100
+
+    assert audit.summary_path == tmp_path / "privacy_audit" / "summary.md"
+    summary = audit.summary_path.read_text()
+    assert len(summary.splitlines()) <= 40
+    assert summary.startswith("# PrivacyAudit: is this run's setting private?")
+    # adaptive=False: the defended run is at best inconclusive, never picked as private
+    assert (
+        result.worst.verdict in ("leaks", "inconclusive") and "**None private.** Closest: MagnitudePruning" in summary
+    )
+    assert f"| step 0, client 0 | {result.worst.verdict} |" in summary
+    assert summary.count(audit.rule.describe()) == 1

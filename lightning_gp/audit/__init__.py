@@ -13,6 +13,10 @@ One idea per module, layered bottom-up (no module imports one above it):
 - :mod:`.setting_audit`: every attack against one setting, judged per threat model
   (:func:`audit_setting`, the engine of the matrix and the demo);
 - :mod:`.training`: what a setting costs (:func:`train_setting`);
+- :mod:`.summary`: which setting to pick and why (:func:`choose`: the private one with the highest
+  accuracy, never an inconclusive one), as a one-screen Markdown summary;
+- :mod:`.figure`: the figure of one audited batch (:func:`save_audit_figure`: the verdict, the rule,
+  each image's worst case, bounded in size);
 - :mod:`.callback`: :class:`PrivacyAudit`, the audit inside a user's own training run.
 
 The flow: catalogue -> :class:`DefenseSetting` -> tapped round (what each client shared) -> every
@@ -23,6 +27,7 @@ worst case per threat model -> verdict with its reasons.
 from lightning_gp.audit.callback import AuditResult, PrivacyAudit
 from lightning_gp.audit.catalog import CatalogEntry, DefenseSetting, defense_catalog, register_defense
 from lightning_gp.audit.engine import AttackResult, attack_record, attacker_loss, mean_scores
+from lightning_gp.audit.figure import save_audit_figure
 from lightning_gp.audit.quiet import internal_trainer, library_noise_silenced, quiet_lightning
 from lightning_gp.audit.rounds import malicious_server_model, tap_defended_round, tap_fedsgd_round
 from lightning_gp.audit.setting_audit import (
@@ -34,6 +39,7 @@ from lightning_gp.audit.setting_audit import (
     audit_setting,
     published_attacks,
 )
+from lightning_gp.audit.summary import Candidate, Choice, choose, combined_verdict, summary_markdown
 from lightning_gp.audit.training import TrainingResult, train_setting
 from lightning_gp.audit.verdict import (
     LEAK_THRESHOLDS,
@@ -58,8 +64,10 @@ __all__ = [
     "AttackSpec",
     "AuditResult",
     "BaselineScores",
+    "Candidate",
     "CatalogEntry",
     "Cell",
+    "Choice",
     "DefenseSetting",
     "LeakRule",
     "PrivacyAudit",
@@ -70,6 +78,8 @@ __all__ = [
     "attack_record",
     "attacker_loss",
     "audit_setting",
+    "choose",
+    "combined_verdict",
     "defense_catalog",
     "internal_trainer",
     "library_noise_silenced",
@@ -78,6 +88,8 @@ __all__ = [
     "published_attacks",
     "quiet_lightning",
     "register_defense",
+    "save_audit_figure",
+    "summary_markdown",
     "tap_defended_round",
     "tap_fedsgd_round",
     "train_setting",

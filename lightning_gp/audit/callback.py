@@ -10,9 +10,11 @@ computation) it builds the server's view the way the audit does
 (:func:`~lightning_gp.audit.attack_record`: a deep copy of the model given the round's weights),
 runs each attack, scores it (:func:`~lightning_gp.metrics.reconstruction_report`) and takes the
 worst case over the attacks (:func:`~lightning_gp.audit.worst_case_report`). Metrics go to
-every logger of the trainer (``log_metrics`` at the audited step), image grids to
-``<log_dir>/privacy_audit/`` (and to TensorBoard's ``add_image`` when a ``TensorBoardLogger`` is
-attached).
+every logger of the trainer (``log_metrics`` at the audited step), a figure per audited gradient
+(:func:`~lightning_gp.audit.figure.save_audit_figure`: the verdict, the leak rule, each image's worst
+case) and the run's one-screen ``summary.md`` (:mod:`~lightning_gp.audit.summary`: is this run's
+setting private, and why) to ``<log_dir>/privacy_audit/`` (the figures also to TensorBoard's
+``add_image`` when a ``TensorBoardLogger`` is attached).
 
 The run is not changed: the attacks work on copies of the model, gradient and batch, and the
 torch (CPU and CUDA), numpy and Python ``random`` generator states are saved before the audit and
@@ -63,6 +65,8 @@ from lightning_gp.attacks import (
     has_adaptive_attack,
 )
 from lightning_gp.audit.engine import AttackResult, attack_record
+from lightning_gp.audit.figure import save_audit_figure
+from lightning_gp.audit.summary import Candidate, combined_verdict, summary_markdown
 from lightning_gp.audit.verdict import (
     LEAK_THRESHOLDS,
     NOISE_RATIO_LINE,
@@ -75,7 +79,6 @@ from lightning_gp.audit.verdict import (
 from lightning_gp.callbacks.base import SharedGradientObserver
 from lightning_gp.callbacks.tap import StepBatches, tapped_record
 from lightning_gp.metrics import reconstruction_report
-from lightning_gp.metrics.figures import save_comparison_grid
 from lightning_gp.pipeline.stages import ClientSetup, DefenseStage, StageCall
 from lightning_gp.records import TappedGradient
 from lightning_gp.validation import check_bool, check_int, check_int_list
@@ -128,6 +131,15 @@ class AuditResult:
     labels_granted: str | None = None
 
 
+def _logged_accuracy(trainer: pl.Trainer) -> float | None:
+    """The run's last logged validation accuracy (``val_acc``), if any."""
+    value = trainer.callback_metrics.get("val_acc")
+    try:
+        return None if value is None else float(value)
+    except (TypeError, ValueError):
+        return None
+
+
 class _RandomState:
     """The global generators' states (torch CPU and CUDA, numpy, Python ``random``), restorable."""
 
@@ -176,9 +188,15 @@ class PrivacyAudit(SharedGradientObserver):
             worst case covers the attacker who knows the defense; ``adaptive_budget`` is its budget
             (``iterations``, ``lbfgs_iterations``, ``restarts``). With ``adaptive=False`` a defended
             run's verdict is "inconclusive" at best.
-        save_images: write a grid (originals, each attack, the best per image) per audited gradient.
-        dirpath: where the grids go (default ``<logger.log_dir>/privacy_audit``, or the trainer's
-            ``default_root_dir`` without a logger).
+        save_images: write a figure per audited gradient, ``step{s}_client{c}.png``
+            (:func:`~lightning_gp.audit.figure.save_audit_figure`: the verdict and the leak rule in the
+            title, up to 16 originals over their worst-case reconstruction, framed red where they leak).
+        save_summary: write the run's one-screen ``summary.md`` (updated after every audited gradient;
+            ``summary_rank{r}.md`` per rank under DDP): the run's verdict over every audited gradient,
+            why, and a row per audited gradient (:func:`~lightning_gp.audit.summary.summary_markdown`).
+            ``None``: as ``save_images``.
+        dirpath: where the figures and the summary go (default ``<logger.log_dir>/privacy_audit``, or
+            the trainer's ``default_root_dir`` without a logger).
         prefix: the logged metrics' name prefix.
 
     Logged per audited gradient (at the audited step), for each attack ``A`` and for ``passive``
@@ -209,6 +227,7 @@ class PrivacyAudit(SharedGradientObserver):
         adaptive: bool = True,
         adaptive_budget: Mapping[str, int] | None = None,
         save_images: bool = True,
+        save_summary: bool | None = None,
         dirpath: str | Path | None = None,
         prefix: str = "privacy_audit",
     ) -> None:
@@ -249,6 +268,9 @@ class PrivacyAudit(SharedGradientObserver):
         self._adaptive_attacks: list[GradientAttack] = []
         self._defended = False
         self.save_images = check_bool(save_images, "save_images")
+        self.save_summary = self.save_images if save_summary is None else check_bool(save_summary, "save_summary")
+        self.summary_path: Path | None = None
+        self._setting = "no defense"
         self.dirpath = None if dirpath is None else Path(dirpath)
         if not isinstance(prefix, str) or not prefix:
             raise ValueError(f"prefix must be a non-empty string, got {prefix!r}")
@@ -296,6 +318,7 @@ class PrivacyAudit(SharedGradientObserver):
         self._loss_fn = self._client_loss(pl_module)
         defenses = self._run_defenses(trainer, pl_module)
         self._defended = bool(defenses)
+        self._setting = " + ".join(type(d).__name__ for d in defenses) or "no defense"
         self._adaptive_attacks = self._declared_adaptive_attacks(defenses) if self.adaptive else []
         if self.lpips and self._lpips_fn is None:  # fail at fit start, not mid-run, without LPIPS weights
             state = _RandomState()  # building a network draws initial weights from the global generator
@@ -539,8 +562,7 @@ class PrivacyAudit(SharedGradientObserver):
                 if value is not None:
                     metrics[f"{base}/{name}/{metric}"] = float(value)
         for name in worst.attacks:
-            leaked = sum(name in row.leaked_by for row in worst.rows)
-            metrics[f"{base}/{name}/leak_fraction"] = leaked / worst.batch_size
+            metrics[f"{base}/{name}/leak_fraction"] = worst.attack_leak_fraction(name)
         metrics[f"{base}/passive/leak_fraction"] = worst.leak_fraction
         metrics[f"{base}/passive/private"] = 1.0 if worst.is_private else 0.0
         metrics[f"{base}/passive/inconclusive"] = 1.0 if worst.is_inconclusive else 0.0
@@ -550,16 +572,24 @@ class PrivacyAudit(SharedGradientObserver):
             metrics[f"{base}/baseline_{baseline.name.replace(' ', '_')}/psnr"] = baseline.means["psnr"]
         return metrics
 
+    def _folder(self, trainer: pl.Trainer) -> Path:
+        if self.dirpath is not None:
+            return self.dirpath
+        log_dir = next((lg.log_dir for lg in trainer.loggers if getattr(lg, "log_dir", None)), None)
+        return Path(log_dir or trainer.default_root_dir) / "privacy_audit"
+
     def _log(self, trainer: pl.Trainer, result: AuditResult) -> None:
         for logger in trainer.loggers:
             logger.log_metrics(result.metrics, step=result.round)
+        if self.save_summary:
+            name = "summary.md" if trainer.world_size == 1 else f"summary_rank{trainer.global_rank}.md"
+            self.summary_path = self._folder(trainer) / name
+            self.summary_path.parent.mkdir(parents=True, exist_ok=True)
+            self.summary_path.write_text(self.summary(accuracy=_logged_accuracy(trainer)))
         if not self.save_images:
             return
-        folder = self.dirpath
-        if folder is None:
-            log_dir = next((lg.log_dir for lg in trainer.loggers if getattr(lg, "log_dir", None)), None)
-            folder = Path(log_dir or trainer.default_root_dir) / "privacy_audit"
-        result.image_path = self._save_grid(result, folder / f"step{result.round}_client{result.client_id}.png")
+        folder = self._folder(trainer)
+        result.image_path = self._save_figure(result, folder / f"step{result.round}_client{result.client_id}.png")
         if result.image_path is None:
             return
         from lightning.pytorch.loggers import TensorBoardLogger
@@ -573,17 +603,59 @@ class PrivacyAudit(SharedGradientObserver):
                     f"{self.prefix}/client{result.client_id}", image, global_step=result.round, dataformats="HWC"
                 )
 
-    def _save_grid(self, result: AuditResult, path: Path) -> Path | None:
-        worst = result.worst
-        rows: list[tuple[str, Tensor, Tensor, Any]] = []
-        for name, attack_result in zip(worst.attacks, result.attacks):
-            original, reconstructed = attack_result.pixels()
-            rows.append((name, original, reconstructed, attack_result.report))
-        if len(rows) > 1 and worst.original_pixels is not None and worst.best_psnr_pixels is not None:
-            scores = [{"psnr": r.values["psnr"], "ssim": r.values["ssim"]} for r in worst.rows]
-            rows.append(("best per image", worst.original_pixels, worst.best_psnr_pixels, scores))
+    def _save_figure(self, result: AuditResult, path: Path) -> Path | None:
+        context = f"step {result.round}, client {result.client_id}, passive server"
         try:
-            return save_comparison_grid(rows, path)
-        except ValueError as err:  # e.g. a channel count a grid cannot show
-            warnings.warn(f"PrivacyAudit: no image grid for step {result.round}: {err}", stacklevel=2)
+            return save_audit_figure(result.worst, path, context=context)
+        except ValueError as err:  # e.g. no pixels (nothing reconstructed), a channel count a figure cannot show
+            warnings.warn(f"PrivacyAudit: no figure for step {result.round}: {err}", stacklevel=2)
             return None
+
+    def summary(self, accuracy: float | None = None) -> str:
+        """The run's one-screen Markdown summary (what ``summary.md`` holds): is this run's setting private
+        at every audited gradient (:func:`~lightning_gp.audit.summary.choose` over the one setting), why,
+        and one row per audited gradient. ``accuracy``: the run's accuracy, when known (the callback
+        writes the last logged ``val_acc``)."""
+        points = [
+            Candidate(
+                f"step {r.round}, client {r.client_id}",
+                r.worst.verdict,
+                r.worst.leak_fraction,
+                r.worst.means["psnr"],
+                reason=r.worst.verdict_reasons[0] if r.worst.verdict_reasons else "",
+            )
+            for r in self.results
+        ]
+        # the run's headline numbers: its worst audited gradient (most images leaked, then the highest PSNR)
+        worst = max(points, key=lambda p: (p.leak_fraction or 0.0, p.worst_psnr or -math.inf), default=None)
+        run = Candidate(
+            self._setting,
+            combined_verdict(p.verdict for p in points),
+            None if worst is None else worst.leak_fraction,
+            None if worst is None else worst.worst_psnr,
+            accuracy=accuracy,
+            reason="" if worst is None or not worst.reason else f"{worst.name}: {worst.reason}",
+        )
+        context = [
+            (
+                f"Audited: {len(points)} shared gradient(s) of this run (after every defense), the passive server; "
+                "each verdict is the worst case over the attacks "
+                f"({', '.join(self.results[-1].worst.attacks) if self.results else 'none run yet'}). The active server "
+                "is not audited by an observer of the run (audit_setting, benchmarks/matrix.py audit it)."
+                + (" Figures: step{s}_client{c}.png beside this file." if self.save_images else "")
+            ),
+            (
+                "The run is private only if every audited gradient is. To choose among settings, audit each the same "
+                "way (benchmarks/matrix.py writes matrix_summary.md): the same rule picks."
+            ),
+        ]
+        return summary_markdown(
+            "PrivacyAudit: is this run's setting private?",
+            [run],
+            rule=self.rule.describe(),
+            context=context,
+            table=points,
+            accuracy_name="val_acc",
+            what="setting",
+            table_label="audited gradient",
+        )

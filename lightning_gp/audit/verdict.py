@@ -131,21 +131,10 @@ class LeakRule:
 
     def describe(self) -> str:
         """The rule in words, e.g. for report headers."""
-        names = {
-            "psnr": "PSNR",
-            "ssim": "SSIM",
-            "lpips": "LPIPS",
-            "mse": "MSE",
-            "nmi": "NMI",
-            "semantic": "semantic score",
-        }
-        parts = [
-            f"{names.get(m, m)} {'<' if HIGHER_IS_PRIVATE[m] else '>'} {t:g}" + (" dB" if m == "psnr" else "")
-            for m, t in self.thresholds.items()
-        ]
+        parts = threshold_phrases(self.thresholds)
         if self.noise_ratio_line is not None:
             parts.append(f"noise ratio < {self.noise_ratio_line:g} on an image closer than every trivial guess")
-        return ", ".join(parts[:-1]) + (" or " if len(parts) > 1 else "") + parts[-1]
+        return or_list(parts)
 
     def leaked(self, report: ReconstructionReport, baselines: Sequence[BaselineScores] = ()) -> list[bool]:
         """Per image of ``report`` (one attack alone), whether it leaks. ``baselines``: more trivial
@@ -160,6 +149,29 @@ class LeakRule:
         """The fraction of ``report``'s images that leak (one attack alone)."""
         leaked = self.leaked(report, baselines)
         return sum(leaked) / len(leaked)
+
+
+METRIC_NAMES = {
+    "psnr": "PSNR",
+    "ssim": "SSIM",
+    "lpips": "LPIPS",
+    "mse": "MSE",
+    "nmi": "NMI",
+    "semantic": "semantic score",
+}
+
+
+def threshold_phrases(thresholds: Mapping[str, float]) -> list[str]:
+    """Each line of ``thresholds`` as its leaking side in words, e.g. ``"PSNR > 20 dB"``, ``"LPIPS < 0.05"``."""
+    return [
+        f"{METRIC_NAMES.get(m, m)} {'<' if HIGHER_IS_PRIVATE[m] else '>'} {t:g}" + (" dB" if m == "psnr" else "")
+        for m, t in thresholds.items()
+    ]
+
+
+def or_list(parts: Sequence[str]) -> str:
+    """``["a", "b", "c"]`` -> ``"a, b or c"``."""
+    return ", ".join(parts[:-1]) + (" or " if len(parts) > 1 else "") + (parts[-1] if parts else "")
 
 
 def row_values(row: Any, report: ReconstructionReport) -> dict[str, float | None]:
@@ -282,6 +294,12 @@ class WorstCaseReport:
     @property
     def is_inconclusive(self) -> bool:
         return self.verdict == "inconclusive"
+
+    def attack_leak_fraction(self, attack: str) -> float:
+        """The fraction of images that ``attack`` alone leaks (by the report's leak rule)."""
+        if attack not in self.attacks:
+            raise KeyError(f"no attack {attack!r}; this report has {self.attacks}")
+        return sum(attack in row.leaked_by for row in self.rows) / self.batch_size
 
     def baseline(self, name: str) -> BaselineScores:
         """The baseline called ``name`` ("blank" or "dataset mean")."""

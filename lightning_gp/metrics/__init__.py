@@ -25,7 +25,7 @@ from lightning_gp.metrics.classes import (
     ReconstructionPSNR,
     ReconstructionSSIM,
 )
-from lightning_gp.metrics.figures import save_comparison_grid, save_reconstruction_grid
+from lightning_gp.metrics.figures import save_comparison_grid, save_flagged_grid, save_reconstruction_grid
 from lightning_gp.metrics.image_quality import mse, psnr, ssim
 from lightning_gp.metrics.lpips import (
     LPIPS,
@@ -79,6 +79,7 @@ __all__ = [
     "psnr",
     "reconstruction_report",
     "save_comparison_grid",
+    "save_flagged_grid",
     "save_reconstruction_grid",
     "ssim",
 ]

@@ -1,5 +1,8 @@
 """PNG grids of originals over reconstructions.
 
+Every grid has a bounded width: at most :data:`MAX_COLUMNS` images a row (longer batches wrap into
+blocks), so a batch of 64 is a readable figure, not a 7867-pixel strip.
+
 Drawn on matplotlib's Agg canvas directly (``Figure`` + ``FigureCanvasAgg``): no pyplot, no global
 backend switch, safe in headless runs and threads.
 """
@@ -7,6 +10,7 @@ backend switch, safe in headless runs and threads.
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +29,8 @@ LABEL_WIDTH_IN = 1.3  # least left margin of save_comparison_grid for run titles
 LABEL_CHAR_IN = 0.075  # width of one title character at fontsize 8
 TOP_MARGIN_IN = 0.2  # room for the first row's captions
 DPI = 100
+#: Images a row when ``columns`` is not given: a row of a grid is at most ~1.6k pixels wide.
+MAX_COLUMNS = 12
 
 
 def _as_images(images: Tensor, name: str) -> Tensor:
@@ -87,8 +93,9 @@ def grid_size_inches(
     label_margin: bool = False,
     label_width: float = LABEL_WIDTH_IN,
 ) -> tuple[float, float]:
-    """Figure size of a grid of ``batch`` images in rows of ``columns``: (width, height) in inches."""
-    cols = min(batch, columns or batch)
+    """Figure size of a grid of ``batch`` images in rows of ``columns`` (default :data:`MAX_COLUMNS`):
+    (width, height) in inches."""
+    cols = min(batch, columns or MAX_COLUMNS)
     blocks = math.ceil(batch / cols)
     width = cols * CELL_WIDTH_IN + (label_width if label_margin else 0.0)
     return width, blocks * (1 + runs) * CELL_HEIGHT_IN + TOP_MARGIN_IN
@@ -110,7 +117,8 @@ def save_reconstruction_grid(
         path: the PNG to write (folders are created).
         scores: a :class:`ReconstructionReport` or one mapping with "psnr"/"ssim" per image.
         titles: one caption per original (e.g. class names).
-        columns: images per row; longer batches wrap into several original/reconstruction blocks.
+        columns: images per row (default :data:`MAX_COLUMNS`); longer batches wrap into several
+            original/reconstruction blocks.
     """
     originals, reconstructed = _check_pair(originals, reconstructed)
     return _save([("", originals, reconstructed, scores)], path, titles, columns, label_margin=False)
@@ -157,7 +165,7 @@ def _save(
         raise ValueError(f"columns must be >= 1, got {columns}")
     if titles is not None and len(titles) != batch:
         raise ValueError(f"titles has {len(titles)} entries for {batch} images")
-    cols = min(batch, columns or batch)
+    cols = min(batch, columns or MAX_COLUMNS)
     blocks = math.ceil(batch / cols)
     rows_per_block = 1 + len(runs)
     label_width = label_width_inches([run[0] for run in runs])
@@ -185,6 +193,159 @@ def _save(
                 if c == 0 and label_margin:
                     label = "original" if r == 0 else runs[r - 1][0]
                     ax.set_ylabel(label, fontsize=8, rotation=0, ha="right", va="center", labelpad=6)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=DPI)
+    return path
+
+
+# ---------------------------------------------------------------------------- the flagged grid
+#: Colours of a flagged grid: a reconstruction's frame and its last caption line.
+FLAG_COLORS = {True: "#c62828", False: "#2e7d32", None: "#616161"}
+FLAGGED_CELL_IN = 1.6  # one image's column
+FLAGGED_IMAGE_IN = 1.2  # the image itself (square)
+FLAGGED_PAD_IN = 0.3  # left/right/top margin
+FLAGGED_COLUMNS = 8  # at most, whatever ``columns`` says: 8 * 1.6 in + margins = 1340 px at DPI 100
+TITLE_PT, TEXT_PT, CAPTION_PT = 14, 10, 9  # 19, 14 and 12.5 px at DPI 100: legible at 100% zoom
+
+
+def _line_in(points: float) -> float:
+    """Height of one text line of ``points`` in inches (with the line spacing)."""
+    return points * 1.4 / 72
+
+
+def wrap_to_width(text: str, width_in: float, points: float) -> list[str]:
+    """``text`` wrapped into lines that fit ``width_in`` inches at ``points`` (DejaVu Sans averages
+    ~0.55 em a character in prose)."""
+    return textwrap.wrap(text, max(16, int(width_in * 72 / (0.55 * points)))) or [""]
+
+
+def _fit(text: str, width_in: float, points: float) -> str:
+    """``text`` cut (with "...") to one line of ``width_in`` inches at ``points``."""
+    room = max(4, int(width_in * 72 / (0.6 * points)))
+    return text if len(text) <= room else text[: room - 3] + "..."
+
+
+def save_flagged_grid(
+    originals: Tensor,
+    reconstructed: Tensor,
+    path: str | Path,
+    *,
+    labels: Sequence[str],
+    captions: Sequence[Sequence[str]],
+    flags: Sequence[bool | None],
+    title: str = "",
+    title_color: str = "black",
+    header: Sequence[str] = (),
+    footer: Sequence[str] = (),
+    columns: int = FLAGGED_COLUMNS,
+) -> Path:
+    """Write a PNG of originals over reconstructions, each reconstruction framed and captioned by a flag.
+
+    A figure to read at a glance: at most :data:`FLAGGED_COLUMNS` images a row (longer sequences
+    wrap into blocks), so its width is bounded (<= 1340 px) whatever the number of images; text is
+    10-14 pt at :data:`DPI` (12-19 px). The caller chooses which images to show (cap their number to
+    bound the height).
+
+    Args:
+        originals, reconstructed: ``[N, C, H, W]`` pixel images in [0, 1], aligned pairs.
+        labels: one line above each original (e.g. its position in the batch).
+        captions: the lines under each reconstruction; the last one is drawn in its flag's colour.
+        flags: per reconstruction, ``True`` (framed red, e.g. it leaks), ``False`` (green) or
+            ``None`` (grey: unknown).
+        title: the first line, bold, in ``title_color``; ``header``: lines under it (wrapped to the
+            width); ``footer``: lines under the grid (wrapped).
+        columns: images a row (capped at :data:`FLAGGED_COLUMNS`).
+    """
+    originals, reconstructed = _check_pair(originals, reconstructed)
+    count = originals.shape[0]
+    for name, values in (("labels", labels), ("captions", captions), ("flags", flags)):
+        if len(values) != count:
+            raise ValueError(f"{name} has {len(values)} entries for {count} images")
+    if isinstance(columns, bool) or not isinstance(columns, int) or columns < 1:
+        raise ValueError(f"columns must be an int >= 1, got {columns!r}")
+    cols = min(count, columns, FLAGGED_COLUMNS)
+    blocks = math.ceil(count / cols)
+    width = max(cols, 4) * FLAGGED_CELL_IN + 2 * FLAGGED_PAD_IN  # room for the text over a short row
+    text_width = width - 2 * FLAGGED_PAD_IN
+    title_lines = wrap_to_width(title, text_width, TITLE_PT) if title else []
+    header_lines = [line for text in header for line in wrap_to_width(text, text_width, TEXT_PT)]
+    footer_lines = [line for text in footer for line in wrap_to_width(text, text_width, CAPTION_PT)]
+    caption_rows = max((len(c) for c in captions), default=0)
+    label_in = _line_in(CAPTION_PT) + 0.04
+    block_in = label_in + 2 * FLAGGED_IMAGE_IN + 0.1 + caption_rows * _line_in(CAPTION_PT) + 0.2
+    head_in = len(title_lines) * _line_in(TITLE_PT) + len(header_lines) * _line_in(TEXT_PT) + 0.15
+    foot_in = len(footer_lines) * _line_in(CAPTION_PT) + (0.1 if footer_lines else 0.0)
+    height = FLAGGED_PAD_IN + head_in + blocks * block_in + foot_in + 0.1
+
+    fig = Figure(figsize=(width, height), dpi=DPI)
+    FigureCanvasAgg(fig)
+    y = height - FLAGGED_PAD_IN  # the cursor, in inches from the bottom
+
+    def text(line: str, points: float, **style: Any) -> None:
+        nonlocal y
+        fig.text(FLAGGED_PAD_IN / width, y / height, line, fontsize=points, va="top", ha="left", **style)
+        y -= _line_in(points)
+
+    for line in title_lines:
+        text(line, TITLE_PT, color=title_color, fontweight="bold")
+    for line in header_lines:
+        text(line, TEXT_PT)
+    y -= 0.15
+    for b in range(blocks):
+        top = y
+        for c in range(cols):
+            i = b * cols + c
+            if i >= count:
+                break
+            x = FLAGGED_PAD_IN + c * FLAGGED_CELL_IN + (FLAGGED_CELL_IN - FLAGGED_IMAGE_IN) / 2
+            centre = (x + FLAGGED_IMAGE_IN / 2) / width
+            fig.text(
+                centre,
+                top / height,
+                _fit(labels[i], FLAGGED_CELL_IN, CAPTION_PT),
+                fontsize=CAPTION_PT,
+                ha="center",
+                va="top",
+            )
+            image_top = top - label_in
+            ax = fig.add_axes(
+                (
+                    x / width,
+                    (image_top - FLAGGED_IMAGE_IN) / height,
+                    FLAGGED_IMAGE_IN / width,
+                    FLAGGED_IMAGE_IN / height,
+                )
+            )
+            _show(ax, originals[i])
+            below = image_top - FLAGGED_IMAGE_IN - 0.1
+            ax = fig.add_axes(
+                (x / width, (below - FLAGGED_IMAGE_IN) / height, FLAGGED_IMAGE_IN / width, FLAGGED_IMAGE_IN / height)
+            )
+            _show(ax, reconstructed[i])
+            for spine in ax.spines.values():
+                spine.set_visible(True)
+                spine.set_color(FLAG_COLORS[flags[i]])
+                spine.set_linewidth(4)
+            line_y = below - FLAGGED_IMAGE_IN - 0.06
+            for k, line in enumerate(captions[i]):
+                color = FLAG_COLORS[flags[i]] if k == len(captions[i]) - 1 else "black"
+                weight = "bold" if k == len(captions[i]) - 1 else "normal"
+                fig.text(
+                    centre,
+                    line_y / height,
+                    _fit(line, FLAGGED_CELL_IN, CAPTION_PT),
+                    fontsize=CAPTION_PT,
+                    ha="center",
+                    va="top",
+                    color=color,
+                    fontweight=weight,
+                )
+                line_y -= _line_in(CAPTION_PT)
+        y = top - block_in
+    y -= 0.1
+    for line in footer_lines:
+        text(line, CAPTION_PT, color="#333333")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png", dpi=DPI)
