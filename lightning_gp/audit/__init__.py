@@ -20,6 +20,7 @@ published attack and the setting's adaptive attack (:func:`attack_record`) -> pe
 worst case per threat model -> verdict with its reasons.
 """
 
+from lightning_gp.audit.bounds import FormalBound, defense_mechanism, prior_only_kappa, setting_bound
 from lightning_gp.audit.callback import AuditResult, PrivacyAudit
 from lightning_gp.audit.catalog import CatalogEntry, DefenseSetting, defense_catalog, register_defense
 from lightning_gp.audit.engine import AttackResult, attack_record, attacker_loss, mean_scores
@@ -61,6 +62,7 @@ __all__ = [
     "CatalogEntry",
     "Cell",
     "DefenseSetting",
+    "FormalBound",
     "LeakRule",
     "PrivacyAudit",
     "SettingAudit",
@@ -71,13 +73,16 @@ __all__ = [
     "attacker_loss",
     "audit_setting",
     "defense_catalog",
+    "defense_mechanism",
     "internal_trainer",
     "library_noise_silenced",
     "malicious_server_model",
     "mean_scores",
+    "prior_only_kappa",
     "published_attacks",
     "quiet_lightning",
     "register_defense",
+    "setting_bound",
     "tap_defended_round",
     "tap_fedsgd_round",
     "train_setting",

@@ -203,6 +203,11 @@ class DPSGD(Callback, ClientStepRunner):
         """The epsilon spent so far at :attr:`target_delta`."""
         return self.get_epsilon()
 
+    @property
+    def privacy_history(self) -> list[tuple[float, float, int]]:
+        """The accountant's history: ``(noise_multiplier, sample_rate, steps)`` per stretch of training."""
+        return [(float(s), float(q), int(n)) for s, q, n in self._history()]
+
     def _history(self) -> list:
         if self.privacy_accountant is not None:
             return list(self.privacy_accountant.history)
