@@ -276,3 +276,18 @@ def test_a_batch_with_more_images_than_classes_is_audited_with_the_true_labels_g
     small = PrivacyAudit(rounds=0, attacks=tiny_attacks(), **quiet, **KNOWN)
     quiet_trainer(max_steps=1, callbacks=[small]).fit(TinyModule(), loader(batch_size=2))
     assert small.results[0].labels_granted is None  # distinct labels are possible: recovered, not granted
+
+
+def test_the_audit_logs_the_rero_bound_of_a_clipped_gaussian_mechanism_and_none_for_pruning() -> None:
+    audit = PrivacyAudit(
+        rounds=[0], attacks=[InvertingGradients(iterations=2)], adaptive=False, save_images=False, **KNOWN
+    )
+    fit_local([GaussianNoise(scale=1.0, clip=1e-4, seed=0), audit], steps=1)
+    (result,) = audit.results
+    eta, kappa = result.metrics["privacy_audit/client0/rero_eta"], result.metrics["privacy_audit/client0/rero_kappa"]
+    assert 0.0 < kappa <= eta <= 1.0
+    pruned = PrivacyAudit(
+        rounds=[0], attacks=[InvertingGradients(iterations=2)], adaptive=False, save_images=False, **KNOWN
+    )
+    fit_local([TopKPruning(rate=0.5, seed=0), pruned], steps=1)
+    assert not any("rero" in key for key in pruned.results[0].metrics)

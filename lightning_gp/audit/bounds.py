@@ -141,7 +141,7 @@ def setting_bound(setting: Any, model: nn.Module | None = None) -> FormalBound:
 
 def prior_only_kappa(
     originals: Tensor,
-    reference: Tensor,
+    reference: Tensor | None,
     *,
     labels: Sequence[int] | Tensor | None = None,
     rule: LeakRule | None = None,
@@ -151,21 +151,18 @@ def prior_only_kappa(
 
     Fixed guesses, each the same for every target: a blank (0 and 0.5) image, the mean of
     ``reference`` (public images, pixels in [0, 1]) and each of its first :data:`KAPPA_GUESSES`
-    images. A guess succeeds on an original when it meets one of the rule's pixel lines (PSNR, SSIM,
+    images (``None``: no public images, only the blank guesses: a smaller, less safe kappa). A guess succeeds on an original when it meets one of the rule's pixel lines (PSNR, SSIM,
     MSE); when the rule has the semantic test and ``labels`` are given, a typical image of the most
     common class is counted as succeeding on every original of that class. The best guess's count
     over the ``n`` originals is raised to its Clopper-Pearson upper limit at ``confidence``.
     """
     rule = rule if rule is not None else LeakRule()
     originals = originals.detach().float().cpu()
-    reference = reference.detach().float().cpu()
     n = originals.shape[0]
-    guesses = [
-        torch.zeros_like(originals[:1]),
-        torch.full_like(originals[:1], 0.5),
-        reference.mean(0, keepdim=True),
-        *reference[:KAPPA_GUESSES].split(1),
-    ]
+    guesses = [torch.zeros_like(originals[:1]), torch.full_like(originals[:1], 0.5)]
+    if reference is not None:
+        reference = reference.detach().float().cpu()
+        guesses += [reference.mean(0, keepdim=True), *reference[:KAPPA_GUESSES].split(1)]
     best = 0
     for guess in guesses:
         met = torch.zeros(n, dtype=torch.bool)
