@@ -103,6 +103,14 @@ def rows_for(audits: list[SettingAudit], columns: list[str], training: dict[str,
                 continue
             row[f"{threat}: worst PSNR (leaked)"] = f"{_num(worst.means['psnr'])} ({worst.leak_fraction:.0%})"
             row[f"{threat} verdict"] = worst.verdict
+        bound = audit.bound
+        row["ReRo eta (kappa)"] = (
+            "no formal bound"
+            if bound is None or bound.mechanism is None
+            else "-"
+            if bound.eta is None or bound.kappa is None
+            else f"{bound.eta:.3f} ({bound.kappa:.3f})"
+        )
         worst = audit.active
         if worst is not None:
             row["worst SSIM"] = _num(worst.means["ssim"], ".3f")

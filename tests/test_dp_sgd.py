@@ -219,6 +219,8 @@ def test_module_is_clean_after_fit():
         ({"noise_multiplier": 1.0, "delta": 1.0}, "delta"),
         ({"noise_multiplier": 1.0, "delta": 0.0}, "delta"),
         ({"noise_multiplier": 1.0, "accountant": "moments"}, "accountant"),
+        ({"noise_multiplier": 1.0, "stop_at_epsilon": -1.0}, "stop_at_epsilon"),
+        ({"noise_multiplier": 1.0, "stop_at_epsilon": 0.0}, "stop_at_epsilon"),
     ],
 )
 def test_bad_arguments_are_reported_by_name(kwargs, argument):
@@ -302,6 +304,37 @@ def test_resume_continues_the_privacy_accounting(tmp_path):
         quiet_trainer(max_steps=4, callbacks=[DPSGD(**config)]).fit(
             Tiny(), datamodule=RandomVectors(), ckpt_path=tmp_path / "plain.ckpt"
         )
+
+
+def _epsilon_after(steps: int, noise_multiplier: float, sample_rate: float, delta: float) -> float:
+    reference = create_accountant(mechanism="rdp")
+    reference.history = [(noise_multiplier, sample_rate, steps)]
+    return reference.get_epsilon(delta=delta)
+
+
+def test_stop_at_epsilon_ends_the_fit_before_the_step_that_would_pass_the_budget(tmp_path):
+    # 64 examples, batch 8: q = 1/8, 8 steps an epoch; a budget between the 11th and the 12th step
+    budget = (_epsilon_after(11, 0.8, 1 / 8, 1e-3) + _epsilon_after(12, 0.8, 1 / 8, 1e-3)) / 2
+    dp = DPSGD(noise_multiplier=0.8, delta=1e-3, accountant="rdp", stop_at_epsilon=budget)
+    checkpoint = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path)
+    trainer, _ = fit(dp, max_epochs=5, extra=[checkpoint], enable_checkpointing=True)
+    assert dp.steps_within_budget == dp.steps == trainer.global_step == 11
+    assert dp.epsilon <= budget < _epsilon_after(12, 0.8, 1 / 8, 1e-3)
+    assert trainer.current_epoch == 2  # stopped in the second epoch, which still ended
+    assert trainer.callback_metrics["dp_epsilon"].item() == pytest.approx(dp.epsilon, rel=1e-6)
+    saved = torch.load(checkpoint.best_model_path or checkpoint.last_model_path, weights_only=False)
+    assert saved["global_step"] == 11
+
+
+def test_a_budget_below_one_step_takes_no_step():
+    dp = DPSGD(noise_multiplier=0.8, delta=1e-3, accountant="rdp", stop_at_epsilon=1e-3)
+    trainer, _ = fit(dp, max_epochs=2)
+    assert dp.steps == trainer.global_step == 0 and dp.steps_within_budget == 0
+
+
+def test_stop_at_epsilon_refuses_min_epochs_that_would_train_past_it():
+    with pytest.raises(ValueError, match="min_steps/min_epochs"):
+        fit(DPSGD(noise_multiplier=1.0, stop_at_epsilon=1.0), max_epochs=2, min_epochs=2)
 
 
 def test_secure_mode_trains_and_accounts():

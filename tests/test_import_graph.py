@@ -127,6 +127,7 @@ FLOOR = {"validation", "seeding", "functional", "named_tensors", "normalization"
 MAY_IMPORT: dict[str, set[str]] = {
     **dict.fromkeys(FLOOR, FLOOR),
     "defenses": FLOOR,
+    "privacy": FLOOR,
     "models": FLOOR,
     "data": FLOOR,
     "augmentation": FLOOR | {"models", "data"},
@@ -134,8 +135,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     "refiner": FLOOR | {"models", "data", "attacks"},
     "metrics": FLOOR | {"attacks", "refiner"},
     "pipeline": FLOOR | {"defenses"},
-    "callbacks": FLOOR | {"defenses", "pipeline", "attacks"},
-    "federated": FLOOR | {"defenses", "pipeline"},
+    "callbacks": FLOOR | {"defenses", "pipeline", "attacks", "privacy"},
+    "federated": FLOOR | {"defenses", "pipeline", "privacy"},
 }
 _BELOW_AUDIT = set(MAY_IMPORT) | {"augmentation", "refiner", "metrics"}
 MAY_IMPORT["priprune"] = _BELOW_AUDIT

@@ -307,3 +307,18 @@ def test_a_batch_of_16_gives_a_bounded_figure_and_a_one_screen_summary_beside_it
     )
     assert f"| step 0, client 0 | {result.worst.verdict} |" in summary
     assert summary.count(audit.rule.describe()) == 1
+
+
+def test_the_audit_logs_the_rero_bound_of_a_clipped_gaussian_mechanism_and_none_for_pruning() -> None:
+    audit = PrivacyAudit(
+        rounds=[0], attacks=[InvertingGradients(iterations=2)], adaptive=False, save_images=False, **KNOWN
+    )
+    fit_local([GaussianNoise(scale=1.0, clip=1e-4, seed=0), audit], steps=1)
+    (result,) = audit.results
+    eta, kappa = result.metrics["privacy_audit/client0/rero_eta"], result.metrics["privacy_audit/client0/rero_kappa"]
+    assert 0.0 < kappa <= eta <= 1.0
+    pruned = PrivacyAudit(
+        rounds=[0], attacks=[InvertingGradients(iterations=2)], adaptive=False, save_images=False, **KNOWN
+    )
+    fit_local([TopKPruning(rate=0.5, seed=0), pruned], steps=1)
+    assert not any("rero" in key for key in pruned.results[0].metrics)

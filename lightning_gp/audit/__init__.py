@@ -24,6 +24,7 @@ published attack and the setting's adaptive attack (:func:`attack_record`) -> pe
 worst case per threat model -> verdict with its reasons.
 """
 
+from lightning_gp.audit.bounds import FormalBound, defense_mechanism, prior_only_kappa, setting_bound
 from lightning_gp.audit.callback import AuditResult, PrivacyAudit
 from lightning_gp.audit.catalog import CatalogEntry, DefenseSetting, defense_catalog, register_defense
 from lightning_gp.audit.engine import AttackResult, attack_record, attacker_loss, mean_scores
@@ -69,6 +70,7 @@ __all__ = [
     "Cell",
     "Choice",
     "DefenseSetting",
+    "FormalBound",
     "LeakRule",
     "PrivacyAudit",
     "SettingAudit",
@@ -81,14 +83,17 @@ __all__ = [
     "choose",
     "combined_verdict",
     "defense_catalog",
+    "defense_mechanism",
     "internal_trainer",
     "library_noise_silenced",
     "malicious_server_model",
     "mean_scores",
+    "prior_only_kappa",
     "published_attacks",
     "quiet_lightning",
     "register_defense",
     "save_audit_figure",
+    "setting_bound",
     "summary_markdown",
     "tap_defended_round",
     "tap_fedsgd_round",

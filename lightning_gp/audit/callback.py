@@ -64,6 +64,7 @@ from lightning_gp.attacks import (
     adaptive_attacks_of,
     has_adaptive_attack,
 )
+from lightning_gp.audit.bounds import FormalBound, defense_mechanism, prior_only_kappa
 from lightning_gp.audit.engine import AttackResult, attack_record
 from lightning_gp.audit.figure import save_audit_figure
 from lightning_gp.audit.summary import Candidate, combined_verdict, summary_markdown
@@ -78,7 +79,7 @@ from lightning_gp.audit.verdict import (
 )
 from lightning_gp.callbacks.base import SharedGradientObserver
 from lightning_gp.callbacks.tap import StepBatches, tapped_record
-from lightning_gp.metrics import reconstruction_report
+from lightning_gp.metrics import ReconstructionReport, reconstruction_report
 from lightning_gp.pipeline.stages import ClientSetup, DefenseStage, StageCall
 from lightning_gp.records import TappedGradient
 from lightning_gp.validation import check_bool, check_int, check_int_list
@@ -267,6 +268,7 @@ class PrivacyAudit(SharedGradientObserver):
             check_int(value, f"adaptive_budget[{key!r}]", low=1)
         self._adaptive_attacks: list[GradientAttack] = []
         self._defended = False
+        self._defenses: list[Any] = []
         self.save_images = check_bool(save_images, "save_images")
         self.save_summary = self.save_images if save_summary is None else check_bool(save_summary, "save_summary")
         self.summary_path: Path | None = None
@@ -319,6 +321,7 @@ class PrivacyAudit(SharedGradientObserver):
         defenses = self._run_defenses(trainer, pl_module)
         self._defended = bool(defenses)
         self._setting = " + ".join(type(d).__name__ for d in defenses) or "no defense"
+        self._defenses = defenses
         self._adaptive_attacks = self._declared_adaptive_attacks(defenses) if self.adaptive else []
         if self.lpips and self._lpips_fn is None:  # fail at fit start, not mid-run, without LPIPS weights
             state = _RandomState()  # building a network draws initial weights from the global generator
@@ -532,9 +535,32 @@ class PrivacyAudit(SharedGradientObserver):
             threat_model="passive",
         )
         metrics = self._metrics(record.client_id, worst)
+        bound = self._formal_bound(model, reports, record)
+        if bound.eta is not None and bound.kappa is not None:
+            metrics[f"{self.prefix}/client{record.client_id}/rero_eta"] = bound.eta
+            metrics[f"{self.prefix}/client{record.client_id}/rero_kappa"] = bound.kappa
         return AuditResult(
             record.round, record.client_id, results, worst, metrics, skipped=skipped, labels_granted=labels_granted
         )
+
+    def _formal_bound(
+        self, model: nn.Module, reports: Sequence[ReconstructionReport], record: TappedGradient
+    ) -> FormalBound:
+        """The run's ReRo bound so far (its one formal mechanism, e.g. DPSGD's steps until now) at the
+        kappa of the leak rule on this batch, the blank and dataset-mean guesses with the class shares
+        (:func:`~lightning_gp.audit.bounds.prior_only_kappa`); "no formal bound" otherwise."""
+        if len(self._defenses) != 1:
+            reason = "undefended" if not self._defenses else "a composition of defenses is not analysed"
+            return FormalBound(None, reason)
+        size = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        try:
+            bound = FormalBound(defense_mechanism(self._defenses[0], size))
+        except ValueError as err:
+            return FormalBound(None, str(err).removeprefix("defense: "))
+        originals = next((r.original_pixels for r in reports if r.original_pixels is not None), None)
+        if originals is None:
+            return bound
+        return bound.at(prior_only_kappa(originals, None, labels=record.targets, rule=self.rule))
 
     def _labels_granted(self, batch_size: int, num_classes: int) -> str | None:
         """Why the attackers are given the client's true labels although ``labels_known=False``, or None.

@@ -42,6 +42,7 @@ from lightning_gp.attacks import (
     ServerView,
     attacks_by_name,
 )
+from lightning_gp.audit.bounds import FormalBound, prior_only_kappa, setting_bound
 from lightning_gp.audit.catalog import DefenseSetting
 from lightning_gp.audit.engine import AttackResult, attack_record, attacker_loss
 from lightning_gp.audit.rounds import public_batch, tap_defended_round
@@ -159,6 +160,8 @@ class SettingAudit:
         passive: the worst case over the passive attacks (published and adaptive);
         active: over every attack, the malicious server's modified models included. Either is
             ``None`` when no attack of it produced a report.
+        bound: the setting's formal ReRo bound ``eta`` at the kappa of the leak rule on the audited
+            images (:mod:`~lightning_gp.audit.bounds`), or "no formal bound" with the reason.
     """
 
     setting: str
@@ -166,6 +169,7 @@ class SettingAudit:
     passive: WorstCaseReport | None
     active: WorstCaseReport | None
     results: dict[str, list[AttackResult]] = field(default_factory=dict, repr=False)
+    bound: FormalBound | None = None
 
     @property
     def worst(self) -> WorstCaseReport | None:
@@ -191,6 +195,8 @@ class SettingAudit:
             if report.verdict != "private" and report.verdict_reasons:
                 line += f" ({'; '.join(report.verdict_reasons)})"
             lines.append(line)
+        if self.bound is not None:
+            lines.append(self.bound.describe())
         return lines
 
     def cell(self, attack: str) -> Cell:
@@ -420,7 +426,28 @@ def audit_setting(
     elif not setting.undefended:
         gaps.append("the adaptive attacks were not run (adaptive=False)")
     judged = {threat: _judge(threat, cells, results, rule, gaps, reference) for threat in THREAT_MODELS}
-    return SettingAudit(setting.name, cells, judged["passive"], judged["active"], results)
+    bound = _formal_bound(setting, model, passive_records, results, reference, rule)
+    return SettingAudit(setting.name, cells, judged["passive"], judged["active"], results, bound)
+
+
+def _formal_bound(
+    setting: DefenseSetting,
+    model: nn.Module,
+    records: Sequence[TappedGradient],
+    results: dict[str, list[AttackResult]],
+    reference: Tensor,
+    rule: LeakRule,
+) -> FormalBound:
+    """The setting's ReRo bound at the kappa of ``rule`` on the audited images (none without a mechanism)."""
+    bound = setting_bound(setting, model)
+    scored = next(iter(results.values()), None)
+    if bound.mechanism is None or not scored:
+        return bound
+    originals = concatenate_reports([r.report for r in scored]).original_pixels
+    if originals is None:
+        return bound
+    labels = torch.cat([r.targets.reshape(-1) for r in records if r.targets is not None])
+    return bound.at(prior_only_kappa(originals, reference, labels=labels, rule=rule))
 
 
 def _judge(

@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from opacus import GradSampleModule
 from opacus.accountants import IAccountant, create_accountant
 from opacus.accountants.utils import get_noise_multiplier
@@ -81,6 +82,11 @@ class DPSGD(Callback, ClientStepRunner):
         secure_mode: Opacus's noise hardened against floating-point attacks, and a Poisson
             sampler seeded from the OS's entropy instead of the loader's generator. It does not
             make PyTorch's generator cryptographically secure.
+        stop_at_epsilon: a privacy budget: ``Trainer.fit`` ends cleanly (``trainer.should_stop``;
+            the epoch ends, so ``ModelCheckpoint`` still writes its checkpoint) as soon as the *next*
+            step would spend more than this epsilon at ``delta``, by the same accountant. The steps
+            the budget allows are counted once at fit start (:attr:`steps_within_budget`), so the
+            stop costs no accounting per step. ``None``: no budget.
 
     Example::
 
@@ -96,6 +102,7 @@ class DPSGD(Callback, ClientStepRunner):
         accountant: str = "prv",
         poisson_sampling: bool = True,
         secure_mode: bool = False,
+        stop_at_epsilon: float | None = None,
     ) -> None:
         if (noise_multiplier is None) == (target_epsilon is None):
             raise ValueError(
@@ -112,6 +119,8 @@ class DPSGD(Callback, ClientStepRunner):
         check_choice(accountant, "accountant", ACCOUNTANTS)
         check_bool(poisson_sampling, "poisson_sampling")
         check_bool(secure_mode, "secure_mode")
+        if stop_at_epsilon is not None:
+            check_positive(stop_at_epsilon, "stop_at_epsilon")
         self.noise_multiplier = None if noise_multiplier is None else float(noise_multiplier)
         self.target_epsilon = None if target_epsilon is None else float(target_epsilon)
         self.max_grad_norm = float(max_grad_norm)
@@ -119,6 +128,8 @@ class DPSGD(Callback, ClientStepRunner):
         self.accountant = accountant
         self.poisson_sampling = poisson_sampling
         self.secure_mode = secure_mode
+        self.stop_at_epsilon = None if stop_at_epsilon is None else float(stop_at_epsilon)
+        self.steps_within_budget: int | None = None  # with stop_at_epsilon: the steps the budget allows
 
         self.privacy_accountant: IAccountant | None = None  # the Opacus accountant, once training starts
         self.noise_multiplier_used: float | None = None
@@ -146,6 +157,7 @@ class DPSGD(Callback, ClientStepRunner):
             "delta": self.delta,
             "accountant": self.accountant,
             "poisson_sampling": self.poisson_sampling,
+            "stop_at_epsilon": self.stop_at_epsilon,
         }
 
     @property
@@ -191,6 +203,11 @@ class DPSGD(Callback, ClientStepRunner):
         """The epsilon spent so far at :attr:`target_delta`."""
         return self.get_epsilon()
 
+    @property
+    def privacy_history(self) -> list[tuple[float, float, int]]:
+        """The accountant's history: ``(noise_multiplier, sample_rate, steps)`` per stretch of training."""
+        return [(float(s), float(q), int(n)) for s, q, n in self._history()]
+
     def _history(self) -> list:
         if self.privacy_accountant is not None:
             return list(self.privacy_accountant.history)
@@ -231,6 +248,11 @@ class DPSGD(Callback, ClientStepRunner):
                 f"DPSGD does not support gradient accumulation (accumulate_grad_batches="
                 f"{trainer.accumulate_grad_batches}): Poisson sampling draws one batch per step. Use "
                 "accumulate_grad_batches=1 and set the expected batch size with the loader's batch_size"
+            )
+        if self.stop_at_epsilon is not None and (trainer.fit_loop.min_steps or trainer.fit_loop.min_epochs):
+            raise ValueError(
+                f"DPSGD(stop_at_epsilon={self.stop_at_epsilon:g}) stops the fit at the budget, but min_steps/min_epochs "
+                "would keep it training past it; remove Trainer(min_steps=..., min_epochs=...)"
             )
         if trainer.gradient_clip_val:
             raise ValueError(
@@ -311,6 +333,55 @@ class DPSGD(Callback, ClientStepRunner):
         optimizer.attach_step_hook(step_hook)
         self._original_optimizer, self._dp_optimizer = original, optimizer
         trainer.optimizers = [optimizer]  # LR schedulers keep stepping `original`: same param_groups
+        if self.stop_at_epsilon is not None:
+            self.steps_within_budget = self._steps_within_budget(self.stop_at_epsilon)
+            self._stop_if_over_budget(trainer)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.stop_at_epsilon is not None:
+            self._stop_if_over_budget(trainer)
+
+    def _stop_if_over_budget(self, trainer: pl.Trainer) -> None:
+        """End the fit when one more step would pass ``stop_at_epsilon`` (the epoch ends: checkpoints are written)."""
+        assert self.steps_within_budget is not None and self.stop_at_epsilon is not None
+        if self.steps + 1 > self.steps_within_budget and not trainer.should_stop:
+            trainer.should_stop = True
+            rank_zero_info(
+                f"DPSGD: stopping after {self.steps} step(s), epsilon {self.epsilon:.4g} at delta {self.target_delta:.3g}: "
+                f"one more step would spend more than stop_at_epsilon={self.stop_at_epsilon:g}"
+            )
+
+    def _steps_within_budget(self, budget: float) -> int:
+        """The most steps (those taken included) whose epsilon at :attr:`target_delta` stays within
+        ``budget``, at this fit's noise multiplier and sample rate (a doubling then bisection search on
+        the accountant's history; epsilon grows with the steps)."""
+        assert self.noise_multiplier_used is not None and self.sample_rate is not None
+        if self.noise_multiplier_used == 0:
+            return self.steps  # no noise: no step fits any budget
+        history = self._history()
+
+        def epsilon_after(total: int) -> float:
+            extra = total - self.steps
+            if total == 0:
+                return 0.0
+            accountant = create_accountant(mechanism=self.accountant)
+            accountant.history = [*history, *([(self.noise_multiplier_used, self.sample_rate, extra)] if extra else [])]
+            return float(accountant.get_epsilon(delta=self.target_delta))
+
+        low = self.steps
+        if epsilon_after(low) > budget:
+            return low  # already over: no further step
+        high = max(1, 2 * low)
+        while epsilon_after(high) <= budget:
+            low, high = high, 2 * high
+            if high > 10**9:
+                return high
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if epsilon_after(middle) <= budget else (low, middle)
+        return low
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.privacy_accountant is not None:
