@@ -1,6 +1,7 @@
-"""Federated learning in one process: client partitions, per-round sampling, FedSGD/FedAvg."""
+"""Federated learning in one process: client partitions, per-round sampling, FedSGD/FedAvg, DP-FedAvg."""
 
 from lightning_gp.federated.aggregation import weighted_mean
+from lightning_gp.federated.client_dp import AMPLIFICATION, ClientLevelDP, clip_update, update_norm
 from lightning_gp.federated.client_updates import client_gradients, client_local_updates, updates_running_stats
 from lightning_gp.federated.partition import (
     dirichlet_partition,
@@ -13,17 +14,21 @@ from lightning_gp.federated.rounds import ClientRounds, RoundLoader, RoundSample
 from lightning_gp.federated.simulation import FederatedSimulation
 
 __all__ = [
+    "AMPLIFICATION",
+    "ClientLevelDP",
     "ClientRounds",
     "FederatedSimulation",
     "RoundLoader",
     "RoundSampler",
     "client_gradients",
     "client_local_updates",
+    "clip_update",
     "dirichlet_partition",
     "iid_partition",
     "label_histogram",
     "partition",
     "shard_partition",
+    "update_norm",
     "updates_running_stats",
     "weighted_mean",
 ]

@@ -17,10 +17,12 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
 from lightning_gp.defenses.base import share_in_process
 from lightning_gp.federated.aggregation import weighted_mean
+from lightning_gp.federated.client_dp import ClientLevelDP
 from lightning_gp.federated.client_updates import (
     ClientGradientProvider,
     ClientUpdateProvider,
@@ -93,6 +95,15 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
         weighting: ``"uniform"`` mean of shared updates, or ``"num_samples"`` weighted by each
             client's partition size (McMahan et al. 2017).
         seed: seeds the partition and the per-round sampling.
+        client_dp: client-level DP (DP-FedAvg, :class:`~lightning_gp.federated.ClientLevelDP`): each
+            client's shared update (after the defense callbacks) is clipped to its
+            ``max_update_norm`` before it leaves the client, so the taps see the clipped update; the
+            server adds the Gaussian noise to the sum and divides by ``clients_per_round``. Logs
+            ``dp_epsilon`` (and ``dp_rero_eta`` with a ``kappa``) every round and ends the fit cleanly
+            before the round that would pass its ``stop_at_epsilon``. Needs ``weighting="uniform"``.
+            The guarantee is about what the released model (the noised mean) reveals; a server that
+            sees each client's clipped update is not bound by it (secure aggregation closes that gap:
+            the audit's aggregate view).
     """
 
     # The simulation runs the client step itself: every client's gradient goes through the
@@ -123,6 +134,7 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
         weighting: Literal["uniform", "num_samples"] = "uniform",
         num_workers: int = 0,
         seed: int = 0,
+        client_dp: ClientLevelDP | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -169,6 +181,19 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
         )
         self.weighting = check_choice(weighting, "weighting", ("uniform", "num_samples"))
         self.num_workers = check_int(num_workers, "num_workers", low=0)
+        if client_dp is not None and not isinstance(client_dp, ClientLevelDP):
+            raise TypeError(f"client_dp must be a ClientLevelDP, got {type(client_dp).__name__}")
+        if client_dp is not None and weighting != "uniform":
+            raise ValueError(
+                "client_dp needs weighting='uniform': weighting clients by their data size changes how far one "
+                "client moves the aggregate, which the DP-FedAvg accounting assumes is max_update_norm / clients_per_round"
+            )
+        if client_dp is not None and isinstance(module, ClientUpdateProvider):
+            raise ValueError(
+                f"client_dp: {type(module).__name__} aggregates its clients' updates itself, which DP-FedAvg's noised "
+                "sum would replace; use client_dp with a plain module"
+            )
+        self.client_dp = client_dp
         self.seed = seed
         self.module = module
         self.source_datamodule = datamodule
@@ -179,7 +204,7 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
         self._restored_defense_states: set[str] = set()
         self._monitors: dict[int, str] = {}  # scheduler id -> the metric a ReduceLROnPlateau monitors
         self._choices: dict[tuple[int, int], tuple[list[int], str]] = {}  # (round, client) -> chosen data
-        self.save_hyperparameters(ignore=["module", "datamodule", "loss_fn"])
+        self.save_hyperparameters(ignore=["module", "datamodule", "loss_fn", "client_dp"])
 
     # ------------------------------------------------------------------ the client step
     def client_setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> ClientSetup:
@@ -391,20 +416,77 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
         pipeline.begin_round(
             round_idx, client_ids, local, share_in_process, model=self.module, batches=client_batches, meta=meta
         )
+        if self.client_dp is not None:
+            meta["client_dp"] = self.client_dp.config()
         shared = [
-            pipeline.process(local[client], StageCall(client, round_idx, self.module, client_batches[client], meta))
+            self._share(
+                pipeline, local[client], StageCall(client, round_idx, self.module, client_batches[client], meta)
+            )
             for client in client_ids
         ]
-        weights = None
-        if self.weighting == "num_samples" and self.client_indices is not None:
-            weights = [len(self.client_indices[c]) for c in client_ids]
-        aggregate = weighted_mean(shared, weights) if provider is None else provider.aggregate_updates(shared, weights)
+        if self.client_dp is not None:
+            aggregate = self.client_dp.noised_mean(shared, self.clients_per_round, round_idx)
+        else:
+            weights = None
+            if self.weighting == "num_samples" and self.client_indices is not None:
+                weights = [len(self.client_indices[c]) for c in client_ids]
+            aggregate = (
+                weighted_mean(shared, weights) if provider is None else provider.aggregate_updates(shared, weights)
+            )
         pipeline.finish_round(aggregate, round=round_idx, clients=len(client_ids))
         self._server_step(aggregate, buffers)
 
         loss = losses.mean()
         self.log("train_loss", loss, prog_bar=True, batch_size=len(client_ids))
+        if self.client_dp is not None:
+            self._account(round_idx + 1, len(client_ids))
         return loss
+
+    def _share(self, pipeline: Any, update: dict[str, Tensor], call: StageCall) -> dict[str, Tensor]:
+        """What one client sends: its update through the defenses, clipped to DP-FedAvg's norm when
+        :attr:`client_dp` is set (the last step on the client), then shown to the observers."""
+        if self.client_dp is None:
+            return pipeline.process(update, call)
+        shared = self.client_dp.clip(pipeline.defend(update, call))
+        pipeline.observe(shared, call)
+        return shared
+
+    # ------------------------------------------------------------------ client-level DP
+    @property
+    def dp_sample_rate(self) -> float:
+        """The rate DP-FedAvg's accounting charges per round (:meth:`ClientLevelDP.sample_rate`)."""
+        if self.client_dp is None:
+            raise RuntimeError("dp_sample_rate needs client_dp")
+        return self.client_dp.sample_rate(self.clients_per_round, self.num_clients)
+
+    def dp_epsilon(self, rounds: int | None = None) -> float:
+        """The client-level epsilon after ``rounds`` rounds (default: the rounds trained so far)."""
+        if self.client_dp is None:
+            raise RuntimeError("dp_epsilon needs client_dp: FederatedSimulation(client_dp=ClientLevelDP(...))")
+        return self.client_dp.epsilon(self.global_step if rounds is None else rounds, self.dp_sample_rate)
+
+    def _account(self, rounds: int, clients: int) -> None:
+        """Log the epsilon (and eta) after ``rounds`` rounds; stop before a round past the budget."""
+        dp = self.client_dp
+        assert dp is not None
+        self.log("dp_epsilon", self.dp_epsilon(rounds), prog_bar=True, batch_size=clients)
+        if dp.kappa is not None:
+            self.log("dp_rero_eta", dp.eta(rounds, self.dp_sample_rate, dp.kappa), batch_size=clients)
+        self._stop_at_budget(rounds)
+
+    def _stop_at_budget(self, rounds: int) -> None:
+        dp = self.client_dp
+        if dp is None or dp.stop_at_epsilon is None or self._trainer is None or self.trainer.should_stop:
+            return
+        if not dp.allows(rounds + 1, self.dp_sample_rate):
+            self.trainer.should_stop = True
+            rank_zero_info(
+                f"FederatedSimulation: stopping after {rounds} round(s), epsilon {self.dp_epsilon(rounds):.4g} at delta "
+                f"{dp.delta:.3g}: one more round would spend more than stop_at_epsilon={dp.stop_at_epsilon:g}"
+            )
+
+    def on_train_start(self) -> None:
+        self._stop_at_budget(self.global_step)
 
     def _provided_gradients(
         self, batch: dict[str, Any], client_ids: list[int], round_idx: int
