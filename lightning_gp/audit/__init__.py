@@ -30,7 +30,7 @@ from lightning_gp.audit.catalog import CatalogEntry, DefenseSetting, defense_cat
 from lightning_gp.audit.engine import AttackResult, attack_record, attacker_loss, mean_scores
 from lightning_gp.audit.figure import save_audit_figure
 from lightning_gp.audit.quiet import internal_trainer, library_noise_silenced, quiet_lightning
-from lightning_gp.audit.rounds import malicious_server_model, tap_defended_round, tap_fedsgd_round
+from lightning_gp.audit.rounds import aggregate_record, malicious_server_model, tap_defended_round, tap_fedsgd_round
 from lightning_gp.audit.setting_audit import (
     THREAT_MODELS,
     AttackBudget,
@@ -77,6 +77,7 @@ __all__ = [
     "TrainingResult",
     "WorstCaseReport",
     "WorstImage",
+    "aggregate_record",
     "attack_record",
     "attacker_loss",
     "audit_setting",

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, cast
 
 import lightning as L
@@ -29,7 +29,8 @@ from lightning_gp.attacks import GradientAttack
 from lightning_gp.audit.catalog import DefenseSetting
 from lightning_gp.audit.quiet import internal_trainer, quiet_lightning
 from lightning_gp.callbacks import GradientTap
-from lightning_gp.federated import FederatedSimulation
+from lightning_gp.defenses.base import Gradients
+from lightning_gp.federated import FederatedSimulation, weighted_mean
 from lightning_gp.records import TappedGradient
 from lightning_gp.validation import as_int, check_int, check_positive_int
 
@@ -296,3 +297,46 @@ def tap_defended_round(
     if setting.wrap is not None:
         records = [_strip_wrapper(r, "module.") for r in records]
     return records, model, secrets
+
+
+def aggregate_record(
+    records: Sequence[TappedGradient], combine: Callable[[list[Gradients]], Gradients] | None = None
+) -> TappedGradient:
+    """What a server behind secure aggregation sees of one round: only the combination of the round's
+    shared updates (Bonawitz et al., "Practical Secure Aggregation for Privacy-Preserving Machine
+    Learning", CCS 2017), as one record of every client's images.
+
+    ``combine`` turns the clients' shared gradients into the released update (default: their mean,
+    FedAvg's uniform aggregate; DP-FedAvg's clipped, noised mean is
+    ``lambda g: dp.noised_mean([dp.clip(u) for u in g], len(g), round)``). With equal batches of ``B``
+    images the mean of ``N`` FedSGD gradients is the gradient of the mean loss over the ``N x B``
+    images, so an attack sees one batch of ``N x B``: the record's batch is every client's images in
+    client order (``meta["aggregate_of"]``: the client ids, ``meta["dataset_indices"]``: their indices).
+    """
+    if not records:
+        raise ValueError("records is empty: a round needs at least one client to aggregate")
+    first = records[0]
+    sizes = {None if r.inputs is None else int(r.inputs.shape[0]) for r in records}
+    if None in sizes or len(sizes) != 1:
+        raise ValueError(f"records must each hold their batch, all of one size, to be scored together; sizes {sizes}")
+    if any(r.round != first.round or r.model_state.keys() != first.model_state.keys() for r in records):
+        raise ValueError("records must come from one round of one model")
+    gradients = [dict(r.gradients) for r in records]
+    combined = (combine or weighted_mean)(gradients)
+    inputs = torch.cat([cast(Tensor, r.inputs) for r in records])
+    targets = torch.cat([cast(Tensor, r.targets).reshape(-1) for r in records])
+    meta = {
+        **first.meta,
+        "aggregate_of": [r.client_id for r in records],
+        "dataset_indices": [i for r in records for i in r.meta.get("dataset_indices", [])],
+        "local_batch_size": int(inputs.shape[0]),
+    }
+    return TappedGradient(
+        round=first.round,
+        client_id=first.client_id,
+        gradients=combined,
+        model_state=dict(first.model_state),
+        model_class=first.model_class,
+        batch=(inputs, targets),
+        meta=meta,
+    )

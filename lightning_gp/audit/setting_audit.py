@@ -11,6 +11,12 @@ the clients' images, and judges the setting by the per-image worst case over the
   published passive attacks and the adaptive attacks;
 - **active** (malicious server): it may also send a modified model (Robbing the Fed, the
   ATS-aware Robbing, any attack with ``modify_model``); the worst case over passive and active.
+- **aggregate** (``audit_setting(aggregate=True)``): an honest-but-curious server behind secure
+  aggregation sees only the round's combined update (:func:`~lightning_gp.audit.rounds.aggregate_record`:
+  the mean of the clients' defended updates, or DP-FedAvg's clipped, noised mean with ``client_dp``),
+  attacked as one batch of every client's images, each image scored. The passive published attacks
+  run on it; no adaptive attack models an aggregate, so its verdict is never "private" for a defended
+  setting (the gap is stated).
 
 Cells: ``ok``; ``n/a`` when the attack's own precondition check raised
 :class:`~lightning_gp.attacks.AttackNotApplicable` (R-GAP on a model with biases, GradInversion's
@@ -45,8 +51,9 @@ from lightning_gp.attacks import (
 from lightning_gp.audit.bounds import FormalBound, prior_only_kappa, setting_bound
 from lightning_gp.audit.catalog import DefenseSetting
 from lightning_gp.audit.engine import AttackResult, attack_record, attacker_loss
-from lightning_gp.audit.rounds import public_batch, tap_defended_round
+from lightning_gp.audit.rounds import aggregate_record, public_batch, tap_defended_round
 from lightning_gp.audit.verdict import BaselineScores, LeakRule, WorstCaseReport, trivial_baselines, worst_case_report
+from lightning_gp.federated import ClientLevelDP
 from lightning_gp.metrics import ReconstructionReport, concatenate_reports, reconstruction_report
 from lightning_gp.records import TappedGradient
 from lightning_gp.validation import check_positive_int
@@ -162,6 +169,10 @@ class SettingAudit:
             ``None`` when no attack of it produced a report.
         bound: the setting's formal ReRo bound ``eta`` at the kappa of the leak rule on the audited
             images (:mod:`~lightning_gp.audit.bounds`), or "no formal bound" with the reason.
+        aggregate: the worst case of the secure-aggregation view (``audit_setting(aggregate=True)``),
+            over ``aggregate_cells``; ``None`` when not audited. ``aggregate_bound``: its ReRo bound
+            (DP-FedAvg's round with ``client_dp``; else the setting's own, which holds for the aggregate
+            by post-processing).
     """
 
     setting: str
@@ -170,14 +181,17 @@ class SettingAudit:
     active: WorstCaseReport | None
     results: dict[str, list[AttackResult]] = field(default_factory=dict, repr=False)
     bound: FormalBound | None = None
+    aggregate: WorstCaseReport | None = None
+    aggregate_cells: list[Cell] = field(default_factory=list)
+    aggregate_bound: FormalBound | None = None
 
     @property
     def worst(self) -> WorstCaseReport | None:
         """The worst case over every attack (the active threat model)."""
         return self.active
 
-    def verdict(self, threat: ThreatModel) -> str:
-        report = self.passive if threat == "passive" else self.active
+    def verdict(self, threat: ThreatModel | Literal["aggregate"]) -> str:
+        report = {"passive": self.passive, "active": self.active, "aggregate": self.aggregate}[threat]
         return "inconclusive" if report is None else report.verdict
 
     def summary_lines(self) -> list[str]:
@@ -197,6 +211,15 @@ class SettingAudit:
             lines.append(line)
         if self.bound is not None:
             lines.append(self.bound.describe())
+        if self.aggregate is not None:
+            lines += [cell.summary() for cell in self.aggregate_cells]
+            lines.append(
+                f"aggregate (secure aggregation): {self.aggregate.leak_fraction:.0%} of {self.aggregate.batch_size} images "
+                f"leak -> {self.aggregate.verdict}"
+                + (f" ({'; '.join(self.aggregate.verdict_reasons)})" if self.aggregate.verdict_reasons else "")
+            )
+            if self.aggregate_bound is not None:
+                lines.append(f"aggregate {self.aggregate_bound.describe()}")
         return lines
 
     def cell(self, attack: str) -> Cell:
@@ -371,12 +394,19 @@ def audit_setting(
     lpips_fn: nn.Module | None = None,
     rule: LeakRule | None = None,
     log: Callable[[str], None] = print,
+    aggregate: bool = False,
+    client_dp: ClientLevelDP | None = None,
 ) -> SettingAudit:
     """Attack the clients of ``setting`` (client ``c`` holds the training images ``indices[c]``,
     the model at ``model``'s weights) with every ``published`` attack and, with ``adaptive``, the
     setting's adaptive attacks (one attacker modelling every defense of it); judge by the worst case
     per threat model. ``lpips_fn=None`` skips LPIPS (then no verdict can be "private": the semantic
-    test did not run). ``rule`` is the leak rule (default :class:`~lightning_gp.audit.LeakRule`)."""
+    test did not run). ``rule`` is the leak rule (default :class:`~lightning_gp.audit.LeakRule`).
+
+    ``aggregate=True`` adds the secure-aggregation view (module docstring): the published passive
+    attacks on the round's mean of the clients' defended updates, every image of every client scored;
+    with ``client_dp`` that mean is DP-FedAvg's (each update clipped, the sum noised, divided by the
+    number of clients) and its bound is DP-FedAvg's round."""
     data: Any = datamodule
     rule = rule if rule is not None else LeakRule()
     reference = reference_pixels(datamodule)
@@ -427,7 +457,79 @@ def audit_setting(
         gaps.append("the adaptive attacks were not run (adaptive=False)")
     judged = {threat: _judge(threat, cells, results, rule, gaps, reference) for threat in THREAT_MODELS}
     bound = _formal_bound(setting, model, passive_records, results, reference, rule)
-    return SettingAudit(setting.name, cells, judged["passive"], judged["active"], results, bound)
+    audit = SettingAudit(setting.name, cells, judged["passive"], judged["active"], results, bound)
+    if aggregate or client_dp is not None:
+        _audit_aggregate(
+            audit,
+            setting,
+            passive_records,
+            sent_model,
+            published,
+            data,
+            lpips_fn,
+            log,
+            rule,
+            reference,
+            client_dp,
+            seed,
+        )
+    return audit
+
+
+def _audit_aggregate(
+    audit: SettingAudit,
+    setting: DefenseSetting,
+    records: Sequence[TappedGradient],
+    model: nn.Module,
+    published: Sequence[AttackSpec],
+    datamodule: Any,
+    lpips_fn: nn.Module | None,
+    log: Callable[[str], None],
+    rule: LeakRule,
+    reference: Tensor,
+    client_dp: ClientLevelDP | None,
+    seed: int,
+) -> None:
+    """Fill ``audit``'s aggregate view: the passive published attacks on the round's combined update."""
+    combine = None
+    if client_dp is not None:
+        round_idx, count = records[0].round, len(records)
+        combine = lambda grads: client_dp.noised_mean([client_dp.clip(g) for g in grads], count, round_idx)  # noqa: E731
+    combined = aggregate_record(records, combine)
+    results: dict[str, list[AttackResult]] = {}
+    for spec in published:
+        attack = spec.build(seed, model)
+        if _threat(attack) != "passive":
+            continue  # an active attack sends its own model: not the round tapped here
+        log(f"   {spec.name} on the aggregate of {setting.name} ...")
+        cell, out = _run_attack(
+            spec.name, spec.kind, [attack], [combined], model, setting, datamodule, {}, lpips_fn, log, rule, reference
+        )
+        audit.aggregate_cells.append(cell)
+        if out:
+            results[spec.name] = out
+    gaps = [] if setting.undefended and client_dp is None else ["no adaptive attack models the aggregate"]
+    reports = [concatenate_reports([r.report for r in out]) for out in results.values()]
+    incomplete = [*gaps, *(g for c in audit.aggregate_cells if (g := c.gap()) is not None)]
+    audit.aggregate = (
+        worst_case_report(
+            reports,
+            leak_thresholds=rule.thresholds,
+            noise_ratio_line=rule.noise_ratio_line,
+            reference_images=reference,
+            incomplete=incomplete,
+            threat_model="aggregate",
+        )
+        if reports
+        else None
+    )
+    bound = FormalBound(client_dp.mechanism(1, 1.0)) if client_dp is not None else setting_bound(setting, model)
+    scored = next(iter(results.values()), None)
+    originals = None if not scored else concatenate_reports([r.report for r in scored]).original_pixels
+    if bound.mechanism is not None and originals is not None:
+        labels = combined.targets
+        bound = bound.at(prior_only_kappa(originals, reference, labels=labels, rule=rule))
+    audit.aggregate_bound = bound
 
 
 def _formal_bound(

@@ -1,0 +1,85 @@
+"""Secure aggregation as a threat model: the audit's aggregate view of a round."""
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_gp.audit import AttackBudget, aggregate_record, audit_setting, published_attacks, tap_fedsgd_round
+from lightning_gp.audit.catalog import DefenseSetting
+from lightning_gp.callbacks import GaussianNoise
+from lightning_gp.data import FashionMNISTSampleDataModule
+from lightning_gp.federated import ClientLevelDP, client_gradients
+from lightning_gp.models import LeNetZhu
+
+TINY = AttackBudget(ig_iterations=5, lbfgs_iterations=2, rtf_bins=8)
+INDICES = [[0, 1], [2, 3], [4, 5]]  # three clients, two images each
+
+
+@pytest.fixture(scope="module")
+def datamodule() -> FashionMNISTSampleDataModule:
+    data = FashionMNISTSampleDataModule(seed=0)
+    data.setup("fit")
+    return data
+
+
+def test_the_mean_of_fedsgd_gradients_is_the_gradient_of_every_clients_images_as_one_batch(datamodule):
+    torch.manual_seed(0)
+    records, model, _ = tap_fedsgd_round(LeNetZhu(), datamodule, indices=INDICES, num_clients=3)
+    combined = aggregate_record(records)
+    assert combined.inputs.shape[0] == 6 and combined.meta["aggregate_of"] == [0, 1, 2]
+    assert combined.meta["dataset_indices"] == [i for row in INDICES for i in row]
+    model.load_state_dict(combined.model_state)
+    x, y = combined.batch
+    batch_gradient, _ = client_gradients(model, nn.CrossEntropyLoss(), x[None], y[None], vectorize=False)
+    for name, grad in combined.gradients.items():
+        torch.testing.assert_close(grad, batch_gradient[name][0], atol=1e-6, rtol=1e-4)
+
+
+def test_aggregate_record_refuses_batches_of_different_sizes(datamodule):
+    torch.manual_seed(0)
+    records, _, _ = tap_fedsgd_round(LeNetZhu(), datamodule, indices=[[0, 1], [2, 3]], num_clients=2)
+    short = records[1].__class__(**{**records[1].__dict__, "batch": (records[1].inputs[:1], records[1].targets[:1])})
+    with pytest.raises(ValueError, match="records"):
+        aggregate_record([records[0], short])
+
+
+def test_the_aggregate_view_scores_every_image_of_every_client(datamodule):
+    torch.manual_seed(0)
+    audit = audit_setting(
+        DefenseSetting("GaussianNoise", [GaussianNoise(scale=1e-3, seed=0)]),
+        LeNetZhu(),
+        datamodule,
+        indices=INDICES,
+        published=published_attacks(TINY, ["IG"]),
+        budget=TINY,
+        adaptive=False,
+        aggregate=True,
+        log=lambda line: None,
+    )
+    assert audit.aggregate is not None and audit.aggregate.batch_size == 6
+    assert [c.attack for c in audit.aggregate_cells] == ["IG"]
+    assert audit.aggregate.threat_model == "aggregate"
+    assert audit.verdict("aggregate") != "private"  # no adaptive attack models an aggregate
+    assert "no adaptive attack models the aggregate" in audit.aggregate.verdict_reasons
+    assert audit.aggregate_bound is not None and audit.aggregate_bound.mechanism is None  # no clip: no bound
+    assert any(line.startswith("aggregate (secure aggregation)") for line in audit.summary_lines())
+
+
+def test_dp_fedavg_behind_secure_aggregation_reports_its_round_bound(datamodule):
+    torch.manual_seed(0)
+    dp = ClientLevelDP(1.0, 0.1, seed=0)
+    audit = audit_setting(
+        DefenseSetting("undefended"),
+        LeNetZhu(),
+        datamodule,
+        indices=INDICES,
+        published=published_attacks(TINY, ["IG"]),
+        budget=TINY,
+        adaptive=False,
+        client_dp=dp,
+        log=lambda line: None,
+    )
+    bound = audit.aggregate_bound
+    assert bound is not None and bound.mechanism == dp.mechanism(1, 1.0)
+    assert bound.kappa is not None and bound.eta == pytest.approx(dp.eta(1, 1.0, bound.kappa))
+    assert audit.aggregate is not None and audit.aggregate.batch_size == 6
