@@ -244,3 +244,18 @@ def test_attack_help_is_short_and_the_full_one_is_one_flag_away(capsys):
     with pytest.raises(SystemExit) as done:
         attack_main(["--help-full"])
     assert done.value.code == 0 and len(capsys.readouterr().out.splitlines()) > 100
+
+
+def test_the_attack_report_states_the_rero_bound_of_a_clipped_gaussian_and_none_otherwise(tmp_path):
+    config = str(ROOT / "configs" / "attack_inverting_gradients.yaml")
+    common = ["--config", config, "--attack.init_args.iterations=2", "--lpips=false", "--clients", "[0]", "--seed", "0"]
+    noise = '[{"class_path": "lightning_gp.callbacks.GaussianNoise", "init_args": {"scale": 1.0, "clip": 1e-4}}]'
+    attack_main([*common, "--defenses", noise, "--output_dir", str(tmp_path / "noise")])
+    bounded = json.loads((tmp_path / "noise" / "report.json").read_text())["rero"]
+    assert bounded["kappa"] <= bounded["eta"] <= 1.0 and "GaussianNoise" in bounded["mechanism"]
+    assert "ReRo bound: no attack succeeds on more than eta" in (tmp_path / "noise" / "report.md").read_text()
+    pruning = '[{"class_path": "lightning_gp.callbacks.TopKPruning", "init_args": {"rate": 0.5}}]'
+    attack_main([*common, "--defenses", pruning, "--output_dir", str(tmp_path / "pruned")])
+    unbounded = json.loads((tmp_path / "pruned" / "report.json").read_text())["rero"]
+    assert unbounded["eta"] is None and unbounded["reason"].startswith("no formal bound")
+    assert "no formal bound" in (tmp_path / "pruned" / "report.md").read_text()

@@ -3,7 +3,8 @@
 Runs FedSGD with the configured defense callbacks through round ``round``, taps the gradients
 ``clients`` shared in it (or loads tapped files given with ``tap_files``), attacks each from the
 server's view, and writes ``report.json``, ``report.md`` and ``reconstructions.png`` to
-``output_dir``. ``indices`` (training-set indices, one list per attacked client) or ``positions``
+``output_dir``. Beside the measured leaks the report states the defense's ReRo bound ``eta`` at the
+kappa of the leak rule on the attacked images (:mod:`lightning_gp.audit.bounds`), or "no formal bound". ``indices`` (training-set indices, one list per attacked client) or ``positions``
 (within each attacked client's partition) choose the images behind each attacked gradient.
 """
 
@@ -21,7 +22,19 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 from lightning_gp.attacks import GradientAttack
-from lightning_gp.audit import AttackResult, attack_record, mean_scores, tap_fedsgd_round, worst_case_report
+from lightning_gp.audit import (
+    AttackResult,
+    FormalBound,
+    LeakRule,
+    attack_record,
+    mean_scores,
+    prior_only_kappa,
+    setting_bound,
+    tap_fedsgd_round,
+    worst_case_report,
+)
+from lightning_gp.audit.catalog import DefenseSetting
+from lightning_gp.audit.setting_audit import reference_pixels
 from lightning_gp.cli.help import short_help
 from lightning_gp.cli.shapes import data_built_first, instantiate
 from lightning_gp.data import ImageClassificationDataModule
@@ -132,8 +145,15 @@ ONE_ATTACK = (
 
 
 def write_outputs(
-    results: list[AttackResult], output_dir: Path, attack: str, defenses: list[str], threat: str = "passive"
+    results: list[AttackResult],
+    output_dir: Path,
+    attack: str,
+    defenses: list[str],
+    threat: str = "passive",
+    bound: FormalBound | None = None,
 ) -> Path:
+    """Write ``report.json``, ``report.md`` and ``reconstructions.png``; ``bound``: the defense's ReRo
+    bound (:func:`formal_bound`; ``None``: not computed, said so)."""
     output_dir.mkdir(parents=True, exist_ok=True)
     means = mean_scores(results)
     flags = privacy_flags(means, PRIVACY_THRESHOLDS)
@@ -157,6 +177,7 @@ def write_outputs(
         "verdict_reasons": judged.verdict_reasons,
         "threat_model": threat,
         "baselines": {b.name: b.means for b in judged.baselines},
+        "rero": _bound_json(bound),
         "unavailable": unavailable,
         "clients": [
             {
@@ -188,6 +209,8 @@ def write_outputs(
             f"({'; '.join(judged.verdict_reasons)}). A blank guess scores PSNR "
             f"{judged.baseline('blank').means['psnr']:.2f} dB."
         ),
+        "",
+        bound.describe() if bound is not None else "ReRo bound: not computed.",
     ]
     for r in results:
         lines += [
@@ -202,6 +225,28 @@ def write_outputs(
     scores = [{"psnr": row.psnr, "ssim": row.ssim} for r in results for row in r.report.rows]
     save_reconstruction_grid(originals, reconstructed, output_dir / "reconstructions.png", scores=scores)
     return output_dir / "report.md"
+
+
+def formal_bound(config: Any, results: list[AttackResult]) -> FormalBound:
+    """The ReRo bound of the configured defenses at the kappa of the leak rule on the attacked images:
+    one clipped Gaussian mechanism (DPSGD, GaussianNoise with clip) has one; anything else says why not.
+    Tap files name their defenses but do not carry the objects: no bound is derived from them."""
+    if config.tap_files:
+        return FormalBound(None, "tap files name their defenses, not the mechanism objects a bound needs")
+    bound = setting_bound(DefenseSetting("configured", list(config.defenses)), config.model)
+    if bound.mechanism is None:
+        return bound
+    originals = torch.cat([r.pixels()[0] for r in results])
+    labels = torch.cat([r.record.targets.reshape(-1) for r in results if r.record.targets is not None])
+    return bound.at(prior_only_kappa(originals, reference_pixels(config.data), labels=labels, rule=LeakRule()))
+
+
+def _bound_json(bound: FormalBound | None) -> dict[str, Any]:
+    if bound is None:
+        return {"eta": None, "reason": "not computed"}
+    if bound.mechanism is None:
+        return {"eta": None, "reason": f"no formal bound ({bound.reason})"}
+    return {"eta": bound.eta, "kappa": bound.kappa, "mechanism": bound.mechanism.description}
 
 
 def recorded_defenses(results: list[AttackResult]) -> list[str]:
@@ -256,7 +301,8 @@ def main(argv: list[str] | None = None) -> list[AttackResult]:
     results = run(config)
     threat = "active" if callable(getattr(config.attack, "modify_model", None)) else "passive"
     defenses = recorded_defenses(results) if config.tap_files else [repr(d) for d in config.defenses]
-    report = write_outputs(results, Path(config.output_dir), type(config.attack).__name__, defenses, threat)
+    bound = formal_bound(config, results)
+    report = write_outputs(results, Path(config.output_dir), type(config.attack).__name__, defenses, threat, bound)
     print(report.read_text())
     print(f"written to {report.parent}/ (report.md, report.json, reconstructions.png)")
     return results
