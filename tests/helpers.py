@@ -8,6 +8,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -115,3 +116,16 @@ def quiet_trainer(**kwargs) -> L.Trainer:
     )
     defaults.update(kwargs)
     return L.Trainer(**defaults)
+
+
+def softmax_share_sample(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> torch.Tensor:
+    """PriPrune's Eq. 18 as written: a hard Gumbel-softmax sample over ``[not share, share]`` with
+    log-probabilities ``[log alpha, log(1 - alpha)]``, straight-through; the share entry. The
+    reference the library's sampler (a comparison and a sigmoid) is checked against."""
+    log_probs = torch.stack([F.logsigmoid(logits), F.logsigmoid(-logits)], dim=-1)
+    uniform = torch.rand(log_probs.shape, generator=generator, dtype=log_probs.dtype)
+    finfo = torch.finfo(log_probs.dtype)
+    gumbel = -torch.log(-torch.log(uniform.clamp(finfo.tiny, 1.0 - finfo.eps)))
+    soft = ((log_probs + gumbel) / temperature).softmax(dim=-1)
+    hard = F.one_hot(soft.argmax(dim=-1), 2).to(soft.dtype)
+    return (hard + (soft - soft.detach()))[..., 1]

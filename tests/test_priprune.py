@@ -117,7 +117,7 @@ def test_a_client_withholds_the_weight_with_the_large_gradient():
     per_unit = module.lambda_pri * 0.5 * g.abs().flatten() * 0.45 * 0.55
     module.mask_lr = float(abs(logit(0.45)) / per_unit.prod().sqrt())
     module.client_update(x, y, client_id=0, round=0, lr=0.1)
-    alpha = withhold_probability(module.clients[0]["logits"]["fc.weight"]).flatten()
+    alpha = withhold_probability(module.client_logits(0)["fc.weight"]).flatten()
     assert alpha[1] > 0.5 > alpha[0] > 0.45
     assert module.share_masks(0)["fc.weight"].flatten().tolist() == [True, False]
 
@@ -145,7 +145,7 @@ def test_pseudo_pruning_restores_the_withheld_weights_exactly():
     update, _ = module.client_update(x, y, client_id=1, round=0, lr=0.1)
     sent = module.global_weights()
     shared = {n: sent[n] - update[PREFIX + n] for n in sent}
-    withheld = module.clients[1]["withheld"]
+    withheld = module.client_withheld(1)
     masks = module.share_masks(1)
     for name, keep in masks.items():
         assert not (withheld[name][keep] != 0).any()  # shared and withheld are disjoint
@@ -259,7 +259,7 @@ def full_state(sim: FederatedSimulation) -> dict[str, torch.Tensor]:
     state.update({f"mask/{n}": m for n, m in (module.masks or {}).items()})
     state.update({f"frozen/{n}": f for n, f in module.frozen.items()})
     for client, parts in module.clients.items():
-        state.update({f"{client}/{part}/{n}": t for part, tensors in parts.items() for n, t in tensors.items()})
+        state.update({f"{client}/{part}": t for part, t in parts.items()})
     return state
 
 
@@ -286,7 +286,7 @@ def test_priprune_state_survives_checkpoint_and_resume_bit_exactly(tmp_path):
     ]
     module = resumed.module
     assert isinstance(module, PriPruneModule) and module.mask_round == 2 and len(module.clients) > 1
-    assert any(t.ne(0).any() for parts in module.clients.values() for t in parts["withheld"].values())
+    assert any(parts["withheld"].ne(0).any() for parts in module.clients.values())
 
     # the checkpoint belongs to 4 clients and the magnitude scheme
     with pytest.raises(ValueError, match="num_clients"):
@@ -328,6 +328,93 @@ def test_meter_counts_the_weights_clients_send_and_the_model_they_receive():
     assert upload < as_updates
     dense = sum(g.numel() * g.element_size() for g in records[0].gradients.values())
     assert meter.total_dense_bytes == 4 * dense and download < 4 * dense  # the model is sent pruned
+
+
+# ------------------------------------------------------------------ the client state in checkpoints (compact)
+def mlp() -> nn.Module:
+    """19,076 weights: large enough that a dense copy per client would dominate the checkpoint."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Flatten(), nn.Linear(144, 128), nn.Tanh(), nn.Linear(128, 4))
+
+
+def trained(rounds: int, **kwargs) -> tuple[FederatedSimulation, L.Trainer]:
+    L.seed_everything(0)
+    sim = simulation(PriPruneModule(mlp(), mask_lr=30.0, alpha_init=0.4, **kwargs), num_clients=6)
+    trainer = quiet_trainer(max_steps=rounds, num_sanity_val_steps=0, limit_val_batches=0)
+    trainer.fit(sim)
+    return sim, trainer
+
+
+CONTAINER_BYTES = 64 * 1024  # zip directory, pickled metadata and Lightning's own state: independent of the model
+PER_TENSOR_BYTES = 1024  # a zip record, its 64-byte alignment and its pickled reference
+
+
+def test_a_checkpoint_holds_logits_and_only_the_withheld_weights_of_the_clients_that_trained(tmp_path):
+    """Bytes <= model + base masks + frozen pruned values + sum over trained clients of 4 (N + withheld_c),
+    plus a container allowance: no dense copy of the model per client."""
+    rounds = 3
+    sim, trainer = trained(rounds)
+    trainer.save_checkpoint(tmp_path / "run.ckpt")
+    module = sim.module
+    assert isinstance(module, PriPruneModule) and module.masks is not None and sim._rounds is not None
+    n = sum(p.numel() for p in module.module.parameters())
+    sampled = {int(c) for r in range(rounds) for c in sim._rounds.sample_clients(r)}
+    assert set(module.clients) == sampled and len(sampled) < 6  # a client never sampled stores nothing
+    withheld = {c: int((~final_share_mask(s["logits"])).sum()) for c, s in module.clients.items()}
+    assert sum(withheld.values()) > 0
+
+    saved = torch.load(tmp_path / "run.ckpt", weights_only=False)["state_dict"]["module._extra_state"]
+    for client, state in saved["clients"].items():
+        assert state["logits"].shape == (n,) and state["withheld"].shape == (withheld[client],)
+        for t in state.values():  # each its own storage: torch.save writes a view's whole storage
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+    pruned = sum(int((~m).sum()) for m in module.masks.values())
+    mask_entries = sum(m.numel() for m in module.masks.values())
+    tensors = 2 * len(sampled) + 3 * len(module.masks) + len(list(module.module.parameters()))
+    bound = (
+        4 * n  # the global model
+        + mask_entries  # base masks, one byte per prunable weight
+        + 4 * pruned  # the pruned weights' last values
+        + sum(4 * (n + k) for k in withheld.values())  # per trained client: logits and withheld weights
+        + CONTAINER_BYTES
+        + PER_TENSOR_BYTES * tensors
+    )
+    size = (tmp_path / "run.ckpt").stat().st_size
+    assert size <= bound, (size, bound)
+
+
+def test_a_checkpoint_written_before_the_compact_format_resumes_to_the_same_state():
+    """Format 1 stored dense frozen weights and dense per-client logits and withheld weights by name."""
+    sim, _ = trained(2)
+    module = sim.module
+    assert isinstance(module, PriPruneModule) and module.masks is not None
+    state = module.get_extra_state()
+    like = module.global_weights()
+    old = dict(state, format="lightning_gp.PrunedFedAvg/1", frozen=dict(module.frozen))
+    old["clients"] = {
+        c: {"logits": module.client_logits(c), "withheld": module.client_withheld(c)} for c in module.clients
+    }
+    fresh = PriPruneModule(mlp(), mask_lr=30.0, alpha_init=0.4)
+    fresh.set_extra_state(old)
+    assert fresh.clients.keys() == module.clients.keys() and fresh.mask_round == module.mask_round
+    for c, parts in module.clients.items():
+        assert all(torch.equal(fresh.clients[c][part], t) for part, t in parts.items()), c
+    assert all(torch.equal(fresh.frozen[n], f) for n, f in module.frozen.items())
+    assert all(torch.equal(fresh.masks[n], m) for n, m in module.masks.items())
+    assert all(like[n].shape == t.shape for n, t in fresh.client_logits(next(iter(fresh.clients))).items())
+
+
+def test_client_state_of_another_model_size_is_refused():
+    sim, _ = trained(1)
+    state = sim.module.get_extra_state()
+    client = next(iter(state["clients"]))
+    state["clients"][client] = {**state["clients"][client], "withheld": torch.zeros(3)}
+    with pytest.raises(ValueError, match="does not match this model"):
+        PriPruneModule(mlp()).set_extra_state(state)
+    state["clients"][client] = {"logits": torch.zeros(10), "withheld": torch.zeros(0)}
+    with pytest.raises(ValueError, match="does not match this model"):
+        PriPruneModule(mlp()).set_extra_state(state)
 
 
 # ------------------------------------------------------------------ bad input

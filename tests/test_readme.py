@@ -9,10 +9,8 @@ only their size is capped, from outside, so the suite stays CI-sized:
   ``__init__`` caps ``max_steps`` at 2 (2 when not given), ``max_epochs`` at 1 when given, runs
   ``limit_val_batches`` / ``limit_test_batches`` = 1 on the CPU, and turns off the progress bar and
   checkpointing, and the logger unless the block passes one;
-- ``FederatedSimulation``, the name the blocks import, is from the block after its import on a
-  subclass (the class the package builds inside, e.g. in ``tap_fedsgd_round``, is untouched) that trains at most 2 clients per
-  round for at most 1 local step (the PriPrune block's 10 clients x 3 local steps of Conv2 cost
-  about 45 s a round on one thread; each of its clients still gets its own mask and update);
+- ``FederatedSimulation`` is not capped: its blocks run their clients and local steps as written
+  (the PriPrune block's 2 rounds of 10 clients x 3 local steps of LeNetZhu take well under a second);
 - ``lightning_gp.attacks.InvertingGradients`` is a subclass whose ``iterations`` is at most 5
   (the README's attack budgets are 2500; the blocks' other attacks are built, not run).
 
@@ -39,7 +37,6 @@ import lightning.pytorch
 import pytest
 
 import lightning_gp.attacks
-import lightning_gp.federated
 from lightning_gp.attacks import registry
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,11 +106,6 @@ class CappedInvertingGradients(lightning_gp.attacks.InvertingGradients):
         super().__init__(*args, iterations=min(iterations, 5), **kwargs)
 
 
-class CappedSimulation(lightning_gp.federated.FederatedSimulation):
-    def __init__(self, *args, clients_per_round: int = 10, local_steps: int = 1, **kwargs):
-        super().__init__(*args, clients_per_round=min(clients_per_round, 2), local_steps=min(local_steps, 1), **kwargs)
-
-
 def test_every_python_block_runs_as_written(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(lightning, "Trainer", CappedTrainer)
@@ -130,8 +122,6 @@ def test_every_python_block_runs_as_written(tmp_path, monkeypatch):
             continue
         try:
             exec(compile(code, f"README.md python block {number} ({section})", "exec"), namespace)
-            if namespace.get("FederatedSimulation") is lightning_gp.federated.FederatedSimulation:
-                namespace["FederatedSimulation"] = CappedSimulation  # for the blocks after this one
         except Exception as error:
             raise AssertionError(f"README python block {number} ({section}) failed:\n{code}") from error
     if not_run:

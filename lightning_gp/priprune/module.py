@@ -9,9 +9,11 @@ weights), local SGD on the pruned model, defense mask -> **shared weights** (as 
 (plain weighted FedAvg, or mask-aware) -> server step (SGD at lr 1 = FedAvg).
 
 Both modules implement :class:`~lightning_gp.federated.client_updates.ClientUpdateProvider`. The
-server state (base masks, the pruned weights' last values) and, for PriPrune, every client's mask
-logits and withheld weights are the module's extra state: saved in checkpoints, restored on
-resume, and never part of what a ``GradientTap`` records (the tap keeps tensors only).
+server state (base masks, the pruned weights' last values) and, for PriPrune, the mask logits and
+withheld weights of every client that has trained are the module's extra state: saved in
+checkpoints (compactly: the pruned weights' values, and per client its logits and the values of
+the weights it withholds, nothing that is zero by construction), restored bit-exactly on resume,
+and never part of what a ``GradientTap`` records (the tap keeps tensors only).
 """
 
 from __future__ import annotations
@@ -32,11 +34,10 @@ from lightning_gp.functional import LossFn, trainable_parameters
 from lightning_gp.named_tensors import flatten_named, unflatten_named
 from lightning_gp.priprune.mask import (
     final_share_mask,
+    gumbel_share_sample,
     layer_shares,
+    local_loss_logit_gradient,
     logit,
-    privacy_loss,
-    sample_share_mask,
-    withhold_probability,
 )
 from lightning_gp.priprune.schemes import (
     BasePruningScheme,
@@ -60,7 +61,8 @@ if TYPE_CHECKING:  # the attacks import this module (SGI is registered on Pruned
     from lightning_gp.attacks.view import ServerView
 
 PREFIX = "module."  # the client model's parameters are named module.<name> in these wrappers
-_FORMAT = "lightning_gp.PrunedFedAvg/1"
+_FORMAT = "lightning_gp.PrunedFedAvg/2"  # 2: frozen weights and PriPrune client state stored compactly
+_FORMATS = ("lightning_gp.PrunedFedAvg/1", _FORMAT)  # 1: dense frozen weights and client state, still read
 AGGREGATIONS = ("weighted", "mask_aware")
 
 
@@ -274,13 +276,14 @@ class PrunedFedAvgModule(pl.LightningModule):
             "num_clients": -1 if self.num_clients is None else self.num_clients,
             # references, as state_dict gives (the module replaces these tensors, never writes into them)
             "masks": {} if self.masks is None else dict(self.masks),
-            "frozen": dict(self.frozen),
+            # only the pruned positions: frozen is 0 wherever the base mask keeps the weight
+            "frozen": {n: f[~self.masks[n]] for n, f in self.frozen.items()} if self.masks else {},
             "mask_round": self.mask_round,
             "clients": self._client_states(),
         }
 
     def set_extra_state(self, state: Any) -> None:
-        if not isinstance(state, Mapping) or state.get("format") != _FORMAT:
+        if not isinstance(state, Mapping) or state.get("format") not in _FORMATS:
             raise ValueError(f"the checkpoint's pruned-FedAvg state is not a {_FORMAT} record")
         if state["kind"] != self.kind:
             raise ValueError(
@@ -309,7 +312,7 @@ class PrunedFedAvgModule(pl.LightningModule):
                 f"{sorted(self.prunable)}: a checkpoint of another model"
             )
         self.masks = {n: m.clone() for n, m in masks.items()} if masks else None
-        self.frozen = {n: f.clone() for n, f in state["frozen"].items()}
+        self.frozen = _load_frozen(state["frozen"], masks, compact=state["format"] == _FORMAT)
         self.mask_round = int(state["mask_round"])
         self._load_client_states(state["clients"])
 
@@ -320,6 +323,24 @@ class PrunedFedAvgModule(pl.LightningModule):
     def _load_client_states(self, clients: Mapping[int, Any]) -> None:
         if clients:
             raise ValueError("the checkpoint holds per-client state, which plain pruned FedAvg does not keep")
+
+
+def _load_frozen(saved: Mapping[str, Tensor], masks: Mapping[str, Tensor], compact: bool) -> dict[str, Tensor]:
+    """The server's frozen weights from a checkpoint: dense (format 1), or the values at the pruned
+    positions ``~mask`` in order (format 2), zero elsewhere."""
+    if not compact:
+        return {n: f.clone() for n, f in saved.items()}
+    frozen = {}
+    for name, values in saved.items():
+        pruned = ~masks[name] if name in masks else None
+        if pruned is None or values.shape != (int(pruned.sum()),):
+            raise ValueError(
+                f"the checkpoint's frozen weights of {name} do not match its base mask: a corrupted checkpoint"
+            )
+        frozen[name] = torch.zeros(pruned.shape, dtype=values.dtype, device=values.device).masked_scatter_(
+            pruned, values
+        )
+    return frozen
 
 
 def _client_count_error(saved: int, now: int) -> str:
@@ -348,6 +369,19 @@ class PriPruneModule(PrunedFedAvgModule):
        term in the mask's update only, so ``local_lr`` means what it means in plain pruned FedAvg);
     3. final mask ``m = [alpha < 0.5]``: the client sends ``w * m_base * m`` and keeps
        ``w * m_base * (1 - m)`` (Alg. 3 lines 12-14).
+
+    The sample is drawn as a comparison and a sigmoid (:func:`~lightning_gp.priprune.mask.gumbel_share_sample`,
+    the two-way softmax's sample exactly) and the logits' step is Eq. 16's gradient in closed form
+    (:func:`~lightning_gp.priprune.mask.local_loss_logit_gradient`), on the whole model as one vector.
+
+    State: a client that has trained keeps two flat tensors in the order of the model's trainable
+    parameters (:meth:`client_logits` and :meth:`client_withheld` give them by name): its logits,
+    one float per weight, and the values of the weights it withholds (where ``alpha >= 0.5``), in
+    order; where it shares, its start is the global weight, so nothing is kept there. A client never
+    sampled keeps nothing. The logits are stored dense: every local step moves every logit (the
+    ``lambda_sha`` term acts on all of them; after one round of LeNetZhu none is at its initial
+    value), so a checkpoint holds ``4 (N + withheld)`` bytes per client that has trained, ``N`` the
+    model's trainable weights (LeNetZhu: 54 KB; Conv2: 26 MB).
 
     Args (besides :class:`PrunedFedAvgModule`'s):
         lambda_acc, lambda_pri, lambda_sha: weights of Eq. 16 (default 5, 15, 2e-5: the paper's
@@ -401,102 +435,141 @@ class PriPruneModule(PrunedFedAvgModule):
         self.temperature = check_positive(temperature, "temperature")
         self.mask_lr = check_positive(mask_lr, "mask_lr")
         self.alpha_init = check_number(alpha_init, "alpha_init", low=0.0, high=1.0, low_open=True, high_open=True)
-        self.clients: dict[int, dict[str, dict[str, Tensor]]] = {}  # client -> {"logits", "withheld"} -> name -> tensor
+        self.clients: dict[int, dict[str, Tensor]] = {}  # client -> {"logits", "withheld"} -> flat tensor
         self.defense_rates: dict[int, float] = {}  # client -> fraction of its base-kept weights withheld last round
+
+    # ------------------------------------------------------------------ per-client state
+    # self.clients[c] = {"logits": [N], "withheld": the values at ~final_share_mask(logits), in order}
+    # (flat, in flatten_named order of the trainable parameters; see the class docstring)
+
+    def _flat_base_keep(self, like: Mapping[str, Tensor]) -> Tensor:
+        """The base keep-mask over all trainable weights as one boolean vector (True where not pruned)."""
+        masks = self.masks or {}
+        ones = {
+            n: masks[n] if n in masks else torch.ones(w.shape, dtype=torch.bool, device=w.device)
+            for n, w in like.items()
+        }
+        return flatten_named(ones).bool()
+
+    def _flat_start(self, client_id: int, like: Mapping[str, Tensor], base: Tensor) -> Tensor:
+        flat = flatten_named(like)  # a new tensor (torch.cat)
+        state = self.clients.get(client_id)
+        if state is not None:
+            flat.masked_scatter_(~final_share_mask(state["logits"]), state["withheld"])
+        return flat.masked_fill_(~base, 0.0)
 
     def client_start(self, client_id: int) -> dict[str, Tensor]:
         """Where client ``client_id`` starts its next round (pseudo-pruning merge, Sec. 5.2 ``w_init``):
         the global weight where it shared last round, its withheld weight where it did not."""
-        current = self.global_weights()
-        state = self.clients.get(client_id)
-        if state is None:
-            return self.pruned({n: w.clone() for n, w in current.items()})
-        merged = {
-            n: torch.where(final_share_mask(state["logits"][n]), w, state["withheld"][n]) for n, w in current.items()
-        }
-        return self.pruned(merged)
+        like = self.global_weights()
+        return unflatten_named(self._flat_start(client_id, like, self._flat_base_keep(like)), like)
 
     def initial_logits(self) -> dict[str, Tensor]:
         value = logit(self.alpha_init)
         return {n: torch.full_like(w, value) for n, w in self.global_weights().items()}
 
-    def _train_client(
-        self, client_id: int, round: int, global_weights: dict[str, Tensor], inputs: Tensor, targets: Tensor, lr: float
-    ) -> tuple[dict[str, Tensor], Tensor]:
-        state = self.clients.get(client_id)
-        like = self.client_start(client_id)
-        # the whole model as one vector: a few large tensor operations per step instead of many per layer
-        start = flatten_named(like)
-        logits = flatten_named(state["logits"] if state else self.initial_logits())
-        weights = start.clone()
-        shares = layer_shares(like)
-        losses = []
-        for step, (x, y) in enumerate(zip(inputs, targets)):
-            generator = seeded_generator(self.seed, client_id, round, step)
-            live = logits.requires_grad_(True)
-            with torch.enable_grad():
-                share = sample_share_mask(live, self.temperature, generator)
-                kept = share.detach()
-                mixed = (kept * weights + (1 - kept) * start).requires_grad_(True)
-                loss = self.loss_fn(functional_call(self.module, self.pruned(unflatten_named(mixed, like)), (x,)), y)
-                (grad,) = torch.autograd.grad(loss, mixed, allow_unused=True)
-                g = torch.zeros_like(mixed) if grad is None else grad.detach()
-                alphas = withhold_probability(live)
-                # dL_acc/dm = g * (w - w_start) through v = m w + (1 - m) w_start (chain rule, exact)
-                objective = (
-                    self.lambda_acc * (g * (weights - start) * share).sum()
-                    + self.lambda_pri * privacy_loss(g, alphas, shares)
-                    + self.lambda_sha * alphas.sum()
-                )
-                (logit_grad,) = torch.autograd.grad(objective, live)
-            # every weight steps on g = dL_acc/dv: a weight sampled as withheld is still trained locally
-            weights = weights - lr * g
-            logits = live.detach() - self.mask_lr * logit_grad
-            losses.append(loss.detach())
-        local = self.pruned(unflatten_named(weights, like))
-        final = {n: t.clone() for n, t in unflatten_named(logits, like).items()}
-        keep = {n: final_share_mask(t) for n, t in final.items()}
-        shared = {n: torch.where(keep[n], w, torch.zeros_like(w)) for n, w in local.items()}
-        withheld = {n: torch.where(keep[n], torch.zeros_like(w), w) for n, w in local.items()}
-        self.clients[client_id] = {"logits": final, "withheld": withheld}
-        self.defense_rates[client_id] = self._withheld_fraction(keep)
-        return shared, torch.stack(losses).mean()
+    def client_logits(self, client_id: int) -> dict[str, Tensor]:
+        """Client ``client_id``'s mask logits by parameter name (views of its state)."""
+        return unflatten_named(self._state(client_id)["logits"], self.global_weights())
 
-    def _withheld_fraction(self, keep: Mapping[str, Tensor]) -> float:
-        """The fraction of the base-kept weights the final mask withholds (PriPrune's adaptive defense rate)."""
-        masks = self.masks or {}
-        kept = {n: masks[n] if n in masks else torch.ones_like(k) for n, k in keep.items()}
-        total = sum(int(kept[n].sum()) for n in keep)
-        withheld = sum(int((kept[n] & ~keep[n]).sum()) for n in keep)
-        return withheld / total if total else 0.0
+    def client_withheld(self, client_id: int) -> dict[str, Tensor]:
+        """The weights client ``client_id`` kept back last round by parameter name, 0 where it shared."""
+        state = self._state(client_id)
+        withheld = torch.zeros_like(state["logits"]).masked_scatter_(
+            ~final_share_mask(state["logits"]), state["withheld"]
+        )
+        return unflatten_named(withheld, self.global_weights())
 
-    def share_masks(self, client_id: int) -> dict[str, Tensor]:
-        """Client ``client_id``'s current final mask ``[alpha < 0.5]`` times the base mask (True = sent)."""
+    def _state(self, client_id: int) -> dict[str, Tensor]:
         state = self.clients.get(client_id)
         if state is None:
             raise KeyError(f"client {client_id} has not trained yet: it has no defense mask")
-        masks = self.masks or {}
-        return {
-            n: final_share_mask(t) & masks[n] if n in masks else final_share_mask(t) for n, t in state["logits"].items()
-        }
+        return state
+
+    def _train_client(
+        self, client_id: int, round: int, global_weights: dict[str, Tensor], inputs: Tensor, targets: Tensor, lr: float
+    ) -> tuple[dict[str, Tensor], Tensor]:
+        like = global_weights
+        state = self.clients.get(client_id)
+        # the whole model as one vector: a few large tensor operations per step instead of many per layer
+        base = self._flat_base_keep(like)
+        start = self._flat_start(client_id, like, base)
+        logits = state["logits"] if state else flatten_named(self.initial_logits())
+        weights = start
+        shares = layer_shares(like)
+        losses = []
+        for step, (x, y) in enumerate(zip(inputs, targets)):
+            hard, z = gumbel_share_sample(logits, self.temperature, seeded_generator(self.seed, client_id, round, step))
+            # v = m w + (1 - m) w_start with m exactly 0 or 1 (a weight sampled as withheld keeps its start value)
+            mixed = torch.where(hard, weights, start)
+            # one leaf per layer (views of v): a gradient through slices of one leaf would be a full-size
+            # zero tensor per layer
+            live = {n: t.detach().requires_grad_(True) for n, t in unflatten_named(mixed, like).items()}
+            with torch.enable_grad():
+                loss = self.loss_fn(functional_call(self.module, live, (x,)), y)
+                grads = torch.autograd.grad(loss, list(live.values()), allow_unused=True)
+            # g = dL_acc/dv; the model sees w * m_base, so no gradient reaches a pruned weight
+            g = torch.cat([(torch.zeros_like(t) if d is None else d).reshape(-1) for t, d in zip(live.values(), grads)])
+            g.masked_fill_(~base, 0.0)
+            # Eq. 16's gradient in the logits (dL_acc/dm = g (w - w_start) through v, the chain rule)
+            logit_grad = local_loss_logit_gradient(
+                logits,
+                z,
+                g,
+                weights - start,
+                shares,
+                lambda_acc=self.lambda_acc,
+                lambda_pri=self.lambda_pri,
+                lambda_sha=self.lambda_sha,
+                temperature=self.temperature,
+            )
+            # every weight steps on g: a weight sampled as withheld is still trained locally
+            weights = weights - lr * g
+            logits = logits - self.mask_lr * logit_grad
+            losses.append(loss.detach())
+        keep = final_share_mask(logits)
+        self.clients[client_id] = {"logits": logits, "withheld": weights[~keep]}
+        kept = int(base.sum())
+        self.defense_rates[client_id] = int((base & ~keep).sum()) / kept if kept else 0.0
+        return unflatten_named(torch.where(keep, weights, 0.0), like), torch.stack(losses).mean()
+
+    def share_masks(self, client_id: int) -> dict[str, Tensor]:
+        """Client ``client_id``'s current final mask ``[alpha < 0.5]`` times the base mask (True = sent)."""
+        state = self._state(client_id)
+        like = self.global_weights()
+        sent = final_share_mask(state["logits"]) & self._flat_base_keep(like)
+        return unflatten_named(sent, like, dtype=torch.bool)
 
     def _client_states(self) -> dict[int, Any]:
-        return {
-            client: {part: dict(tensors) for part, tensors in state.items()} for client, state in self.clients.items()
-        }
+        # references, as state_dict gives (training replaces a client's tensors, never writes into them)
+        return {client: dict(state) for client, state in self.clients.items()}
 
     def _load_client_states(self, clients: Mapping[int, Any]) -> None:
-        names = set(trainable_parameters(self.module))
+        like = self.global_weights()
+        size = sum(w.numel() for w in like.values())
+        loaded = {}
         for client, state in clients.items():
-            if set(state) != {"logits", "withheld"} or set(state["logits"]) != names:
+            if set(state) != {"logits", "withheld"}:
                 raise ValueError(
-                    f"client {client}'s saved PriPrune state does not match this model (layers "
-                    f"{sorted(state.get('logits', {}))} vs {sorted(names)})"
+                    f"client {client}'s saved PriPrune state has parts {sorted(state)}, not logits and withheld"
                 )
-        self.clients = {
-            int(client): {part: {n: t.clone() for n, t in tensors.items()} for part, tensors in state.items()}
-            for client, state in clients.items()
-        }
+            logits, withheld = state["logits"], state["withheld"]
+            if isinstance(logits, Mapping):  # format 1: dense tensors by parameter name
+                if set(logits) != set(like) or set(withheld) != set(like):
+                    raise ValueError(
+                        f"client {client}'s saved PriPrune state does not match this model (layers "
+                        f"{sorted(logits)} vs {sorted(like)})"
+                    )
+                logits = flatten_named({n: logits[n] for n in like})
+                withheld = flatten_named({n: withheld[n] for n in like})[~final_share_mask(logits)]
+            withholds = int((~final_share_mask(logits)).sum()) if logits.numel() == size else -1
+            if logits.ndim != 1 or logits.numel() != size or withheld.shape != (withholds,):
+                raise ValueError(
+                    f"client {client}'s saved PriPrune state does not match this model: {logits.numel()} logits and "
+                    f"{withheld.numel()} withheld weights, for a model of {size} trainable weights"
+                )
+            loaded[int(client)] = {"logits": logits.clone(), "withheld": withheld.clone()}
+        self.clients = loaded
         self.defense_rates = {}
 
 
