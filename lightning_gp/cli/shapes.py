@@ -71,15 +71,14 @@ def fill_shape_arguments(spec: Any, values: dict[str, Any], key: str = "model") 
 def data_built_first(config: Namespace, instantiate_data: Callable[[Namespace], Any]) -> Iterator[str | None]:
     """Build the datamodule of ``config`` (its ``data`` section, else a ``FederatedSimulation``'s
     ``model.init_args.datamodule``) with ``instantiate_data``, fill the model's shape arguments from
-    it, and yield a line saying what changed (None when nothing did). While open, the built datamodule stands in the config in
-    place of its spec (so it is built once); the spec is put back on exit, for the saved config."""
-    for section, holder in (("data", config), ("datamodule", _init_args(config.get("model")))):
-        spec = None if holder is None else holder.get(section)
-        if isinstance(spec, Namespace) and isinstance(spec.get("class_path"), str):
-            break
-    else:
+    it, and yield a line saying what changed (None when nothing did). While open, the built
+    datamodule stands in the config in place of its spec (so it is built once); the spec is put
+    back on exit, for the saved config."""
+    found = _data_spec(config)
+    if found is None:
         yield None
         return
+    holder, section, spec = found
     datamodule = instantiate_data(spec)
     values = data_shape_arguments(datamodule)
     changed = [] if values is None else fill_shape_arguments(config.get("model"), values)
@@ -99,6 +98,15 @@ def _describe(changed: list[tuple[str, str, Any]], data: str) -> str:
     keys = dict.fromkeys(key for key, _, _ in changed)
     parts = [f"{key}: " + ", ".join(f"{n}={v}" for k, n, v in changed if k == key) for key in keys]
     return f"shape arguments from {data} (the model's defaults do not fit it): {'; '.join(parts)}"
+
+
+def _data_spec(config: Namespace) -> tuple[Namespace, str, Namespace] | None:
+    """``(holder, key, spec)`` of the config's datamodule spec: ``data``, else the model's ``datamodule``."""
+    for section, holder in (("data", config), ("datamodule", _init_args(config.get("model")))):
+        spec = None if holder is None else holder.get(section)
+        if holder is not None and isinstance(spec, Namespace) and isinstance(spec.get("class_path"), str):
+            return holder, section, spec
+    return None
 
 
 def _init_args(spec: Any) -> Namespace | None:
