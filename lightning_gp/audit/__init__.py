@@ -23,6 +23,7 @@ worst case per threat model -> verdict with its reasons.
 from lightning_gp.audit.callback import AuditResult, PrivacyAudit
 from lightning_gp.audit.catalog import CatalogEntry, DefenseSetting, defense_catalog, register_defense
 from lightning_gp.audit.engine import AttackResult, attack_record, attacker_loss, mean_scores
+from lightning_gp.audit.learned import learned_inversion_attacks, setting_simulator, simulation_refusal
 from lightning_gp.audit.quiet import internal_trainer, library_noise_silenced, quiet_lightning
 from lightning_gp.audit.rounds import malicious_server_model, tap_defended_round, tap_fedsgd_round
 from lightning_gp.audit.setting_audit import (
@@ -72,12 +73,15 @@ __all__ = [
     "audit_setting",
     "defense_catalog",
     "internal_trainer",
+    "learned_inversion_attacks",
     "library_noise_silenced",
     "malicious_server_model",
     "mean_scores",
     "published_attacks",
     "quiet_lightning",
     "register_defense",
+    "setting_simulator",
+    "simulation_refusal",
     "tap_defended_round",
     "tap_fedsgd_round",
     "train_setting",
