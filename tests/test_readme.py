@@ -45,7 +45,7 @@ from lightning_gp.attacks import registry
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 
-PYTHON_BLOCKS = 12
+PYTHON_BLOCKS = 13
 BASH_BLOCKS = 6
 
 pytestmark = pytest.mark.usefixtures("one_thread")
