@@ -147,10 +147,12 @@ class InverterNetwork(nn.Module):
 
 @dataclass
 class TrainingCost:
-    """What training an inverter cost: wall seconds (simulating the defense, then fitting), the
-    training and validation pairs, the epochs run, the best validation MSE (pixels) and why it stopped."""
+    """What training an inverter cost: wall seconds (simulating the defense, then fitting) and the
+    process's CPU seconds (all its threads; the honest figure on a shared machine), the training and
+    validation pairs, the epochs run, the best validation MSE (pixels) and why it stopped."""
 
     seconds: float
+    cpu_seconds: float
     simulation_seconds: float
     samples: int
     validation_samples: int
@@ -360,7 +362,7 @@ class LearnedInversion(GradientAttack):
     # ------------------------------------------------------------------------------ training
     def train(self, view: ServerView) -> TrainedInverter:
         """Simulate the defense on the public images at ``view``'s model and fit the network."""
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         cfg = self.config
         batch_size = view.batch_size
         images = self.public_images.to(view.device)
@@ -427,6 +429,7 @@ class LearnedInversion(GradientAttack):
         network.eval()
         cost = TrainingCost(
             seconds=time.perf_counter() - start,
+            cpu_seconds=time.process_time() - cpu_start,
             simulation_seconds=simulation_seconds,
             samples=int(train_x.shape[0]),
             validation_samples=int(val_x.shape[0]),

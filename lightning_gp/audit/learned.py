@@ -74,10 +74,14 @@ def simulation_refusal(setting: DefenseSetting) -> str | None:
     return None
 
 
-def _reseeded(callbacks: list[Any], seed: int) -> list[Any]:
-    """Fresh copies of ``callbacks`` whose defenses draw from streams seeded by ``seed``."""
+def _reseeded(callbacks: list[Any], seed: int, loss_fn: nn.Module) -> list[Any]:
+    """Fresh copies of ``callbacks`` whose defenses draw from streams seeded by ``seed``; a callback
+    that takes the client's loss at fit start (GradDefense's root-set sensitivity) gets ``loss_fn``,
+    the loss the simulation's clients train with."""
     copies = [copy.deepcopy(cb) for cb in callbacks]
     for index, stage in enumerate(copies):
+        if hasattr(stage, "loss_fn") and stage.loss_fn is None:
+            stage.loss_fn = loss_fn
         defense = getattr(stage, "defense", None)
         if defense is not None and hasattr(defense, "reset"):
             defense.reset()
@@ -114,7 +118,7 @@ def setting_simulator(
         for group, start in enumerate(range(0, images.shape[0], num_clients)):
             xs, ys = images[start : start + num_clients], labels[start : start + num_clients]
             clients = list(range(xs.shape[0]))
-            pipeline = SharedGradientPipeline(_reseeded(setting.callbacks, seed + group), [])
+            pipeline = SharedGradientPipeline(_reseeded(setting.callbacks, seed + group, loss), [])
             pipeline.bind(ClientSetup(len(clients), model, shapes), runner)
             grads, _ = client_gradients(model, loss, xs, ys, vectorize=vectorize)
             local = {c: {n: g[c] for n, g in grads.items()} for c in clients}
@@ -157,6 +161,10 @@ def learned_inversion_attacks(
     if simulation_refusal(setting) is not None:
         return []
     check_positive_int(public_size, "public_size")
+    for callback in setting.callbacks:  # a defense built on public data (GradDefense's root set) takes it here
+        resolve = getattr(callback, "resolve_root_set", None)
+        if callable(resolve):
+            resolve(datamodule)
     images = public_batch(datamodule, public_size)
     labels = _public_labels(datamodule, public_size)
     simulate = setting_simulator(setting, num_clients=num_clients)

@@ -463,7 +463,8 @@ def _training_summary(cost: dict[str, Any]) -> str:
     if not cost:
         return "cost not recorded"
     return (
-        f"trained in {cost['seconds']:.0f} s ({cost['simulation_seconds']:.0f} s simulating the defense), "
+        f"trained in {cost['seconds']:.0f} s ({cost['cpu_seconds']:.0f} CPU s; {cost['simulation_seconds']:.0f} s "
+        "simulating the defense), "
         f"{cost['samples']} training pairs, {cost['epochs']} epochs, validation MSE {cost['validation_mse']:.4f}, "
         f"{cost['stopped']}"
     )
