@@ -21,6 +21,7 @@ from lightning_gp.attacks import (
 from lightning_gp.audit import (
     AttackBudget,
     DefenseSetting,
+    audit_setting,
     defense_catalog,
     learned_inversion_attacks,
     setting_simulator,
@@ -252,3 +253,25 @@ def test_bad_arguments_name_the_argument(data):
     few = LearnedInversion(simulate, images[:2], labels[:2], defense_key="u", cache=InverterCache())
     with pytest.raises(ValueError, match="too few"):
         few.reconstruct(_view(model, image, torch.as_tensor(label), data))
+
+
+def test_the_audit_runs_the_learned_inverter_and_logs_its_training_cost(one_thread):
+    datamodule = _marked_datamodule()
+    setting = defense_catalog(["GaussianNoise"])[0].build(0, 1)
+    budget = AttackBudget(ig_iterations=2, lbfgs_iterations=1, learned_inversion=True, learned_max_epochs=1)
+    lines: list[str] = []
+    torch.manual_seed(0)
+    audit = audit_setting(
+        setting, LeNetZhu(), datamodule, indices=[[0], [1]], published=[], budget=budget, log=lines.append
+    )
+    learned = audit.cell("adaptive:LearnedInversion")
+    refined = audit.cell("adaptive:RefinedLearnedInversion")
+    assert learned.status == "ok" and refined.status == "ok"
+    assert learned.means["psnr"] is not None
+    cost_lines = [
+        line for line in lines if "LearnedInversion on GaussianNoise" in line and "inverter trained in" in line
+    ]
+    assert len(cost_lines) == 2 and "training pairs, 1 epochs" in cost_lines[0]
+    # both clients were attacked by the one inverter, trained once
+    keys = {r.reconstruction.meta["inverter_key"] for r in audit.results["adaptive:LearnedInversion"]}
+    assert len(keys) == 1 and len(audit.results["adaptive:LearnedInversion"]) == 2
