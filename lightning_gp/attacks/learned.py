@@ -55,7 +55,7 @@ from lightning_gp.attacks.optimization import InvertingGradients, known_or_recov
 from lightning_gp.attacks.view import ServerView
 from lightning_gp.normalization import normalize
 from lightning_gp.seeding import seeded_generator
-from lightning_gp.validation import check_positive_int
+from lightning_gp.validation import check_positive, check_positive_int
 
 #: ``simulate(model, images, labels, seed) -> defended gradients``: ``images`` ``[N, B, C, H, W]``
 #: (normalised), ``labels`` ``[N, B]``; returns ``{name: [N, *param.shape]}``, what ``N`` fresh
@@ -274,8 +274,7 @@ class InverterConfig:
             check_positive_int(getattr(self, name), name)
         if not isinstance(self.val_fraction, float) or not 0 < self.val_fraction < 1:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
-        if not (isinstance(self.lr, (int, float)) and self.lr > 0):
-            raise ValueError(f"lr must be > 0, got {self.lr!r}")
+        check_positive(self.lr, "lr")
 
 
 class LearnedInversion(GradientAttack):
@@ -490,9 +489,7 @@ class RefinedLearnedInversion(LearnedInversion):
             raise TypeError(f"matching must be an InvertingGradients attack or None, got {type(matching).__name__}")
         self.matching = InvertingGradients() if matching is None else matching
         self.refine_iterations = check_positive_int(refine_iterations, "refine_iterations")
-        if not (isinstance(lr, (int, float)) and lr > 0):
-            raise ValueError(f"lr must be > 0, got {lr!r}")
-        self.refine_lr = float(lr)
+        self.refine_lr = check_positive(lr, "lr")
 
     def reconstruct(self, view: ServerView) -> Reconstruction:
         learned = super().reconstruct(view)
