@@ -190,9 +190,14 @@ def main() -> None:
         )
     preamble = (
         f"LeNetZhu at initialisation, FedSGD round 0, {args.images} clients x 1 image of {dataset_name} "
-        f"(training indices {[i[0] for i in indices]}, drawn with seed {args.seed}); published attacks "
-        f"{args.attacks} (L-BFGS {args.lbfgs_iterations} iterations), the setting's adaptive attacks (Adam "
-        f"{args.ig_iterations} iterations, L-BFGS {args.lbfgs_iterations} x 4 restarts), the learned inverter "
+        f"(training indices {[i[0] for i in indices]}, drawn with seed {args.seed}); "
+        + (
+            ""
+            if args.learned_only
+            else f"published attacks {args.attacks} (L-BFGS {args.lbfgs_iterations} iterations), the setting's "
+            f"adaptive attacks (Adam {args.ig_iterations} iterations, L-BFGS {args.lbfgs_iterations} x 4 restarts), "
+        )
+        + "the learned inverter "
         f"(trained on the test split, at most {args.max_epochs} epochs, stops when its validation loss has not "
         "improved for 4 epochs) and the same refined by 200 Adam steps of the setting's defense-aware Inverting "
         "Gradients objective (the published one where the setting has none)"
