@@ -12,7 +12,7 @@ run (their Sec. 4.3, "LTI + optimisation"): :class:`RefinedLearnedInversion`.
 Design choices, stated:
 
 - **Input feature** (:class:`GradientSketch`): the defended gradient, each layer divided by its
-  root-mean-square over the training pairs (so a layer with small gradients is not drowned),
+  root-mean-square over a first draw of training pairs (so a layer with small gradients is not drowned),
   flattened and compressed by a fixed, seeded count sketch to ``feature_dim`` numbers when the
   model has more parameters (Wu et al. compress large models' gradients the same way; a count
   sketch preserves inner products in expectation and costs one pass over the gradient). LeNetZhu
@@ -45,7 +45,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import Tensor, nn
@@ -239,6 +239,9 @@ class InverterCache:
         return saved["inverter"] if saved.get("key") == repr(key) else None
 
 
+#: training pairs drawn (a stream of their own) to set the sketch's per-layer scales
+SCALE_PAIRS = 256
+
 #: the cache every :class:`LearnedInversion` uses unless given its own
 DEFAULT_CACHE = InverterCache()
 
@@ -383,12 +386,14 @@ class LearnedInversion(GradientAttack):
         train_batches = self._batches(train_idx, batch_size, cfg.passes, generator)
         val_batches = self._batches(val_idx, batch_size, 1, generator)
         sim_start = time.perf_counter()
-        train_grads = self._simulate(model, images, labels, train_batches, stream=1)
-        val_grads = self._simulate(model, images, labels, val_batches, stream=2)
-        sketch = GradientSketch({n: g.shape[1:] for n, g in train_grads.items()}, cfg.feature_dim, self.seed)
-        sketch.fit_scales(train_grads)
-        train_x, val_x = sketch(train_grads), sketch(val_grads)
-        del train_grads, val_grads
+        # the layer scales from a first draw of training batches (a stream of their own), then every
+        # pair is sketched as soon as it is simulated: memory grows with the sketch, not the model
+        scale_grads = self._simulate(model, images, labels, train_batches[:SCALE_PAIRS], stream=0)
+        sketch = GradientSketch({n: g.shape[1:] for n, g in scale_grads.items()}, cfg.feature_dim, self.seed)
+        sketch.fit_scales(scale_grads)
+        del scale_grads
+        train_x = self._simulate(model, images, labels, train_batches, stream=1, sketch=sketch)
+        val_x = self._simulate(model, images, labels, val_batches, stream=2, sketch=sketch)
         simulation_seconds = time.perf_counter() - sim_start
         train_y = _sorted_targets(images, labels, train_batches)
         val_y = _sorted_targets(images, labels, val_batches)
@@ -448,18 +453,40 @@ class LearnedInversion(GradientAttack):
             rows.append(shuffled[:usable].reshape(-1, batch_size))
         return torch.cat(rows)
 
+    @overload
     def _simulate(
-        self, model: nn.Module, images: Tensor, labels: Tensor, batches: Tensor, *, stream: int
-    ) -> dict[str, Tensor]:
-        """The defended gradients of the clients holding ``batches``, ``simulate_chunk`` at a time,
-        each chunk with its own seed drawn from the attack's seed (never a client's stream)."""
+        self, model: nn.Module, images: Tensor, labels: Tensor, batches: Tensor, *, stream: int, sketch: None = None
+    ) -> dict[str, Tensor]: ...
+    @overload
+    def _simulate(
+        self, model: nn.Module, images: Tensor, labels: Tensor, batches: Tensor, *, stream: int, sketch: GradientSketch
+    ) -> Tensor: ...
+    def _simulate(
+        self,
+        model: nn.Module,
+        images: Tensor,
+        labels: Tensor,
+        batches: Tensor,
+        *,
+        stream: int,
+        sketch: GradientSketch | None = None,
+    ) -> dict[str, Tensor] | Tensor:
+        """The defended gradients of the clients holding ``batches`` (stacked), or with ``sketch``
+        their sketches ``[N, dim]``; ``simulate_chunk`` clients at a time, each chunk with its own
+        seed drawn from the attack's seed and ``stream`` (never a client's stream)."""
         chunk = self.config.simulate_chunk
         parts: list[dict[str, Tensor]] = []
+        features: list[Tensor] = []
         for start in range(0, batches.shape[0], chunk):
             rows = batches[start : start + chunk]
             seed = int(seeded_generator(self.seed, 0x51A, stream, start).initial_seed() % (2**62))
-            out = self.simulate(model, images[rows], labels[rows], seed)
-            parts.append({n: g.detach() for n, g in out.items()})
+            out = {n: g.detach() for n, g in self.simulate(model, images[rows], labels[rows], seed).items()}
+            if sketch is None:
+                parts.append(out)
+            else:
+                features.append(sketch(out))
+        if sketch is not None:
+            return torch.cat(features)
         return {n: torch.cat([p[n] for p in parts]) for n in parts[0]}
 
 
