@@ -567,6 +567,11 @@ def main() -> None:
         action="store_true",
         help="audit only: no accuracy/bytes columns (they depend on the defenses, not on the audit)",
     )
+    parser.add_argument(
+        "--learned-inversion",
+        action="store_true",
+        help="also run the learned inverter and its refined variant (trains one network per setting)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2, help="torch threads per process")
     parser.add_argument(
@@ -590,6 +595,8 @@ def main() -> None:
         ig_iterations=args.ig_iterations or (40 if quick else 1000),
         lbfgs_iterations=args.lbfgs_iterations or (4 if quick else 100),
         rtf_bins=16 if quick else 64,
+        learned_inversion=args.learned_inversion,
+        learned_max_epochs=2 if quick else 60,
     )
     rounds = args.rounds or (10 if quick else 200)
     for flag, value in (("--images", images), ("--rounds", rounds)):

@@ -42,7 +42,7 @@ from lightning_gp.attacks import registry
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 
-PYTHON_BLOCKS = 14
+PYTHON_BLOCKS = 15
 BASH_BLOCKS = 6
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -31,6 +31,12 @@ from lightning_gp.attacks.gradient_matching import (
     total_variation,
 )
 from lightning_gp.attacks.labels import classification_layer, recover_labels
+from lightning_gp.attacks.learned import (
+    InverterCache,
+    InverterConfig,
+    LearnedInversion,
+    RefinedLearnedInversion,
+)
 from lightning_gp.attacks.optimization import DLG, IDLG, GradInversion, InvertingGradients, optimize_images
 from lightning_gp.attacks.perturbation_aware import graddefense_knowledge, outpost_knowledge
 from lightning_gp.attacks.precode_aware import PRECODEAwareInversion, find_precode, recover_features
@@ -77,10 +83,14 @@ __all__ = [
     "GradientAttack",
     "ImprintBlock",
     "ImprintedModel",
+    "InverterCache",
+    "InverterConfig",
     "InvertingGradients",
+    "LearnedInversion",
     "PRECODEAwareInversion",
     "PublishedAttack",
     "Reconstruction",
+    "RefinedLearnedInversion",
     "RefinerAwareInversion",
     "RobbingTheFed",
     "ServerView",

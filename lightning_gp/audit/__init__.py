@@ -29,6 +29,7 @@ from lightning_gp.audit.callback import AuditResult, PrivacyAudit
 from lightning_gp.audit.catalog import CatalogEntry, DefenseSetting, defense_catalog, register_defense
 from lightning_gp.audit.engine import AttackResult, attack_record, attacker_loss, mean_scores
 from lightning_gp.audit.figure import save_audit_figure
+from lightning_gp.audit.learned import learned_inversion_attacks, setting_simulator, simulation_refusal
 from lightning_gp.audit.quiet import internal_trainer, library_noise_silenced, quiet_lightning
 from lightning_gp.audit.rounds import aggregate_record, malicious_server_model, tap_defended_round, tap_fedsgd_round
 from lightning_gp.audit.setting_audit import (
@@ -86,6 +87,7 @@ __all__ = [
     "defense_catalog",
     "defense_mechanism",
     "internal_trainer",
+    "learned_inversion_attacks",
     "library_noise_silenced",
     "malicious_server_model",
     "mean_scores",
@@ -95,6 +97,8 @@ __all__ = [
     "register_defense",
     "save_audit_figure",
     "setting_bound",
+    "setting_simulator",
+    "simulation_refusal",
     "summary_markdown",
     "tap_defended_round",
     "tap_fedsgd_round",

@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from lightning_gp.attacks import (
     AttackNotApplicable,
     GradientAttack,
+    InverterConfig,
     PublishedAttack,
     Reconstruction,
     ServerView,
@@ -51,12 +52,13 @@ from lightning_gp.attacks import (
 from lightning_gp.audit.bounds import FormalBound, prior_only_kappa, setting_bound
 from lightning_gp.audit.catalog import DefenseSetting
 from lightning_gp.audit.engine import AttackResult, attack_record, attacker_loss
+from lightning_gp.audit.learned import learned_inversion_attacks, simulation_refusal
 from lightning_gp.audit.rounds import aggregate_record, public_batch, tap_defended_round
 from lightning_gp.audit.verdict import BaselineScores, LeakRule, WorstCaseReport, trivial_baselines, worst_case_report
 from lightning_gp.federated import ClientLevelDP
 from lightning_gp.metrics import ReconstructionReport, concatenate_reports, reconstruction_report
 from lightning_gp.records import TappedGradient
-from lightning_gp.validation import check_positive_int
+from lightning_gp.validation import check_bool, check_positive_int
 
 AttackKind = Literal["published", "adaptive"]
 CellStatus = Literal["ok", "n/a", "fallback", "error"]
@@ -73,16 +75,24 @@ class AttackBudget:
         lbfgs_iterations: outer L-BFGS steps of DLG, iDLG and the adaptive L-BFGS attack.
         adaptive_restarts: restarts of the adaptive Adam attack (the adaptive L-BFGS keeps >= 4).
         rtf_bins: bins of Robbing the Fed's imprint block.
+        learned_inversion: also run the learned inverter and its refined variant
+            (:func:`~lightning_gp.audit.learned.learned_inversion_attacks`) on every setting the
+            server can replay, the undefended one included; off by default (it trains a network
+            per setting, minutes on a CPU).
+        learned_max_epochs: cap on the learned inverter's epochs (it stops earlier on convergence).
     """
 
     ig_iterations: int = 1000
     lbfgs_iterations: int = 100
     adaptive_restarts: int = 1
     rtf_bins: int = 64
+    learned_inversion: bool = False
+    learned_max_epochs: int = 60
 
     def __post_init__(self) -> None:
-        for name in ("ig_iterations", "lbfgs_iterations", "adaptive_restarts", "rtf_bins"):
+        for name in ("ig_iterations", "lbfgs_iterations", "adaptive_restarts", "rtf_bins", "learned_max_epochs"):
             check_positive_int(getattr(self, name), name)
+        check_bool(self.learned_inversion, "learned_inversion")
 
 
 @dataclass(frozen=True)
@@ -437,6 +447,7 @@ def audit_setting(
     for spec in published:
         run(spec.name, spec.kind, [spec.build(seed + c, sent_model) for c in range(len(indices))])
     gaps: list[str] = []
+    per_client: list[list[GradientAttack]] = []
     if adaptive and not setting.undefended:
         per_client = [
             setting.adaptive_attacks(
@@ -455,6 +466,13 @@ def audit_setting(
             run(f"adaptive:{type(per_client[0][k]).__name__}", "adaptive", [a[k] for a in per_client])
     elif not setting.undefended:
         gaps.append("the adaptive attacks were not run (adaptive=False)")
+    if adaptive and budget.learned_inversion:
+        for attack in _learned_attacks(setting, datamodule, budget, per_client[0] if per_client else [], seed, log):
+            run(f"adaptive:{type(attack).__name__}", "adaptive", [attack] * len(indices))
+        for name in ("adaptive:LearnedInversion", "adaptive:RefinedLearnedInversion"):
+            if name in results:
+                cost = results[name][0].reconstruction.meta.get("training", {})
+                log(f"   {name} on {setting.name}: inverter {_training_summary(cost)}")
     judged = {threat: _judge(threat, cells, results, rule, gaps, reference) for threat in THREAT_MODELS}
     bound = _formal_bound(setting, model, passive_records, results, reference, rule)
     audit = SettingAudit(setting.name, cells, judged["passive"], judged["active"], results, bound)
@@ -550,6 +568,35 @@ def _formal_bound(
         return bound
     labels = torch.cat([r.targets.reshape(-1) for r in records if r.targets is not None])
     return bound.at(prior_only_kappa(originals, reference, labels=labels, rule=rule))
+
+
+def _learned_attacks(
+    setting: DefenseSetting,
+    datamodule: Any,
+    budget: AttackBudget,
+    adaptive: list[GradientAttack],
+    seed: int,
+    log: Callable[[str], None],
+) -> list[GradientAttack]:
+    """The learned inverter and its refined variant of ``setting`` (one object each for every
+    client: the inverter is trained once, with the audit's seed), or none with the reason logged."""
+    refusal = simulation_refusal(setting)
+    if refusal is not None:
+        log(f"   LearnedInversion not run on {setting.name}: {refusal}")
+        return []
+    config = InverterConfig(max_epochs=budget.learned_max_epochs)
+    return learned_inversion_attacks(setting, datamodule, adaptive=adaptive, config=config, seed=seed)
+
+
+def _training_summary(cost: dict[str, Any]) -> str:
+    if not cost:
+        return "cost not recorded"
+    return (
+        f"trained in {cost['seconds']:.0f} s ({cost['cpu_seconds']:.0f} CPU s; {cost['simulation_seconds']:.0f} s "
+        "simulating the defense), "
+        f"{cost['samples']} training pairs, {cost['epochs']} epochs, validation MSE {cost['validation_mse']:.4f}, "
+        f"{cost['stopped']}"
+    )
 
 
 def _judge(

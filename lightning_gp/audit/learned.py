@@ -1,0 +1,179 @@
+"""The server simulates a setting's clients to train the learned inverter
+(:class:`~lightning_gp.attacks.learned.LearnedInversion`, Wu et al., UAI 2023).
+
+:func:`setting_simulator` runs a :class:`~lightning_gp.audit.catalog.DefenseSetting`'s defense
+exactly as its clients run it: fresh copies of the setting's own callbacks, in a
+:class:`~lightning_gp.pipeline.SharedGradientPipeline` that is given every client's batch
+(as :class:`~lightning_gp.federated.FederatedSimulation` gives it), fed the clients' FedSGD
+gradients (:func:`~lightning_gp.federated.client_updates.client_gradients`, the simulation's own
+client step), one round of ``num_clients`` fresh clients at a time (a defense that prepares its
+rounds from every client, ADGP, sees a round of the size the clients run). Every round's copies
+are reseeded from the attack's seed, so the simulated randomness is a stream of the server's own.
+
+Settings whose transform the server cannot run this way (:func:`simulation_refusal` says why):
+
+- a wrapping module (Refiner, ATS, PriPrune): the client's step is the module's own training step
+  (Refiner optimises robust data per batch, which costs the defense's own optimisation per training
+  pair; PriPrune shares FedAvg weights; ATS's augmented step runs in the module), not a gradient
+  pipeline the server can replay from the callbacks;
+- the plain-Trainer runner (DP-SGD through Opacus): the clip and the noise happen inside Opacus's
+  optimizer step, not in pipeline stages (the noise-aware attacks model DP-SGD instead).
+
+A changed architecture (PRECODE) is simulated: the server sends that model, so the clients'
+gradient is the plain gradient of the model in the view, its sampling included.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_gp.attacks import GradientAttack, InvertingGradients
+from lightning_gp.attacks.learned import (
+    DefenseSimulator,
+    InverterCache,
+    InverterConfig,
+    LearnedInversion,
+    RefinedLearnedInversion,
+)
+from lightning_gp.audit.catalog import DefenseSetting
+from lightning_gp.audit.rounds import public_batch
+from lightning_gp.defenses.base import share_in_process
+from lightning_gp.federated.client_updates import client_gradients
+from lightning_gp.functional import trainable_parameters, updates_running_stats
+from lightning_gp.pipeline import ClientSetup, ClientStepRunner, DefenseStage, SharedGradientPipeline, StageCall
+from lightning_gp.seeding import seeded_generator
+from lightning_gp.validation import check_positive_int
+
+
+class _ServerSimulatedClients(ClientStepRunner):
+    """The runner the server plays when it replays a setting's clients: it hands every client's
+    batch to the stages (like the federated simulation) and adds no defense of its own."""
+
+    execution_path = "server-simulation"
+    passes_client_batches = True
+
+    def client_setup(self, trainer: Any, pl_module: Any) -> ClientSetup:
+        raise RuntimeError("the server's simulation binds its pipeline itself")
+
+
+def simulation_refusal(setting: DefenseSetting) -> str | None:
+    """Why the server cannot replay ``setting``'s clients (``None``: it can)."""
+    if setting.wrap is not None:
+        return f"{setting.name} wraps the model: the client's step is the wrapping module's own training step"
+    if setting.runner != "simulation":
+        return f"{setting.name} runs its own client step ({setting.runner} runner: the defense acts inside it)"
+    if setting.algorithm != "fedsgd":
+        return f"{setting.name} shares FedAvg updates, not one gradient"
+    stages = [cb for cb in setting.callbacks if not isinstance(cb, DefenseStage)]
+    if stages:
+        return f"{setting.name} has callbacks that are not pipeline stages: {[type(s).__name__ for s in stages]}"
+    return None
+
+
+def _reseeded(callbacks: list[Any], seed: int, loss_fn: nn.Module) -> list[Any]:
+    """Fresh copies of ``callbacks`` whose defenses draw from streams seeded by ``seed``; a callback
+    that takes the client's loss at fit start (GradDefense's root-set sensitivity) gets ``loss_fn``,
+    the loss the simulation's clients train with."""
+    copies = [copy.deepcopy(cb) for cb in callbacks]
+    for index, stage in enumerate(copies):
+        if hasattr(stage, "loss_fn") and stage.loss_fn is None:
+            stage.loss_fn = loss_fn
+        defense = getattr(stage, "defense", None)
+        if defense is not None and hasattr(defense, "reset"):
+            defense.reset()
+            defense.seed = int(seeded_generator(seed, index).initial_seed() % (2**62))
+        reset_adapter = getattr(stage, "reset_adapter_state", None)
+        if callable(reset_adapter):
+            reset_adapter()
+    return copies
+
+
+def setting_simulator(
+    setting: DefenseSetting, *, num_clients: int = 10, round: int = 0, loss_fn: nn.Module | None = None
+) -> DefenseSimulator:
+    """``simulate(model, images [N, B, ...], labels [N, B], seed)``: what ``N`` fresh clients of
+    ``setting`` holding those batches share in round ``round`` (groups of ``num_clients`` clients
+    per simulated round). Raises ``ValueError`` when the server cannot replay the setting
+    (:func:`simulation_refusal`)."""
+    refusal = simulation_refusal(setting)
+    if refusal is not None:
+        raise ValueError(f"setting: {refusal}")
+    check_positive_int(num_clients, "num_clients")
+    loss = nn.CrossEntropyLoss() if loss_fn is None else loss_fn
+    runner = _ServerSimulatedClients()
+
+    def simulate(model: nn.Module, images: Tensor, labels: Tensor, seed: int) -> dict[str, Tensor]:
+        if images.ndim < 3 or labels.shape != images.shape[:2]:
+            raise ValueError(
+                f"images must be [N, B, ...] and labels [N, B]; got {tuple(images.shape)}, {tuple(labels.shape)}"
+            )
+        model.train()
+        shapes = {n: p.shape for n, p in trainable_parameters(model).items()}
+        vectorize = not updates_running_stats(model)
+        out: dict[str, list[Tensor]] = {n: [] for n in shapes}
+        for group, start in enumerate(range(0, images.shape[0], num_clients)):
+            xs, ys = images[start : start + num_clients], labels[start : start + num_clients]
+            clients = list(range(xs.shape[0]))
+            pipeline = SharedGradientPipeline(_reseeded(setting.callbacks, seed + group, loss), [])
+            pipeline.bind(ClientSetup(len(clients), model, shapes), runner)
+            grads, _ = client_gradients(model, loss, xs, ys, vectorize=vectorize)
+            local = {c: {n: g[c] for n, g in grads.items()} for c in clients}
+            batches = {c: (xs[c], ys[c]) for c in clients}
+            meta = {"path": runner.execution_path, "algorithm": "fedsgd", "local_batch_size": int(xs.shape[1])}
+            pipeline.begin_round(round, clients, local, share_in_process, model=model, batches=batches, meta=meta)
+            for c in clients:
+                shared = pipeline.process(local[c], StageCall(c, round, model, batches[c], meta))
+                for n in shapes:
+                    out[n].append(shared[n].detach())
+            pipeline.finish_round({}, round=round, clients=len(clients))
+        return {n: torch.stack(parts) for n, parts in out.items()}
+
+    return simulate
+
+
+def _public_labels(datamodule: Any, size: int) -> Tensor:
+    datamodule.setup("test")
+    dataset = datamodule.test_dataset
+    return torch.as_tensor([int(dataset[i][1]) for i in range(min(size, len(dataset)))])
+
+
+def learned_inversion_attacks(
+    setting: DefenseSetting,
+    datamodule: Any,
+    *,
+    adaptive: list[GradientAttack] | None = None,
+    public_size: int = 10_000,
+    num_clients: int = 10,
+    config: InverterConfig | None = None,
+    refine_iterations: int = 200,
+    cache: InverterCache | None = None,
+    seed: int = 0,
+) -> list[GradientAttack]:
+    """The learned inverter of ``setting`` and its refined variant, trained on the public split
+    (:func:`~lightning_gp.audit.rounds.public_batch`: the test split, at most ``public_size``
+    images), never on a training image. The refinement matches with the first Inverting-Gradients
+    attack of ``adaptive`` (the setting's defense-aware one), else the published one. ``[]`` when
+    the server cannot replay the setting (:func:`simulation_refusal`)."""
+    if simulation_refusal(setting) is not None:
+        return []
+    check_positive_int(public_size, "public_size")
+    for callback in setting.callbacks:  # a defense built on public data (GradDefense's root set) takes it here
+        resolve = getattr(callback, "resolve_root_set", None)
+        if callable(resolve):
+            resolve(datamodule)
+    images = public_batch(datamodule, public_size)
+    labels = _public_labels(datamodule, public_size)
+    simulate = setting_simulator(setting, num_clients=num_clients)
+    key = f"{setting.name}|{[repr(cb) for cb in setting.callbacks]}|architecture={setting.architecture is not None}"
+    matching = next((a for a in adaptive or [] if isinstance(a, InvertingGradients)), None)
+    common: dict[str, Any] = {"defense_key": key, "config": config, "cache": cache, "seed": seed}
+    return [
+        LearnedInversion(simulate, images, labels, **common),
+        RefinedLearnedInversion(
+            simulate, images, labels, matching=matching, refine_iterations=refine_iterations, **common
+        ),
+    ]

@@ -1,0 +1,277 @@
+"""The learned inverter (Wu et al., UAI 2023): what it recovers, what it trains on, its cache and
+the server's replay of a setting's defense."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from lightning_gp.attacks import (
+    InverterCache,
+    InverterConfig,
+    LearnedInversion,
+    RefinedLearnedInversion,
+    ServerView,
+    parameter_gradients,
+)
+from lightning_gp.audit import (
+    AttackBudget,
+    DefenseSetting,
+    audit_setting,
+    defense_catalog,
+    learned_inversion_attacks,
+    setting_simulator,
+    simulation_refusal,
+    tap_defended_round,
+)
+from lightning_gp.audit.rounds import public_batch
+from lightning_gp.callbacks import GaussianNoise
+from lightning_gp.data import ArrayDataModule
+from lightning_gp.metrics.image_quality import psnr
+from lightning_gp.models import LeNetZhu
+
+#: small enough to train in seconds on one thread, large enough to learn LeNetZhu's undefended inverse
+TINY = InverterConfig(feature_dim=1024, hidden=256, max_epochs=15, patience=3, batch=32)
+
+
+def _view(model: nn.Module, image: torch.Tensor, label: torch.Tensor, datamodule) -> ServerView:
+    gradients = parameter_gradients(model, nn.CrossEntropyLoss(), image[None], label[None], create_graph=False)
+    return ServerView(
+        model=model,
+        gradients=gradients,
+        batch_size=1,
+        input_shape=tuple(image.shape),
+        num_classes=10,
+        mean=tuple(datamodule.mean),
+        std=tuple(datamodule.std),
+    )
+
+
+def _public(datamodule, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    datamodule.setup("test")
+    images = public_batch(datamodule, size)
+    labels = torch.as_tensor([int(datamodule.test_dataset[i][1]) for i in range(images.shape[0])])
+    return images, labels
+
+
+def test_learned_inverter_beats_the_mean_image_on_training_images_it_never_saw(data, one_thread):
+    """16 training images of an undefended LeNetZhu: the paired PSNR gain of the inverter over the
+    public mean image has a mean above t(0.99, 15 dof) = 2.60 standard errors, i.e. the inverter is
+    better than the blank guess at the 1% level (a one-sided paired t-test)."""
+    torch.manual_seed(0)
+    model = LeNetZhu()
+    images, labels = _public(data, 600)
+    attack = LearnedInversion(
+        setting_simulator(DefenseSetting("undefended")),
+        images,
+        labels,
+        defense_key="undefended",
+        config=TINY,
+        cache=InverterCache(),
+        seed=0,
+    )
+    mean_pixels = data_pixels(images, data).mean(0, keepdim=True)
+    gains = []
+    for index in range(16):
+        image, label = data.train_dataset[index]
+        view = _view(model, image, torch.as_tensor(label), data)
+        reconstruction = attack.reconstruct(view)
+        original = view.denormalize(image[None])
+        learned = psnr(view.denormalize(reconstruction.images), original)
+        blank = psnr(mean_pixels, original)
+        gains.append(float(learned - blank))
+    gains_array = np.asarray(gains)
+    standard_error = gains_array.std(ddof=1) / math.sqrt(len(gains))
+    assert gains_array.mean() > 2.60 * standard_error, gains
+
+
+def data_pixels(images: torch.Tensor, datamodule) -> torch.Tensor:
+    mean = torch.as_tensor(datamodule.mean).reshape(1, -1, 1, 1)
+    std = torch.as_tensor(datamodule.std).reshape(1, -1, 1, 1)
+    return (images * std + mean).clamp(0, 1)
+
+
+def _marked_datamodule() -> ArrayDataModule:
+    """Training images with a white top-left corner (pixel 1.0), test images darker than 0.5 everywhere:
+    any training image that reaches the inverter is recognisable by its corner."""
+    g = torch.Generator().manual_seed(0)
+    train = torch.rand(80, 1, 28, 28, generator=g) * 0.5
+    train[:, :, :4, :4] = 1.0
+    test = torch.rand(200, 1, 28, 28, generator=g) * 0.5
+    return ArrayDataModule(
+        x=train,
+        y=torch.arange(80) % 10,
+        x_test=test,
+        y_test=torch.arange(200) % 10,
+        mean=(0.3,),
+        std=(0.3,),
+        num_classes=10,
+        val_fraction=0.0,
+    )
+
+
+def test_the_inverter_never_trains_on_a_training_image(one_thread):
+    """The audit's learned inverter trains on the public (test) split only: every image the server's
+    simulation sees lacks the white corner every training image has."""
+    datamodule = _marked_datamodule()
+    setting = defense_catalog(["GaussianNoise"])[0].build(0, 1)
+    torch.manual_seed(0)
+    model = LeNetZhu()
+    config = InverterConfig(feature_dim=256, hidden=32, max_epochs=1, batch=32)
+    attack = learned_inversion_attacks(setting, datamodule, config=config, cache=InverterCache(), seed=0)[0]
+    seen: list[torch.Tensor] = []
+    simulate = attack.simulate
+
+    def recording(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, seed: int) -> dict:
+        seen.append(images.detach().clone())
+        return simulate(model, images, labels, seed)
+
+    attack.simulate = recording
+    records, sent, _ = tap_defended_round(setting, model, datamodule, indices=[[3]], num_clients=2, seed=0)
+    view = ServerView.from_tap(records[0], sent, num_classes=10, mean=tuple(datamodule.mean), std=tuple(datamodule.std))
+    attack.reconstruct(view)
+    corners = data_pixels(torch.cat([s.flatten(0, 1) for s in seen]), datamodule)[:, :, :4, :4]
+    assert len(seen) > 0
+    assert corners.amax().item() <= 0.5 + 1e-5  # no white corner: no training image
+    # the attacked image itself has it (the check can fail)
+    assert data_pixels(records[0].inputs, datamodule)[:, :, :4, :4].amin().item() >= 1.0 - 1e-5
+
+
+def test_the_cache_trains_once_per_setting_and_again_for_another(data, one_thread):
+    torch.manual_seed(0)
+    model = LeNetZhu()
+    images, labels = _public(data, 200)
+    cache = InverterCache()
+    config = InverterConfig(feature_dim=256, hidden=32, max_epochs=1, batch=32)
+    simulate = setting_simulator(DefenseSetting("undefended"))
+    first = LearnedInversion(simulate, images, labels, defense_key="a", config=config, cache=cache, seed=0)
+    views = [
+        _view(model, image, torch.as_tensor(label), data) for image, label in (data.train_dataset[i] for i in range(2))
+    ]
+    first.reconstruct(views[0])
+    again = RefinedLearnedInversion(
+        simulate, images, labels, defense_key="a", config=config, cache=cache, seed=0, refine_iterations=2
+    )
+    again.reconstruct(views[1])
+    assert cache.trainings == 1
+    assert first.inverter(views[0]) is again.inverter(views[1])
+    other = LearnedInversion(simulate, images, labels, defense_key="b", config=config, cache=cache, seed=0)
+    other.reconstruct(views[0])
+    assert cache.trainings == 2
+    assert other.inverter(views[0]) is not first.inverter(views[0])
+
+
+def test_the_cache_reloads_a_trained_inverter_from_disk(data, one_thread, tmp_path):
+    torch.manual_seed(0)
+    model = LeNetZhu()
+    images, labels = _public(data, 200)
+    config = InverterConfig(feature_dim=256, hidden=32, max_epochs=1, batch=32)
+    simulate = setting_simulator(DefenseSetting("undefended"))
+    image, label = data.train_dataset[0]
+    view = _view(model, image, torch.as_tensor(label), data)
+    first = LearnedInversion(simulate, images, labels, defense_key="a", config=config, cache=InverterCache(tmp_path))
+    expected = first.reconstruct(view).images
+    later = InverterCache(tmp_path)
+    again = LearnedInversion(simulate, images, labels, defense_key="a", config=config, cache=later)
+    torch.testing.assert_close(again.reconstruct(view).images, expected)
+    assert later.trainings == 0
+
+
+def test_the_server_replays_the_settings_noise_with_its_own_randomness(data, one_thread):
+    """GaussianNoise(0.01) replayed: defended minus raw gradient has standard deviation 0.01 (to 5%,
+    over 13,426 x 4 draws the relative standard error of a std estimate is 0.3%), a seed gives the
+    same draw again, another seed another draw."""
+    torch.manual_seed(0)
+    model = LeNetZhu()
+    setting = DefenseSetting("noise", callbacks=[GaussianNoise(scale=0.01, seed=0)])
+    simulate = setting_simulator(setting, num_clients=2)
+    images = torch.stack([data.train_dataset[i][0] for i in range(4)]).reshape(4, 1, 1, 28, 28)
+    labels = torch.as_tensor([int(data.train_dataset[i][1]) for i in range(4)]).reshape(4, 1)
+    plain = setting_simulator(DefenseSetting("undefended"))(model, images, labels, 0)
+    noisy = simulate(model, images, labels, 1)
+    residual = torch.cat([(noisy[n] - plain[n]).flatten() for n in plain])
+    assert residual.std().item() == pytest.approx(0.01, rel=0.05)
+    again = simulate(model, images, labels, 1)
+    other = simulate(model, images, labels, 2)
+    for name in plain:
+        torch.testing.assert_close(again[name], noisy[name])
+    assert not torch.equal(other["fc.weight"], noisy["fc.weight"])
+
+
+def test_a_batch_inverter_returns_one_image_per_slot(data, one_thread):
+    torch.manual_seed(0)
+    model = LeNetZhu()
+    images, labels = _public(data, 200)
+    config = InverterConfig(feature_dim=256, hidden=32, max_epochs=1, batch=16)
+    attack = LearnedInversion(
+        setting_simulator(DefenseSetting("undefended")), images, labels, defense_key="u", config=config,
+        cache=InverterCache(),
+    )  # fmt: skip
+    batch = torch.stack([data.train_dataset[i][0] for i in range(3)])
+    targets = torch.as_tensor([int(data.train_dataset[i][1]) for i in range(3)])
+    gradients = parameter_gradients(model, nn.CrossEntropyLoss(), batch, targets, create_graph=False)
+    view = ServerView(model, gradients, 3, (1, 28, 28), 10, mean=tuple(data.mean), std=tuple(data.std))
+    reconstruction = attack.reconstruct(view)
+    assert reconstruction.images.shape == (3, 1, 28, 28)
+    assert reconstruction.meta["training"]["samples"] == (200 - 20) // 3
+
+
+def test_settings_the_server_cannot_replay_are_named_with_the_reason():
+    refiner_like = DefenseSetting("wrapped", wrap=lambda model: model)
+    assert "wraps the model" in simulation_refusal(refiner_like)
+    dpsgd = defense_catalog(["DPSGD"])[0].build(0, 1)
+    assert "runs its own client step" in simulation_refusal(dpsgd)
+    assert simulation_refusal(defense_catalog(["TopKPruning"])[0].build(0, 1)) is None
+    with pytest.raises(ValueError, match="setting: wrapped wraps the model"):
+        setting_simulator(refiner_like)
+
+
+def test_bad_arguments_name_the_argument(data):
+    images, labels = _public(data, 50)
+    simulate = setting_simulator(DefenseSetting("undefended"))
+    with pytest.raises(ValueError, match="public_labels"):
+        LearnedInversion(simulate, images, labels[:-1], defense_key="u")
+    with pytest.raises(ValueError, match="defense_key"):
+        LearnedInversion(simulate, images, labels, defense_key="")
+    with pytest.raises(TypeError, match="simulate"):
+        LearnedInversion("not callable", images, labels, defense_key="u")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="val_fraction"):
+        InverterConfig(val_fraction=1.5)
+    with pytest.raises(ValueError, match="hidden"):
+        InverterConfig(hidden=0)
+    with pytest.raises(ValueError, match="refine_iterations"):
+        RefinedLearnedInversion(simulate, images, labels, defense_key="u", refine_iterations=0)
+    with pytest.raises(ValueError, match="learned_max_epochs"):
+        AttackBudget(learned_max_epochs=0)
+    torch.manual_seed(0)
+    model = LeNetZhu()
+    image, label = data.train_dataset[0]
+    few = LearnedInversion(simulate, images[:2], labels[:2], defense_key="u", cache=InverterCache())
+    with pytest.raises(ValueError, match="too few"):
+        few.reconstruct(_view(model, image, torch.as_tensor(label), data))
+
+
+def test_the_audit_runs_the_learned_inverter_and_logs_its_training_cost(one_thread):
+    datamodule = _marked_datamodule()
+    setting = defense_catalog(["GaussianNoise"])[0].build(0, 1)
+    budget = AttackBudget(ig_iterations=2, lbfgs_iterations=1, learned_inversion=True, learned_max_epochs=1)
+    lines: list[str] = []
+    torch.manual_seed(0)
+    audit = audit_setting(
+        setting, LeNetZhu(), datamodule, indices=[[0], [1]], published=[], budget=budget, log=lines.append
+    )
+    learned = audit.cell("adaptive:LearnedInversion")
+    refined = audit.cell("adaptive:RefinedLearnedInversion")
+    assert learned.status == "ok" and refined.status == "ok"
+    assert learned.means["psnr"] is not None
+    cost_lines = [
+        line for line in lines if "LearnedInversion on GaussianNoise" in line and "inverter trained in" in line
+    ]
+    assert len(cost_lines) == 2 and "training pairs, 1 epochs" in cost_lines[0]
+    # both clients were attacked by the one inverter, trained once
+    keys = {r.reconstruction.meta["inverter_key"] for r in audit.results["adaptive:LearnedInversion"]}
+    assert len(keys) == 1 and len(audit.results["adaptive:LearnedInversion"]) == 2
