@@ -30,7 +30,7 @@ from lightning_gp.attacks.gradient_matching import (
     squared_l2_distance,
     total_variation,
 )
-from lightning_gp.attacks.labels import classification_layer, recover_labels
+from lightning_gp.attacks.labels import classification_layer, label_counts, recover_labels
 from lightning_gp.attacks.optimization import DLG, IDLG, GradInversion, InvertingGradients, optimize_images
 from lightning_gp.attacks.perturbation_aware import graddefense_knowledge, outpost_knowledge
 from lightning_gp.attacks.precode_aware import PRECODEAwareInversion, find_precode, recover_features
@@ -102,6 +102,7 @@ __all__ = [
     "find_precode",
     "graddefense_knowledge",
     "has_adaptive_attack",
+    "label_counts",
     "layer_noise_weights",
     "mark_fallback",
     "modelled_defense",
