@@ -365,23 +365,37 @@ def audit_setting(
     lpips_fn: nn.Module | None = None,
     rule: LeakRule | None = None,
     log: Callable[[str], None] = print,
+    round: int = 0,
 ) -> SettingAudit:
     """Attack the clients of ``setting`` (client ``c`` holds the training images ``indices[c]``,
     the model at ``model``'s weights) with every ``published`` attack and, with ``adaptive``, the
     setting's adaptive attacks (one attacker modelling every defense of it); judge by the worst case
     per threat model. ``lpips_fn=None`` skips LPIPS (then no verdict can be "private": the semantic
-    test did not run). ``rule`` is the leak rule (default :class:`~lightning_gp.audit.LeakRule`)."""
+    test did not run). ``rule`` is the leak rule (default :class:`~lightning_gp.audit.LeakRule`).
+
+    ``round = r > 0`` attacks round ``r`` after ``r`` rounds of training under the setting, with
+    the defenses' state as it is then (:func:`~lightning_gp.audit.rounds.tap_defended_round`);
+    audit ``rounds=[0, r]`` with one call per round. The active attacks (a modified model) are not
+    run at a trained round, so the active verdict there names that gap and is never "private"."""
     data: Any = datamodule
     rule = rule if rule is not None else LeakRule()
     reference = reference_pixels(datamodule)
     passive_records, sent_model, _ = tap_defended_round(
-        setting, model, datamodule, indices=indices, num_clients=num_clients, seed=seed
+        setting, model, datamodule, indices=indices, num_clients=num_clients, seed=seed, round=round
     )
     cells: list[Cell] = []
     results: dict[str, list[AttackResult]] = {}
+    gaps: list[str] = []
+    active_gaps: list[str] = []  # what only the active threat model misses
 
     def run(name: str, kind: AttackKind, attacks: list[GradientAttack]) -> None:
         threat = _threat(attacks[0])
+        if threat == "active" and round > 0:
+            log(
+                f"   {name} on {setting.name}: not run at round {round} (an active server's model is sent from round 0)"
+            )
+            active_gaps.append(f"the active attack {name} was not run at round {round}")
+            return
         if threat == "active":  # the server sends its own model this round
             records, active_model, secrets = tap_defended_round(
                 setting, model, datamodule, indices=indices, num_clients=num_clients, attack=attacks[0], seed=seed
@@ -400,7 +414,6 @@ def audit_setting(
 
     for spec in published:
         run(spec.name, spec.kind, [spec.build(seed + c, sent_model) for c in range(len(indices))])
-    gaps: list[str] = []
     if adaptive and not setting.undefended:
         per_client = [
             setting.adaptive_attacks(
@@ -419,7 +432,10 @@ def audit_setting(
             run(f"adaptive:{type(per_client[0][k]).__name__}", "adaptive", [a[k] for a in per_client])
     elif not setting.undefended:
         gaps.append("the adaptive attacks were not run (adaptive=False)")
-    judged = {threat: _judge(threat, cells, results, rule, gaps, reference) for threat in THREAT_MODELS}
+    judged = {
+        threat: _judge(threat, cells, results, rule, gaps + (active_gaps if threat == "active" else []), reference)
+        for threat in THREAT_MODELS
+    }
     return SettingAudit(setting.name, cells, judged["passive"], judged["active"], results)
 
 
