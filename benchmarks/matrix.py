@@ -6,8 +6,11 @@ GradInversion (its BatchNorm prior only where the model has BatchNorm), R-GAP (w
 allows it), Robbing the Fed, each defense's adaptive attack(s), and the worst case last, per threat
 model: passive (an honest-but-curious server: every attack but the ones that send a modified model)
 and active (a malicious server: every attack, Robbing the Fed and ATS-aware Robbing included). LeNetZhu
-at initialisation, FedSGD round 0, ``--images`` clients with one training image each (chosen by
-``--seed``, never tuned), on the full Fashion-MNIST when installed, else the built-in sample.
+at initialisation, FedSGD round 0, ``--images`` attacked training images (chosen by ``--seed``, never
+tuned) held ``--batch-size`` per client (default 1: one client per image), on the full Fashion-MNIST
+when installed, else the built-in sample. ``--audit-rounds 0 R`` also audits round ``R`` after ``R``
+rounds of training under each setting (its defenses' state carried; the active attacks are not run
+there), one table per round.
 
 A cell is the mean PSNR over the images with, in the Markdown, the fraction of images that attack
 leaks (the audit's leak rule, ``lightning_gp.audit.LeakRule``); ``n/a`` cells say why the attack does
@@ -17,7 +20,8 @@ threat model; a defense is private only if no image leaks and the audit is compl
 fallback makes it "inconclusive"). Each row also reports the accuracy after ``--rounds`` FedSGD rounds as a
 fraction of the undefended run's (PMM) and the bytes a client uploads per round.
 
-Writes benchmarks/results/matrix.{csv,md} and matrix_heatmap.png (``--output-dir`` to change).
+Writes benchmarks/results/matrix.{csv,md} and matrix_heatmap.png (``--output-dir`` to change); a batch
+size above 1 adds ``_batch{B}`` to the names, a trained round ``_round{R}``.
 ``--quick`` is a CI-sized smoke run (2 images, tiny budgets, 10 rounds); the full run attacks 8 images.
 """
 
@@ -52,12 +56,14 @@ from lightning_gp.metrics.lpips import LPIPS
 from lightning_gp.models import LeNetZhu
 
 
-def choose_images(datamodule: Any, count: int, seed: int) -> list[list[int]]:
-    """``count`` training images drawn by ``seed`` (one per client)."""
+def choose_images(datamodule: Any, count: int, seed: int, batch_size: int = 1) -> list[list[int]]:
+    """``count`` training images drawn by ``seed``, ``batch_size`` per client (``count`` a multiple of it)."""
+    if count % batch_size:
+        raise ValueError(f"--images ({count}) must be a multiple of --batch-size ({batch_size})")
     datamodule.setup("fit")
     generator = torch.Generator().manual_seed(seed)
-    order = torch.randperm(len(datamodule.train_dataset), generator=generator)[:count]
-    return [[int(i)] for i in order]
+    order = [int(i) for i in torch.randperm(len(datamodule.train_dataset), generator=generator)[:count]]
+    return [order[c : c + batch_size] for c in range(0, count, batch_size)]
 
 
 def _num(value: float | None, spec: str = ".1f") -> str:
@@ -157,7 +163,7 @@ def csv_rows(audits: list[SettingAudit], training: dict[str, TrainingResult]) ->
     return out
 
 
-def heatmap(audits: list[SettingAudit], columns: list[str], path: Path) -> None:
+def heatmap(audits: list[SettingAudit], columns: list[str], path: Path, title: str = "FedSGD round 0") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -195,7 +201,7 @@ def heatmap(audits: list[SettingAudit], columns: list[str], path: Path) -> None:
         for j in range(len(names)):
             ax.text(j, i, labels[i][j], ha="center", va="center", fontsize=7, color="tab:cyan")
     fig.colorbar(image, ax=ax, label="mean PSNR (dB, capped at 60); text: PSNR / images leaked")
-    ax.set_title("Defense x attack (LeNetZhu, FedSGD round 0); worst case = per image, best attack")
+    ax.set_title(f"Defense x attack (LeNetZhu, {title}); worst case = per image, best attack")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -211,7 +217,11 @@ def run_defense(job: tuple) -> tuple[SettingAudit, TrainingResult | None]:
     start = time.perf_counter()
     setting = defense_catalog([name])[0].build(args.seed, 1)
     tag = f"[{setting.name}]"
-    print(f"\n== {setting.name}", flush=True)
+    audit_round = getattr(args, "audit_round", 0)  # benchmarks/baselines.py audits round 0
+    print(f"\n== {setting.name}" + (f" at round {audit_round}" if audit_round else ""), flush=True)
+    if audit_round > 0 and setting.runner == "trainer":
+        print(f"{tag} not audited at round {audit_round}: the plain-Trainer runner taps round 0 only", flush=True)
+        return SettingAudit(setting.name, [], None, None), None
     L.seed_everything(args.seed, verbose=False)
     with warnings.catch_warnings():
         warnings.simplefilter("always", UnmodelledDefenseWarning)
@@ -225,6 +235,7 @@ def run_defense(job: tuple) -> tuple[SettingAudit, TrainingResult | None]:
             seed=args.seed,
             lpips_fn=lpips_fn,
             log=lambda line: print(f"{tag} {line.strip()}", flush=True),
+            round=audit_round,
         )
     for line in audit.summary_lines():
         print(f"{tag} {line}", flush=True)
@@ -250,7 +261,17 @@ def main() -> None:
     )
     parser.add_argument("--defenses", nargs="*", default=None, help="catalogue names (default: all)")
     parser.add_argument("--attacks", nargs="*", default=None, help="published attacks (default: all)")
-    parser.add_argument("--images", type=int, default=None, help="attacked clients, one image each (default 8)")
+    parser.add_argument("--images", type=int, default=None, help="attacked images in all (default 8)")
+    parser.add_argument(
+        "--batch-size", type=int, default=1, help="images per attacked client (default 1; --images a multiple of it)"
+    )
+    parser.add_argument(
+        "--audit-rounds",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="FedSGD rounds to audit, e.g. 0 50: round R after R rounds of training under the setting (default 0)",
+    )
     parser.add_argument("--ig-iterations", type=int, default=None, help="Adam attacks' steps (default 1000)")
     parser.add_argument("--lbfgs-iterations", type=int, default=None, help="L-BFGS attacks' steps (default 100)")
     parser.add_argument("--rounds", type=int, default=None, help="training rounds for accuracy/bytes (default 200)")
@@ -275,9 +296,13 @@ def main() -> None:
         rtf_bins=16 if quick else 64,
     )
     rounds = args.rounds or (10 if quick else 200)
-    for flag, value in (("--images", images), ("--rounds", rounds)):
+    for flag, value in (("--images", images), ("--rounds", rounds), ("--batch-size", args.batch_size)):
         if value < 1:
             parser.error(f"{flag} must be >= 1")
+    if images % args.batch_size:
+        parser.error(f"--images ({images}) must be a multiple of --batch-size ({args.batch_size})")
+    if any(r < 0 for r in args.audit_rounds):
+        parser.error(f"--audit-rounds must be >= 0, got {args.audit_rounds}")
     torch.set_num_threads(args.threads)
     datasets = fashion_mnist_datasets(full=not args.sample)
     dataset_name = "fashion-mnist" if "fashion-mnist" in datasets else "sample"
@@ -286,12 +311,36 @@ def main() -> None:
     entries = defense_catalog(args.defenses)
     published = published_attacks(budget, args.attacks)
     columns = [s.name for s in published]
-    indices = choose_images(datamodule, images, args.seed)
+    indices = choose_images(datamodule, images, args.seed, args.batch_size)
     published_names = [s.name for s in published]
+    for audit_round in args.audit_rounds:
+        round_args = argparse.Namespace(**vars(args), audit_round=audit_round)
+        # the accuracy/bytes columns do not depend on the round audited: trained once, with the first
+        round_args.no_training = args.no_training or audit_round != args.audit_rounds[0]
+        run_matrix(round_args, entries, columns, published_names, indices, dataset_name, budget, rounds, images)
+
+
+def run_matrix(
+    args: argparse.Namespace,
+    entries: list,
+    columns: list[str],
+    published_names: list[str],
+    indices: list[list[int]],
+    dataset_name: str,
+    budget: AttackBudget,
+    rounds: int,
+    images: int,
+) -> None:
+    """Audit (and train) every defense at ``args.audit_round`` and write that round's table, CSV and heatmap."""
+    quick, batch = args.quick, len(indices[0])
+    chosen = [i for client in indices for i in client]
+    at_round = f"FedSGD round {args.audit_round}" + (
+        f" after {args.audit_round} rounds of training under the setting" if args.audit_round else ""
+    )
     print(
-        f"matrix: {len(entries)} defenses x {len(columns)} published attacks + adaptive, {images} images of "
-        f"{dataset_name} {[i[0] for i in indices]}, IG {budget.ig_iterations} / L-BFGS {budget.lbfgs_iterations} "
-        f"iterations, {rounds} training rounds",
+        f"matrix: {len(entries)} defenses x {len(columns)} published attacks + adaptive, {len(indices)} clients x "
+        f"{batch} images of {dataset_name} {chosen}, {at_round}, IG {budget.ig_iterations} / L-BFGS "
+        f"{budget.lbfgs_iterations} iterations, {rounds} training rounds",
         flush=True,
     )
     jobs = [(name, dataset_name, indices, published_names, budget, rounds, args) for name in [e.name for e in entries]]
@@ -307,8 +356,8 @@ def main() -> None:
     rows = rows_for(audits, columns, training)
     table = markdown_table(rows)
     preamble = (
-        f"LeNetZhu at initialisation, FedSGD round 0, {images} clients x 1 image of {dataset_name} (training indices "
-        f"{[i[0] for i in indices]}, drawn with seed {args.seed}); attacks: IG/GradInversion/adaptive Adam "
+        f"LeNetZhu at initialisation, {at_round}, {len(indices)} clients x {batch} image(s) of {dataset_name} "
+        f"(training indices {chosen}, drawn with seed {args.seed}); attacks: IG/GradInversion/adaptive Adam "
         f"{budget.ig_iterations} iterations, DLG/iDLG/adaptive L-BFGS {budget.lbfgs_iterations} (adaptive L-BFGS: 4 "
         f"restarts), Robbing the Fed {budget.rtf_bins} bins. Cells: mean PSNR (dB) over the images (fraction of "
         f"images that attack leaks: {LeakRule().describe()}). 'adaptive (best)': the best of the defense's "
@@ -320,6 +369,12 @@ def main() -> None:
         "an image leaks or a worst-case mean crosses Refiner's thresholds, else 'inconclusive' when the audit is "
         "incomplete (an error, a fallback), else 'private'. "
         + (
+            "At a trained round the active attacks are not run (the active verdict names that gap), and a setting on "
+            "the plain-Trainer runner (DP-SGD) is not audited. "
+            if args.audit_round
+            else ""
+        )
+        + (
             "Accuracy and bytes: not measured in this run (--no-training)."
             if args.no_training
             else f"Accuracy after {rounds} FedSGD rounds (10 clients x 8 images, server Adam 1e-3; PriPrune: "
@@ -327,14 +382,18 @@ def main() -> None:
         )
         + (" QUICK RUN: budgets far too small for conclusions." if quick else "")
     )
-    suffix = "_quick" if quick else ""
+    suffix = (
+        (f"_batch{batch}" if batch > 1 else "")
+        + (f"_round{args.audit_round}" if args.audit_round else "")
+        + ("_quick" if quick else "")
+    )
     (args.output_dir / f"matrix{suffix}.md").write_text(f"# matrix\n\n{preamble}\n\n{table}\n")
     detailed = csv_rows(audits, training)
     with open(args.output_dir / f"matrix{suffix}.csv", "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(detailed[0]))
         writer.writeheader()
         writer.writerows(detailed)
-    heatmap(audits, columns, args.output_dir / f"matrix{suffix}_heatmap.png")
+    heatmap(audits, columns, args.output_dir / f"matrix{suffix}_heatmap.png", title=at_round.split(" after")[0])
     print("\n" + table)
     print(f"\nwritten: {args.output_dir / f'matrix{suffix}.md'}, .csv, matrix{suffix}_heatmap.png")
 
