@@ -501,8 +501,9 @@ class GradInversion(InvertingGradients):
     Minimises ``grad_weight * ||grad(x) - grad||^2 + tv_weight * TV(x) + l2_weight * ||x||^2
     + bn_weight * sum_l (||mu_l(x) - mu_l||_2 + ||var_l(x) - var_l||_2)``, where ``mu_l, var_l``
     are the BatchNorm running statistics of the model the server sent, with Adam and the
-    labels of :func:`recover_labels` (``"yin"``, the paper's Sec. 3.2). The BatchNorm prior
-    needs BatchNorm layers: pass ``bn_weight=0`` for models without them.
+    labels of :func:`recover_labels` (per-class counts for a batch; the paper's Sec. 3.2 rule
+    assumes distinct labels). The BatchNorm prior needs BatchNorm layers: pass ``bn_weight=0`` for
+    models without them.
     """
 
     def __init__(
