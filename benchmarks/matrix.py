@@ -274,6 +274,9 @@ def main() -> None:
     )
     parser.add_argument("--ig-iterations", type=int, default=None, help="Adam attacks' steps (default 1000)")
     parser.add_argument("--lbfgs-iterations", type=int, default=None, help="L-BFGS attacks' steps (default 100)")
+    parser.add_argument(
+        "--lbfgs-restarts", type=int, default=1, help="DLG/iDLG restarts, the lowest gradient distance kept (default 1)"
+    )
     parser.add_argument("--rounds", type=int, default=None, help="training rounds for accuracy/bytes (default 200)")
     parser.add_argument("--no-lpips", action="store_true", help="skip LPIPS")
     parser.add_argument(
@@ -294,6 +297,7 @@ def main() -> None:
         ig_iterations=args.ig_iterations or (40 if quick else 1000),
         lbfgs_iterations=args.lbfgs_iterations or (4 if quick else 100),
         rtf_bins=16 if quick else 64,
+        lbfgs_restarts=args.lbfgs_restarts,
     )
     rounds = args.rounds or (10 if quick else 200)
     for flag, value in (("--images", images), ("--rounds", rounds), ("--batch-size", args.batch_size)):
@@ -358,8 +362,8 @@ def run_matrix(
     preamble = (
         f"LeNetZhu at initialisation, {at_round}, {len(indices)} clients x {batch} image(s) of {dataset_name} "
         f"(training indices {chosen}, drawn with seed {args.seed}); attacks: IG/GradInversion/adaptive Adam "
-        f"{budget.ig_iterations} iterations, DLG/iDLG/adaptive L-BFGS {budget.lbfgs_iterations} (adaptive L-BFGS: 4 "
-        f"restarts), Robbing the Fed {budget.rtf_bins} bins. Cells: mean PSNR (dB) over the images (fraction of "
+        f"{budget.ig_iterations} iterations, DLG/iDLG/adaptive L-BFGS {budget.lbfgs_iterations} (DLG/iDLG: "
+        f"{budget.lbfgs_restarts} restart(s), adaptive L-BFGS: 4), Robbing the Fed {budget.rtf_bins} bins. Cells: mean PSNR (dB) over the images (fraction of "
         f"images that attack leaks: {LeakRule().describe()}). 'adaptive (best)': the best of the defense's "
         "adaptive attacks; 'fb': it fell back to the published attack; 'err': it failed on some client (those images "
         "score 'not reconstructed'); 'T': scored against the transformed images the "

@@ -146,6 +146,16 @@ def test_unknown_catalogue_or_attack_names_are_errors_that_list_the_choices():
         AttackBudget(ig_iterations=0)
 
 
+def test_the_lbfgs_restarts_of_the_budget_reach_dlg_and_idlg():
+    budget = AttackBudget(lbfgs_iterations=3, lbfgs_restarts=3)
+    for spec in published_attacks(budget, ["DLG", "iDLG"]):
+        attack = spec.build(0, LeNetZhu())
+        assert (attack.restarts, attack.iterations) == (3, 3), spec.name
+    assert published_attacks(TINY, ["iDLG"])[0].build(0, LeNetZhu()).restarts == 1  # the default: one start
+    with pytest.raises(ValueError, match="lbfgs_restarts"):
+        AttackBudget(lbfgs_restarts=0)
+
+
 def test_matrix_quick_writes_the_table_the_csv_and_the_heatmap(tmp_path):
     result = run_benchmark(
         "matrix.py",

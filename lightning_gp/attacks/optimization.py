@@ -43,7 +43,13 @@ def known_or_recovered_labels(view: ServerView) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------- DLG
-@register_attack("DLG", order=0, build=lambda budget, seed, model: DLG(iterations=budget.lbfgs_iterations, seed=seed))
+@register_attack(
+    "DLG",
+    order=0,
+    build=lambda budget, seed, model: DLG(
+        iterations=budget.lbfgs_iterations, restarts=budget.lbfgs_restarts, seed=seed
+    ),
+)
 class DLG(GradientAttack):
     """Deep Leakage from Gradients (Zhu et al., NeurIPS 2019, Alg. 1).
 
@@ -143,7 +149,13 @@ class DLG(GradientAttack):
         return final, images.detach(), labels, trace
 
 
-@register_attack("iDLG", order=1, build=lambda budget, seed, model: IDLG(iterations=budget.lbfgs_iterations, seed=seed))
+@register_attack(
+    "iDLG",
+    order=1,
+    build=lambda budget, seed, model: IDLG(
+        iterations=budget.lbfgs_iterations, restarts=budget.lbfgs_restarts, seed=seed
+    ),
+)
 class IDLG(DLG):
     """Improved DLG (Zhao et al. 2020): recover the label analytically from the sign of the
     last layer's gradient (Sec. 3), then run DLG on the inputs alone with that label."""
