@@ -6,8 +6,11 @@ GradInversion (its BatchNorm prior only where the model has BatchNorm), R-GAP (w
 allows it), Robbing the Fed, each defense's adaptive attack(s), and the worst case last, per threat
 model: passive (an honest-but-curious server: every attack but the ones that send a modified model)
 and active (a malicious server: every attack, Robbing the Fed and ATS-aware Robbing included). LeNetZhu
-at initialisation, FedSGD round 0, ``--images`` clients with one training image each (chosen by
-``--seed``, never tuned), on the full Fashion-MNIST when installed, else the built-in sample.
+at initialisation, FedSGD round 0, ``--images`` attacked training images (chosen by ``--seed``, never
+tuned) held ``--batch-size`` per client (default 1: one client per image), on the full Fashion-MNIST
+when installed, else the built-in sample. ``--audit-rounds 0 R`` also audits round ``R`` after ``R``
+rounds of training under each setting (its defenses' state carried; the active attacks are not run
+there), one table per round.
 
 A cell is the mean PSNR over the images with, in the Markdown, the fraction of images that attack
 leaks (the audit's leak rule, ``lightning_gp.audit.LeakRule``); ``n/a`` cells say why the attack does
@@ -20,7 +23,8 @@ fraction of the undefended run's (PMM) and the bytes a client uploads per round.
 Writes benchmarks/results/matrix.{csv,md}, matrix_heatmap.png (mean PSNR and share leaked per cell,
 PMM and the verdicts per row) and matrix_summary.md (one screen: which setting to pick and why,
 ``lightning_gp.audit.summary``); a run with training also writes matrix_training.csv (accuracy and
-bytes per setting). ``--output-dir`` to change where. ``--replot`` redraws the heatmap and the
+bytes per setting). ``--output-dir`` to change where; a batch size above 1 adds ``_batch{B}``
+to the names, a trained round ``_round{R}``. ``--replot`` redraws the heatmap and the
 summary from the CSVs already written, without attacking or training again. ``--quick`` is a
 CI-sized smoke run (2 images, tiny budgets, 10 rounds); the full run attacks 8 images.
 """
@@ -60,12 +64,14 @@ from lightning_gp.metrics.lpips import LPIPS
 from lightning_gp.models import LeNetZhu
 
 
-def choose_images(datamodule: Any, count: int, seed: int) -> list[list[int]]:
-    """``count`` training images drawn by ``seed`` (one per client)."""
+def choose_images(datamodule: Any, count: int, seed: int, batch_size: int = 1) -> list[list[int]]:
+    """``count`` training images drawn by ``seed``, ``batch_size`` per client (``count`` a multiple of it)."""
+    if count % batch_size:
+        raise ValueError(f"--images ({count}) must be a multiple of --batch-size ({batch_size})")
     datamodule.setup("fit")
     generator = torch.Generator().manual_seed(seed)
-    order = torch.randperm(len(datamodule.train_dataset), generator=generator)[:count]
-    return [[int(i)] for i in order]
+    order = [int(i) for i in torch.randperm(len(datamodule.train_dataset), generator=generator)[:count]]
+    return [order[c : c + batch_size] for c in range(0, count, batch_size)]
 
 
 def _num(value: float | None, spec: str = ".1f") -> str:
@@ -378,7 +384,9 @@ def _psnr_text(score: Score | None) -> str:
     return text + {"fallback": " fb", "error": " err"}.get(status, "")
 
 
-def heatmap(rows: list[MatrixRow], columns: list[str], path: Path, pick: str | None = None) -> dict[str, Any]:
+def heatmap(
+    rows: list[MatrixRow], columns: list[str], path: Path, pick: str | None = None, stage: str = ""
+) -> dict[str, Any]:
     """Draw the heatmap; return what it shows (``columns``; per row its ``labels`` and ``texts``,
     ``colors`` the text colour of each cell), for tests.
 
@@ -386,7 +394,7 @@ def heatmap(rows: list[MatrixRow], columns: list[str], path: Path, pick: str | N
     coloured by mean PSNR (capped at 60 dB) with "PSNR / share of images leaked" in black or white by
     the background's luminance; then the PMM (accuracy relative to undefended) and the verdict per
     threat model, coloured red (leaks), orange (inconclusive) or green (private). ``pick``: the
-    setting the summary picks, its label in bold.
+    setting the summary picks, its label in bold; ``stage``: the round audited, in the title.
     """
     from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -409,8 +417,9 @@ def heatmap(rows: list[MatrixRow], columns: list[str], path: Path, pick: str | N
     cell_w, cell_h, gap, pad = 0.9, 0.46, 0.12, 0.3
     width = label_in + (m + 3) * cell_w + 2 * gap + 1.1  # 1.1: room for the last rotated column name
     title = textwrap.wrap(
-        "Every defense against every attack: PSNR and share of images leaked, worst case per threat model, "
-        "accuracy kept (PMM), verdicts",
+        "Every defense against every attack"
+        + (f" ({stage})" if stage else "")
+        + ": PSNR and share of images leaked, worst case per threat model, accuracy kept (PMM), verdicts",
         int((width - 2 * pad) * 72 / (0.6 * 12)),
     )
     caption = textwrap.wrap(
@@ -518,7 +527,11 @@ def run_defense(job: tuple) -> tuple[SettingAudit, TrainingResult | None]:
     start = time.perf_counter()
     setting = defense_catalog([name])[0].build(args.seed, 1)
     tag = f"[{setting.name}]"
-    print(f"\n== {setting.name}", flush=True)
+    audit_round = getattr(args, "audit_round", 0)  # benchmarks/baselines.py audits round 0
+    print(f"\n== {setting.name}" + (f" at round {audit_round}" if audit_round else ""), flush=True)
+    if audit_round > 0 and setting.runner == "trainer":
+        print(f"{tag} not audited at round {audit_round}: the plain-Trainer runner taps round 0 only", flush=True)
+        return SettingAudit(setting.name, [], None, None), None
     L.seed_everything(args.seed, verbose=False)
     with warnings.catch_warnings():
         warnings.simplefilter("always", UnmodelledDefenseWarning)
@@ -532,6 +545,7 @@ def run_defense(job: tuple) -> tuple[SettingAudit, TrainingResult | None]:
             seed=args.seed,
             lpips_fn=lpips_fn,
             log=lambda line: print(f"{tag} {line.strip()}", flush=True),
+            round=audit_round,
         )
     for line in audit.summary_lines():
         print(f"{tag} {line}", flush=True)
@@ -557,9 +571,22 @@ def main() -> None:
     )
     parser.add_argument("--defenses", nargs="*", default=None, help="catalogue names (default: all)")
     parser.add_argument("--attacks", nargs="*", default=None, help="published attacks (default: all)")
-    parser.add_argument("--images", type=int, default=None, help="attacked clients, one image each (default 8)")
+    parser.add_argument("--images", type=int, default=None, help="attacked images in all (default 8)")
+    parser.add_argument(
+        "--batch-size", type=int, default=1, help="images per attacked client (default 1; --images a multiple of it)"
+    )
+    parser.add_argument(
+        "--audit-rounds",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="FedSGD rounds to audit, e.g. 0 50: round R after R rounds of training under the setting (default 0)",
+    )
     parser.add_argument("--ig-iterations", type=int, default=None, help="Adam attacks' steps (default 1000)")
     parser.add_argument("--lbfgs-iterations", type=int, default=None, help="L-BFGS attacks' steps (default 100)")
+    parser.add_argument(
+        "--lbfgs-restarts", type=int, default=1, help="DLG/iDLG restarts, the lowest gradient distance kept (default 1)"
+    )
     parser.add_argument("--rounds", type=int, default=None, help="training rounds for accuracy/bytes (default 200)")
     parser.add_argument("--no-lpips", action="store_true", help="skip LPIPS")
     parser.add_argument(
@@ -581,14 +608,15 @@ def main() -> None:
     parser.add_argument(
         "--replot",
         action="store_true",
-        help="redraw the heatmap and the summary from matrix[_quick].csv in --output-dir (no attack, no training); "
-        "accuracy from its notes, else from matrix[_quick]_training.csv there",
+        help="redraw the heatmap and the summary from matrix[_batchB][_roundR][_quick].csv in --output-dir (no "
+        "attack, no training; --batch-size, --audit-rounds and --quick name the run); accuracy from its notes, else "
+        "from the run's _training.csv there",
     )
     args = parser.parse_args()
     quick = args.quick
-    suffix = "_quick" if quick else ""
     if args.replot:
-        replot(args.output_dir, suffix)
+        for audit_round in args.audit_rounds:
+            replot(args.output_dir, matrix_suffix(args.batch_size, audit_round, quick))
         return
     images = args.images or (2 if quick else 8)
     budget = AttackBudget(
@@ -597,11 +625,16 @@ def main() -> None:
         rtf_bins=16 if quick else 64,
         learned_inversion=args.learned_inversion,
         learned_max_epochs=2 if quick else 60,
+        lbfgs_restarts=args.lbfgs_restarts,
     )
     rounds = args.rounds or (10 if quick else 200)
-    for flag, value in (("--images", images), ("--rounds", rounds)):
+    for flag, value in (("--images", images), ("--rounds", rounds), ("--batch-size", args.batch_size)):
         if value < 1:
             parser.error(f"{flag} must be >= 1")
+    if images % args.batch_size:
+        parser.error(f"--images ({images}) must be a multiple of --batch-size ({args.batch_size})")
+    if any(r < 0 for r in args.audit_rounds):
+        parser.error(f"--audit-rounds must be >= 0, got {args.audit_rounds}")
     torch.set_num_threads(args.threads)
     datasets = fashion_mnist_datasets(full=not args.sample)
     dataset_name = "fashion-mnist" if "fashion-mnist" in datasets else "sample"
@@ -610,12 +643,36 @@ def main() -> None:
     entries = defense_catalog(args.defenses)
     published = published_attacks(budget, args.attacks)
     columns = [s.name for s in published]
-    indices = choose_images(datamodule, images, args.seed)
+    indices = choose_images(datamodule, images, args.seed, args.batch_size)
     published_names = [s.name for s in published]
+    for audit_round in args.audit_rounds:
+        round_args = argparse.Namespace(**vars(args), audit_round=audit_round)
+        # the accuracy/bytes columns do not depend on the round audited: trained once, with the first
+        round_args.no_training = args.no_training or audit_round != args.audit_rounds[0]
+        run_matrix(round_args, entries, columns, published_names, indices, dataset_name, budget, rounds, images)
+
+
+def run_matrix(
+    args: argparse.Namespace,
+    entries: list,
+    columns: list[str],
+    published_names: list[str],
+    indices: list[list[int]],
+    dataset_name: str,
+    budget: AttackBudget,
+    rounds: int,
+    images: int,
+) -> None:
+    """Audit (and train) every defense at ``args.audit_round`` and write that round's table, CSV and heatmap."""
+    quick, batch = args.quick, len(indices[0])
+    chosen = [i for client in indices for i in client]
+    at_round = f"FedSGD round {args.audit_round}" + (
+        f" after {args.audit_round} rounds of training under the setting" if args.audit_round else ""
+    )
     print(
-        f"matrix: {len(entries)} defenses x {len(columns)} published attacks + adaptive, {images} images of "
-        f"{dataset_name} {[i[0] for i in indices]}, IG {budget.ig_iterations} / L-BFGS {budget.lbfgs_iterations} "
-        f"iterations, {rounds} training rounds",
+        f"matrix: {len(entries)} defenses x {len(columns)} published attacks + adaptive, {len(indices)} clients x "
+        f"{batch} images of {dataset_name} {chosen}, {at_round}, IG {budget.ig_iterations} / L-BFGS "
+        f"{budget.lbfgs_iterations} iterations, {rounds} training rounds",
         flush=True,
     )
     jobs = [(name, dataset_name, indices, published_names, budget, rounds, args) for name in [e.name for e in entries]]
@@ -631,10 +688,10 @@ def main() -> None:
     rows = rows_for(audits, columns, training)
     table = markdown_table(rows)
     preamble = (
-        f"LeNetZhu at initialisation, FedSGD round 0, {images} clients x 1 image of {dataset_name} (training indices "
-        f"{[i[0] for i in indices]}, drawn with seed {args.seed}); attacks: IG/GradInversion/adaptive Adam "
-        f"{budget.ig_iterations} iterations, DLG/iDLG/adaptive L-BFGS {budget.lbfgs_iterations} (adaptive L-BFGS: 4 "
-        f"restarts), Robbing the Fed {budget.rtf_bins} bins. Cells: mean PSNR (dB) over the images (fraction of "
+        f"LeNetZhu at initialisation, {at_round}, {len(indices)} clients x {batch} image(s) of {dataset_name} "
+        f"(training indices {chosen}, drawn with seed {args.seed}); attacks: IG/GradInversion/adaptive Adam "
+        f"{budget.ig_iterations} iterations, DLG/iDLG/adaptive L-BFGS {budget.lbfgs_iterations} (DLG/iDLG: "
+        f"{budget.lbfgs_restarts} restart(s), adaptive L-BFGS: 4), Robbing the Fed {budget.rtf_bins} bins. Cells: mean PSNR (dB) over the images (fraction of "
         f"images that attack leaks: {LeakRule().describe()}). 'adaptive (best)': the best of the defense's "
         "adaptive attacks; 'fb': it fell back to the published attack; 'err': it failed on some client (those images "
         "score 'not reconstructed'); 'T': scored against the transformed images the "
@@ -644,6 +701,12 @@ def main() -> None:
         "an image leaks or a worst-case mean crosses Refiner's thresholds, else 'inconclusive' when the audit is "
         "incomplete (an error, a fallback), else 'private'. "
         + (
+            "At a trained round the active attacks are not run (the active verdict names that gap), and a setting on "
+            "the plain-Trainer runner (DP-SGD) is not audited. "
+            if args.audit_round
+            else ""
+        )
+        + (
             "Accuracy and bytes: not measured in this run (--no-training)."
             if args.no_training
             else f"Accuracy after {rounds} FedSGD rounds (10 clients x 8 images, server Adam 1e-3; PriPrune: "
@@ -651,6 +714,7 @@ def main() -> None:
         )
         + (" QUICK RUN: budgets far too small for conclusions." if quick else "")
     )
+    suffix = matrix_suffix(batch, args.audit_round, quick)
     (args.output_dir / f"matrix{suffix}.md").write_text(f"# matrix\n\n{preamble}\n\n{table}\n")
     detailed = csv_rows(audits, training)
     with open(args.output_dir / f"matrix{suffix}.csv", "w", newline="") as handle:
@@ -666,16 +730,29 @@ def main() -> None:
             writer.writeheader()
             writer.writerows(trained)
     print("\n" + table)
-    write_figures(matrix_rows(audits, columns, training), columns, args.output_dir, suffix, source)
+    write_figures(matrix_rows(audits, columns, training), columns, args.output_dir, suffix, source, at_round)
 
 
-def write_figures(rows: list[MatrixRow], columns: list[str], output_dir: Path, suffix: str, source: str) -> str:
-    """Write the heatmap and the summary of ``rows``; return the summary."""
+def matrix_suffix(batch_size: int, audit_round: int, quick: bool) -> str:
+    """The run's file-name suffix: ``_batch{B}`` above batch 1, ``_round{R}`` past round 0, ``_quick``."""
+    return (
+        (f"_batch{batch_size}" if batch_size > 1 else "")
+        + (f"_round{audit_round}" if audit_round else "")
+        + ("_quick" if quick else "")
+    )
+
+
+def write_figures(
+    rows: list[MatrixRow], columns: list[str], output_dir: Path, suffix: str, source: str, stage: str = ""
+) -> str:
+    """Write the heatmap and the summary of ``rows`` (``stage``: the round audited, for the title);
+    return the summary."""
     both = choose(candidates(rows))
     quick = "QUICK RUN: budgets far too small for conclusions." if suffix == "_quick" else ""
     summary = matrix_summary(rows, source, quick, suffix)
     (output_dir / f"matrix{suffix}_summary.md").write_text(summary)
-    heatmap(rows, columns, output_dir / f"matrix{suffix}_heatmap.png", pick=both.pick.name if both.pick else None)
+    pick = both.pick.name if both.pick else None
+    heatmap(rows, columns, output_dir / f"matrix{suffix}_heatmap.png", pick=pick, stage=stage)
     print("\n" + summary)
     print(f"written: {output_dir}/matrix{suffix}_heatmap.png, matrix{suffix}_summary.md")
     return summary

@@ -21,6 +21,7 @@ from lightning_gp.attacks import (
     GradInversion,
     InvertingGradients,
     ServerView,
+    label_counts,
     parameter_gradients,
     recover_labels,
 )
@@ -257,8 +258,6 @@ def test_batch_labels_exact_for_distinct_labels_at_default_init(data, method: st
     view = make_view(seeded_lenet(seed, init="default"), x, y, data)
     recovered = recover_labels(view, method)
     assert recovered.tolist() == sorted(classes)  # sorted, exact set
-    if method == "yin":
-        assert torch.equal(recover_labels(view), recovered)  # "auto" is yin for B > 1
 
 
 def chance_overlap_tail(batches: int, labels: int = 5, classes: int = 10) -> list[float]:
@@ -321,9 +320,53 @@ def test_label_recovery_rejects_impossible_requests(data, single) -> None:
     with pytest.raises(ValueError, match="method must be one of"):
         recover_labels(pair, "largest")
     eleven = ServerView(model=view.model, gradients=view.gradients, batch_size=11, input_shape=SHAPE, num_classes=10)
-    for method in ("yin", "bias", "auto"):
+    for method in ("yin", "bias"):
         with pytest.raises(ValueError, match="distinct labels, impossible for 11 images of 10 classes"):
             recover_labels(eleven, method)
+
+
+def repeated_label_batch(data, seed: int, size: int = 16) -> tuple[Tensor, Tensor]:
+    """``size`` training images drawn by ``seed``: more than the 10 classes, so labels repeat."""
+    order = torch.randperm(len(data.train_dataset), generator=torch.Generator().manual_seed(seed))[:size]
+    return batch_of(data, order.tolist())
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_label_counts_are_exact_when_the_dummy_softmax_is_within_half_an_image(data, seed: int) -> None:
+    """``n_c = B (p_c - g_c)`` (Geng et al. 2021) with the true batch's mean softmax ``p`` is exact up
+    to float rounding; the server's dummy estimate ``p^`` moves each count by ``B |p^_c - p_c|``. When
+    that is under 1/2 for every class (checked here, at PyTorch's default init whose softmax is near
+    uniform), the largest-remainder rounding must return the true counts of a batch of 16 with
+    repeated labels, and ``"auto"`` must return those labels, sorted."""
+    x, y = repeated_label_batch(data, seed)
+    model = seeded_lenet(seed, init="default").double()
+    view = make_view(model, x.double(), y, data)
+    low, high = (bound.double() for bound in view.data_bounds())
+    dummy = low + (high - low) * torch.rand(
+        (256, *SHAPE), generator=torch.Generator().manual_seed(0), dtype=torch.float64
+    )
+    with torch.no_grad():
+        shift = 16 * (model(dummy).softmax(-1).mean(0) - model(x.double()).softmax(-1).mean(0)).abs().max()
+    assert float(shift) < 0.5, "precondition: the dummy softmax is within half an image of the batch's"
+    assert label_counts(view).tolist() == torch.bincount(y, minlength=10).tolist()
+    assert torch.equal(recover_labels(view), y.sort().values)
+
+
+def test_label_counts_without_a_bias_use_the_weight_rows(data) -> None:
+    """With no bias the weight rows carry the counts scaled by the mean feature sum ``O``. Features that
+    sum to 1 for every input (a softmax over the pixels) make ``O`` exact on any dummy input, and zero
+    weights make the class softmax exactly uniform: the counts of a batch of 12 must then be exact."""
+    x, y = repeated_label_batch(data, 0, size=12)
+    model = nn.Sequential(nn.Flatten(), nn.Softmax(dim=1), nn.Linear(28 * 28, 10, bias=False))
+    nn.init.zeros_(model[2].weight)
+    view = ServerView(
+        model=model,
+        gradients=parameter_gradients(model, nn.CrossEntropyLoss(), x, y, create_graph=False),
+        batch_size=12,
+        input_shape=SHAPE,
+        num_classes=10,
+    )
+    assert label_counts(view).tolist() == torch.bincount(y, minlength=10).tolist()
 
 
 def test_label_recovery_needs_a_final_linear_with_num_classes_outputs(data) -> None:

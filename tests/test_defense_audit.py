@@ -146,6 +146,16 @@ def test_unknown_catalogue_or_attack_names_are_errors_that_list_the_choices():
         AttackBudget(ig_iterations=0)
 
 
+def test_the_lbfgs_restarts_of_the_budget_reach_dlg_and_idlg():
+    budget = AttackBudget(lbfgs_iterations=3, lbfgs_restarts=3)
+    for spec in published_attacks(budget, ["DLG", "iDLG"]):
+        attack = spec.build(0, LeNetZhu())
+        assert (attack.restarts, attack.iterations) == (3, 3), spec.name
+    assert published_attacks(TINY, ["iDLG"])[0].build(0, LeNetZhu()).restarts == 1  # the default: one start
+    with pytest.raises(ValueError, match="lbfgs_restarts"):
+        AttackBudget(lbfgs_restarts=0)
+
+
 def test_matrix_quick_writes_the_table_the_csv_and_the_heatmap(tmp_path):
     result = run_benchmark(
         "matrix.py",
@@ -299,3 +309,26 @@ def test_baselines_quick_writes_the_summary_every_attack_and_soteria_cost(tmp_pa
     assert set(cost) == {"loop", "jacobian", "probes (k=10)", "probes (k=3)"}
     assert float(cost["jacobian"]["max rel. deviation from loop"]) < 1e-5
     assert 0.0 <= float(cost["probes (k=10)"]["pruned-set agreement"]) <= 1.0
+
+
+def test_matrix_batch_size_and_audit_rounds_reach_the_audit(tmp_path):
+    """``--images 4 --batch-size 2 --audit-rounds 0 2``: two clients of two images, one table per round;
+    at round 2 the audit itself reports the active attack as not run at that round (the round reached it)."""
+    result = run_benchmark(
+        "matrix.py", "--quick", "--threads", "1", "--sample", "--defenses", "undefended", "--attacks", "iDLG", "RtF",
+        "--images", "4", "--batch-size", "2", "--audit-rounds", "0", "2", "--lbfgs-iterations", "1",
+        "--no-lpips", "--no-training", "--output-dir", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 clients x 2 images" in result.stdout and "FedSGD round 2 after 2 rounds" in result.stdout
+    at_zero = (tmp_path / "matrix_batch2_quick.md").read_text()
+    at_two = (tmp_path / "matrix_batch2_round2_quick.md").read_text()
+    assert "2 clients x 2 image(s)" in at_zero and "FedSGD round 0," in at_zero
+    assert "FedSGD round 2 after 2 rounds of training" in at_two
+    with open(tmp_path / "matrix_batch2_round2_quick.csv") as handle:
+        rows = {(r["attack"], r["threat"]): r for r in csv.DictReader(handle)}
+    assert "RtF" not in {attack for attack, _ in rows}
+    assert "the active attack RtF was not run at round 2" in rows["worst case (active)", "active"]["note"]
+    assert "not run at round" not in rows["worst case (passive)", "passive"]["note"]
+    with open(tmp_path / "matrix_batch2_quick.csv") as handle:
+        assert "RtF" in {r["attack"] for r in csv.DictReader(handle)}

@@ -273,6 +273,29 @@ def test_matching_recovers_a_shuffle(sample, metric, lpips_metric):
     assert sorted(perm.tolist()) == list(range(8))
 
 
+def test_one_reconstruction_is_credited_to_one_original_only(sample):
+    """A batch attack that returns the same image for every slot (here: copies of original 0) earns
+    original 0 once: matching is one-to-one, so every other original is scored against a copy of
+    original 0, and the report's matched indices are all distinct."""
+    x = sample["pixels"]
+    assert all(float((x[0] - x[i]).pow(2).mean()) > 1e-3 for i in range(1, 8))  # the originals differ (< 30 dB)
+    copies = x[:1].expand_as(x).clone()
+    perm = match_reconstructions(copies, x)
+    assert sorted(perm.tolist()) == list(range(8))
+    mean, std = sample["mean"][0], sample["std"][0]
+    report = reconstruction_report(
+        Reconstruction(images=(copies - mean) / std, labels=None, attack="copies"),
+        sample["images"],
+        (sample["mean"], sample["std"]),
+        lpips=False,
+        noise_ratio=False,
+    )
+    assert sorted(row.matched_index for row in report.rows) == list(range(8))
+    # copies of original 0 are exact up to the normalisation's float rounding (far above 60 dB); every
+    # other original is 30 dB or less from them
+    assert [row.index for row in report.rows if row.psnr > 60] == [0]
+
+
 def test_matching_checks_arguments(sample):
     x = sample["pixels"]
     with pytest.raises(ValueError, match="metric"):

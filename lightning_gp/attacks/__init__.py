@@ -30,7 +30,7 @@ from lightning_gp.attacks.gradient_matching import (
     squared_l2_distance,
     total_variation,
 )
-from lightning_gp.attacks.labels import classification_layer, recover_labels
+from lightning_gp.attacks.labels import classification_layer, label_counts, recover_labels
 from lightning_gp.attacks.learned import (
     InverterCache,
     InverterConfig,
@@ -112,6 +112,7 @@ __all__ = [
     "find_precode",
     "graddefense_knowledge",
     "has_adaptive_attack",
+    "label_counts",
     "layer_noise_weights",
     "mark_fallback",
     "modelled_defense",

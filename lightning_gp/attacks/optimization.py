@@ -43,7 +43,13 @@ def known_or_recovered_labels(view: ServerView) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------- DLG
-@register_attack("DLG", order=0, build=lambda budget, seed, model: DLG(iterations=budget.lbfgs_iterations, seed=seed))
+@register_attack(
+    "DLG",
+    order=0,
+    build=lambda budget, seed, model: DLG(
+        iterations=budget.lbfgs_iterations, restarts=budget.lbfgs_restarts, seed=seed
+    ),
+)
 class DLG(GradientAttack):
     """Deep Leakage from Gradients (Zhu et al., NeurIPS 2019, Alg. 1).
 
@@ -143,7 +149,13 @@ class DLG(GradientAttack):
         return final, images.detach(), labels, trace
 
 
-@register_attack("iDLG", order=1, build=lambda budget, seed, model: IDLG(iterations=budget.lbfgs_iterations, seed=seed))
+@register_attack(
+    "iDLG",
+    order=1,
+    build=lambda budget, seed, model: IDLG(
+        iterations=budget.lbfgs_iterations, restarts=budget.lbfgs_restarts, seed=seed
+    ),
+)
 class IDLG(DLG):
     """Improved DLG (Zhao et al. 2020): recover the label analytically from the sign of the
     last layer's gradient (Sec. 3), then run DLG on the inputs alone with that label."""
@@ -501,8 +513,9 @@ class GradInversion(InvertingGradients):
     Minimises ``grad_weight * ||grad(x) - grad||^2 + tv_weight * TV(x) + l2_weight * ||x||^2
     + bn_weight * sum_l (||mu_l(x) - mu_l||_2 + ||var_l(x) - var_l||_2)``, where ``mu_l, var_l``
     are the BatchNorm running statistics of the model the server sent, with Adam and the
-    labels of :func:`recover_labels` (``"yin"``, the paper's Sec. 3.2). The BatchNorm prior
-    needs BatchNorm layers: pass ``bn_weight=0`` for models without them.
+    labels of :func:`recover_labels` (per-class counts for a batch; the paper's Sec. 3.2 rule
+    assumes distinct labels). The BatchNorm prior needs BatchNorm layers: pass ``bn_weight=0`` for
+    models without them.
     """
 
     def __init__(

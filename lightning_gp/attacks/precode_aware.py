@@ -97,8 +97,9 @@ class PRECODEAwareInversion(GradientAttack):
     Minimises ``feature_weight * (encoder residual + bias residual) + gradient_weight * (1 - cos)
     + tv_weight * TV(x)`` with Adam on signed gradients in the data box, the learning rate divided by
     10 at 3/8, 5/8, 7/8 of the run; of ``restarts`` runs the lowest objective wins. Labels from
-    ``view.labels`` or the output layer's bias gradient (``recover_labels(method="bias")``: its only
-    negative entries are the true classes, whatever ``eps``).
+    ``view.labels`` or the output layer's bias gradient: for one image its one negative entry
+    (``recover_labels(method="bias")``, whatever ``eps``), for a batch the per-class counts
+    (:func:`~lightning_gp.attacks.label_counts`; labels may repeat).
 
     Args:
         iterations, lr, tv_weight, restarts, signed, boxed, lr_decay: as :class:`~lightning_gp.attacks.InvertingGradients`.
@@ -231,7 +232,7 @@ class PRECODEAwareInversion(GradientAttack):
 
 def _labels(view: ServerView) -> Tensor:
     _, bias = classification_layer(view)
-    use_bias = bias is not None and view.batch_size <= view.num_classes
+    use_bias = bias is not None and view.batch_size == 1
     return recover_labels(view, method="bias" if use_bias else "auto").to(view.device)
 
 

@@ -565,14 +565,15 @@ class PrivacyAudit(SharedGradientObserver):
     def _labels_granted(self, batch_size: int, num_classes: int) -> str | None:
         """Why the attackers are given the client's true labels although ``labels_known=False``, or None.
 
-        Label recovery from a gradient assumes distinct labels, impossible when the batch holds more
-        images than there are classes; the audit then grants the true labels (a stronger attacker,
-        so the verdict can only err against the defense) instead of leaving every attack n/a."""
+        When the batch holds more images than there are classes its labels repeat, and what the
+        gradient gives is an estimate of each class's count (:func:`~lightning_gp.attacks.label_counts`),
+        which can be off by one; the audit then grants the true labels (a stronger attacker, so the
+        verdict can only err against the defense)."""
         if self.labels_known or batch_size <= num_classes:
             return None
         reason = (
             f"the attackers were given the true labels: a batch of {batch_size} images of {num_classes} classes "
-            "repeats labels, which label recovery from the gradient cannot handle (a stronger attacker)"
+            "repeats labels, whose counts the gradient gives only as an estimate (a stronger attacker)"
         )
         if not self._warned_labels:
             self._warned_labels = True
