@@ -267,15 +267,33 @@ def tap_defended_round(
     num_clients: int = 10,
     attack: GradientAttack | None = None,
     seed: int = 0,
+    round: int = 0,
 ) -> tuple[list[TappedGradient], nn.Module, dict[str, Any]]:
-    """Round 0 of ``setting`` with client ``c``'s batch the training images ``indices[c]``.
+    """Round ``round`` of ``setting`` with client ``c``'s batch the training images ``indices[c]``.
 
-    ``model`` is the server's model at the round (the caller seeds its initialisation); a setting
-    that changes the architecture (PRECODE) changes it, and an active ``attack`` (Robbing the Fed)
-    then replaces it, as a malicious server would. Returns the records in the parameter names of
-    the model the server sent (a wrapping module's prefix removed), that model (with the round's
-    weights in each record) and the server's secrets.
+    ``model`` is the server's model at initialisation (the caller seeds it); a setting that changes
+    the architecture (PRECODE) changes it, and an active ``attack`` (Robbing the Fed) then replaces
+    it, as a malicious server would. With ``round = r > 0`` the setting first trains ``r`` FedSGD
+    rounds (every client's batch drawn by the simulation's sampler) through the same defense
+    callbacks, so the tapped round sees the weights and the defenses' state (error-feedback
+    residuals, Outpost's step counters, ...) as they are at round ``r``; the records carry round
+    ``r``'s weights. Tapping a trained round needs the simulation runner and a passive server (an
+    active server would have sent its modified model in every earlier round).
+
+    Returns the records in the parameter names of the model the server sent (a wrapping module's
+    prefix removed), that model (with the round's weights in each record) and the server's secrets.
     """
+    check_int(round, "round", low=0)
+    if round > 0 and setting.runner == "trainer":
+        raise ValueError(
+            f"round={round}: tapping a trained round needs the simulation runner; {setting.name} runs on the "
+            "plain Trainer (runner='trainer'), whose audit taps round 0 only"
+        )
+    if round > 0 and getattr(attack, "modify_model", None) is not None:
+        raise ValueError(
+            f"round={round}: an active attack ({type(attack).__name__}) sends its model from round 0, so only round 0 "
+            "can be tapped with it"
+        )
     datamodule.setup("fit")
     model, secrets = malicious_server_model(attack, setting.server_model(copy.deepcopy(model)), datamodule)
     if setting.runner == "trainer":
@@ -293,6 +311,7 @@ def tap_defended_round(
         server_optimizer=setting.server_optimizer,
         server_lr=setting.server_lr,
         seed=seed,
+        round=round,
     )
     if setting.wrap is not None:
         records = [_strip_wrapper(r, "module.") for r in records]

@@ -406,6 +406,7 @@ def audit_setting(
     log: Callable[[str], None] = print,
     aggregate: bool = False,
     client_dp: ClientLevelDP | None = None,
+    round: int = 0,
 ) -> SettingAudit:
     """Attack the clients of ``setting`` (client ``c`` holds the training images ``indices[c]``,
     the model at ``model``'s weights) with every ``published`` attack and, with ``adaptive``, the
@@ -416,18 +417,31 @@ def audit_setting(
     ``aggregate=True`` adds the secure-aggregation view (module docstring): the published passive
     attacks on the round's mean of the clients' defended updates, every image of every client scored;
     with ``client_dp`` that mean is DP-FedAvg's (each update clipped, the sum noised, divided by the
-    number of clients) and its bound is DP-FedAvg's round."""
+    number of clients) and its bound is DP-FedAvg's round.
+
+    ``round = r > 0`` attacks round ``r`` after ``r`` rounds of training under the setting, with
+    the defenses' state as it is then (:func:`~lightning_gp.audit.rounds.tap_defended_round`);
+    audit ``rounds=[0, r]`` with one call per round. The active attacks (a modified model) are not
+    run at a trained round, so the active verdict there names that gap and is never "private"."""
     data: Any = datamodule
     rule = rule if rule is not None else LeakRule()
     reference = reference_pixels(datamodule)
     passive_records, sent_model, _ = tap_defended_round(
-        setting, model, datamodule, indices=indices, num_clients=num_clients, seed=seed
+        setting, model, datamodule, indices=indices, num_clients=num_clients, seed=seed, round=round
     )
     cells: list[Cell] = []
     results: dict[str, list[AttackResult]] = {}
+    gaps: list[str] = []
+    active_gaps: list[str] = []  # what only the active threat model misses
 
     def run(name: str, kind: AttackKind, attacks: list[GradientAttack]) -> None:
         threat = _threat(attacks[0])
+        if threat == "active" and round > 0:
+            log(
+                f"   {name} on {setting.name}: not run at round {round} (an active server's model is sent from round 0)"
+            )
+            active_gaps.append(f"the active attack {name} was not run at round {round}")
+            return
         if threat == "active":  # the server sends its own model this round
             records, active_model, secrets = tap_defended_round(
                 setting, model, datamodule, indices=indices, num_clients=num_clients, attack=attacks[0], seed=seed
@@ -446,7 +460,6 @@ def audit_setting(
 
     for spec in published:
         run(spec.name, spec.kind, [spec.build(seed + c, sent_model) for c in range(len(indices))])
-    gaps: list[str] = []
     per_client: list[list[GradientAttack]] = []
     if adaptive and not setting.undefended:
         per_client = [
@@ -473,7 +486,10 @@ def audit_setting(
             if name in results:
                 cost = results[name][0].reconstruction.meta.get("training", {})
                 log(f"   {name} on {setting.name}: inverter {_training_summary(cost)}")
-    judged = {threat: _judge(threat, cells, results, rule, gaps, reference) for threat in THREAT_MODELS}
+    judged = {
+        threat: _judge(threat, cells, results, rule, gaps + (active_gaps if threat == "active" else []), reference)
+        for threat in THREAT_MODELS
+    }
     bound = _formal_bound(setting, model, passive_records, results, reference, rule)
     audit = SettingAudit(setting.name, cells, judged["passive"], judged["active"], results, bound)
     if aggregate or client_dp is not None:
