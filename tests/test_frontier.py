@@ -34,6 +34,8 @@ from lightning_gp.models import LeNetZhu
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+ROOT = Path(__file__).resolve().parents[1]
+
 TINY = AttackBudget(ig_iterations=2, lbfgs_iterations=2, rtf_bins=4)
 
 
@@ -210,3 +212,16 @@ def test_the_cli_runs_a_frontier_from_yaml_and_resumes(tmp_path: Path, capsys) -
     capsys.readouterr()
     main(["frontier", "--config", str(yaml), "--output_dir", str(out)])
     assert "2 jobs (1 audits, 1 trainings); 2 already done" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["frontier_quick", "frontier"])
+def test_the_shipped_frontier_configs_validate(name: str, tmp_path: Path, capsys) -> None:
+    """Every strength of the shipped grids is in its defense's range (``--check`` builds each
+    setting); the published config on the sample's datamodule, so the check needs no download."""
+    from lightning_gp.cli import main
+
+    text = (ROOT / "configs" / f"{name}.yaml").read_text()
+    copy = tmp_path / f"{name}.yaml"
+    copy.write_text(text.replace("data.FashionMNISTDataModule", "data.FashionMNISTSampleDataModule"))
+    main(["frontier", "--config", str(copy), "--check", "true"])
+    assert "config ok:" in capsys.readouterr().out

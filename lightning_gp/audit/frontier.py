@@ -29,7 +29,6 @@ from lightning_gp.audit.frontier_report import (
     write_csv,
 )
 from lightning_gp.audit.frontier_run import (
-    RESULTS_FILE,
     Backend,
     Job,
     Progress,
@@ -74,8 +73,8 @@ def frontier(
     log: Callable[[str], None] = print,
     on_job: Callable[[Job, dict[str, Any]], None] | None = None,
 ) -> FrontierResult:
-    """Run the frontier of ``config``; with ``output_dir`` write ``frontier_points.jsonl`` (each job
-    as it finishes; a rerun skips the jobs found there) and ``<name>.csv``, ``<name>.md``, ``<name>.png``.
+    """Run the frontier of ``config``; with ``output_dir`` write ``<name>_points.jsonl`` (each job as
+    it finishes; a rerun skips the jobs found there) and ``<name>.csv``, ``<name>.md``, ``<name>.png``.
 
     Args:
         workers: jobs run at once (``1``: in this process; ``backend="local"``: spawned processes).
@@ -88,7 +87,8 @@ def frontier(
     datamodule, _ = check_frontier_config(config)
     jobs = frontier_jobs(config, int(datamodule.image_shape[0]))
     directory = None if output_dir is None else Path(output_dir)
-    store = ResultStore(None if directory is None else directory / RESULTS_FILE, fingerprint(config))
+    results = f"{name}_points.jsonl"
+    store = ResultStore(None if directory is None else directory / results, fingerprint(config))
     records = store.load()
     todo = [job for job in jobs if job.key not in records]
     log(
@@ -112,5 +112,5 @@ def frontier(
         write_csv(points, directory / f"{name}.csv")
         (directory / f"{name}.md").write_text(result.markdown(title, context))
         save_frontier_figure(points, directory / f"{name}.png", title=title)
-        result.files = [directory / RESULTS_FILE, *(directory / f"{name}.{ext}" for ext in ("csv", "md", "png"))]
+        result.files = [directory / results, *(directory / f"{name}.{ext}" for ext in ("csv", "md", "png"))]
     return result

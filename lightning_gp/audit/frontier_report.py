@@ -149,17 +149,14 @@ def _with_pareto(points: list[FrontierPoint]) -> list[FrontierPoint]:
     for i, p in enumerate(points):
         groups.setdefault((p.batch_size, p.stage, p.threat), []).append(i)
     for members in groups.values():
-        objectives = [
-            [
-                None if points[i].pmm is None else -points[i].pmm,
-                points[i].worst_psnr,
-                points[i].leak_fraction,
-            ]
-            for i in members
-        ]
+        objectives = [[_negated(points[i].pmm), points[i].worst_psnr, points[i].leak_fraction] for i in members]
         for i, on in zip(members, pareto_mask(objectives)):
             out[i] = FrontierPoint(**{**asdict(points[i]), "pareto": on})
     return out
+
+
+def _negated(value: float | None) -> float | None:
+    return None if value is None else -value
 
 
 @dataclass(frozen=True)
@@ -325,7 +322,7 @@ def save_frontier_figure(points: Sequence[FrontierPoint], path: Path, *, title: 
                 ax.plot(xs, ys, "-", marker=marker, color=colour[g], markersize=7 if g == "undefended" else 4, lw=1)
                 for p, x, y in zip(line_points, xs, ys):
                     if p.verdict == "private":
-                        ax.plot([x], [y], "s", color="#1a9850", markersize=6, zorder=4)
+                        ax.plot([x], [y], "s", mfc="none", mec="#1a9850", mew=1.5, markersize=9, zorder=4)
             front = sorted((p for p in group if p.pareto and _plottable(p)), key=lambda p: p.pmm)  # type: ignore[arg-type, return-value]
             if front:
                 fx = [p.pmm for p in front]
@@ -341,12 +338,12 @@ def save_frontier_figure(points: Sequence[FrontierPoint], path: Path, *, title: 
     handles += [
         Line2D([], [], color="black", ls="--", marker="o", mfc="none", label="Pareto set"),
         Line2D([], [], color="#d73027", ls=":", label=f"leak line (PSNR {line:g} dB)"),
-        Line2D([], [], color="#1a9850", ls="", marker="s", label="private"),
+        Line2D([], [], color="#1a9850", ls="", marker="s", mfc="none", label="private (green square)"),
     ]
     fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=8, frameon=False)
     if title:
         fig.suptitle(title, fontsize=11)
-    fig.tight_layout(rect=(0, 0.9 / (3.6 * len(rows) + 1.6) * 1.6, 1, 0.97))
+    fig.tight_layout(rect=(0, 1.0 / (3.6 * len(rows) + 1.6), 1, 0.97))
     fig.savefig(path, dpi=100)
 
 

@@ -4,7 +4,7 @@ backends that run jobs (this process, local worker processes, or a Ray cluster).
 A **job** is one audit (a setting at one batch size and one stage: :func:`audit_point`, which is
 :func:`~lightning_gp.audit.audit_setting` and nothing more) or one training (a setting at one batch
 size: :func:`~lightning_gp.audit.train_setting`, for PMM, time and bytes). Each finished job is
-appended to ``frontier_points.jsonl`` at once, keyed by what it computed and by a fingerprint of the
+appended to ``<name>_points.jsonl`` at once, keyed by what it computed and by a fingerprint of the
 config fields every job depends on; a rerun with the same config skips the jobs it finds there, so an
 interrupted run resumes where it stopped, and a changed budget or model never reuses stale lines.
 
@@ -32,12 +32,13 @@ import torch
 
 from lightning_gp.audit.catalog import DefenseSetting
 from lightning_gp.audit.frontier_grid import FrontierConfig, PointSpec, build_spec, grid_points
+from lightning_gp.audit.quiet import library_noise_silenced
 from lightning_gp.audit.setting_audit import THREAT_MODELS, SettingAudit, audit_setting, published_attacks
 from lightning_gp.audit.training import train_setting
 
 Backend = Literal["local", "ray"]
 JobKind = Literal["audit", "train"]
-RESULTS_FILE = "frontier_points.jsonl"
+RESULTS_FILE = "frontier_points.jsonl"  # of a run named "frontier": ``<name>_points.jsonl``
 
 
 @dataclass(frozen=True)
@@ -200,14 +201,19 @@ def audit_point(
 def audit_record(audit: SettingAudit) -> dict[str, Any]:
     """What the frontier keeps of an audit: per threat model the verdict, the leak fraction, the
     worst-case means and reasons; per attack its status and scores; the ReRo bound where one exists."""
-    threats = {}
+    threats: dict[str, dict[str, Any]] = {}
     for threat in THREAT_MODELS:
         report = audit.passive if threat == "passive" else audit.active
         if report is None:
-            threats[threat] = {"verdict": "inconclusive", "leak_fraction": None, "psnr": None, "ssim": None}
-            threats[threat]["lpips"] = None
-            threats[threat]["reasons"] = ["no attack produced a report"]
-            threats[threat]["strongest"] = []
+            threats[threat] = {
+                "verdict": "inconclusive",
+                "leak_fraction": None,
+                "psnr": None,
+                "ssim": None,
+                "lpips": None,
+                "reasons": ["no attack produced a report"],
+                "strongest": [],
+            }
             continue
         threats[threat] = {
             "verdict": report.verdict,
@@ -251,7 +257,13 @@ def _cached(name: str, build: Callable[[], Any]) -> Any:
 
 
 def run_job(job: Job, config: FrontierConfig) -> dict[str, Any]:
-    """Run one job (in any process: everything it needs is in ``job`` and ``config``)."""
+    """Run one job (in any process: everything it needs is in ``job`` and ``config``), without the
+    libraries' known noise (:func:`~lightning_gp.audit.quiet.library_noise_silenced`)."""
+    with library_noise_silenced():
+        return _run_job(job, config)
+
+
+def _run_job(job: Job, config: FrontierConfig) -> dict[str, Any]:
     torch.set_num_threads(config.threads)
     key = json.dumps(config.datamodule, sort_keys=True, default=repr)
     datamodule = _cached(f"data:{key}", lambda: build_spec(config.datamodule, "datamodule"))
