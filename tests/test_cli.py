@@ -18,8 +18,9 @@ from lightning_gp.cli.demo import main as demo_main
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
-# attack_*: `lightning-gp attack`; refiner_evaluator_*: `lightning-gp refiner train-evaluator`
-FIT_CONFIGS = [c for c in CONFIGS if not c.stem.startswith(("attack_", "refiner_evaluator_"))]
+# attack_*: `lightning-gp attack`; refiner_evaluator_*: `lightning-gp refiner train-evaluator`;
+# frontier*: `lightning-gp frontier` (tests/test_frontier.py)
+FIT_CONFIGS = [c for c in CONFIGS if not c.stem.startswith(("attack_", "refiner_evaluator_", "frontier"))]
 ATTACK_CONFIGS = [c for c in CONFIGS if c.stem.startswith("attack_")]
 
 

@@ -42,8 +42,8 @@ from lightning_gp.attacks import registry
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 
-PYTHON_BLOCKS = 15
-BASH_BLOCKS = 6
+PYTHON_BLOCKS = 16
+BASH_BLOCKS = 7
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

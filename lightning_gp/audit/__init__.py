@@ -17,7 +17,10 @@ One idea per module, layered bottom-up (no module imports one above it):
   accuracy, never an inconclusive one), as a one-screen Markdown summary;
 - :mod:`.figure`: the figure of one audited batch (:func:`save_audit_figure`: the verdict, the rule,
   each image's worst case, bounded in size);
-- :mod:`.callback`: :class:`PrivacyAudit`, the audit inside a user's own training run.
+- :mod:`.callback`: :class:`PrivacyAudit`, the audit inside a user's own training run;
+- :mod:`.frontier_grid`, :mod:`.frontier_run`, :mod:`.frontier_report`, :mod:`.frontier`: the
+  privacy-utility frontier (:func:`frontier`): defense families swept over their strengths, batch
+  sizes and stages, the Pareto set and the recommendation.
 
 The flow: catalogue -> :class:`DefenseSetting` -> tapped round (what each client shared) -> every
 published attack and the setting's adaptive attack (:func:`attack_record`) -> per-attack reports ->
@@ -29,6 +32,9 @@ from lightning_gp.audit.callback import AuditResult, PrivacyAudit
 from lightning_gp.audit.catalog import CatalogEntry, DefenseSetting, defense_catalog, register_defense
 from lightning_gp.audit.engine import AttackResult, attack_record, attacker_loss, mean_scores
 from lightning_gp.audit.figure import save_audit_figure
+from lightning_gp.audit.frontier import FrontierResult, frontier
+from lightning_gp.audit.frontier_grid import Family, Fixed, FrontierConfig, Grid, frontier_families, register_family
+from lightning_gp.audit.frontier_report import FrontierPoint, Recommendation, pareto_mask
 from lightning_gp.audit.learned import learned_inversion_attacks, setting_simulator, simulation_refusal
 from lightning_gp.audit.quiet import internal_trainer, library_noise_silenced, quiet_lightning
 from lightning_gp.audit.rounds import aggregate_record, malicious_server_model, tap_defended_round, tap_fedsgd_round
@@ -71,9 +77,16 @@ __all__ = [
     "Cell",
     "Choice",
     "DefenseSetting",
+    "Family",
+    "Fixed",
     "FormalBound",
+    "FrontierConfig",
+    "FrontierPoint",
+    "FrontierResult",
+    "Grid",
     "LeakRule",
     "PrivacyAudit",
+    "Recommendation",
     "SettingAudit",
     "TrainingResult",
     "WorstCaseReport",
@@ -86,15 +99,19 @@ __all__ = [
     "combined_verdict",
     "defense_catalog",
     "defense_mechanism",
+    "frontier",
+    "frontier_families",
     "internal_trainer",
     "learned_inversion_attacks",
     "library_noise_silenced",
     "malicious_server_model",
     "mean_scores",
+    "pareto_mask",
     "prior_only_kappa",
     "published_attacks",
     "quiet_lightning",
     "register_defense",
+    "register_family",
     "save_audit_figure",
     "setting_bound",
     "setting_simulator",

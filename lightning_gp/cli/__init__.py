@@ -5,6 +5,7 @@
     lightning-gp test --config configs/fedsgd_undefended.yaml --ckpt_path=path/to/last.ckpt
     lightning-gp attack --config configs/attack_inverting_gradients.yaml
     lightning-gp refiner train-evaluator --config configs/refiner_evaluator_1ch.yaml
+    lightning-gp frontier --config configs/frontier_quick.yaml
 
 Models, datamodules and callbacks are chosen by class path in the YAML (``class_path:
 lightning_gp.callbacks.MagnitudePruning``); any importable LightningModule or datamodule works.
@@ -60,7 +61,8 @@ class LightningGPCLI(LightningCLI):
 
 
 def main(args: Any = None) -> None:
-    """Console entry point (``lightning-gp``): ``attack`` (an audit), ``refiner`` (Refiner tools), else LightningCLI."""
+    """Console entry point (``lightning-gp``): ``attack`` (an audit), ``frontier`` (the privacy-utility
+    frontier), ``refiner`` (Refiner tools), else LightningCLI."""
     argv = sys.argv[1:] if args is None else args
     if isinstance(argv, list) and argv in ([], ["-h"], ["--help"]):
         from lightning_gp.cli.help import TOP_HELP
@@ -73,6 +75,13 @@ def main(args: Any = None) -> None:
 
         with library_noise_silenced():
             attack_main(argv[1:])
+        return
+    if isinstance(argv, list) and argv[:1] == ["frontier"]:
+        from lightning_gp.audit.quiet import library_noise_silenced
+        from lightning_gp.cli.frontier import main as frontier_main
+
+        with library_noise_silenced():
+            frontier_main(argv[1:])
         return
     if isinstance(argv, list) and argv[:1] == ["refiner"]:
         from lightning_gp.refiner.cli import main as refiner_main

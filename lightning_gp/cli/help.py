@@ -15,12 +15,14 @@ commands:
   fit        train from a config: a Trainer with defense callbacks (LightningCLI;
              also validate, test, predict)
   attack     attack one FedSGD round's shared gradients and score the reconstructions
+  frontier   sweep defenses over their strengths: which setting keeps images private, at what cost
   refiner    Refiner tools: train-evaluator (the network that rates robust data)
 
 examples:
   lightning-gp fit --config configs/fedsgd_magnitude_pruning.yaml
   lightning-gp fit --config configs/fedsgd_magnitude_pruning.yaml --trainer.fast_dev_run=true
   lightning-gp attack --config configs/attack_inverting_gradients.yaml
+  lightning-gp frontier --config configs/frontier_quick.yaml --output_dir runs/frontier_quick
   lightning-gp refiner train-evaluator --config configs/refiner_evaluator_1ch.yaml
 
 Every option of a command: lightning-gp fit --help, lightning-gp attack --help-full.

@@ -1,0 +1,116 @@
+"""The privacy-utility frontier: which defense at which strength keeps a client's images private
+against the strongest attacker, at the smallest cost in accuracy, time and bytes.
+
+:func:`frontier` sweeps every grid of a :class:`~lightning_gp.audit.frontier_grid.FrontierConfig`
+(each defense family over its strength knob, compositions included) over the client batch sizes and
+model stages, audits each point with :func:`~lightning_gp.audit.audit_setting` (the worst case over
+every published, adaptive and active attack, per threat model), trains each setting once per batch
+size (PMM, time and upload bytes, :func:`~lightning_gp.audit.train_setting`), and reads out the
+Pareto set and the recommendation (:mod:`~lightning_gp.audit.frontier_report`). A bad config fails
+before any work (:func:`~lightning_gp.audit.frontier_grid.check_frontier_config`); a run writes each
+finished job at once and a rerun resumes (:mod:`~lightning_gp.audit.frontier_run`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lightning_gp.audit.frontier_grid import FrontierConfig, check_frontier_config
+from lightning_gp.audit.frontier_report import (
+    FrontierPoint,
+    Recommendation,
+    frontier_markdown,
+    frontier_points,
+    recommend,
+    save_frontier_figure,
+    write_csv,
+)
+from lightning_gp.audit.frontier_run import (
+    Backend,
+    Job,
+    Progress,
+    ResultStore,
+    execute,
+    fingerprint,
+    frontier_jobs,
+)
+from lightning_gp.validation import check_choice, check_positive_int
+
+
+@dataclass
+class FrontierResult:
+    """A finished frontier.
+
+    Attributes:
+        points: one per setting x batch size x stage x threat model (:class:`FrontierPoint`).
+        recommendations: per batch size and threat model, the pick or the closest point.
+        ran: the jobs this call ran (the others were read back from the results file).
+        files: what was written (the results file, the CSV, the Markdown, the figure).
+    """
+
+    points: list[FrontierPoint]
+    recommendations: list[Recommendation]
+    ran: list[Job] = field(default_factory=list)
+    files: list[Path] = field(default_factory=list)
+
+    def markdown(self, title: str = "Privacy-utility frontier", context: tuple[str, ...] = ()) -> str:
+        return frontier_markdown(self.points, title=title, context=context)
+
+
+def frontier(
+    config: FrontierConfig,
+    output_dir: str | Path | None = None,
+    *,
+    workers: int = 1,
+    backend: Backend = "local",
+    ray_address: str | None = None,
+    name: str = "frontier",
+    title: str = "Privacy-utility frontier",
+    context: tuple[str, ...] = (),
+    log: Callable[[str], None] = print,
+    on_job: Callable[[Job, dict[str, Any]], None] | None = None,
+) -> FrontierResult:
+    """Run the frontier of ``config``; with ``output_dir`` write ``<name>_points.jsonl`` (each job as
+    it finishes; a rerun skips the jobs found there) and ``<name>.csv``, ``<name>.md``, ``<name>.png``.
+
+    Args:
+        workers: jobs run at once (``1``: in this process; ``backend="local"``: spawned processes).
+        backend: ``"local"`` or ``"ray"`` (``ray_address``: an existing cluster; else a local one).
+        log: where the progress lines go (one per finished job, with an ETA).
+        on_job: called with each finished job and its record, after it is written.
+    """
+    check_positive_int(workers, "workers")
+    check_choice(backend, "backend", ("local", "ray"))
+    datamodule, _ = check_frontier_config(config)
+    jobs = frontier_jobs(config, int(datamodule.image_shape[0]))
+    directory = None if output_dir is None else Path(output_dir)
+    results = f"{name}_points.jsonl"
+    store = ResultStore(None if directory is None else directory / results, fingerprint(config))
+    records = store.load()
+    todo = [job for job in jobs if job.key not in records]
+    log(
+        f"frontier: {len(jobs)} jobs ({sum(j.kind == 'audit' for j in jobs)} audits, "
+        f"{sum(j.kind == 'train' for j in jobs)} trainings); {len(jobs) - len(todo)} already done"
+        + (f" in {store.path}" if store.path is not None else "")
+    )
+    progress = Progress(len(jobs), len(jobs) - len(todo), workers, log)
+    ran = []
+    for job, record in execute(todo, config, workers=workers, backend=backend, ray_address=ray_address):
+        store.append(job.key, record)
+        records[job.key] = record
+        ran.append(job)
+        progress.update(job, record)
+        if on_job is not None:
+            on_job(job, record)
+    points = frontier_points(jobs, records)
+    result = FrontierResult(points, recommend(points), ran)
+    if directory is not None:
+        directory.mkdir(parents=True, exist_ok=True)
+        write_csv(points, directory / f"{name}.csv")
+        (directory / f"{name}.md").write_text(result.markdown(title, context))
+        save_frontier_figure(points, directory / f"{name}.png", title=title)
+        result.files = [directory / results, *(directory / f"{name}.{ext}" for ext in ("csv", "md", "png"))]
+    return result

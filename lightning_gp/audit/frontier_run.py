@@ -1,0 +1,362 @@
+"""Running a frontier: its jobs, the results file a rerun resumes from, progress with an ETA, and the
+backends that run jobs (this process, local worker processes, or a Ray cluster).
+
+A **job** is one audit (a setting at one batch size and one stage: :func:`audit_point`, which is
+:func:`~lightning_gp.audit.audit_setting` and nothing more) or one training (a setting at one batch
+size: :func:`~lightning_gp.audit.train_setting`, for PMM, time and bytes). Each finished job is
+appended to ``<name>_points.jsonl`` at once, keyed by what it computed and by a fingerprint of the
+config fields every job depends on; a rerun with the same config skips the jobs it finds there, so an
+interrupted run resumes where it stopped, and a changed budget or model never reuses stale lines.
+
+Backends: ``"local"`` runs the jobs in this process (``workers=1``) or in ``workers`` spawned
+processes; ``"ray"`` sends them to Ray (``ray.init(address=...)`` to join a cluster, else a local one
+of ``workers`` CPUs), the engine the Flower extra already installs (``pip install
+lightning-gp[frontier-ray]``), never a scheduler of our own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import multiprocessing
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning as L
+import torch
+
+from lightning_gp.audit.catalog import DefenseSetting
+from lightning_gp.audit.frontier_grid import FrontierConfig, PointSpec, build_spec, grid_points
+from lightning_gp.audit.quiet import library_noise_silenced
+from lightning_gp.audit.setting_audit import THREAT_MODELS, SettingAudit, audit_setting, published_attacks
+from lightning_gp.audit.training import train_setting
+
+Backend = Literal["local", "ray"]
+JobKind = Literal["audit", "train"]
+RESULTS_FILE = "frontier_points.jsonl"  # of a run named "frontier": ``<name>_points.jsonl``
+
+
+@dataclass(frozen=True)
+class Job:
+    """One unit of work: an audit of ``point`` at ``batch_size`` and ``stage``, or its training."""
+
+    kind: JobKind
+    point: PointSpec
+    setting: str  # the setting's name (every keyword of every defense of it)
+    batch_size: int
+    stage: int = 0
+
+    @property
+    def key(self) -> str:
+        where = f"B={self.batch_size}" + (f"|round={self.stage}" if self.kind == "audit" else "")
+        return f"{self.kind}|{self.setting}|{where}"
+
+    def describe(self) -> str:
+        what = f"round {self.stage}" if self.kind == "audit" else "training"
+        return f"{self.setting} B={self.batch_size} {what}"
+
+
+def frontier_jobs(config: FrontierConfig, channels: int) -> list[Job]:
+    """Every job of the run: per setting and batch size its training, then its audit at each stage."""
+    jobs = []
+    for point in grid_points(config):
+        name = point.setting(config, channels).name
+        for size in config.batch_sizes:
+            jobs.append(Job("train", point, name, size))
+            jobs += [Job("audit", point, name, size, stage) for stage in config.stages]
+    return jobs
+
+
+def fingerprint(config: FrontierConfig) -> str:
+    """A hash of what every job's result depends on besides its own setting, batch size and stage."""
+    shared = {
+        "model": config.model,
+        "datamodule": config.datamodule,
+        "images": config.images,
+        "train_rounds": config.train_rounds,
+        "num_clients": config.num_clients,
+        "attacks": config.attacks,
+        "budget": asdict(config.budget),
+        "lpips": config.lpips,
+        "seed": config.seed,
+    }
+    return hashlib.sha256(json.dumps(shared, sort_keys=True, default=repr).encode()).hexdigest()[:16]
+
+
+class ResultStore:
+    """Finished jobs, one JSON line each (``None`` path: in memory only)."""
+
+    def __init__(self, path: Path | None, fingerprint: str) -> None:
+        self.path = path
+        self.fingerprint = fingerprint
+
+    def load(self) -> dict[str, dict[str, Any]]:
+        """The records of this config's finished jobs by key (lines of another config are ignored; a
+        line cut short by a kill is dropped, its job runs again)."""
+        if self.path is None or not self.path.is_file():
+            return {}
+        done = {}
+        for line in self.path.read_text().splitlines():
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if entry.get("fingerprint") == self.fingerprint:
+                done[entry["key"]] = entry["record"]
+        return done
+
+    def append(self, key: str, record: dict[str, Any]) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps({"fingerprint": self.fingerprint, "key": key, "record": record}) + "\n")
+            handle.flush()
+
+
+class Progress:
+    """A progress bar over jobs with an ETA: the wall time per job finished in this run (with
+    ``workers`` in parallel, a job's time over the workers) times the jobs left."""
+
+    def __init__(self, total: int, done: int, workers: int, log: Callable[[str], None], width: int = 24) -> None:
+        self.total, self.done, self.workers, self.log, self.width = total, done, workers, log, width
+        self.start = time.perf_counter()
+        self.ran = 0
+
+    def update(self, job: Job, record: dict[str, Any]) -> str:
+        self.done += 1
+        self.ran += 1
+        elapsed = time.perf_counter() - self.start
+        left = self.total - self.done
+        eta = elapsed / self.ran * left  # jobs finish in parallel: elapsed / ran is already per worker
+        filled = round(self.width * self.done / max(1, self.total))
+        line = (
+            f"[{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} {job.describe()}: "
+            f"{record_summary(record)} | elapsed {_clock(elapsed)}, ETA {_clock(eta)}"
+        )
+        self.log(line)
+        return line
+
+
+def _clock(seconds: float) -> str:
+    whole = round(seconds)
+    return f"{whole // 3600}:{whole % 3600 // 60:02d}:{whole % 60:02d}"
+
+
+def record_summary(record: dict[str, Any]) -> str:
+    """One job's result in a few words."""
+    if record.get("skipped"):
+        return f"not audited ({record['skipped']})"
+    if record["kind"] == "train":
+        return f"test acc {record['test_acc']:.3f} ({record['seconds']:.0f} s)"
+    verdicts = ", ".join(f"{t} {record['threats'][t]['verdict']}" for t in THREAT_MODELS)
+    return f"{verdicts} ({record['seconds']:.0f} s)"
+
+
+def attacked_images(datamodule: Any, images: int, batch_size: int, seed: int) -> list[list[int]]:
+    """``ceil(images / batch_size)`` clients of ``batch_size`` training images each, drawn by ``seed``
+    (the same images for every setting at one batch size)."""
+    clients = math.ceil(images / batch_size)
+    datamodule.setup("fit")
+    order = torch.randperm(len(datamodule.train_dataset), generator=torch.Generator().manual_seed(seed))
+    chosen = [int(i) for i in order[: clients * batch_size]]
+    return [chosen[c * batch_size : (c + 1) * batch_size] for c in range(clients)]
+
+
+def audit_point(
+    setting: DefenseSetting,
+    config: FrontierConfig,
+    datamodule: Any,
+    *,
+    batch_size: int,
+    stage: int,
+    lpips_fn: Any = None,
+    log: Callable[[str], None] = print,
+) -> SettingAudit:
+    """The audit of one point: :func:`~lightning_gp.audit.audit_setting` on ``setting`` with the
+    model built from ``config.model`` under ``config.seed``, the attacked images of
+    :func:`attacked_images` and round ``stage``; the frontier adds no scoring of its own."""
+    L.seed_everything(config.seed, verbose=False)
+    model = build_spec(config.model, "model")
+    return audit_setting(
+        setting,
+        model,
+        datamodule,
+        indices=attacked_images(datamodule, config.images, batch_size, config.seed),
+        published=published_attacks(config.budget, config.attacks),
+        budget=config.budget,
+        num_clients=config.num_clients,
+        seed=config.seed,
+        lpips_fn=lpips_fn,
+        log=log,
+        round=stage,
+    )
+
+
+def audit_record(audit: SettingAudit) -> dict[str, Any]:
+    """What the frontier keeps of an audit: per threat model the verdict, the leak fraction, the
+    worst-case means and reasons; per attack its status and scores; the ReRo bound where one exists."""
+    threats: dict[str, dict[str, Any]] = {}
+    for threat in THREAT_MODELS:
+        report = audit.passive if threat == "passive" else audit.active
+        if report is None:
+            threats[threat] = {
+                "verdict": "inconclusive",
+                "leak_fraction": None,
+                "psnr": None,
+                "ssim": None,
+                "lpips": None,
+                "reasons": ["no attack produced a report"],
+                "strongest": [],
+            }
+            continue
+        threats[threat] = {
+            "verdict": report.verdict,
+            "leak_fraction": report.leak_fraction,
+            "psnr": report.means.get("psnr"),
+            "ssim": report.means.get("ssim"),
+            "lpips": report.means.get("lpips"),
+            "reasons": list(report.verdict_reasons),
+            "strongest": sorted({a for row in report.rows for a in row.leaked_by}),
+        }
+    bound = audit.bound
+    return {
+        "kind": "audit",
+        "setting": audit.setting,
+        "threats": threats,
+        "cells": [
+            {
+                "attack": c.attack,
+                "kind": c.kind,
+                "threat": c.threat,
+                "status": c.status,
+                "psnr": c.means.get("psnr"),
+                "leak_fraction": c.leak_fraction,
+                "note": c.note,
+            }
+            for c in audit.cells
+        ],
+        "rero_eta": None if bound is None else bound.eta,
+        "rero_kappa": None if bound is None else bound.kappa,
+        "seconds": sum(c.seconds for c in audit.cells),
+    }
+
+
+_CACHE: dict[str, Any] = {}  # per process: the datamodule and LPIPS, built once for every job
+
+
+def _cached(name: str, build: Callable[[], Any]) -> Any:
+    if name not in _CACHE:
+        _CACHE[name] = build()
+    return _CACHE[name]
+
+
+def run_job(job: Job, config: FrontierConfig) -> dict[str, Any]:
+    """Run one job (in any process: everything it needs is in ``job`` and ``config``), without the
+    libraries' known noise (:func:`~lightning_gp.audit.quiet.library_noise_silenced`)."""
+    with library_noise_silenced():
+        return _run_job(job, config)
+
+
+def _run_job(job: Job, config: FrontierConfig) -> dict[str, Any]:
+    torch.set_num_threads(config.threads)
+    key = json.dumps(config.datamodule, sort_keys=True, default=repr)
+    datamodule = _cached(f"data:{key}", lambda: build_spec(config.datamodule, "datamodule"))
+    setting = job.point.setting(config, int(datamodule.image_shape[0]))
+    start = time.perf_counter()
+    if job.kind == "train":
+        L.seed_everything(config.seed, verbose=False)
+        trained = train_setting(
+            setting,
+            build_spec(config.model, "model"),
+            datamodule,
+            rounds=config.train_rounds,
+            num_clients=config.num_clients,
+            local_batch_size=job.batch_size,
+            seed=config.seed,
+        )
+        return {
+            "kind": "train",
+            "setting": setting.name,
+            "test_acc": trained.test_acc,
+            "upload_bytes": trained.upload_bytes_per_client_round,
+            "dense_bytes": trained.dense_bytes_per_client_round,
+            "train_seconds": trained.train_seconds,
+            "seconds": time.perf_counter() - start,
+        }
+    if setting.runner == "trainer" and job.stage > 0:
+        reason = "the plain-Trainer runner (DP-SGD through Opacus) is audited at round 0 only"
+        return {"kind": "audit", "setting": setting.name, "skipped": reason, "seconds": 0.0}
+    lpips_fn = None
+    if config.lpips:
+        from lightning_gp.metrics.lpips import LPIPS
+
+        lpips_fn = _cached("lpips", LPIPS)
+    audit = audit_point(
+        setting, config, datamodule, batch_size=job.batch_size, stage=job.stage, lpips_fn=lpips_fn, log=_silent
+    )
+    return audit_record(audit)
+
+
+def _silent(line: str) -> None:
+    """Attack-by-attack lines stay in the worker; the progress line says what finished."""
+
+
+def execute(
+    jobs: Sequence[Job],
+    config: FrontierConfig,
+    *,
+    workers: int = 1,
+    backend: Backend = "local",
+    ray_address: str | None = None,
+) -> Iterator[tuple[Job, dict[str, Any]]]:
+    """Run ``jobs``, yielding each with its record as it finishes (in any order)."""
+    if backend == "ray":
+        yield from _execute_ray(jobs, config, workers, ray_address)
+    elif workers == 1:
+        for job in jobs:
+            yield job, run_job(job, config)
+    else:
+        yield from _execute_processes(jobs, config, workers)
+
+
+def _execute_processes(jobs: Sequence[Job], config: FrontierConfig, workers: int) -> Iterator[tuple[Job, dict]]:
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        pending: dict[Future, Job] = {pool.submit(run_job, job, config): job for job in jobs}
+        while pending:
+            finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for future in finished:
+                yield pending.pop(future), future.result()
+    finally:  # an interrupted run stops its queue; the finished jobs are already in the results file
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _execute_ray(
+    jobs: Sequence[Job], config: FrontierConfig, workers: int, address: str | None
+) -> Iterator[tuple[Job, dict]]:
+    try:
+        import ray
+    except ImportError as err:  # the optional extra
+        raise ImportError("backend='ray' needs Ray: pip install 'lightning-gp[frontier-ray]'") from err
+    started = not ray.is_initialized()
+    if started:
+        kwargs: dict[str, Any] = {"address": address} if address else {"num_cpus": workers}
+        ray.init(include_dashboard=False, log_to_driver=False, **kwargs)
+    remote = ray.remote(num_cpus=1)(run_job)
+    pending = {remote.remote(job, config): job for job in jobs}
+    try:
+        while pending:
+            finished, _ = ray.wait(list(pending), num_returns=1)
+            for ref in finished:
+                yield pending.pop(ref), ray.get(ref)
+    finally:
+        for ref in pending:
+            ray.cancel(ref)
+        if started:
+            ray.shutdown()

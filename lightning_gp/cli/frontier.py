@@ -1,0 +1,92 @@
+"""``lightning-gp frontier --config configs/frontier_quick.yaml``: the privacy-utility frontier.
+
+Sweeps each defense family of ``grids`` over its strengths, at every client batch size and model
+stage, audits each point against every attack (worst case per threat model), trains each setting for
+PMM, time and bytes, and writes ``frontier_points.jsonl`` (each job as it finishes: rerun the same
+command to resume), ``frontier.csv``, ``frontier.md`` (the recommendation table) and
+``frontier.png`` (the frontier) to ``output_dir``. ``--check true`` validates the config and prints
+the jobs without running them.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from jsonargparse import ActionConfigFile, ArgumentParser
+
+from lightning_gp.audit import AttackBudget
+from lightning_gp.audit.frontier import frontier
+from lightning_gp.audit.frontier_grid import FrontierConfig, Grid, check_frontier_config, config_fields
+from lightning_gp.audit.frontier_run import frontier_jobs
+from lightning_gp.cli.help import short_help
+
+USAGE = "lightning-gp frontier --config configs/frontier_quick.yaml [--output_dir DIR] [--workers N]"
+EXAMPLES = (
+    "lightning-gp frontier --config configs/frontier_quick.yaml --output_dir runs/frontier_quick",
+    "lightning-gp frontier --config configs/frontier.yaml --workers 2 --check true",
+    "lightning-gp frontier --config configs/frontier.yaml --backend ray --ray_address auto",
+)
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="lightning-gp frontier", description=__doc__, env_prefix="LIGHTNING_GP")
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML config (see configs/frontier*.yaml)")
+    parser.add_argument("--model", type=dict[str, Any], required=True, help="the client model (class_path + init_args)")
+    parser.add_argument(
+        "--datamodule", type=dict[str, Any], required=True, help="the clients' data (class_path + init_args)"
+    )
+    parser.add_argument("--grids", type=list[Grid], required=True, help="defense families and their strength grids")
+    parser.add_argument("--batch_sizes", type=list[int], default=[1, 8], help="images per client batch")
+    parser.add_argument("--stages", type=list[int], default=[0, 50], help="audited rounds (0: at initialisation)")
+    parser.add_argument("--images", type=int, default=8, help="attacked images per point")
+    parser.add_argument("--train_rounds", type=int, default=200, help="FedSGD rounds of the PMM training")
+    parser.add_argument("--num_clients", type=int, default=10, help="clients of the federation")
+    parser.add_argument("--attacks", type=list[str] | None, default=None, help="published attacks (default: all)")
+    parser.add_argument("--budget", type=AttackBudget, default=AttackBudget(), help="the attacks' budget")
+    parser.add_argument("--lpips", type=bool, default=True, help="score LPIPS (needed for a 'private' verdict)")
+    parser.add_argument("--undefended", type=bool, default=True, help="add the undefended reference")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the images, the models and the attacks")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    parser.add_argument("--output_dir", type=str, default="frontier", help="where results go (a rerun resumes)")
+    parser.add_argument("--workers", type=int, default=1, help="jobs in parallel (worker processes or Ray tasks)")
+    parser.add_argument("--backend", type=str, default="local", help="'local' (processes) or 'ray'")
+    parser.add_argument("--ray_address", type=str | None, default=None, help="join a Ray cluster (e.g. 'auto')")
+    parser.add_argument("--title", type=str, default="Privacy-utility frontier", help="the report's title")
+    parser.add_argument("--check", type=bool, default=False, help="validate the config and list the jobs; run nothing")
+    return parser
+
+
+def config_from(namespace: Any) -> FrontierConfig:
+    """The :class:`FrontierConfig` of parsed, instantiated arguments."""
+    values = {name: namespace[name] for name in config_fields()}
+    return FrontierConfig(**values)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    if argv in ([], ["-h"], ["--help"]):
+        print(short_help(parser, usage=USAGE, examples=EXAMPLES, full_flag="lightning-gp frontier --help-full"))
+        return
+    if argv == ["--help-full"]:
+        argv = ["--help"]
+    namespace = parser.instantiate(parser.parse_args(argv))
+    config = config_from(namespace)
+    if namespace.check:
+        datamodule, _ = check_frontier_config(config)
+        jobs = frontier_jobs(config, int(datamodule.image_shape[0]))
+        print(f"config ok: {len(jobs)} jobs ({sum(j.kind == 'audit' for j in jobs)} audits)")
+        for job in jobs:
+            print(f"  {job.kind:5s} {job.describe()}")
+        return
+    frontier(
+        config,
+        Path(namespace.output_dir),
+        workers=namespace.workers,
+        backend=namespace.backend,
+        ray_address=namespace.ray_address,
+        title=namespace.title,
+    )
+    print(f"written: {namespace.output_dir}/frontier.{{csv,md,png}} and frontier_points.jsonl")

@@ -1,0 +1,227 @@
+"""The privacy-utility frontier: a point is the audit's result and nothing else; an interrupted run
+resumes to the same results; a bad config fails before any work, naming the field; the Pareto set;
+the same run on a two-worker Ray cluster; the CLI.
+
+Real audits on the bundled Fashion-MNIST sample with tiny budgets (iDLG, a few L-BFGS steps, one
+or two images), so each test takes seconds; the conclusions of such runs mean nothing, only that the
+machinery carries the audit's numbers through unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import lightning as L
+import pytest
+
+from lightning_gp.audit import (
+    AttackBudget,
+    DefenseSetting,
+    Fixed,
+    FrontierConfig,
+    Grid,
+    audit_setting,
+    frontier,
+    pareto_mask,
+    published_attacks,
+)
+from lightning_gp.audit.frontier_run import RESULTS_FILE, attacked_images
+from lightning_gp.callbacks import GaussianNoise, TopKPruning
+from lightning_gp.data import FashionMNISTSampleDataModule
+from lightning_gp.models import LeNetZhu
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TINY = AttackBudget(ig_iterations=2, lbfgs_iterations=2, rtf_bins=4)
+
+
+def config(**changes) -> FrontierConfig:
+    base = FrontierConfig(
+        model={"class_path": "lightning_gp.models.LeNetZhu"},
+        datamodule={"class_path": "lightning_gp.data.FashionMNISTSampleDataModule", "init_args": {"batch_size": 500}},
+        grids=[Grid("TopKPruning", "rate", [0.5, 0.99])],
+        batch_sizes=[1],
+        stages=[0],
+        images=1,
+        train_rounds=1,
+        num_clients=2,
+        attacks=["iDLG"],
+        budget=TINY,
+        lpips=False,
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def silent(line: str) -> None:
+    pass
+
+
+def comparable(points) -> list[dict]:
+    """The points without the wall-clock fields (timing is not a result)."""
+    return [
+        {k: v for k, v in dataclasses.asdict(p).items() if k not in ("cost_ratio", "audit_seconds")} for p in points
+    ]
+
+
+def test_a_point_equals_audit_setting_on_the_same_setting() -> None:
+    """The frontier's point at Top-k 0.9 (composed after Gaussian noise: two defenses, one adaptive
+    attacker) at batch 2 is audit_setting's worst case on that setting, built here by hand: the same
+    verdicts, leak fractions and worst-case PSNR/SSIM per threat model."""
+    cfg = config(
+        grids=[Grid("TopKPruning", "rate", [0.9], before=[Fixed("GaussianNoise", {"scale": 0.01})])],
+        batch_sizes=[2],
+        images=2,
+        undefended=False,
+    )
+    result = frontier(cfg, log=silent)
+    data = FashionMNISTSampleDataModule(batch_size=500)
+    setting = DefenseSetting("by hand", [GaussianNoise(scale=0.01, seed=0), TopKPruning(rate=0.9, seed=0)])
+    L.seed_everything(0, verbose=False)
+    audit = audit_setting(
+        setting,
+        LeNetZhu(),
+        data,
+        indices=attacked_images(data, 2, 2, 0),
+        published=published_attacks(TINY, ["iDLG"]),
+        budget=TINY,
+        num_clients=2,
+        seed=0,
+        log=silent,
+    )
+    assert len(result.points) == 2
+    for point in result.points:
+        report = audit.passive if point.threat == "passive" else audit.active
+        assert report is not None
+        assert point.verdict == report.verdict
+        assert point.leak_fraction == report.leak_fraction
+        assert point.worst_psnr == pytest.approx(report.means["psnr"], rel=0, abs=0)
+        assert point.worst_ssim == pytest.approx(report.means["ssim"], rel=0, abs=0)
+        assert point.pmm is None  # no undefended reference in this run: PMM is not invented
+
+
+def test_an_interrupted_run_resumes_to_the_same_results(tmp_path: Path) -> None:
+    """Killed after 2 of its 6 jobs, a rerun runs only the 4 left and ends with the results of an
+    uninterrupted run (wall-clock fields aside); a line cut short by the kill is run again."""
+    cfg = config()
+    whole = frontier(cfg, tmp_path / "whole", log=silent)
+    assert len(whole.ran) == 6
+
+    class Killed(Exception):
+        pass
+
+    finished = []
+
+    def kill_after_two(job, record) -> None:
+        finished.append(job.key)
+        if len(finished) == 2:
+            raise Killed
+
+    with pytest.raises(Killed):
+        frontier(cfg, tmp_path / "cut", log=silent, on_job=kill_after_two)
+    results = tmp_path / "cut" / RESULTS_FILE
+    assert len(results.read_text().splitlines()) == 2
+    with open(results, "a") as handle:  # a third job killed while it was being written
+        handle.write('{"fingerprint": "')
+    resumed = frontier(cfg, tmp_path / "cut", log=silent)
+    assert sorted(j.key for j in resumed.ran) == sorted(j.key for j in whole.ran if j.key not in finished)
+    assert comparable(resumed.points) == comparable(whole.points)
+    picks = [(r.choice.pick or r.choice.closest).name for r in whole.recommendations]  # type: ignore[union-attr]
+    assert [(r.choice.pick or r.choice.closest).name for r in resumed.recommendations] == picks  # type: ignore[union-attr]
+    assert (tmp_path / "cut" / "frontier.png").is_file()
+    # a changed budget is another config: nothing of the first run is reused
+    again = frontier(
+        dataclasses.replace(cfg, budget=AttackBudget(ig_iterations=3, lbfgs_iterations=2)), tmp_path / "cut", log=silent
+    )
+    assert len(again.ran) == 6
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"grids": [Grid("NoSuchDefense", "rate", [0.5])]}, r"grids\[0\]\.family: unknown family 'NoSuchDefense'"),
+        ({"grids": [Grid("TopKPruning", "rate", [])]}, r"grids\[0\]\.values is empty"),
+        ({"grids": [Grid("TopKPruning", "rate", [0.5, 1.5])]}, r"grids\[0\]\.values\[1\] = 1.5 \(TopKPruning\.rate\)"),
+        ({"grids": [Grid("GaussianNoise", "scale", [-1.0])]}, r"grids\[0\]\.values\[0\] = -1.0"),
+        ({"grids": [Grid("GaussianNoise", "sigma", [0.1])]}, r"grids\[0\]\.values\[0\] = 0.1 \(GaussianNoise\.sigma\)"),
+        (
+            {"grids": [Grid("GaussianNoise", "scale", [0.1], before=[Fixed("Nope")])]},
+            r"grids\[0\]\.before\[0\]\.family: unknown family 'Nope'",
+        ),
+        ({"batch_sizes": [1, 4000]}, r"batch_sizes\[1\] = 4000: the training split holds 3000 images"),
+        ({"batch_sizes": []}, r"batch_sizes must be a non-empty list"),
+        ({"stages": [0, -1]}, r"stages\[1\]"),
+        ({"attacks": ["NoSuchAttack"]}, r"attacks: .*NoSuchAttack"),
+        ({"model": {"class_path": "lightning_gp.models.NoSuchModel"}}, r"model\.class_path: cannot import"),
+    ],
+)
+def test_a_bad_config_fails_before_any_work_naming_the_field(tmp_path: Path, changes: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        frontier(config(**changes), tmp_path, log=silent)
+    assert not (tmp_path / RESULTS_FILE).exists()
+
+
+def test_the_pareto_set_keeps_exactly_the_undominated_points() -> None:
+    """Rows are (-PMM, PSNR, leak fraction), all minimised: a row beaten on every axis leaves the set,
+    a tie stays, a row with an unknown objective is never on it and removes nothing."""
+    rows = [
+        [-1.0, 40.0, 1.0],  # undefended: best PMM
+        [-0.9, 10.0, 0.0],  # private-looking, cheaper
+        [-0.8, 12.0, 0.0],  # dominated by the row above
+        [-0.9, 10.0, 0.0],  # a tie with row 1: not dominated
+        [-0.5, None, 0.0],  # unknown PSNR
+        [-0.7, 5.0, 0.5],  # lowest PSNR, some leaks
+    ]
+    assert pareto_mask(rows) == [True, True, False, True, False, True]
+
+
+def test_a_two_worker_ray_cluster_gives_the_local_results(tmp_path: Path) -> None:
+    """The same run on a local two-worker Ray cluster and in this process: the same points."""
+    pytest.importorskip("ray")
+    cfg = config(grids=[Grid("TopKPruning", "rate", [0.9])])
+    local = frontier(cfg, log=silent)
+    distributed = frontier(cfg, tmp_path, workers=2, backend="ray", log=silent)
+    assert comparable(distributed.points) == comparable(local.points)
+    assert len(distributed.ran) == 4
+
+
+def test_the_cli_runs_a_frontier_from_yaml_and_resumes(tmp_path: Path, capsys) -> None:
+    """``lightning-gp frontier --config``: the YAML's grids reach the run, the files are written,
+    and the same command again runs nothing."""
+    from lightning_gp.cli import main
+
+    yaml = tmp_path / "frontier.yaml"
+    yaml.write_text(
+        "model: {class_path: lightning_gp.models.LeNetZhu}\n"
+        "datamodule: {class_path: lightning_gp.data.FashionMNISTSampleDataModule, init_args: {batch_size: 500}}\n"
+        "grids:\n  - {family: GaussianNoise, knob: scale, values: [0.5], params: {clip: 1.0}}\n"
+        "batch_sizes: [1]\nstages: [0]\nimages: 1\ntrain_rounds: 1\nnum_clients: 2\nattacks: [iDLG]\n"
+        "budget: {ig_iterations: 2, lbfgs_iterations: 2, rtf_bins: 4}\nlpips: false\nundefended: false\n"
+    )
+    out = tmp_path / "out"
+    main(["frontier", "--config", str(yaml), "--output_dir", str(out)])
+    lines = (out / RESULTS_FILE).read_text().splitlines()
+    assert [json.loads(line)["key"] for line in lines] == [
+        "train|GaussianNoise(clip=1, scale=0.5)|B=1",
+        "audit|GaussianNoise(clip=1, scale=0.5)|B=1|round=0",
+    ]
+    assert {p.name for p in out.iterdir()} >= {"frontier.csv", "frontier.md", "frontier.png"}
+    capsys.readouterr()
+    main(["frontier", "--config", str(yaml), "--output_dir", str(out)])
+    assert "2 jobs (1 audits, 1 trainings); 2 already done" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["frontier_quick", "frontier"])
+def test_the_shipped_frontier_configs_validate(name: str, tmp_path: Path, capsys) -> None:
+    """Every strength of the shipped grids is in its defense's range (``--check`` builds each
+    setting); the published config on the sample's datamodule, so the check needs no download."""
+    from lightning_gp.cli import main
+
+    text = (ROOT / "configs" / f"{name}.yaml").read_text()
+    copy = tmp_path / f"{name}.yaml"
+    copy.write_text(text.replace("data.FashionMNISTDataModule", "data.FashionMNISTSampleDataModule"))
+    main(["frontier", "--config", str(copy), "--check", "true"])
+    assert "config ok:" in capsys.readouterr().out
