@@ -416,8 +416,10 @@ def audit_setting(
     """Attack the clients of ``setting`` (client ``c`` holds the training images ``indices[c]``,
     the model at ``model``'s weights) with every ``published`` attack and, with ``adaptive``, the
     setting's adaptive attacks (one attacker modelling every defense of it); judge by the worst case
-    per threat model. ``lpips_fn=None`` skips LPIPS (then no verdict can be "private": the semantic
-    test did not run). ``rule`` is the leak rule (default :class:`~lightning_gp.audit.LeakRule`).
+    per threat model. ``lpips_fn=None`` skips LPIPS: the per-image leak rule does not use it (its
+    recognisable-image line is the semantic score, which runs without LPIPS; a semantic score that
+    cannot run makes the verdict "inconclusive"), only the verdict's mean-LPIPS line goes unchecked.
+    ``rule`` is the leak rule (default :class:`~lightning_gp.audit.LeakRule`).
 
     ``aggregate=True`` adds the secure-aggregation view (module docstring): the published passive
     attacks on the round's mean of the clients' defended updates, every image of every client scored;
