@@ -26,11 +26,14 @@ from lightning_gp.attacks.ats_aware import ATSAwareInversion, ATSAwareRobbing
 from lightning_gp.attacks.base import AttackNotApplicable, GradientAttack, Reconstruction
 from lightning_gp.attacks.gradient_matching import (
     cosine_distance,
+    gaussian_nll,
+    laplace_nll,
     parameter_gradients,
     squared_l2_distance,
     total_variation,
 )
 from lightning_gp.attacks.labels import classification_layer, recover_labels
+from lightning_gp.attacks.noise_aware import NoiseAwareMAP, noise_aware_attacks
 from lightning_gp.attacks.optimization import DLG, IDLG, GradInversion, InvertingGradients, optimize_images
 from lightning_gp.attacks.perturbation_aware import graddefense_knowledge, outpost_knowledge
 from lightning_gp.attacks.precode_aware import PRECODEAwareInversion, find_precode, recover_features
@@ -78,6 +81,7 @@ __all__ = [
     "ImprintBlock",
     "ImprintedModel",
     "InvertingGradients",
+    "NoiseAwareMAP",
     "PRECODEAwareInversion",
     "PublishedAttack",
     "Reconstruction",
@@ -100,11 +104,14 @@ __all__ = [
     "defense_aware_inversion",
     "defense_knowledge",
     "find_precode",
+    "gaussian_nll",
     "graddefense_knowledge",
     "has_adaptive_attack",
+    "laplace_nll",
     "layer_noise_weights",
     "mark_fallback",
     "modelled_defense",
+    "noise_aware_attacks",
     "optimize_images",
     "outpost_knowledge",
     "parameter_gradients",
