@@ -30,7 +30,8 @@ the shared one:
 Which of these applies is declared per defense at the end of this module (the defense-aware pair
 of :func:`defense_aware_attacks`, registered with
 :func:`~lightning_gp.attacks.registry.register_defense_knowledge` on each defense class;
-GradDefense's and Outpost's in :mod:`lightning_gp.attacks.perturbation_aware`). An attack
+GradDefense's and Outpost's in :mod:`lightning_gp.attacks.perturbation_aware`, the noise
+defenses', with the noise-aware MAP beside the pair, in :mod:`lightning_gp.attacks.noise_aware`). An attack
 given a view whose recorded defenses (``meta["defenses"]``, written by the shared-gradient
 pipeline) include one it does not model says so (:class:`UnmodelledDefenseWarning`), runs the
 published attack instead and marks the result ``meta["fallback"]``.

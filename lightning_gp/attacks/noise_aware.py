@@ -182,6 +182,20 @@ class NoiseAwareMAP(DefenseAwareIDLG):
             self.prior_weight / self._beta * total_variation(images * std + mean, reduction="sum", smoothing=smoothing)
         )
 
+    def negative_log_likelihood(self, view: ServerView, images: Tensor, labels: Tensor) -> Tensor:
+        """``-log p(shared gradient | images, labels)`` up to a constant: the objective of the first
+        stage (a data-dependent noise's variance taken at ``images``). For diagnostics and tests."""
+        prepared, _ = self._prepare(view)
+        self._plan = self._match_plan(prepared)
+        try:
+            noiseless = not self.knowledge.noise_level(prepared) and self.knowledge.noise_variance is None
+            plan_names = self._plan.names
+            self._scales = dict.fromkeys(plan_names, 1.0) if noiseless else self.noise_scales(prepared, images, labels)
+            guess = self.dummy_gradient(prepared, images.to(prepared.device), labels.to(prepared.device))
+            return self.gradient_distance(guess, prepared.gradients).detach()
+        finally:
+            self._plan, self._scales = None, None
+
     # ------------------------------------------------------------------------------------ the attack
     def reconstruct(self, view: ServerView) -> Reconstruction:
         def published() -> GradientAttack:
