@@ -434,15 +434,16 @@ class DefenseAwareIDLG(_KnowsTheDefense, IDLG):
             raise RuntimeError("DefenseAwareIDLG.gradient_distance runs inside reconstruct only")
         return squared_l2_distance(plan.restrict(guess), plan.target, plan.names)
 
-    def reconstruct(self, view: ServerView) -> Reconstruction:
-        def published() -> GradientAttack:
-            return IDLG(
-                iterations=self.iterations, restarts=self.restarts, lr=self.lr, max_iter=self.max_iter,
-                line_search=self.line_search, tolerance=self.tolerance,
-                seed=self.seed, device=self.device, progress_every=self.progress_every,
-            )  # fmt: skip
+    def _published(self) -> GradientAttack:
+        """The published iDLG of this attack's budget: what runs when the knowledge does not cover the client."""
+        return IDLG(
+            iterations=self.iterations, restarts=self.restarts, lr=self.lr, max_iter=self.max_iter,
+            line_search=self.line_search, tolerance=self.tolerance,
+            seed=self.seed, device=self.device, progress_every=self.progress_every,
+        )  # fmt: skip
 
-        return self._reconstruct_knowing(view, published, super().reconstruct)
+    def reconstruct(self, view: ServerView) -> Reconstruction:
+        return self._reconstruct_knowing(view, self._published, super().reconstruct)
 
 
 # ------------------------------------------------------------------------------ compositions

@@ -74,7 +74,6 @@ from lightning_gp.attacks.gradient_matching import (
     parameter_gradients,
     total_variation,
 )
-from lightning_gp.attacks.optimization import IDLG
 from lightning_gp.attacks.registry import register_defense_knowledge
 from lightning_gp.attacks.view import ServerView
 from lightning_gp.defenses.noise import GaussianNoise, LaplaceNoise
@@ -198,14 +197,7 @@ class NoiseAwareMAP(DefenseAwareIDLG):
 
     # ------------------------------------------------------------------------------------ the attack
     def reconstruct(self, view: ServerView) -> Reconstruction:
-        def published() -> GradientAttack:
-            return IDLG(
-                iterations=self.iterations, restarts=self.restarts, lr=self.lr, max_iter=self.max_iter,
-                line_search=self.line_search, tolerance=self.tolerance,
-                seed=self.seed, device=self.device, progress_every=self.progress_every,
-            )  # fmt: skip
-
-        return self._reconstruct_knowing(view, published, self._posterior_mode)
+        return self._reconstruct_knowing(view, self._published, self._posterior_mode)
 
     def _posterior_mode(self, view: ServerView) -> Reconstruction:
         """Stage 1 (maximum likelihood, restarts), then stage 2 (MAP from it); see the module docstring."""
