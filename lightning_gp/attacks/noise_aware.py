@@ -216,19 +216,24 @@ class NoiseAwareMAP(DefenseAwareIDLG):
                 "ml_objective": ml.meta["objective"],
                 "prior_scale": None,
             }
+
+            def likelihood_only(reason: str) -> Reconstruction:
+                meta.update(objective=ml.meta["objective"], map_skipped=reason)
+                return Reconstruction(self._boxed(view, ml.images), ml.labels, ml.loss_trace, type(self).__name__, meta)
+
             if noiseless or self.prior_weight == 0:
                 # no noise: the likelihood's limit is the exact match, which no prior may pull away from
-                meta["objective"] = ml.meta["objective"]
-                return Reconstruction(self._boxed(view, ml.images), ml.labels, ml.loss_trace, type(self).__name__, meta)
+                return likelihood_only("no noise" if noiseless else "prior_weight=0")
             if self.knowledge.noise_variance is not None:
                 self._scales = self.noise_scales(view, ml.images, ml.labels)
             beta = self.prior_scale if self.prior_scale is not None else pixel_difference_scale(view, ml.images)
-            if beta <= 0:  # a constant image: no difference to estimate the prior's scale from
-                meta["objective"] = ml.meta["objective"]
-                return Reconstruction(self._boxed(view, ml.images), ml.labels, ml.loss_trace, type(self).__name__, meta)
+            if beta <= 0:
+                return likelihood_only("a constant image: no pixel difference to estimate the prior's scale from")
             self._beta = beta
             generator = torch.Generator(device=view.device).manual_seed(self.seed)
             final, images, labels, trace = self._one_run(view, generator, ml.labels, -math.inf, init=ml.images)
+            if not math.isfinite(final):
+                return likelihood_only("the MAP run diverged")
             meta.update(objective=final, prior_scale=beta)
             return Reconstruction(self._boxed(view, images), labels, ml.loss_trace + trace, type(self).__name__, meta)
         finally:
