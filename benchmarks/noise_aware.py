@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import sys
 import time
 import warnings
 from concurrent.futures import ProcessPoolExecutor
@@ -139,7 +140,7 @@ def main() -> None:
         f"adaptive Adam {args.ig_iterations} steps. Worst case: per image, the best passive attack (PSNR in dB, "
         f"mean over the images; leaked: the audit's leak rule without LPIPS). 'today': every attack but "
         f"NoiseAwareMAP. Wall time {time.perf_counter() - start:.0f} s with {args.jobs} workers x {args.threads} "
-        f"thread(s). Command: benchmarks/noise_aware.py {' '.join(f'--{k.replace(chr(95), chr(45))} {v}' for k, v in vars(args).items() if k not in ('output_dir',) and v not in (False, None))}"
+        f"thread(s). Command: benchmarks/noise_aware.py {' '.join(sys.argv[1:])}"
     )
     write_results("noise_aware", rows, preamble, args.output_dir)
     for row in rows:
