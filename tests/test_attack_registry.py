@@ -38,6 +38,7 @@ from lightning_gp.models import LeNetZhu
 
 PAIR = ("DefenseAwareInversion", "DefenseAwareIDLG")
 ADAM = ("DefenseAwareInversion",)
+NOISE = (*PAIR, "NoiseAwareMAP")  # the noise defenses: the pair and the noise-aware MAP
 
 #: catalogue entry -> (the attacks' classes, the knowledge they are built on: ``describe()`` or None)
 EXPECTED: dict[str, tuple[tuple[str, ...], str | None]] = {
@@ -48,14 +49,14 @@ EXPECTED: dict[str, tuple[tuple[str, ...], str | None]] = {
     "DualGradientPruning": (PAIR, "defense='DualGradientPruning', support"),
     "AlignedDualGradientPruning": (PAIR, "defense='AlignedDualGradientPruning', support"),
     "OptimalGradientPruning": (PAIR, "defense='OptimalGradientPruning', support"),
-    "OptimalGradientNoise": (PAIR, "defense='OptimalGradientNoise', support, noise_std"),
-    "OptimalDPSGD": (PAIR, "defense='OptimalDPSGD', support, transform, noise_std"),
-    "GaussianNoise": (PAIR, "defense='GaussianNoise', noise_std"),
-    "LaplaceNoise": (PAIR, "defense='LaplaceNoise', noise_std"),
+    "OptimalGradientNoise": (NOISE, "defense='OptimalGradientNoise', support, noise_std, noise_variance"),
+    "OptimalDPSGD": (NOISE, "defense='OptimalDPSGD', support, transform, noise_std, noise_variance"),
+    "GaussianNoise": (NOISE, "defense='GaussianNoise', noise_std"),
+    "LaplaceNoise": (NOISE, "defense='LaplaceNoise', noise_std, noise_law=laplace"),
     "GradientQuantization": (ADAM, "defense='GradientQuantization', transform"),
-    "DPSGD": (PAIR, "defense='DPSGD', per_example_clip=1, noise_std"),
+    "DPSGD": (NOISE, "defense='DPSGD', per_example_clip=1, noise_std"),
     "Soteria": (PAIR, "defense='Soteria', support"),
-    "GradDefense": (PAIR, "defense='GradDefense', coordinate_weights, view_transform"),
+    "GradDefense": (NOISE, "defense='GradDefense', noise_std, coordinate_weights, view_transform"),
     "Outpost": (PAIR, "defense='Outpost', coordinate_weights, view_transform"),
     "PRECODE": (("PRECODEAwareInversion",), None),
     "ATS": (("ATSAwareInversion", "ATSAwareRobbing"), None),
@@ -89,7 +90,15 @@ DECLARED = sorted(
 )
 #: the modules that register them: each beside the attack it declares (a class defined above the
 #: attacks, e.g. DPSGD or RefinerModule, registers in its own module the attack defined here)
-REGISTERING_MODULES = ["adaptive", "ats_aware", "perturbation_aware", "precode_aware", "refiner_aware", "sgi"]
+REGISTERING_MODULES = [
+    "adaptive",
+    "ats_aware",
+    "noise_aware",
+    "perturbation_aware",
+    "precode_aware",
+    "refiner_aware",
+    "sgi",
+]
 
 
 def test_the_expectation_table_covers_the_whole_catalogue():
@@ -221,7 +230,7 @@ def test_registering_a_second_attack_for_one_class_is_an_error_naming_both():
     finally:
         _DECLARATIONS.pop(Shuffle, None)
     # a packaged defense's class is taken too, by the module that defines its attack
-    with pytest.raises(ValueError, match=r"lightning_gp\.attacks\.adaptive\._gaussian"):
+    with pytest.raises(ValueError, match=r"lightning_gp\.attacks\.noise_aware\._gaussian"):
         register_adaptive_attack(D.GaussianNoise, first)
 
 

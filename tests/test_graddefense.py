@@ -19,6 +19,7 @@ from lightning_gp.attacks import (
     DefenseAwareIDLG,
     DefenseAwareInversion,
     InvertingGradients,
+    NoiseAwareMAP,
     ServerView,
     adaptive_attacks,
     has_adaptive_attack,
@@ -301,7 +302,7 @@ def test_both_the_defense_and_the_callback_declare_an_attack():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         attacks = adaptive_attacks(callback, iterations=2, lbfgs_iterations=2)
-    assert {type(a) for a in attacks} == {DefenseAwareInversion, DefenseAwareIDLG}
+    assert {type(a) for a in attacks} == {DefenseAwareInversion, DefenseAwareIDLG, NoiseAwareMAP}
     assert all(a.knowledge.coordinate_weights is not None for a in attacks)
 
 

@@ -26,6 +26,8 @@ from lightning_gp.attacks.ats_aware import ATSAwareInversion, ATSAwareRobbing
 from lightning_gp.attacks.base import AttackNotApplicable, GradientAttack, Reconstruction
 from lightning_gp.attacks.gradient_matching import (
     cosine_distance,
+    gaussian_nll,
+    laplace_nll,
     parameter_gradients,
     squared_l2_distance,
     total_variation,
@@ -37,6 +39,7 @@ from lightning_gp.attacks.learned import (
     LearnedInversion,
     RefinedLearnedInversion,
 )
+from lightning_gp.attacks.noise_aware import NoiseAwareMAP, noise_aware_attacks
 from lightning_gp.attacks.optimization import DLG, IDLG, GradInversion, InvertingGradients, optimize_images
 from lightning_gp.attacks.perturbation_aware import graddefense_knowledge, outpost_knowledge
 from lightning_gp.attacks.precode_aware import PRECODEAwareInversion, find_precode, recover_features
@@ -87,6 +90,7 @@ __all__ = [
     "InverterConfig",
     "InvertingGradients",
     "LearnedInversion",
+    "NoiseAwareMAP",
     "PRECODEAwareInversion",
     "PublishedAttack",
     "Reconstruction",
@@ -110,12 +114,15 @@ __all__ = [
     "defense_aware_inversion",
     "defense_knowledge",
     "find_precode",
+    "gaussian_nll",
     "graddefense_knowledge",
     "has_adaptive_attack",
     "label_counts",
+    "laplace_nll",
     "layer_noise_weights",
     "mark_fallback",
     "modelled_defense",
+    "noise_aware_attacks",
     "optimize_images",
     "outpost_knowledge",
     "parameter_gradients",

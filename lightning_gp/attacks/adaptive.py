@@ -30,7 +30,8 @@ the shared one:
 Which of these applies is declared per defense at the end of this module (the defense-aware pair
 of :func:`defense_aware_attacks`, registered with
 :func:`~lightning_gp.attacks.registry.register_defense_knowledge` on each defense class;
-GradDefense's and Outpost's in :mod:`lightning_gp.attacks.perturbation_aware`). An attack
+GradDefense's and Outpost's in :mod:`lightning_gp.attacks.perturbation_aware`, the noise
+defenses', with the noise-aware MAP beside the pair, in :mod:`lightning_gp.attacks.noise_aware`). An attack
 given a view whose recorded defenses (``meta["defenses"]``, written by the shared-gradient
 pipeline) include one it does not model says so (:class:`UnmodelledDefenseWarning`), runs the
 published attack instead and marks the result ``meta["fallback"]``.
@@ -61,8 +62,7 @@ from lightning_gp.attacks.optimization import IDLG, InvertingGradients
 from lightning_gp.attacks.registry import register_defense_knowledge
 from lightning_gp.attacks.sgi import recover_mask
 from lightning_gp.attacks.view import ServerView
-from lightning_gp.defenses.noise import GaussianNoise, LaplaceNoise
-from lightning_gp.defenses.optimal import OptimalDPSGD, OptimalGradientNoise, OptimalGradientPruning
+from lightning_gp.defenses.optimal import OptimalGradientPruning
 from lightning_gp.defenses.quantization import GradientQuantization, quantize
 from lightning_gp.defenses.soteria import Soteria
 from lightning_gp.defenses.sparsification import SparsifyingDefense
@@ -78,6 +78,11 @@ CoordinateWeights = Callable[[ServerView], dict[str, Tensor]]
 #: A known transform that depends on the shared gradient itself (GradDefense's compensation keeps a
 #: subspace the shared gradient reveals): built once per view.
 ViewTransform = Callable[[ServerView], KnownTransform]
+#: The per-entry noise variance of a data-dependent noise (optimal noise) at a guess of the client's
+#: batch: ``noise_variance(view, images, labels) -> {name: variance}``, each shaped like its layer.
+NoiseVariance = Callable[[ServerView, Tensor, Tensor], dict[str, Tensor]]
+#: The noise laws a likelihood can be written for.
+NOISE_LAWS = ("gaussian", "laplace")
 
 
 class UnmodelledDefenseWarning(UserWarning):
@@ -171,6 +176,10 @@ class DefenseKnowledge:
             result is marked ``meta["fallback"]``.
         caveats: what the knowledge knows of the defense but cannot use (e.g. a composition whose
             pruning a later noise hides); written to every result's ``meta["caveats"]``.
+        noise_law: the law of the noise whose std is ``noise_std``: ``"gaussian"`` or ``"laplace"``
+            (read by the noise-aware likelihood, :class:`~lightning_gp.attacks.NoiseAwareMAP`).
+        noise_variance: the per-entry variance of a data-dependent noise at a guess of the batch
+            (optimal noise); the likelihood uses it instead of the isotropic ``noise_std``.
     """
 
     defense: str = ""
@@ -184,6 +193,8 @@ class DefenseKnowledge:
     view_transform: ViewTransform | None = None
     fallback_reason: str | None = None
     caveats: tuple[str, ...] = ()
+    noise_law: str = "gaussian"
+    noise_variance: NoiseVariance | None = None
 
     def __post_init__(self) -> None:
         self.models = tuple(str(m) for m in self.models)
@@ -193,7 +204,9 @@ class DefenseKnowledge:
             self.per_example_clip = check_positive(self.per_example_clip, "per_example_clip")
         if self.noise_std is not None and not callable(self.noise_std):
             self.noise_std = check_nonnegative(self.noise_std, "noise_std")
-        for name in ("transform", "coordinate_weights", "view_transform"):
+        if self.noise_law not in NOISE_LAWS:
+            raise ValueError(f"noise_law must be one of {list(NOISE_LAWS)}, got {self.noise_law!r}")
+        for name in ("transform", "coordinate_weights", "view_transform", "noise_variance"):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise TypeError(f"{name} must be callable, got {type(value).__name__}")
@@ -204,6 +217,8 @@ class DefenseKnowledge:
         parts += ["transform"] if self.transform is not None else []
         parts += [f"per_example_clip={self.per_example_clip:g}"] if self.per_example_clip is not None else []
         parts += ["noise_std"] if self.noise_std is not None else []
+        parts += [f"noise_law={self.noise_law}"] if self.noise_law != "gaussian" else []
+        parts += ["noise_variance"] if self.noise_variance is not None else []
         parts += [f"skip_layers={list(self.skip_layers)}"] if self.skip_layers else []
         parts += ["coordinate_weights"] if self.coordinate_weights is not None else []
         parts += ["view_transform"] if self.view_transform is not None else []
@@ -326,6 +341,10 @@ class _KnowsTheDefense:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.knowledge.describe()})"
 
+    def _match_plan(self, view: ServerView) -> MatchPlan:
+        """The match plan of ``view`` (the knowledge's; an attack with its own weighting overrides it)."""
+        return self.knowledge.plan(view)
+
     def _reconstruct_knowing(
         self,
         view: ServerView,
@@ -340,7 +359,7 @@ class _KnowsTheDefense:
             result.attack = type(self).__name__
             return _mark(result, self.knowledge, view, None, reason)
         prepared, _ = cast(GradientAttack, self)._prepare(view)
-        self._plan = self.knowledge.plan(prepared)
+        self._plan = self._match_plan(prepared)
         try:
             result = run(prepared)
         finally:
@@ -415,15 +434,16 @@ class DefenseAwareIDLG(_KnowsTheDefense, IDLG):
             raise RuntimeError("DefenseAwareIDLG.gradient_distance runs inside reconstruct only")
         return squared_l2_distance(plan.restrict(guess), plan.target, plan.names)
 
-    def reconstruct(self, view: ServerView) -> Reconstruction:
-        def published() -> GradientAttack:
-            return IDLG(
-                iterations=self.iterations, restarts=self.restarts, lr=self.lr, max_iter=self.max_iter,
-                line_search=self.line_search, tolerance=self.tolerance,
-                seed=self.seed, device=self.device, progress_every=self.progress_every,
-            )  # fmt: skip
+    def _published(self) -> GradientAttack:
+        """The published iDLG of this attack's budget: what runs when the knowledge does not cover the client."""
+        return IDLG(
+            iterations=self.iterations, restarts=self.restarts, lr=self.lr, max_iter=self.max_iter,
+            line_search=self.line_search, tolerance=self.tolerance,
+            seed=self.seed, device=self.device, progress_every=self.progress_every,
+        )  # fmt: skip
 
-        return self._reconstruct_knowing(view, published, super().reconstruct)
+    def reconstruct(self, view: ServerView) -> Reconstruction:
+        return self._reconstruct_knowing(view, self._published, super().reconstruct)
 
 
 # ------------------------------------------------------------------------------ compositions
@@ -479,7 +499,9 @@ def compose_knowledge(stages: Sequence[DefenseKnowledge]) -> DefenseKnowledge:
       the view if any stage's is). The std is carried through later stages unchanged: exact for
       pruning (a sent entry keeps its noise), an upper bound after a clip (1-Lipschitz); the
       rounding error a later quantisation adds to the noise is not counted (as for quantisation
-      alone).
+      alone). The noise law is the noising stage's when there is one, else Gaussian (noted in
+      ``caveats`` when a Laplace or data-dependent noise is among them); a data-dependent variance
+      (optimal noise) is kept only when its stage is the one noise.
     - **support**: used when a stage reveals one (exact zeros) and no later stage noises every
       coordinate (GaussianNoise, LaplaceNoise, DP-SGD); a support such a stage hides is dropped:
       every entry is matched with the Wiener weights of the total noise, and ``caveats`` says so.
@@ -498,6 +520,8 @@ def compose_knowledge(stages: Sequence[DefenseKnowledge]) -> DefenseKnowledge:
     support, hidden_supports = _composed_support(stages, names)
     caveats += hidden_supports + _transform_caveats(stages, names)
     noise_std = _composed_noise_std(stages)
+    noise_law, noise_variance, law_caveats = _composed_noise_law(stages, names)
+    caveats += law_caveats
     reasons = [s.fallback_reason for s in stages if s.fallback_reason]
     return DefenseKnowledge(
         defense="+".join(names),
@@ -509,6 +533,8 @@ def compose_knowledge(stages: Sequence[DefenseKnowledge]) -> DefenseKnowledge:
         skip_layers=tuple(dict.fromkeys(layer for s in stages for layer in s.skip_layers)),
         fallback_reason="; ".join(reasons) if reasons else None,
         caveats=tuple(dict.fromkeys(caveats)),
+        noise_law=noise_law,
+        noise_variance=noise_variance,
     )
 
 
@@ -589,6 +615,20 @@ def _composed_noise_std(stages: list[DefenseKnowledge]) -> NoiseStd | None:
     return noise_std
 
 
+def _composed_noise_law(
+    stages: list[DefenseKnowledge], names: list[str]
+) -> tuple[str, NoiseVariance | None, list[str]]:
+    """The noise law and data-dependent variance of the composition: the one noising stage's, else a
+    Gaussian of the summed variance (and a caveat for what that approximates)."""
+    noising = [i for i, s in enumerate(stages) if s.noise_std is not None]
+    if len(noising) == 1:
+        stage = stages[noising[0]]
+        return stage.noise_law, stage.noise_variance, []
+    if all(stages[i].noise_law == "gaussian" and stages[i].noise_variance is None for i in noising):
+        return "gaussian", None, []
+    return "gaussian", None, [f"the noises of {[names[i] for i in noising]} are modelled as one isotropic Gaussian"]
+
+
 def _composed_transform(stages: list[DefenseKnowledge]) -> KnownTransform | None:
     """The stages' transforms in order: none, the one, or a :class:`ComposedTransform` of them."""
     transforms = [s.transform for s in stages if s.transform is not None]
@@ -664,8 +704,10 @@ def defense_aware_inversion(knowledge: DefenseKnowledge, kwargs: dict[str, Any])
 
 # ------------------------------------------------------------------------------ registered here
 # What the server knows of each defense whose adaptive attack is the defense-aware pair (or, for
-# quantisation, its Adam half); GradDefense's and Outpost's are in perturbation_aware.
-def _knows(target: Any, **options: Any) -> DefenseKnowledge:
+# quantisation, its Adam half); GradDefense's and Outpost's are in perturbation_aware, the noise
+# defenses' (the pair and the noise-aware MAP) in noise_aware.
+def class_knowledge(target: Any, **options: Any) -> DefenseKnowledge:
+    """The knowledge of ``target``, named by its class and modelling exactly it."""
     name = type(target).__name__
     return DefenseKnowledge(defense=name, models=(name,), **options)
 
@@ -675,7 +717,7 @@ def _knows(target: Any, **options: Any) -> DefenseKnowledge:
 @register_defense_knowledge(OptimalGradientPruning)
 @register_defense_knowledge(SparsifyingDefense)
 def _pruning(target: Any) -> DefenseKnowledge:
-    return _knows(target, support=True)
+    return class_knowledge(target, support=True)
 
 
 @register_defense_knowledge(GradientQuantization, attacks=defense_aware_inversion)
@@ -685,30 +727,7 @@ def _quantization(target: Any) -> DefenseKnowledge:
     # Only the Adam attack (defense_aware_inversion): L-BFGS cannot use the straight-through
     # rounding, and without it it is the published iDLG.
     transform = None if target.stochastic_rounding else straight_through_quantization(target.bits)
-    return _knows(target, support=False, transform=transform)
-
-
-@register_defense_knowledge(GaussianNoise)
-def _gaussian(target: Any) -> DefenseKnowledge:
-    transform = None if target.clip is None else coordinate_clip(target.clip)
-    return _knows(target, support=False, transform=transform, noise_std=target.scale)
-
-
-@register_defense_knowledge(LaplaceNoise)
-def _laplace(target: Any) -> DefenseKnowledge:
-    return _knows(target, support=False, noise_std=math.sqrt(2) * target.scale)
-
-
-@register_defense_knowledge(OptimalGradientNoise)
-def _optimal_noise(target: Any) -> DefenseKnowledge:
-    # zero-gradient coordinates get no noise (Eq. 8), so the support is known; the per-coordinate
-    # variance depends on the client's data, its average power is scale^2
-    return _knows(target, support=True, noise_std=target.scale)
-
-
-@register_defense_knowledge(OptimalDPSGD)
-def _optimal_dp_sgd(target: Any) -> DefenseKnowledge:
-    return _knows(target, support=True, transform=coordinate_clip(target.clip), noise_std=target.scale)
+    return class_knowledge(target, support=False, transform=transform)
 
 
 def dp_sgd_knowledge(target: Any) -> DefenseKnowledge:
@@ -721,4 +740,4 @@ def dp_sgd_knowledge(target: Any) -> DefenseKnowledge:
             raise ValueError("DPSGD has not chosen its noise multiplier yet (it does at fit start)")
         return float(sigma) * target.max_grad_norm / view.batch_size
 
-    return _knows(target, support=False, per_example_clip=target.max_grad_norm, noise_std=noise_std)
+    return class_knowledge(target, support=False, per_example_clip=target.max_grad_norm, noise_std=noise_std)

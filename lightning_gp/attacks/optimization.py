@@ -100,6 +100,10 @@ class DLG(GradientAttack):
         """The objective L-BFGS minimises: DLG's squared L2 distance (a subclass may swap it)."""
         return squared_l2_distance(guess, shared)
 
+    def image_prior(self, images: Tensor) -> Tensor | None:
+        """A term added to the objective that depends on the images alone (``None``: none, DLG's)."""
+        return None
+
     def reconstruct(self, view: ServerView) -> Reconstruction:
         view, generator = self._prepare(view)
         fixed = self._labels(view)
@@ -118,10 +122,15 @@ class DLG(GradientAttack):
         )
 
     def _one_run(
-        self, view: ServerView, generator: torch.Generator, fixed: Tensor | None, stop_below: float
+        self,
+        view: ServerView,
+        generator: torch.Generator,
+        fixed: Tensor | None,
+        stop_below: float,
+        init: Tensor | None = None,
     ) -> tuple[float, Tensor, Tensor, list[float]]:
-        """One L-BFGS run from a random start: ``(final objective, images, labels, loss trace)``."""
-        images = random_images(view, generator).requires_grad_(True)
+        """One L-BFGS run from a random start (or from ``init``): ``(final objective, images, labels, loss trace)``."""
+        images = (random_images(view, generator) if init is None else init.detach().clone()).requires_grad_(True)
         label_logits = torch.randn((view.batch_size, view.num_classes), generator=generator, device=view.device)
         variables = [images] if fixed is not None else [images, label_logits.requires_grad_(True)]
         optimizer = torch.optim.LBFGS(
@@ -134,6 +143,8 @@ class DLG(GradientAttack):
             targets = fixed if fixed is not None else label_logits.softmax(dim=-1)
             guess = self.dummy_gradient(view, images, targets)
             loss = self.gradient_distance(guess, view.gradients)
+            prior = self.image_prior(images)
+            loss = loss if prior is None else loss + prior
             loss.backward()
             return loss
 

@@ -24,7 +24,9 @@ estimated as kept, the layer's largest ``|shared|``, did worse on LeNet: at ``la
 noise is not small next to the kept entries, and noise on pruned entries pollutes the estimate.)
 
 Both are registered here (:func:`~lightning_gp.attacks.registry.register_defense_knowledge`):
-GradDefense as the pure defense and as its callback (which holds the root set), Outpost.
+GradDefense as the pure defense and as its callback (which holds the root set), with the
+noise-aware MAP beside the pair (:func:`~lightning_gp.attacks.noise_aware.noise_aware_attacks`:
+its likelihood matches the slices the weights keep at the noise std ``sigma``), Outpost.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch
 from torch import Tensor
 
 from lightning_gp.attacks.adaptive import DefenseKnowledge, KnownTransform
+from lightning_gp.attacks.noise_aware import noise_aware_attacks
 from lightning_gp.attacks.registry import register_defense_knowledge
 from lightning_gp.attacks.view import ServerView
 from lightning_gp.defenses.graddefense import GradDefense, compensation_shape
@@ -161,6 +164,7 @@ def graddefense_knowledge(
         defense=name,
         models=(name,),
         support=False,
+        noise_std=sigma,  # the noised slices' (the likelihood's scale; the weights decide what is matched)
         coordinate_weights=weights,
         view_transform=view_transform if q is not None else None,
     )
@@ -205,7 +209,7 @@ def outpost_knowledge(defense: Any, *, name: str = "Outpost") -> DefenseKnowledg
     )
 
 
-@register_defense_knowledge(GradDefense)
+@register_defense_knowledge(GradDefense, attacks=noise_aware_attacks)
 def _graddefense(target: Any) -> DefenseKnowledge:
     # without the root set the slices are unknown: every layer is judged as one slice
     return graddefense_knowledge(target)

@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_gp.attacks.adaptive import dp_sgd_knowledge
+from lightning_gp.attacks.noise_aware import noise_aware_attacks
 from lightning_gp.attacks.registry import register_defense_knowledge
 from lightning_gp.pipeline.local import defend_parameter_gradients, parameter_setup
 from lightning_gp.pipeline.pipeline import ClientStepRunner
@@ -545,4 +546,4 @@ def _check_module(pl_module: pl.LightningModule) -> None:
 
 
 # The server's adaptive attack on a DP-SGD client (declared here, beside the class it models).
-register_defense_knowledge(DPSGD, dp_sgd_knowledge)
+register_defense_knowledge(DPSGD, dp_sgd_knowledge, attacks=noise_aware_attacks)

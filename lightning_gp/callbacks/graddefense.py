@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
+from lightning_gp.attacks.noise_aware import noise_aware_attacks
 from lightning_gp.attacks.perturbation_aware import graddefense_callback_knowledge
 from lightning_gp.attacks.registry import register_defense_knowledge
 from lightning_gp.callbacks.base import GradientDefense
@@ -279,4 +280,4 @@ def _per_class(dataset: Any, per_class: int) -> tuple[Tensor, Tensor]:
 
 
 # The server's adaptive attack on a GradDefense client (declared here, beside the class it models).
-register_defense_knowledge(GradDefense, graddefense_callback_knowledge)
+register_defense_knowledge(GradDefense, graddefense_callback_knowledge, attacks=noise_aware_attacks)
