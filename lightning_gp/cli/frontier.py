@@ -45,7 +45,12 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--num_clients", type=int, default=10, help="clients of the federation")
     parser.add_argument("--attacks", type=list[str] | None, default=None, help="published attacks (default: all)")
     parser.add_argument("--budget", type=AttackBudget, default=AttackBudget(), help="the attacks' budget")
-    parser.add_argument("--lpips", type=bool, default=True, help="score LPIPS (needed for a 'private' verdict)")
+    parser.add_argument(
+        "--lpips",
+        type=bool,
+        default=True,
+        help="score LPIPS (needs the pretrained AlexNet weights; the verdict's mean-LPIPS line goes unchecked without it)",
+    )
     parser.add_argument("--undefended", type=bool, default=True, help="add the undefended reference")
     parser.add_argument("--seed", type=int, default=0, help="seeds the images, the models and the attacks")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
