@@ -6,6 +6,8 @@
   update) as a Flower client mod;
 * :class:`TappedStrategy`: wraps a server strategy, taps every client's update for the attacks and
   audits (:class:`~lightning_gp.records.TappedGradient`) and counts bytes;
+* :class:`ClientLevelDPStrategy`: client-level DP (DP-FedAvg) with Flower's fixed-clipping
+  wrappers, epsilon per round and a budget stop;
 * :class:`FederatedData`: each client's data per round exactly as the in-process
   :class:`~lightning_gp.federated.FederatedSimulation` draws it.
 
@@ -21,12 +23,14 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
     ) from err
 
 from lightning_gp.flower.client import ClientData, FederatedData, lightning_client_app
+from lightning_gp.flower.client_dp import ClientLevelDPStrategy
 from lightning_gp.flower.mods import UpdateDefenseMod, update_level_defense
 from lightning_gp.flower.server import ClientTraffic, TappedStrategy, lightning_server_app
 from lightning_gp.flower.state import partition_id
 
 __all__ = [
     "ClientData",
+    "ClientLevelDPStrategy",
     "ClientTraffic",
     "FederatedData",
     "TappedStrategy",
