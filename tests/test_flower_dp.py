@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("flwr", reason="the Flower integration is optional: pip install 'lightning-gp[flower]'")
 
-from flwr.app import Array, ArrayRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.clientapp.mod import fixedclipping_mod
 from flwr.serverapp.strategy import FedAvg, FedAvgM
@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_gp.federated import ClientLevelDP
 from lightning_gp.federated.client_dp import update_norm
-from lightning_gp.flower import ClientLevelDPStrategy, lightning_server_app
+from lightning_gp.flower import ClientLevelDPStrategy, TappedStrategy, lightning_server_app, protocol
 from lightning_gp.flower.client_dp import EPSILON_METRIC
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
@@ -45,9 +45,9 @@ def client_app(clipping: str) -> ClientApp:
         local = {
             n: Array((a + scale * u).astype(np.float32)) for n, a, u in zip(msg.content["arrays"], received, updates)
         }
-        return Message(
-            RecordDict({"arrays": ArrayRecord(local), "metrics": MetricRecord({"num-examples": 1})}), reply_to=msg
-        )
+        content = RecordDict({"arrays": ArrayRecord(local), "metrics": MetricRecord({"num-examples": 1})})
+        content[protocol.REPLY_RECORD] = ConfigRecord({protocol.CLIENT_ID: client})  # for TappedStrategy
+        return Message(content, reply_to=msg)
 
     return app
 
@@ -78,56 +78,63 @@ def budget_between(rounds: int) -> float:
     return (dp.epsilon(rounds, 1.0) + dp.epsilon(rounds + 1, 1.0)) / 2
 
 
-@pytest.fixture(scope="module", params=["client", "server"])
+@pytest.fixture(scope="module", params=["client", "server, tapped"])
 def run(request):
-    """3 nodes, 5 rounds asked, a budget that allows 3, with client- or server-side clipping."""
+    """3 nodes, 5 rounds asked, a budget that allows 3, with client- or server-side clipping; "tapped":
+    TappedStrategy outside (it calls ``start``, so the budget stop is the DP strategy's no-op rounds)."""
     pytest.importorskip("ray", reason="Flower's simulation engine needs ray: pip install 'lightning-gp[flower]'")
     from flwr.simulation import run_simulation
 
     inner = RecordingFedAvg()
     dp = ClientLevelDP(Z, C, stop_at_epsilon=budget_between(3))
-    strategy = ClientLevelDPStrategy(inner, dp, clients_per_round=NODES, clipping=request.param)
+    clipping = request.param.split(",")[0]
+    strategy = ClientLevelDPStrategy(inner, dp, clients_per_round=NODES, clipping=clipping)
+    outer = TappedStrategy(strategy, server_model()) if "tapped" in request.param else strategy
     run_simulation(
-        server_app=lightning_server_app(strategy, server_model(), num_rounds=ROUNDS),
-        client_app=client_app(request.param),
+        server_app=lightning_server_app(outer, server_model(), num_rounds=ROUNDS),
+        client_app=client_app(clipping),
         num_supernodes=NODES,
         backend_config={
             "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
             "init_args": {"num_cpus": NODES, "include_dashboard": False},
         },
     )
-    return strategy, inner
+    return strategy, inner, outer
 
 
 def test_budget_stop_ends_the_run_after_the_last_round_within_epsilon(run):
-    strategy, inner = run
+    strategy, inner, outer = run
     assert sorted(inner.sent) == [1, 2, 3]
-    assert sorted(strategy.result.train_metrics_clientapp) == [1, 2, 3]
+    assert sorted(outer.result.train_metrics_clientapp) == [1, 2, 3]
+    assert strategy.stopped_after == 3
     assert strategy.epsilons[3] <= strategy.dp.stop_at_epsilon < strategy.dp.epsilon(4, 1.0)
 
 
 def test_epsilon_per_round_equals_client_level_dp_at_q_1(run):
-    strategy, _ = run
+    strategy, _, outer = run
     reference = ClientLevelDP(Z, C)
     for r in (1, 2, 3):
         assert strategy.epsilons[r] == pytest.approx(reference.epsilon(r, 1.0), rel=1e-12)
-        assert strategy.result.train_metrics_clientapp[r][EPSILON_METRIC] == pytest.approx(strategy.epsilons[r])
+        assert outer.result.train_metrics_clientapp[r][EPSILON_METRIC] == pytest.approx(strategy.epsilons[r])
     assert strategy.epsilons[1] < strategy.epsilons[2] < strategy.epsilons[3]
 
 
 def test_every_update_the_strategy_aggregates_has_norm_at_most_c(run):
-    _, inner = run
+    _, inner, outer = run
     for r, replies in inner.averaged.items():
         assert len(replies) == NODES
         for received in replies:
             update = {n: torch.from_numpy(received[n] - inner.sent[r][n]).double() for n in received}
             # clipped from norm 5 onto the ball: at C up to float32 rounding of the weights (|w| <= 1)
             assert update_norm(update) == pytest.approx(C, abs=1e-4)
+    if isinstance(outer, TappedStrategy):  # the server's own tap sees each raw update: the server clips later
+        assert len(outer.records) == 3 * NODES
+        assert all(update_norm(r.gradients) == pytest.approx(UPDATE_NORM, rel=1e-4) for r in outer.records)
 
 
 def test_noise_on_the_aggregate_has_std_z_c_over_n(run):
-    strategy, inner = run
-    final = {n: a.numpy() for n, a in strategy.result.arrays.items()}
+    _, inner, outer = run
+    final = {n: a.numpy() for n, a in outer.result.arrays.items()}
     for r, replies in inner.averaged.items():
         released = inner.sent.get(r + 1, final)
         noise = np.concatenate(

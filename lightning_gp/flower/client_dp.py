@@ -101,6 +101,9 @@ class ClientLevelDPStrategy(Strategy):
         self.flower = wrapper(strategy, dp.noise_multiplier, dp.max_update_norm, self.clients_per_round)
         self.epsilons: dict[int, float] = {}
         self._sent: dict[int, ArrayRecord] = {}
+        self._epsilon: dict[int, float] = {}
+        #: the last round released before the budget stopped the run (``None``: not stopped)
+        self.stopped_after: int | None = None
         self.result: Result | None = None
 
     def budget_rounds(self, num_rounds: int) -> int:
@@ -108,14 +111,25 @@ class ClientLevelDPStrategy(Strategy):
         ``dp.stop_at_epsilon`` (``num_rounds`` without a budget; epsilon grows with the rounds)."""
         check_positive_int(num_rounds, "num_rounds")
         rounds = 0
-        while rounds < num_rounds and self.dp.allows(rounds + 1, self.sample_rate):
+        while rounds < num_rounds and self._allows(rounds + 1):
             rounds += 1
         return rounds
+
+    def epsilon_after(self, rounds: int) -> float:
+        """:meth:`ClientLevelDP.epsilon` of ``rounds`` rounds at this strategy's ``q`` (computed once
+        per ``rounds``: a PLD of ``T`` rounds takes about a second)."""
+        if rounds not in self._epsilon:
+            self._epsilon[rounds] = self.dp.epsilon(rounds, self.sample_rate)
+        return self._epsilon[rounds]
+
+    def _allows(self, rounds: int) -> bool:
+        return self.dp.stop_at_epsilon is None or self.epsilon_after(rounds) <= self.dp.stop_at_epsilon
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, *args: Any, **kwargs: Any) -> Result:
         """``Strategy.start`` for at most :meth:`budget_rounds` rounds (none: the initial arrays)."""
         rounds = self.budget_rounds(num_rounds)
         if rounds < num_rounds:
+            self.stopped_after = rounds
             log(
                 INFO,
                 "DP-FedAvg budget: %d of %d round(s) stay within epsilon %g at delta %g; stopping after round %d",
@@ -139,8 +153,20 @@ class ClientLevelDPStrategy(Strategy):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        if not self.dp.allows(server_round, self.sample_rate):
-            raise RuntimeError(f"server round {server_round} would spend more than epsilon {self.dp.stop_at_epsilon}")
+        """The wrapped strategy's train messages, or none once the round would pass the budget (so
+        the run also stops cleanly when another wrapper, e.g. ``TappedStrategy``, calls ``start``:
+        the remaining rounds send nothing and release nothing)."""
+        stopped = self.stopped_after is not None and server_round > self.stopped_after
+        if stopped or not self._allows(server_round):
+            if not stopped:
+                self.stopped_after = server_round - 1
+                log(
+                    INFO,
+                    "DP-FedAvg budget: round %d would pass epsilon %g; no more rounds",
+                    server_round,
+                    self.dp.stop_at_epsilon,
+                )
+            return []
         self._sent = {server_round: arrays}
         return self.flower.configure_train(server_round, arrays, config, grid)
 
@@ -148,11 +174,13 @@ class ClientLevelDPStrategy(Strategy):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         replies = list(replies)
+        if self.stopped_after is not None and server_round > self.stopped_after:
+            return None, None
         if server_round not in self._sent:
             raise RuntimeError(f"aggregate_train(server_round={server_round}) before configure_train of that round")
         self.check_replies(server_round, self._sent[server_round], replies)
         arrays, metrics = self.flower.aggregate_train(server_round, replies)
-        epsilon = self.dp.epsilon(server_round, self.sample_rate)
+        epsilon = self.epsilon_after(server_round)
         self.epsilons[server_round] = epsilon
         log(INFO, "DP-FedAvg: epsilon %.4f at delta %g after %d round(s)", epsilon, self.dp.delta, server_round)
         metrics = MetricRecord() if metrics is None else metrics
