@@ -183,7 +183,7 @@ def reply(sent: ArrayRecord, update_norm_: float, weight: int = 1, node: int = 7
     )
 
 
-def test_server_refuses_unclipped_unequal_or_missing_updates_with_client_side_clipping():
+def test_server_refuses_unclipped_unequal_or_missing_updates_with_client_side_clipping(task_identity):
     sent = ArrayRecord({n: Array(t.detach().numpy()) for n, t in server_model().state_dict().items()})
     strategy = ClientLevelDPStrategy(FedAvg(), ClientLevelDP(Z, C), clients_per_round=2)
     strategy.check_replies(1, sent, [reply(sent, C), reply(sent, C / 2)])  # within C: accepted
@@ -195,3 +195,53 @@ def test_server_refuses_unclipped_unequal_or_missing_updates_with_client_side_cl
         strategy.check_replies(1, sent, [reply(sent, C)])
     server_side = ClientLevelDPStrategy(FedAvg(), ClientLevelDP(Z, C), clients_per_round=2, clipping="server")
     server_side.check_replies(1, sent, [reply(sent, 10 * C), reply(sent, C)])  # the server clips them itself
+
+
+@pytest.fixture
+def task_identity(monkeypatch):
+    """Messages are built inside a Flower process that knows its run and node; this test plays it."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for attribute, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
+        monkeypatch.setattr(TaskIdentity, attribute, value)
+
+
+@pytest.mark.filterwarnings("ignore:.*val_dataloader")
+def test_lightning_client_app_with_fixedclipping_mod_sends_an_update_the_dp_server_accepts(task_identity):
+    from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
+
+    from lightning_gp.data import FashionMNISTSampleDataModule
+    from lightning_gp.flower import FederatedData, lightning_client_app
+    from lightning_gp.models import ImageClassifier, LeNetZhu
+
+    def module(context=None):
+        return ImageClassifier(LeNetZhu(), lr=0.05)
+
+    torch.manual_seed(0)
+    sent = ArrayRecord(module().state_dict())
+    data = FederatedData(FashionMNISTSampleDataModule(), 2, local_batch_size=4, local_steps=2, seed=0)
+    node = Context(run_id=1, node_id=11, node_config={"partition-id": 0}, state=RecordDict(), run_config={})
+
+    def train(app, clip: float) -> Message:
+        config = ConfigRecord({"server-round": 1, KEY_CLIPPING_NORM: clip})
+        return app(
+            Message(RecordDict({"arrays": sent, "config": config}), dst_node_id=11, message_type=MessageType.TRAIN),
+            node,
+        )
+
+    plain = lightning_client_app(module, data, trainer_kwargs={"accelerator": "cpu"})
+    raw = _update_of(sent, train(plain, 1.0))
+    clip = raw / 2  # half the update's own norm: clipping must bite
+    strategy = ClientLevelDPStrategy(FedAvg(), ClientLevelDP(Z, clip), clients_per_round=1)
+    with pytest.raises(ValueError, match="fixedclipping_mod"):
+        strategy.check_replies(1, sent, [train(plain, clip)])
+    clipped = train(
+        lightning_client_app(module, data, mods=[fixedclipping_mod], trainer_kwargs={"accelerator": "cpu"}), clip
+    )
+    strategy.check_replies(1, sent, [clipped])
+    assert _update_of(sent, clipped) == pytest.approx(clip, rel=1e-4)
+
+
+def _update_of(sent: ArrayRecord, reply: Message) -> float:
+    received = reply.content["arrays"]
+    return update_norm({n: torch.from_numpy(received[n].numpy() - a.numpy()).double() for n, a in sent.items()})
