@@ -38,6 +38,7 @@ from flwr.serverapp.strategy import (
 )
 
 from lightning_gp.federated.client_dp import ClientLevelDP
+from lightning_gp.flower.server import _single as single_array_record
 from lightning_gp.validation import check_choice, check_int, check_positive_int
 
 CLIPPING = ("client", "server")
@@ -214,8 +215,9 @@ class ClientLevelDPStrategy(Strategy):
             )
         if self.clipping == "client":
             for reply in ok:
-                norm = _update_norm(sent, reply.content[self.strategy.arrayrecord_key])
-                if norm > self.dp.max_update_norm * (1 + 1e-5):  # float32 rounding of the clipped weights
+                norm, received_norm = _update_norm(sent, single_array_record(reply.content.array_records))
+                # float32 rounding: the mod subtracts and adds back in float32, each off by <= 2^-24 |w| per weight
+                if norm > self.dp.max_update_norm * (1 + 1e-5) + 2**-21 * received_norm:
                     raise ValueError(
                         f"server round {server_round}: node {reply.metadata.src_node_id} sent an update of norm "
                         f"{norm:.6g} > max_update_norm={self.dp.max_update_norm:g}: add flwr.clientapp.mod."
@@ -223,10 +225,12 @@ class ClientLevelDPStrategy(Strategy):
                     )
 
 
-def _update_norm(sent: ArrayRecord, received: ArrayRecord) -> float:
-    """``||received - sent||_2`` over every array (what Flower's fixed clipping bounds), in float64."""
-    total = 0.0
+def _update_norm(sent: ArrayRecord, received: ArrayRecord) -> tuple[float, float]:
+    """``||received - sent||_2`` over every array (what Flower's fixed clipping bounds) and
+    ``||received||_2``, in float64."""
+    total, weights = 0.0, 0.0
     for name, array in sent.items():
-        diff = received[name].numpy().astype(np.float64) - array.numpy().astype(np.float64)
-        total += float(np.square(diff).sum())
-    return math.sqrt(total)
+        got = received[name].numpy().astype(np.float64)
+        total += float(np.square(got - array.numpy().astype(np.float64)).sum())
+        weights += float(np.square(got).sum())
+    return math.sqrt(total), math.sqrt(weights)
