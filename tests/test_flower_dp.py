@@ -245,3 +245,11 @@ def test_lightning_client_app_with_fixedclipping_mod_sends_an_update_the_dp_serv
 def _update_of(sent: ArrayRecord, reply: Message) -> float:
     received = reply.content["arrays"]
     return update_norm({n: torch.from_numpy(received[n].numpy() - a.numpy()).double() for n, a in sent.items()})
+
+
+def test_budget_rounds_is_the_last_round_count_within_the_budget():
+    dp = ClientLevelDP(2.0, C, stop_at_epsilon=5.0)
+    strategy = ClientLevelDPStrategy(FedAvg(), dp, clients_per_round=NODES)
+    rounds = strategy.budget_rounds(40)
+    assert 0 < rounds < 40
+    assert dp.epsilon(rounds, 1.0) <= 5.0 < dp.epsilon(rounds + 1, 1.0)

@@ -111,10 +111,11 @@ class ClientLevelDPStrategy(Strategy):
         """The most rounds, up to ``num_rounds``, whose cumulative epsilon stays within
         ``dp.stop_at_epsilon`` (``num_rounds`` without a budget; epsilon grows with the rounds)."""
         check_positive_int(num_rounds, "num_rounds")
-        rounds = 0
-        while rounds < num_rounds and self._allows(rounds + 1):
-            rounds += 1
-        return rounds
+        low, high = 0, num_rounds  # bisection: low rounds are allowed; at most log2(num_rounds) PLDs
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if self._allows(middle) else (low, middle - 1)
+        return low
 
     def epsilon_after(self, rounds: int) -> float:
         """:meth:`ClientLevelDP.epsilon` of ``rounds`` rounds at this strategy's ``q`` (computed once
