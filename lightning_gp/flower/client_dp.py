@@ -10,7 +10,8 @@ The mechanism is Flower's own: :class:`flwr.serverapp.strategy.DifferentialPriva
 (clients clip with :func:`flwr.clientapp.mod.fixedclipping_mod`; the server never sees an unclipped
 update) or :class:`~flwr.serverapp.strategy.DifferentialPrivacyServerSideFixedClipping` (the server
 clips: it sees the raw updates, the released model does not). Both clip every array of the reply
-(buffers too) and add NumPy's unseeded ``N(0, (z C / N)^2)`` to every aggregated array.
+(buffers too) and add NumPy's unseeded ``N(0, (z C / N)^2)`` to every aggregated array, so
+``dp.seed`` is not used here (nor ``dp.kappa``: no ReRo eta is logged on Flower yet).
 
 The accounting is ours (:meth:`ClientLevelDP.epsilon`, dp_accounting's PLD): Flower draws exactly
 ``clients_per_round`` clients, so every round is charged in full (``q = 1``) unless the
