@@ -39,7 +39,7 @@ from flwr.serverapp.strategy import (
 )
 
 from lightning_gp.federated.client_dp import ClientLevelDP
-from lightning_gp.flower.server import _single as single_array_record
+from lightning_gp.flower.server import single_array_record
 from lightning_gp.validation import check_choice, check_int, check_positive_int
 
 CLIPPING = ("client", "server")

@@ -157,7 +157,7 @@ class TappedStrategy(Strategy):
             node = int(reply.metadata.src_node_id)
             info = protocol.reply_record(reply.content)
             client = self._client_id(node, info, seen)
-            received = _single(reply.content.array_records)
+            received = single_array_record(reply.content.array_records)
             update = {n: global_weights[n] - torch.from_numpy(received[n].numpy()) for n in self.parameter_names}
             self.traffic.append(
                 ClientTraffic(
@@ -273,7 +273,7 @@ def lightning_server_app(
     return app
 
 
-def _single(records: Mapping[str, ArrayRecord]) -> ArrayRecord:
+def single_array_record(records: Mapping[str, ArrayRecord]) -> ArrayRecord:
     if len(records) != 1:
         raise ValueError(f"a train reply must carry exactly one ArrayRecord (the client's model), found {len(records)}")
     return next(iter(records.values()))
