@@ -150,3 +150,14 @@ def test_bad_client_dp_settings_are_refused_naming_the_argument(kwargs, argument
 def test_client_dp_refuses_weighting_by_data_size():
     with pytest.raises(ValueError, match="weighting"):
         simulation(ClientLevelDP(1.0), weighting="num_samples")
+
+
+def test_training_a_setting_under_client_dp_needs_the_simulation_runner():
+    """``train_setting(client_dp=...)`` (the PMM of DP-FedAvg) refuses a plain-Trainer setting by name
+    instead of training it without the client-level noise."""
+    from lightning_gp.audit import DefenseSetting, train_setting
+    from lightning_gp.data import FashionMNISTSampleDataModule
+
+    setting = DefenseSetting("plain", runner="trainer")
+    with pytest.raises(ValueError, match="client_dp needs the simulation runner; plain"):
+        train_setting(setting, small_cnn(), FashionMNISTSampleDataModule(), rounds=1, client_dp=ClientLevelDP(1.0))

@@ -14,6 +14,7 @@ from torch import nn
 
 from lightning_gp.audit.catalog import DefenseSetting
 from lightning_gp.audit.quiet import internal_trainer, quiet_lightning
+from lightning_gp.federated import ClientLevelDP
 from lightning_gp.validation import check_positive_int
 
 
@@ -43,9 +44,11 @@ def train_setting(
     local_batch_size: int = 8,
     seed: int = 0,
     callbacks: Sequence[Callback] = (),
+    client_dp: ClientLevelDP | None = None,
 ) -> TrainingResult:
     """Train ``model`` under ``setting`` for ``rounds`` rounds (``num_clients`` clients of
-    ``local_batch_size`` images each per round) and test it.
+    ``local_batch_size`` images each per round) and test it; ``client_dp``: DP-FedAvg on top
+    (:class:`~lightning_gp.federated.ClientLevelDP`, simulation runner only).
 
     The simulation runner is :class:`~lightning_gp.federated.FederatedSimulation` with every client
     in every round; the plain-Trainer runner (DP-SGD) trains one batch of ``num_clients *
@@ -64,6 +67,8 @@ def train_setting(
     module: L.LightningModule
     fit_kwargs: dict[str, Any] = {}
     if setting.runner == "trainer":
+        if client_dp is not None:
+            raise ValueError(f"client_dp needs the simulation runner; {setting.name} trains on a plain Trainer")
         module = ImageClassifier(copy.deepcopy(model), lr=setting.server_lr, optimizer=setting.server_optimizer)
         data: Any = copy.copy(datamodule)
         data.batch_size = num_clients * local_batch_size
@@ -81,6 +86,7 @@ def train_setting(
             server_optimizer=setting.server_optimizer,
             server_lr=setting.server_lr,
             seed=seed,
+            client_dp=client_dp,
         )
     with quiet_lightning():
         trainer = internal_trainer(max_steps=rounds, callbacks=[*defenses, meter, *callbacks], num_sanity_val_steps=0)
