@@ -19,6 +19,7 @@ import argparse
 
 import torch
 from _common import RESULTS_DIR, fashion_mnist_datasets, write_results
+from matrix import choose_images
 
 from lightning_gp.audit import AttackBudget, DefenseSetting, audit_setting, published_attacks, train_setting
 from lightning_gp.federated import ClientLevelDP
@@ -39,10 +40,7 @@ def main() -> None:
     datasets = fashion_mnist_datasets(full=not args.sample)
     name = "fashion-mnist" if "fashion-mnist" in datasets else "sample"
     datamodule = datasets[name]
-    datamodule.setup("fit")
-    generator = torch.Generator().manual_seed(args.seed)
-    order = torch.randperm(len(datamodule.train_dataset), generator=generator)[: args.clients]
-    indices = [[int(i)] for i in order]
+    indices = choose_images(datamodule, args.clients, args.seed)  # the matrix's draw: one image per client
     budget = AttackBudget()
     lpips_fn = LPIPS()
     undefended = DefenseSetting("undefended")

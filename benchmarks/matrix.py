@@ -343,9 +343,9 @@ def matrix_summary(rows: list[MatrixRow], accuracy_source: str, setup: str = "",
     """``matrix_summary.md``: the pick against both servers (the active worst case covers every attack)
     and, if it differs, against an honest-but-curious server only."""
     both = candidates(rows)
-    passive = choose(candidates(rows, ("passive",)))
+    passive, combined = choose(candidates(rows, ("passive",))), choose(both)
     notes = []
-    if (passive.pick and passive.pick.name) != (choose(both).pick and choose(both).pick.name):
+    if (passive.pick and passive.pick.name) != (combined.pick and combined.pick.name):
         notes.append("Against an honest-but-curious server only: " + choice_sentence(passive, "PMM"))
     context = [
         "Judged against both servers (passive and active; a setting is private only if private against each). "
