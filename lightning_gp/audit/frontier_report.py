@@ -71,6 +71,15 @@ class FrontierPoint:
     pareto: bool = False
 
 
+def _reason(scores: dict[str, Any], record: dict[str, Any]) -> str:
+    """The verdict's first reason, and the attacks an audit stopped before (its PSNR a lower bound)."""
+    reason = (scores.get("reasons") or [""])[0]
+    if record.get("skipped_attacks"):
+        n = len(record["skipped_attacks"])
+        reason += f"; every image leaked before the last {n} attack(s), not run (worst PSNR is a lower bound)"
+    return reason
+
+
 def _finite(value: Any) -> float | None:
     return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
 
@@ -106,7 +115,7 @@ def frontier_points(jobs: Sequence[Any], records: dict[str, dict[str, Any]]) -> 
                     worst_psnr=_finite(scores.get("psnr")),
                     worst_ssim=_finite(scores.get("ssim")),
                     worst_lpips=_finite(scores.get("lpips")),
-                    reason=(scores.get("reasons") or [""])[0],
+                    reason=_reason(scores, record),
                     strongest=", ".join(scores.get("strongest", [])),
                     rero_eta=_finite(record.get("rero_eta")),
                     test_acc=None if training is None else training["test_acc"],

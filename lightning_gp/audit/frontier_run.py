@@ -62,13 +62,16 @@ class Job:
 
 
 def frontier_jobs(config: FrontierConfig, channels: int) -> list[Job]:
-    """Every job of the run: per setting and batch size its training, then its audit at each stage."""
+    """Every job of the run, stage by stage: at the first stage, per setting and batch size its
+    training and its audit; then the audits of each later stage. A run cut short thus has whole
+    stages (every family at initialisation first), not every stage of the first families."""
+    points = [(point, point.setting(config, channels).name) for point in grid_points(config)]
     jobs = []
-    for point in grid_points(config):
-        name = point.setting(config, channels).name
-        for size in config.batch_sizes:
-            jobs.append(Job("train", point, name, size))
-            jobs += [Job("audit", point, name, size, stage) for stage in config.stages]
+    for i, stage in enumerate(config.stages):
+        for point, name in points:
+            for size in config.batch_sizes:
+                jobs += [Job("train", point, name, size)] if i == 0 else []
+                jobs.append(Job("audit", point, name, size, stage))
     return jobs
 
 
@@ -241,6 +244,7 @@ def audit_record(audit: SettingAudit) -> dict[str, Any]:
             }
             for c in audit.cells
         ],
+        "skipped_attacks": list(audit.skipped),
         "rero_eta": None if bound is None else bound.eta,
         "rero_kappa": None if bound is None else bound.kappa,
         "seconds": sum(c.seconds for c in audit.cells),

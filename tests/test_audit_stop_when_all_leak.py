@@ -1,0 +1,64 @@
+"""``AttackBudget(stop_when_all_leak=True)``: once every attacked image leaks to a passive attack, the
+audit runs no further attack, and its verdicts and leak fractions are those of the full audit."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+
+from lightning_gp.audit import AttackBudget, DefenseSetting, audit_setting, published_attacks
+from lightning_gp.callbacks import GaussianNoise
+from lightning_gp.data import FashionMNISTSampleDataModule
+from lightning_gp.models import LeNetZhu
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def silent(line: str) -> None:
+    pass
+
+
+def audit(budget: AttackBudget, setting: DefenseSetting | None = None):
+    data = FashionMNISTSampleDataModule(batch_size=500)
+    L.seed_everything(0, verbose=False)
+    return audit_setting(
+        setting or DefenseSetting("undefended", []),
+        LeNetZhu(),
+        data,
+        indices=[[0], [1]],
+        published=published_attacks(budget, ["iDLG", "IG", "RtF"]),
+        budget=budget,
+        num_clients=2,
+        seed=0,
+        log=silent,
+        adaptive=False,
+    )
+
+
+def test_an_audit_stops_once_every_image_leaks_with_the_full_audits_verdicts() -> None:
+    """iDLG recovers both undefended one-image clients exactly (its L-BFGS converges to the
+    tolerance), so IG and Robbing the Fed are not run; both verdicts and both leak fractions are the
+    full audit's (every image leaks in both)."""
+    budget = AttackBudget(ig_iterations=5, lbfgs_iterations=60, rtf_bins=4)
+    full = audit(budget)
+    stopped = audit(AttackBudget(ig_iterations=5, lbfgs_iterations=60, rtf_bins=4, stop_when_all_leak=True))
+    assert full.passive is not None and full.passive.leak_fraction == 1.0  # the premise: iDLG leaks both
+    assert [c.attack for c in full.cells] == ["iDLG", "IG", "RtF"] and full.skipped == []
+    assert [c.attack for c in stopped.cells] == ["iDLG"]
+    assert stopped.skipped == ["IG", "RtF"]
+    for threat in ("passive", "active"):
+        a, b = getattr(full, threat), getattr(stopped, threat)
+        assert (a.verdict, a.leak_fraction) == (b.verdict, b.leak_fraction) == ("leaks", 1.0)
+
+
+def test_an_audit_where_an_image_survives_runs_every_attack() -> None:
+    """Under Gaussian noise of scale 10 no passive attack recovers an image, so nothing is skipped."""
+    noise = DefenseSetting("noise", [GaussianNoise(scale=10.0, seed=0)])
+    stopped = audit(AttackBudget(ig_iterations=2, lbfgs_iterations=2, rtf_bins=4, stop_when_all_leak=True), noise)
+    assert stopped.passive is not None and stopped.passive.leak_fraction < 1.0
+    assert [c.attack for c in stopped.cells] == ["iDLG", "IG", "RtF"] and stopped.skipped == []
+
+
+def test_stop_when_all_leak_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match="stop_when_all_leak"):
+        AttackBudget(stop_when_all_leak="yes")  # type: ignore[arg-type]
