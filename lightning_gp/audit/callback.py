@@ -460,7 +460,7 @@ class PrivacyAudit(SharedGradientObserver):
         """Attack one recorded shared gradient with every attack and take the worst case (no logging)."""
         if self._server is None:
             raise RuntimeError("PrivacyAudit.audit runs inside a fit (the server's knowledge is read at fit start)")
-        num_classes, mean, std = self._server
+        num_classes, mean, _ = self._server
         assert record.inputs is not None
         attacks = self.attacks if self.attacks is not None else default_attacks(int(record.inputs.shape[0]))
         attacks = [*attacks, *self._adaptive_attacks]
@@ -468,13 +468,50 @@ class PrivacyAudit(SharedGradientObserver):
             from lightning_gp.metrics.lpips import LPIPS
 
             self._lpips_fn = LPIPS()
-        adaptive = {id(a) for a in self._adaptive_attacks}
-        results: list[AttackResult] = []
         skipped: dict[str, str] = {}
         gaps: list[str] = []
         labels_granted = self._labels_granted(int(record.inputs.shape[0]), num_classes)
         if self._defended and not self.adaptive:
             gaps.append("the adaptive attacks were not run (adaptive=False)")
+        results = self._attack_all(record, model, attacks, labels_granted, skipped, gaps)
+        reports = [r.report for r in results]
+        if not reports:  # nothing was reconstructed: an inconclusive verdict, never a crash of the user's run
+            reports = [self._nothing_reconstructed(record, skipped, gaps)]
+        worst = worst_case_report(
+            reports,
+            thresholds=self.thresholds,
+            leak_thresholds=self.rule.thresholds,
+            noise_ratio_line=self.rule.noise_ratio_line,
+            max_leak_fraction=self.max_leak_fraction,
+            # the normalisation mean is the data's per-channel pixel mean: the "dataset mean" guess
+            dataset_mean=mean if all(0.0 <= v <= 1.0 for v in mean) else None,
+            incomplete=gaps,
+            threat_model="passive",
+        )
+        metrics = self._metrics(record.client_id, worst)
+        bound = self._formal_bound(model, reports, record)
+        if bound.eta is not None and bound.kappa is not None:
+            metrics[f"{self.prefix}/client{record.client_id}/rero_eta"] = bound.eta
+            metrics[f"{self.prefix}/client{record.client_id}/rero_kappa"] = bound.kappa
+        return AuditResult(
+            record.round, record.client_id, results, worst, metrics, skipped=skipped, labels_granted=labels_granted
+        )
+
+    def _attack_all(
+        self,
+        record: TappedGradient,
+        model: nn.Module,
+        attacks: Sequence[GradientAttack],
+        labels_granted: str | None,
+        skipped: dict[str, str],
+        gaps: list[str],
+    ) -> list[AttackResult]:
+        """Run every attack on ``record``: the results of those that ran; why each other one did not
+        goes to ``skipped``, and what the verdict must name to ``gaps``."""
+        assert self._server is not None
+        num_classes, mean, std = self._server
+        adaptive = {id(a) for a in self._adaptive_attacks}
+        results: list[AttackResult] = []
         for attack in attacks:
             name = type(attack).__name__
             try:
@@ -502,7 +539,7 @@ class PrivacyAudit(SharedGradientObserver):
                 warnings.warn(
                     f"PrivacyAudit: {name} failed at step {record.round}, client {record.client_id}: "
                     f"{type(err).__name__}: {err}",
-                    stacklevel=2,
+                    stacklevel=3,  # the caller of audit
                 )
                 continue
             if result.reconstruction.meta.get("fallback"):
@@ -510,37 +547,23 @@ class PrivacyAudit(SharedGradientObserver):
                     f"{name} fell back to the published attack ({result.reconstruction.meta.get('fallback_reason')})"
                 )
             results.append(result)
-        reports = [r.report for r in results]
-        if not reports:  # nothing was reconstructed: an inconclusive verdict, never a crash of the user's run
-            warnings.warn(
-                f"PrivacyAudit: no attack could run at step {record.round}, client {record.client_id}: {skipped}",
-                stacklevel=2,
-            )
-            gaps.append(f"no attack could run ({'; '.join(f'{n}: {why}' for n, why in skipped.items())})")
-            nothing = Reconstruction(torch.full_like(record.inputs, math.nan), None, attack="no attack ran")
-            reports = [
-                reconstruction_report(
-                    nothing, record.inputs, (mean, std), true_labels=record.targets, lpips=False, noise_ratio=False
-                )
-            ]
-        worst = worst_case_report(
-            reports,
-            thresholds=self.thresholds,
-            leak_thresholds=self.rule.thresholds,
-            noise_ratio_line=self.rule.noise_ratio_line,
-            max_leak_fraction=self.max_leak_fraction,
-            # the normalisation mean is the data's per-channel pixel mean: the "dataset mean" guess
-            dataset_mean=mean if all(0.0 <= v <= 1.0 for v in mean) else None,
-            incomplete=gaps,
-            threat_model="passive",
+        return results
+
+    def _nothing_reconstructed(
+        self, record: TappedGradient, skipped: dict[str, str], gaps: list[str]
+    ) -> ReconstructionReport:
+        """The report of a round no attack could run on (every image "not reconstructed"), said in a
+        warning and in ``gaps``."""
+        assert self._server is not None and record.inputs is not None
+        _, mean, std = self._server
+        warnings.warn(
+            f"PrivacyAudit: no attack could run at step {record.round}, client {record.client_id}: {skipped}",
+            stacklevel=3,  # the caller of audit
         )
-        metrics = self._metrics(record.client_id, worst)
-        bound = self._formal_bound(model, reports, record)
-        if bound.eta is not None and bound.kappa is not None:
-            metrics[f"{self.prefix}/client{record.client_id}/rero_eta"] = bound.eta
-            metrics[f"{self.prefix}/client{record.client_id}/rero_kappa"] = bound.kappa
-        return AuditResult(
-            record.round, record.client_id, results, worst, metrics, skipped=skipped, labels_granted=labels_granted
+        gaps.append(f"no attack could run ({'; '.join(f'{n}: {why}' for n, why in skipped.items())})")
+        nothing = Reconstruction(torch.full_like(record.inputs, math.nan), None, attack="no attack ran")
+        return reconstruction_report(
+            nothing, record.inputs, (mean, std), true_labels=record.targets, lpips=False, noise_ratio=False
         )
 
     def _formal_bound(

@@ -441,97 +441,200 @@ def audit_setting(
     the defenses' state as it is then (:func:`~lightning_gp.audit.rounds.tap_defended_round`);
     audit ``rounds=[0, r]`` with one call per round. The active attacks (a modified model) are not
     run at a trained round, so the active verdict there names that gap and is never "private"."""
-    data: Any = datamodule
     rule = rule if rule is not None else LeakRule()
+    campaign = _open_campaign(setting, model, datamodule, indices, num_clients, seed, round, lpips_fn, rule, log)
+    campaign.stop_when_all_leak = budget.stop_when_all_leak
+    for spec in published:
+        campaign.run(spec.name, spec.kind, [spec.build(seed + c, campaign.passive_model) for c in range(len(indices))])
+    per_client: list[list[GradientAttack]] = []
+    if adaptive and not setting.undefended:
+        per_client = _run_adaptive(campaign, budget)
+    elif not setting.undefended:
+        campaign.gaps.append("the adaptive attacks were not run (adaptive=False)")
+    if adaptive and budget.learned_inversion:
+        _run_learned(campaign, budget, per_client[0] if per_client else [])
+    return _judged_audit(campaign, published, aggregate or client_dp is not None, client_dp)
+
+
+def _open_campaign(
+    setting: DefenseSetting,
+    model: nn.Module,
+    datamodule: Any,
+    indices: Sequence[Sequence[int]],
+    num_clients: int,
+    seed: int,
+    round: int,
+    lpips_fn: nn.Module | None,
+    rule: LeakRule,
+    log: Callable[[str], None],
+) -> _Campaign:
+    """The public reference images and the passive round tapped: a campaign with no attack run yet."""
     reference = reference_pixels(datamodule)
     passive_records, sent_model, _ = tap_defended_round(
         setting, model, datamodule, indices=indices, num_clients=num_clients, seed=seed, round=round
     )
-    cells: list[Cell] = []
-    results: dict[str, list[AttackResult]] = {}
-    gaps: list[str] = []
-    active_gaps: list[str] = []  # what only the active threat model misses
-    skipped: list[str] = []
+    return _Campaign(
+        setting,
+        model,
+        datamodule,
+        indices,
+        num_clients,
+        seed,
+        round,
+        lpips_fn,
+        rule,
+        log,
+        reference,
+        passive_records,
+        sent_model,
+    )
 
-    def run(name: str, kind: AttackKind, attacks: list[GradientAttack]) -> None:
-        if budget.stop_when_all_leak and (skipped or _every_image_leaks(cells, results, rule, reference)):
-            if not skipped:
-                log(f"   every attacked image of {setting.name} leaks: the remaining attacks are not run")
-            skipped.append(name)
-            return
-        threat = _threat(attacks[0])
-        if threat == "active" and round > 0:
-            log(
-                f"   {name} on {setting.name}: not run at round {round} (an active server's model is sent from round 0)"
-            )
-            active_gaps.append(f"the active attack {name} was not run at round {round}")
-            return
-        if threat == "active":  # the server sends its own model this round
-            records, active_model, secrets = tap_defended_round(
-                setting, model, datamodule, indices=indices, num_clients=num_clients, attack=attacks[0], seed=seed
-            )
-            attacks = [attacks[0]] * len(indices)  # one malicious model, its secrets shared by every client
-        else:
-            records, active_model, secrets = passive_records, sent_model, {}
-        log(f"   {name} on {setting.name} ...")
-        cell, out = _run_attack(
-            name, kind, attacks, records, active_model, setting, data, secrets, lpips_fn, log, rule, reference
-        )
-        cell.threat = threat
-        cells.append(cell)
-        if out:
-            results[name] = out
 
-    for spec in published:
-        run(spec.name, spec.kind, [spec.build(seed + c, sent_model) for c in range(len(indices))])
-    per_client: list[list[GradientAttack]] = []
-    if adaptive and not setting.undefended:
-        per_client = [
-            setting.adaptive_attacks(
-                model,
-                datamodule,
-                iterations=budget.ig_iterations,
-                lbfgs_iterations=budget.lbfgs_iterations,
-                restarts=budget.adaptive_restarts,
-                seed=seed + c,
-            )
-            for c in range(len(indices))
-        ]
-        if not per_client[0]:
-            gaps.append(f"{setting.name} declares no adaptive attack")
-        for k in range(len(per_client[0])):
-            run(f"adaptive:{type(per_client[0][k]).__name__}", "adaptive", [a[k] for a in per_client])
-    elif not setting.undefended:
-        gaps.append("the adaptive attacks were not run (adaptive=False)")
-    if adaptive and budget.learned_inversion:
-        for attack in _learned_attacks(setting, datamodule, budget, per_client[0] if per_client else [], seed, log):
-            run(f"adaptive:{type(attack).__name__}", "adaptive", [attack] * len(indices))
-        for name in ("adaptive:LearnedInversion", "adaptive:RefinedLearnedInversion"):
-            if name in results:
-                cost = results[name][0].reconstruction.meta.get("training", {})
-                log(f"   {name} on {setting.name}: inverter {_training_summary(cost)}")
+def _judged_audit(
+    campaign: _Campaign, published: Sequence[AttackSpec], aggregate: bool, client_dp: ClientLevelDP | None
+) -> SettingAudit:
+    """The audit of the attacks run: the worst case per threat model, the formal bound and, with
+    ``aggregate``, the secure-aggregation view."""
+    setting, cells, results = campaign.setting, campaign.cells, campaign.results
+    rule, reference, records = campaign.rule, campaign.reference, campaign.passive_records
     judged = {
-        threat: _judge(threat, cells, results, rule, gaps + (active_gaps if threat == "active" else []), reference)
+        threat: _judge(threat, cells, results, rule, campaign.threat_gaps(threat), reference)
         for threat in THREAT_MODELS
     }
-    bound = _formal_bound(setting, model, passive_records, results, reference, rule)
-    audit = SettingAudit(setting.name, cells, judged["passive"], judged["active"], results, bound, skipped=skipped)
-    if aggregate or client_dp is not None:
+    bound = _formal_bound(setting, campaign.model, records, results, reference, rule)
+    audit = SettingAudit(
+        setting.name, cells, judged["passive"], judged["active"], results, bound, skipped=campaign.skipped
+    )
+    if aggregate:
         _audit_aggregate(
             audit,
             setting,
-            passive_records,
-            sent_model,
+            records,
+            campaign.passive_model,
             published,
-            data,
-            lpips_fn,
-            log,
+            campaign.datamodule,
+            campaign.lpips_fn,
+            campaign.log,
             rule,
             reference,
             client_dp,
-            seed,
+            campaign.seed,
         )
     return audit
+
+
+@dataclass
+class _Campaign:
+    """The attacks of one :func:`audit_setting` call: the round they share and the cells, results and
+    gaps they fill, attack by attack."""
+
+    setting: DefenseSetting
+    model: nn.Module
+    datamodule: Any
+    indices: Sequence[Sequence[int]]
+    num_clients: int
+    seed: int
+    round: int
+    lpips_fn: nn.Module | None
+    rule: LeakRule
+    log: Callable[[str], None]
+    reference: Tensor
+    passive_records: list[TappedGradient]
+    passive_model: nn.Module
+    cells: list[Cell] = field(default_factory=list)
+    results: dict[str, list[AttackResult]] = field(default_factory=dict)
+    gaps: list[str] = field(default_factory=list)
+    active_gaps: list[str] = field(default_factory=list)  # what only the active threat model misses
+    stop_when_all_leak: bool = False
+    skipped: list[str] = field(default_factory=list)
+
+    def threat_gaps(self, threat: ThreatModel) -> list[str]:
+        """What the verdict of ``threat`` must name as not covered."""
+        return self.gaps + (self.active_gaps if threat == "active" else [])
+
+    def run(self, name: str, kind: AttackKind, attacks: list[GradientAttack]) -> None:
+        """Run one attack (one object per client) on every client and keep its cell and results; an
+        active attack on the round its own model is sent in (round 0 only)."""
+        setting, round = self.setting, self.round
+        if self.stop_when_all_leak and (
+            self.skipped or _every_image_leaks(self.cells, self.results, self.rule, self.reference)
+        ):
+            if not self.skipped:
+                self.log(f"   every attacked image of {setting.name} leaks: the remaining attacks are not run")
+            self.skipped.append(name)
+            return
+        threat = _threat(attacks[0])
+        if threat == "active" and round > 0:
+            self.log(
+                f"   {name} on {setting.name}: not run at round {round} (an active server's model is sent from round 0)"
+            )
+            self.active_gaps.append(f"the active attack {name} was not run at round {round}")
+            return
+        if threat == "active":  # the server sends its own model this round
+            records, active_model, secrets = tap_defended_round(
+                setting,
+                self.model,
+                self.datamodule,
+                indices=self.indices,
+                num_clients=self.num_clients,
+                attack=attacks[0],
+                seed=self.seed,
+            )
+            attacks = [attacks[0]] * len(self.indices)  # one malicious model, its secrets shared by every client
+        else:
+            records, active_model, secrets = self.passive_records, self.passive_model, {}
+        self.log(f"   {name} on {setting.name} ...")
+        cell, out = _run_attack(
+            name,
+            kind,
+            attacks,
+            records,
+            active_model,
+            setting,
+            self.datamodule,
+            secrets,
+            self.lpips_fn,
+            self.log,
+            self.rule,
+            self.reference,
+        )
+        cell.threat = threat
+        self.cells.append(cell)
+        if out:
+            self.results[name] = out
+
+
+def _run_adaptive(campaign: _Campaign, budget: AttackBudget) -> list[list[GradientAttack]]:
+    """Run the setting's adaptive attacks, built once per client; those per-client attacks."""
+    setting = campaign.setting
+    per_client = [
+        setting.adaptive_attacks(
+            campaign.model,
+            campaign.datamodule,
+            iterations=budget.ig_iterations,
+            lbfgs_iterations=budget.lbfgs_iterations,
+            restarts=budget.adaptive_restarts,
+            seed=campaign.seed + c,
+        )
+        for c in range(len(campaign.indices))
+    ]
+    if not per_client[0]:
+        campaign.gaps.append(f"{setting.name} declares no adaptive attack")
+    for k in range(len(per_client[0])):
+        campaign.run(f"adaptive:{type(per_client[0][k]).__name__}", "adaptive", [a[k] for a in per_client])
+    return per_client
+
+
+def _run_learned(campaign: _Campaign, budget: AttackBudget, adaptive: list[GradientAttack]) -> None:
+    """Run the learned inverter and its refined variant (one object for every client) and log what
+    training each cost."""
+    setting = campaign.setting
+    for attack in _learned_attacks(setting, campaign.datamodule, budget, adaptive, campaign.seed, campaign.log):
+        campaign.run(f"adaptive:{type(attack).__name__}", "adaptive", [attack] * len(campaign.indices))
+    for name in ("adaptive:LearnedInversion", "adaptive:RefinedLearnedInversion"):
+        if name in campaign.results:
+            cost = campaign.results[name][0].reconstruction.meta.get("training", {})
+            campaign.log(f"   {name} on {setting.name}: inverter {_training_summary(cost)}")
 
 
 def _audit_aggregate(

@@ -26,6 +26,7 @@ from lightning_gp.audit import (
     AttackResult,
     FormalBound,
     LeakRule,
+    WorstCaseReport,
     attack_record,
     mean_scores,
     prior_only_kappa,
@@ -166,7 +167,30 @@ def write_outputs(
         incomplete=[ONE_ATTACK],
         threat_model=threat,
     )
-    payload = {
+    payload = _report_json(results, attack, defenses, threat, bound, means, flags, unavailable, judged)
+    (output_dir / "report.json").write_text(json.dumps(payload, indent=2) + "\n")
+    lines = _report_markdown(results, attack, defenses, threat, bound, means, unavailable, judged)
+    (output_dir / "report.md").write_text("\n".join(lines) + "\n")
+    originals = torch.cat([r.pixels()[0] for r in results])
+    reconstructed = torch.cat([r.pixels()[1] for r in results])
+    scores = [{"psnr": row.psnr, "ssim": row.ssim} for r in results for row in r.report.rows]
+    save_reconstruction_grid(originals, reconstructed, output_dir / "reconstructions.png", scores=scores)
+    return output_dir / "report.md"
+
+
+def _report_json(
+    results: list[AttackResult],
+    attack: str,
+    defenses: list[str],
+    threat: str,
+    bound: FormalBound | None,
+    means: dict[str, float | None],
+    flags: dict[str, bool | None],
+    unavailable: dict[str, str],
+    judged: WorstCaseReport,
+) -> dict[str, Any]:
+    """The content of ``report.json``: the scores, the verdict of this attack alone, the bound, per client."""
+    return {
         "attack": attack,
         "defenses": defenses,
         "mean": {k: (str(v) if isinstance(v, float) and v == float("inf") else v) for k, v in means.items()},
@@ -190,7 +214,19 @@ def write_outputs(
             for r in results
         ],
     }
-    (output_dir / "report.json").write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def _report_markdown(
+    results: list[AttackResult],
+    attack: str,
+    defenses: list[str],
+    threat: str,
+    bound: FormalBound | None,
+    means: dict[str, float | None],
+    unavailable: dict[str, str],
+    judged: WorstCaseReport,
+) -> list[str]:
+    """The lines of ``report.md``: the score table, the leak rule's verdict, the bound, then each client."""
     lines = [f"# {attack} against {', '.join(defenses) or 'no defense'}", ""]
     # the scores, then the one leak rule and its verdict (the rule is stated once, below the table)
     lines += ["| metric | mean over the images |", "|---|---|"]
@@ -219,12 +255,7 @@ def write_outputs(
             "",
             r.report.to_markdown(),
         ]
-    (output_dir / "report.md").write_text("\n".join(lines) + "\n")
-    originals = torch.cat([r.pixels()[0] for r in results])
-    reconstructed = torch.cat([r.pixels()[1] for r in results])
-    scores = [{"psnr": row.psnr, "ssim": row.ssim} for r in results for row in r.report.rows]
-    save_reconstruction_grid(originals, reconstructed, output_dir / "reconstructions.png", scores=scores)
-    return output_dir / "report.md"
+    return lines
 
 
 def formal_bound(config: Any, results: list[AttackResult]) -> FormalBound:

@@ -57,6 +57,42 @@ def _defense_states(checkpoint: dict[str, Any]) -> set[str]:
     }
 
 
+def _check_module_runs(module: nn.Module, algorithm: str, vectorize: bool | None) -> None:
+    """Refuse a module whose own client step (or BatchNorm statistics, under ``vectorize``) the
+    algorithm cannot run."""
+    if isinstance(module, ClientGradientProvider) and algorithm != "fedsgd":
+        raise ValueError(
+            f"{type(module).__name__} computes each client's FedSGD gradient itself (one batch, one upload); "
+            "use algorithm='fedsgd'"
+        )
+    if isinstance(module, ClientUpdateProvider) and algorithm != "fedavg":
+        raise ValueError(
+            f"{type(module).__name__} runs each client's FedAvg local training itself and shares weights; "
+            "use algorithm='fedavg'"
+        )
+    if vectorize and updates_running_stats(module):
+        raise ValueError(
+            "vectorize=True cannot update BatchNorm running statistics under vmap; pass vectorize=None/False "
+            "or use a model with GroupNorm"
+        )
+
+
+def _check_client_dp(client_dp: ClientLevelDP | None, weighting: str, module: nn.Module) -> None:
+    """Refuse a ``client_dp`` that is not one, or that the weighting or the module would void."""
+    if client_dp is not None and not isinstance(client_dp, ClientLevelDP):
+        raise TypeError(f"client_dp must be a ClientLevelDP, got {type(client_dp).__name__}")
+    if client_dp is not None and weighting != "uniform":
+        raise ValueError(
+            "client_dp needs weighting='uniform': weighting clients by their data size changes how far one "
+            "client moves the aggregate, which the DP-FedAvg accounting assumes is max_update_norm / clients_per_round"
+        )
+    if client_dp is not None and isinstance(module, ClientUpdateProvider):
+        raise ValueError(
+            f"client_dp: {type(module).__name__} aggregates its clients' updates itself, which DP-FedAvg's noised "
+            "sum would replace; use client_dp with a plain module"
+        )
+
+
 class FederatedSimulation(pl.LightningModule, ClientStepRunner):
     """Simulate FedSGD or FedAvg with ``num_clients`` clients around a user's model.
 
@@ -141,6 +177,56 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
             raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
         if datamodule is not None and not isinstance(datamodule, pl.LightningDataModule):
             raise TypeError(f"datamodule must be a LightningDataModule, got {type(datamodule).__name__}")
+        self._set_rounds(
+            algorithm,
+            num_clients,
+            clients_per_round,
+            local_batch_size,
+            local_steps,
+            local_lr,
+            partition,
+            dirichlet_alpha,
+            shards_per_client,
+            rounds_per_epoch,
+        )
+        self.server_optimizer = check_choice(server_optimizer, "server_optimizer", ("sgd", "adam"))
+        self.server_lr = check_positive(server_lr, "server_lr")
+        self.server_momentum = check_number(server_momentum, "server_momentum", low=0.0, high=1.0, high_open=True)
+        _check_module_runs(module, algorithm, vectorize)
+        self.vectorize = vectorize
+        self.client_chunk_size = (
+            None if client_chunk_size is None else check_positive_int(client_chunk_size, "client_chunk_size")
+        )
+        self.weighting = check_choice(weighting, "weighting", ("uniform", "num_samples"))
+        self.num_workers = check_int(num_workers, "num_workers", low=0)
+        _check_client_dp(client_dp, weighting, module)
+        self.client_dp = client_dp
+        self.seed = seed
+        self.module = module
+        self.source_datamodule = datamodule
+        self.loss_fn = loss_fn if loss_fn is not None else getattr(module, "loss_fn", None) or nn.CrossEntropyLoss()
+        self.automatic_optimization = False
+        self.client_indices: list[Tensor] | None = None
+        self._rounds: ClientRounds | None = None
+        self._restored_defense_states: set[str] = set()
+        self._monitors: dict[int, str] = {}  # scheduler id -> the metric a ReduceLROnPlateau monitors
+        self._choices: dict[tuple[int, int], tuple[list[int], str]] = {}  # (round, client) -> chosen data
+        self.save_hyperparameters(ignore=["module", "datamodule", "loss_fn", "client_dp"])
+
+    def _set_rounds(
+        self,
+        algorithm: Algorithm,
+        num_clients: int,
+        clients_per_round: int,
+        local_batch_size: int,
+        local_steps: int,
+        local_lr: float,
+        partition: str,
+        dirichlet_alpha: float,
+        shards_per_client: int,
+        rounds_per_epoch: int | None,
+    ) -> None:
+        """Check and keep what one round is: the algorithm, the clients, their local work and data split."""
         self.algorithm = check_choice(algorithm, "algorithm", ("fedsgd", "fedavg"))
         self.num_clients = check_positive_int(num_clients, "num_clients")
         self.clients_per_round = check_positive_int(clients_per_round, "clients_per_round")
@@ -157,54 +243,6 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
         self.rounds_per_epoch = (
             None if rounds_per_epoch is None else check_positive_int(rounds_per_epoch, "rounds_per_epoch")
         )
-        self.server_optimizer = check_choice(server_optimizer, "server_optimizer", ("sgd", "adam"))
-        self.server_lr = check_positive(server_lr, "server_lr")
-        self.server_momentum = check_number(server_momentum, "server_momentum", low=0.0, high=1.0, high_open=True)
-        if isinstance(module, ClientGradientProvider) and algorithm != "fedsgd":
-            raise ValueError(
-                f"{type(module).__name__} computes each client's FedSGD gradient itself (one batch, one upload); "
-                "use algorithm='fedsgd'"
-            )
-        if isinstance(module, ClientUpdateProvider) and algorithm != "fedavg":
-            raise ValueError(
-                f"{type(module).__name__} runs each client's FedAvg local training itself and shares weights; "
-                "use algorithm='fedavg'"
-            )
-        if vectorize and updates_running_stats(module):
-            raise ValueError(
-                "vectorize=True cannot update BatchNorm running statistics under vmap; pass vectorize=None/False "
-                "or use a model with GroupNorm"
-            )
-        self.vectorize = vectorize
-        self.client_chunk_size = (
-            None if client_chunk_size is None else check_positive_int(client_chunk_size, "client_chunk_size")
-        )
-        self.weighting = check_choice(weighting, "weighting", ("uniform", "num_samples"))
-        self.num_workers = check_int(num_workers, "num_workers", low=0)
-        if client_dp is not None and not isinstance(client_dp, ClientLevelDP):
-            raise TypeError(f"client_dp must be a ClientLevelDP, got {type(client_dp).__name__}")
-        if client_dp is not None and weighting != "uniform":
-            raise ValueError(
-                "client_dp needs weighting='uniform': weighting clients by their data size changes how far one "
-                "client moves the aggregate, which the DP-FedAvg accounting assumes is max_update_norm / clients_per_round"
-            )
-        if client_dp is not None and isinstance(module, ClientUpdateProvider):
-            raise ValueError(
-                f"client_dp: {type(module).__name__} aggregates its clients' updates itself, which DP-FedAvg's noised "
-                "sum would replace; use client_dp with a plain module"
-            )
-        self.client_dp = client_dp
-        self.seed = seed
-        self.module = module
-        self.source_datamodule = datamodule
-        self.loss_fn = loss_fn if loss_fn is not None else getattr(module, "loss_fn", None) or nn.CrossEntropyLoss()
-        self.automatic_optimization = False
-        self.client_indices: list[Tensor] | None = None
-        self._rounds: ClientRounds | None = None
-        self._restored_defense_states: set[str] = set()
-        self._monitors: dict[int, str] = {}  # scheduler id -> the metric a ReduceLROnPlateau monitors
-        self._choices: dict[tuple[int, int], tuple[list[int], str]] = {}  # (round, client) -> chosen data
-        self.save_hyperparameters(ignore=["module", "datamodule", "loss_fn", "client_dp"])
 
     # ------------------------------------------------------------------ the client step
     def client_setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> ClientSetup:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import textwrap
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -264,6 +265,56 @@ def save_flagged_grid(
             raise ValueError(f"{name} has {len(values)} entries for {count} images")
     if isinstance(columns, bool) or not isinstance(columns, int) or columns < 1:
         raise ValueError(f"columns must be an int >= 1, got {columns!r}")
+    layout = _flagged_layout(count, columns, captions, title, header, footer)
+    fig = Figure(figsize=(layout.width, layout.height), dpi=DPI)
+    FigureCanvasAgg(fig)
+    y = layout.height - FLAGGED_PAD_IN  # the cursor, in inches from the bottom
+    for line in layout.title_lines:
+        y = _flagged_text(fig, layout, y, line, TITLE_PT, color=title_color, fontweight="bold")
+    for line in layout.header_lines:
+        y = _flagged_text(fig, layout, y, line, TEXT_PT)
+    y -= 0.15
+    for b in range(layout.blocks):
+        top = y
+        for c in range(layout.cols):
+            i = b * layout.cols + c
+            if i >= count:
+                break
+            _flagged_cell(fig, layout, top, c, originals[i], reconstructed[i], labels[i], captions[i], flags[i])
+        y = top - layout.block_in
+    y -= 0.1
+    for line in layout.footer_lines:
+        y = _flagged_text(fig, layout, y, line, CAPTION_PT, color="#333333")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=DPI)
+    return path
+
+
+@dataclass(frozen=True)
+class _FlaggedLayout:
+    """Where everything of a flagged grid goes: its size and text lines (inches, at :data:`DPI`)."""
+
+    cols: int
+    blocks: int
+    width: float
+    height: float
+    label_in: float
+    block_in: float
+    title_lines: list[str]
+    header_lines: list[str]
+    footer_lines: list[str]
+
+
+def _flagged_layout(
+    count: int,
+    columns: int,
+    captions: Sequence[Sequence[str]],
+    title: str,
+    header: Sequence[str],
+    footer: Sequence[str],
+) -> _FlaggedLayout:
+    """The layout of a flagged grid of ``count`` images: columns, blocks, wrapped text and page size."""
     cols = min(count, columns, FLAGGED_COLUMNS)
     blocks = math.ceil(count / cols)
     width = max(cols, 4) * FLAGGED_CELL_IN + 2 * FLAGGED_PAD_IN  # room for the text over a short row
@@ -277,76 +328,69 @@ def save_flagged_grid(
     head_in = len(title_lines) * _line_in(TITLE_PT) + len(header_lines) * _line_in(TEXT_PT) + 0.15
     foot_in = len(footer_lines) * _line_in(CAPTION_PT) + (0.1 if footer_lines else 0.0)
     height = FLAGGED_PAD_IN + head_in + blocks * block_in + foot_in + 0.1
+    return _FlaggedLayout(cols, blocks, width, height, label_in, block_in, title_lines, header_lines, footer_lines)
 
-    fig = Figure(figsize=(width, height), dpi=DPI)
-    FigureCanvasAgg(fig)
-    y = height - FLAGGED_PAD_IN  # the cursor, in inches from the bottom
 
-    def text(line: str, points: float, **style: Any) -> None:
-        nonlocal y
-        fig.text(FLAGGED_PAD_IN / width, y / height, line, fontsize=points, va="top", ha="left", **style)
-        y -= _line_in(points)
+def _flagged_text(fig: Figure, layout: _FlaggedLayout, y: float, line: str, points: float, **style: Any) -> float:
+    """Draw one left-aligned text line at height ``y`` (inches); the height of the next line."""
+    fig.text(FLAGGED_PAD_IN / layout.width, y / layout.height, line, fontsize=points, va="top", ha="left", **style)
+    return y - _line_in(points)
 
-    for line in title_lines:
-        text(line, TITLE_PT, color=title_color, fontweight="bold")
-    for line in header_lines:
-        text(line, TEXT_PT)
-    y -= 0.15
-    for b in range(blocks):
-        top = y
-        for c in range(cols):
-            i = b * cols + c
-            if i >= count:
-                break
-            x = FLAGGED_PAD_IN + c * FLAGGED_CELL_IN + (FLAGGED_CELL_IN - FLAGGED_IMAGE_IN) / 2
-            centre = (x + FLAGGED_IMAGE_IN / 2) / width
-            fig.text(
-                centre,
-                top / height,
-                _fit(labels[i], FLAGGED_CELL_IN, CAPTION_PT),
-                fontsize=CAPTION_PT,
-                ha="center",
-                va="top",
-            )
-            image_top = top - label_in
-            ax = fig.add_axes(
-                (
-                    x / width,
-                    (image_top - FLAGGED_IMAGE_IN) / height,
-                    FLAGGED_IMAGE_IN / width,
-                    FLAGGED_IMAGE_IN / height,
-                )
-            )
-            _show(ax, originals[i])
-            below = image_top - FLAGGED_IMAGE_IN - 0.1
-            ax = fig.add_axes(
-                (x / width, (below - FLAGGED_IMAGE_IN) / height, FLAGGED_IMAGE_IN / width, FLAGGED_IMAGE_IN / height)
-            )
-            _show(ax, reconstructed[i])
-            for spine in ax.spines.values():
-                spine.set_visible(True)
-                spine.set_color(FLAG_COLORS[flags[i]])
-                spine.set_linewidth(4)
-            line_y = below - FLAGGED_IMAGE_IN - 0.06
-            for k, line in enumerate(captions[i]):
-                color = FLAG_COLORS[flags[i]] if k == len(captions[i]) - 1 else "black"
-                weight = "bold" if k == len(captions[i]) - 1 else "normal"
-                fig.text(
-                    centre,
-                    line_y / height,
-                    _fit(line, FLAGGED_CELL_IN, CAPTION_PT),
-                    fontsize=CAPTION_PT,
-                    ha="center",
-                    va="top",
-                    color=color,
-                    fontweight=weight,
-                )
-                line_y -= _line_in(CAPTION_PT)
-        y = top - block_in
-    y -= 0.1
-    for line in footer_lines:
-        text(line, CAPTION_PT, color="#333333")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png", dpi=DPI)
-    return path
+
+def _flagged_cell(
+    fig: Figure,
+    layout: _FlaggedLayout,
+    top: float,
+    c: int,
+    original: Tensor,
+    reconstructed: Tensor,
+    label: str,
+    captions: Sequence[str],
+    flag: bool | None,
+) -> None:
+    """Draw one column of a block from ``top`` (inches) down: label, original, framed reconstruction, captions."""
+    width, height = layout.width, layout.height
+    x = FLAGGED_PAD_IN + c * FLAGGED_CELL_IN + (FLAGGED_CELL_IN - FLAGGED_IMAGE_IN) / 2
+    centre = (x + FLAGGED_IMAGE_IN / 2) / width
+    fig.text(
+        centre,
+        top / height,
+        _fit(label, FLAGGED_CELL_IN, CAPTION_PT),
+        fontsize=CAPTION_PT,
+        ha="center",
+        va="top",
+    )
+    image_top = top - layout.label_in
+    ax = fig.add_axes(
+        (
+            x / width,
+            (image_top - FLAGGED_IMAGE_IN) / height,
+            FLAGGED_IMAGE_IN / width,
+            FLAGGED_IMAGE_IN / height,
+        )
+    )
+    _show(ax, original)
+    below = image_top - FLAGGED_IMAGE_IN - 0.1
+    ax = fig.add_axes(
+        (x / width, (below - FLAGGED_IMAGE_IN) / height, FLAGGED_IMAGE_IN / width, FLAGGED_IMAGE_IN / height)
+    )
+    _show(ax, reconstructed)
+    for spine in ax.spines.values():
+        spine.set_visible(True)
+        spine.set_color(FLAG_COLORS[flag])
+        spine.set_linewidth(4)
+    line_y = below - FLAGGED_IMAGE_IN - 0.06
+    for k, line in enumerate(captions):
+        color = FLAG_COLORS[flag] if k == len(captions) - 1 else "black"
+        weight = "bold" if k == len(captions) - 1 else "normal"
+        fig.text(
+            centre,
+            line_y / height,
+            _fit(line, FLAGGED_CELL_IN, CAPTION_PT),
+            fontsize=CAPTION_PT,
+            ha="center",
+            va="top",
+            color=color,
+            fontweight=weight,
+        )
+        line_y -= _line_in(CAPTION_PT)
