@@ -1,5 +1,6 @@
-"""``AttackBudget(stop_when_all_leak=True)``: once every attacked image leaks to a passive attack, the
-audit runs no further attack, and its verdicts and leak fractions are those of the full audit."""
+"""Two cost controls of ``AttackBudget``. ``stop_when_all_leak=True``: once every attacked image leaks
+to a passive attack, the audit runs no further attack, and its verdicts and leak fractions are those of
+the full audit. ``learned_min_batch``: the learned inverter runs only on clients that large."""
 
 from __future__ import annotations
 
@@ -62,3 +63,25 @@ def test_an_audit_where_an_image_survives_runs_every_attack() -> None:
 def test_stop_when_all_leak_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match="stop_when_all_leak"):
         AttackBudget(stop_when_all_leak="yes")  # type: ignore[arg-type]
+
+
+def test_the_learned_inverter_is_not_run_below_its_minimum_batch() -> None:
+    """``learned_min_batch=2`` on one-image clients: no learned cell (and nothing trained)."""
+    data = FashionMNISTSampleDataModule(batch_size=500)
+    L.seed_everything(0, verbose=False)
+    budget = AttackBudget(ig_iterations=2, lbfgs_iterations=2, learned_inversion=True, learned_min_batch=2)
+    result = audit_setting(
+        DefenseSetting("noise", [GaussianNoise(scale=0.01, seed=0)]),
+        LeNetZhu(),
+        data,
+        indices=[[0]],
+        published=published_attacks(budget, ["iDLG"]),
+        budget=budget,
+        num_clients=2,
+        seed=0,
+        log=silent,
+    )
+    names = [c.attack for c in result.cells]
+    assert "iDLG" in names and not any("Learned" in n for n in names)
+    with pytest.raises(ValueError, match="learned_min_batch"):
+        AttackBudget(learned_min_batch=0)

@@ -80,6 +80,12 @@ class AttackBudget:
             server can replay, the undefended one included; off by default (it trains a network
             per setting, minutes on a CPU).
         learned_max_epochs: cap on the learned inverter's epochs (it stops earlier on convergence).
+        learned_min_batch: with ``learned_inversion``, run the learned inverter only on clients of at
+            least this many images. At one image per client gradient matching recovered more than
+            the inverter in every setting measured (``benchmarks/results/learned_inversion.md``),
+            while training it costs minutes per setting there (nine times the pairs of batch 8); at
+            batch 8 it is the strongest passive attack on Top-k and DGP
+            (``benchmarks/results/matrix_batch8_pruning.md``).
         lbfgs_restarts: restarts of DLG and iDLG, the one with the lowest gradient distance kept (at
             batch 8 the start decides as much as the budget: the lowest distance of 3 starts was also
             the best PSNR there).
@@ -98,10 +104,11 @@ class AttackBudget:
     learned_max_epochs: int = 60
     lbfgs_restarts: int = 1
     stop_when_all_leak: bool = False
+    learned_min_batch: int = 1
 
     def __post_init__(self) -> None:
         names = ("ig_iterations", "lbfgs_iterations", "adaptive_restarts", "rtf_bins", "learned_max_epochs")
-        for name in (*names, "lbfgs_restarts"):
+        for name in (*names, "lbfgs_restarts", "learned_min_batch"):
             check_positive_int(getattr(self, name), name)
         check_bool(self.learned_inversion, "learned_inversion")
         check_bool(self.stop_when_all_leak, "stop_when_all_leak")
@@ -451,7 +458,7 @@ def audit_setting(
         per_client = _run_adaptive(campaign, budget)
     elif not setting.undefended:
         campaign.gaps.append("the adaptive attacks were not run (adaptive=False)")
-    if adaptive and budget.learned_inversion:
+    if adaptive and budget.learned_inversion and min(map(len, indices)) >= budget.learned_min_batch:
         _run_learned(campaign, budget, per_client[0] if per_client else [])
     return _judged_audit(campaign, published, aggregate or client_dp is not None, client_dp)
 
