@@ -27,6 +27,7 @@ from lightning_gp.audit import (
     pareto_mask,
     published_attacks,
 )
+from lightning_gp.audit.frontier_report import FrontierPoint, recommend, recommendation_table
 from lightning_gp.audit.frontier_run import RESULTS_FILE, attacked_images
 from lightning_gp.callbacks import GaussianNoise, TopKPruning
 from lightning_gp.data import FashionMNISTSampleDataModule
@@ -176,6 +177,43 @@ def test_the_pareto_set_keeps_exactly_the_undominated_points() -> None:
         [-0.7, 5.0, 0.5],  # lowest PSNR, some leaks
     ]
     assert pareto_mask(rows) == [True, True, False, True, False, True]
+
+
+def _point(setting: str, stage: int, threat: str, verdict: str, pmm: float) -> FrontierPoint:
+    leaked = 1.0 if verdict == "leaks" else 0.0
+    return FrontierPoint(
+        grid=setting, family=setting, knob="k", value=1, index=0, setting=setting, batch_size=1, stage=stage,
+        threat=threat, verdict=verdict, leak_fraction=leaked, worst_psnr=30.0 * leaked + 5.0, worst_ssim=0.1,
+        worst_lpips=None, reason="", strongest="", rero_eta=None, test_acc=pmm, pmm=pmm, cost_ratio=1.0,
+        upload_bytes=1.0, upload_ratio=1.0, audit_seconds=0.0,
+    )  # fmt: skip
+
+
+def test_each_stage_gets_its_own_pick_beside_the_all_stage_one() -> None:
+    """A setting private against the active server at round 0, where that server is audited, and
+    inconclusive at round 50, where it is not: the all-stage active pick is none (never private on a
+    gap), the round-0 active pick is that setting, and the passive picks follow the stage verdicts."""
+    points = [
+        _point("A", 0, "active", "private", 0.9),
+        _point("A", 50, "active", "inconclusive", 0.9),
+        _point("A", 0, "passive", "private", 0.9),
+        _point("A", 50, "passive", "private", 0.9),
+        _point("B", 0, "active", "leaks", 0.99),
+        _point("B", 50, "active", "inconclusive", 0.99),
+        _point("B", 0, "passive", "leaks", 0.99),
+        _point("B", 50, "passive", "private", 0.99),
+    ]
+    picks = {(r.threat, r.stage): r.choice.pick.name if r.choice.pick else None for r in recommend(points)}
+    assert picks == {
+        ("passive", None): "A",
+        ("passive", 0): "A",
+        ("passive", 50): "B",  # the higher PMM of the two private at round 50
+        ("active", None): None,
+        ("active", 0): "A",
+        ("active", 50): None,
+    }
+    table = recommendation_table(recommend(points))
+    assert "| 1 | active | round 0 | **A** | private |" in table
 
 
 def test_a_two_worker_ray_cluster_gives_the_local_results(tmp_path: Path) -> None:

@@ -170,11 +170,17 @@ def _negated(value: float | None) -> float | None:
 
 @dataclass(frozen=True)
 class Recommendation:
-    """The pick for one batch size and threat model (``choice.pick`` is ``None``: none in the grid)."""
+    """The pick for one batch size and threat model (``choice.pick`` is ``None``: none in the grid),
+    judged over every stage together (``stage=None``) or at one stage only."""
 
     batch_size: int
     threat: str
     choice: Choice
+    stage: int | None = None
+
+    @property
+    def stages(self) -> str:
+        return "all stages" if self.stage is None else f"round {self.stage}"
 
 
 def _cost(points: Sequence[FrontierPoint]) -> str:
@@ -218,31 +224,38 @@ def setting_candidates(points: Sequence[FrontierPoint], batch_size: int, threat:
 
 
 def recommend(points: Sequence[FrontierPoint]) -> list[Recommendation]:
-    """Per batch size and threat model, :func:`~lightning_gp.audit.choose` over the settings."""
+    """Per batch size and threat model, :func:`~lightning_gp.audit.choose` over the settings judged
+    over every stage together; with more than one stage, also at each stage alone (the active attacks
+    run at round 0 only, so the all-stage active pick is never private; its round-0 pick still says
+    which setting holds against the malicious server where that server was audited)."""
     sizes = sorted({p.batch_size for p in points})
-    return [
-        Recommendation(size, threat, choose(setting_candidates(points, size, threat)))
-        for size in sizes
-        for threat in THREAT_MODELS
-    ]
+    stages = sorted({p.stage for p in points})
+    out = []
+    for size in sizes:
+        for threat in THREAT_MODELS:
+            out.append(Recommendation(size, threat, choose(setting_candidates(points, size, threat))))
+            for stage in stages if len(stages) > 1 else []:
+                at_stage = [p for p in points if p.stage == stage]
+                out.append(Recommendation(size, threat, choose(setting_candidates(at_stage, size, threat)), stage))
+    return out
 
 
 def recommendation_table(recommendations: Sequence[Recommendation]) -> str:
     """The Markdown table: the cheapest private setting per batch size and threat model, or "none in
     the grid" with the closest point."""
     lines = [
-        "| batch size | threat model | recommendation | verdict (all stages) | images leaked | worst PSNR (dB) | cost |",
-        "|---|---|---|---|---|---|---|",
+        "| batch size | threat model | stages | recommendation | verdict | images leaked | worst PSNR (dB) | cost |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in recommendations:
         c = r.choice.pick or r.choice.closest
         if c is None:
-            lines.append(f"| {r.batch_size} | {r.threat} | nothing audited | - | - | - | - |")
+            lines.append(f"| {r.batch_size} | {r.threat} | {r.stages} | nothing audited | - | - | - | - |")
             continue
         name = f"**{c.name}**" if r.choice.pick is not None else f"none in the grid; closest: {c.name}"
         leaked = "-" if c.leak_fraction is None else f"{c.leak_fraction:.0%}"
         lines.append(
-            f"| {r.batch_size} | {r.threat} | {name} | {c.verdict} | {leaked} | "
+            f"| {r.batch_size} | {r.threat} | {r.stages} | {name} | {c.verdict} | {leaked} | "
             f"{format_score(c.worst_psnr, '.1f')} | {c.cost or '-'} |"
         )
     return "\n".join(lines)
@@ -261,7 +274,7 @@ def frontier_markdown(points: Sequence[FrontierPoint], *, title: str, context: S
     recommendations = recommend(points)
     lines = [f"# {title}", "", *context, "", "## Recommendation", "", recommendation_table(recommendations), ""]
     for r in recommendations:
-        lines.append(f"- batch {r.batch_size}, {r.threat}: {choice_sentence(r.choice, 'PMM', 'setting')}")
+        lines.append(f"- batch {r.batch_size}, {r.threat}, {r.stages}: {choice_sentence(r.choice, 'PMM', 'setting')}")
     lines += ["", "## Pareto sets (higher PMM, lower worst-case PSNR, lower leak fraction)", ""]
     groups = sorted({(p.batch_size, p.stage, p.threat) for p in points}, key=lambda g: (g[0], g[1], g[2]))
     for size, stage, threat in groups:
