@@ -28,7 +28,7 @@ from lightning_gp.audit import (
     published_attacks,
 )
 from lightning_gp.audit.frontier_report import FrontierPoint, recommend, recommendation_table
-from lightning_gp.audit.frontier_run import RESULTS_FILE, attacked_images
+from lightning_gp.audit.frontier_run import RESULTS_FILE, attacked_images, coverage_order, frontier_jobs
 from lightning_gp.callbacks import GaussianNoise, TopKPruning
 from lightning_gp.data import FashionMNISTSampleDataModule
 from lightning_gp.models import LeNetZhu
@@ -263,3 +263,26 @@ def test_the_shipped_frontier_configs_validate(name: str, tmp_path: Path, capsys
     copy.write_text(text.replace("data.FashionMNISTDataModule", "data.FashionMNISTSampleDataModule"))
     main(["frontier", "--config", str(copy), "--check", "true"])
     assert "config ok:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("n", range(12))
+def test_coverage_order_is_a_permutation_with_both_ends_first(n: int) -> None:
+    order = coverage_order(n)
+    assert sorted(order) == list(range(n))
+    assert order[:2] == list(range(n))[:1] + ([n - 1] if n > 1 else [])
+
+
+def test_the_first_jobs_of_a_stage_cover_every_grid_at_both_ends() -> None:
+    """Two grids of five strengths and two stages: the undefended run first, then both grids'
+    weakest and strongest settings before any strength between; every round-0 job before round 50."""
+    cfg = config(grids=[Grid("TopKPruning", "rate", [0.5, 0.6, 0.7, 0.8, 0.9]), Grid("GaussianNoise", "scale",
+                 [0.1, 0.2, 0.3, 0.4, 0.5])], stages=[0, 50])  # fmt: skip
+    audits = [j for j in frontier_jobs(cfg, 1) if j.kind == "audit"]
+    assert [j.stage for j in audits] == [0] * 11 + [50] * 11
+    assert [j.setting for j in audits[:5]] == [
+        "undefended",
+        "TopKPruning(rate=0.5)",
+        "GaussianNoise(scale=0.1)",
+        "TopKPruning(rate=0.9)",
+        "GaussianNoise(scale=0.5)",
+    ]

@@ -63,9 +63,16 @@ class Job:
 
 def frontier_jobs(config: FrontierConfig, channels: int) -> list[Job]:
     """Every job of the run, stage by stage: at the first stage, per setting and batch size its
-    training and its audit; then the audits of each later stage. A run cut short thus has whole
-    stages (every family at initialisation first), not every stage of the first families."""
-    points = [(point, point.setting(config, channels).name) for point in grid_points(config)]
+    training and its audit; then the audits of each later stage. Within a stage the grids take
+    turns, each grid's ends first and then the strengths between (:func:`coverage_order`). A run cut
+    short thus has whole stages, and in a stage every family's range, not all of the first families."""
+    specs = grid_points(config)
+    rank = {}
+    for grid in dict.fromkeys(spec.grid for spec in specs):
+        indices = sorted(spec.index for spec in specs if spec.grid == grid)
+        rank.update({(grid, indices[i]): r for r, i in enumerate(coverage_order(len(indices)))})
+    specs.sort(key=lambda spec: rank[(spec.grid, spec.index)])  # stable: the grids' order within a rank
+    points = [(point, point.setting(config, channels).name) for point in specs]
     jobs = []
     for i, stage in enumerate(config.stages):
         for point, name in points:
@@ -73,6 +80,23 @@ def frontier_jobs(config: FrontierConfig, channels: int) -> list[Job]:
                 jobs += [Job("train", point, name, size)] if i == 0 else []
                 jobs.append(Job("audit", point, name, size, stage))
     return jobs
+
+
+def coverage_order(n: int) -> list[int]:
+    """Positions ``0 .. n-1`` in the order that covers a range soonest: both ends, then the midpoint
+    of the widest gap left, and so on (``5 -> [0, 4, 2, 1, 3]``)."""
+    if n <= 2:
+        return list(range(n))
+    order, gaps = [0, n - 1], [(0, n - 1)]
+    while len(order) < n:
+        low, high = max(gaps, key=lambda g: (g[1] - g[0], -g[0]))
+        gaps.remove((low, high))
+        if high - low < 2:
+            continue
+        mid = (low + high) // 2
+        order.append(mid)
+        gaps += [(low, mid), (mid, high)]
+    return order
 
 
 def fingerprint(config: FrontierConfig) -> str:
