@@ -583,7 +583,12 @@ def main() -> None:
         help="FedSGD rounds to audit, e.g. 0 50: round R after R rounds of training under the setting (default 0)",
     )
     parser.add_argument("--ig-iterations", type=int, default=None, help="Adam attacks' steps (default 1000)")
-    parser.add_argument("--lbfgs-iterations", type=int, default=None, help="L-BFGS attacks' steps (default 100)")
+    parser.add_argument(
+        "--lbfgs-iterations",
+        type=int,
+        default=None,
+        help="L-BFGS attacks' cap on outer steps; they stop on convergence (default 300)",
+    )
     parser.add_argument(
         "--lbfgs-restarts", type=int, default=1, help="DLG/iDLG restarts, the lowest gradient distance kept (default 1)"
     )
@@ -621,7 +626,7 @@ def main() -> None:
     images = args.images or (2 if quick else 8)
     budget = AttackBudget(
         ig_iterations=args.ig_iterations or (40 if quick else 1000),
-        lbfgs_iterations=args.lbfgs_iterations or (4 if quick else 100),
+        lbfgs_iterations=args.lbfgs_iterations or (4 if quick else 300),
         rtf_bins=16 if quick else 64,
         learned_inversion=args.learned_inversion,
         learned_max_epochs=2 if quick else 60,
