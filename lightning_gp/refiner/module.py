@@ -2,8 +2,9 @@
 
 Refiner (Fan et al., USENIX Security 2025) is not a gradient transform: each client optimises a substitute
 batch ``x*`` with the live model, then shares the gradient of ``x*`` projected to within ``eps``
-(or ``eps ||g||`` with ``eps_relative=True``) of its raw gradient ``g`` (:mod:`lightning_gp.refiner.robust_data`). ``RefinerModule`` wraps a user's
-model so that this is what a client computes, wherever the client step runs:
+(or ``eps ||g||`` with ``eps_relative=True``) of its raw gradient ``g``
+(:mod:`lightning_gp.refiner.robust_data`). ``RefinerModule`` wraps a user's model so that this is
+what a client computes, wherever the client step runs:
 
 * plain ``Trainer.fit`` (one process = one client) and DDP (one rank = one client): each
   training step refines the rank's own batch and backpropagates a surrogate whose parameter
