@@ -138,12 +138,60 @@ def test_per_layer_projection_bounds_every_layer_by_eps() -> None:
         assert abs(float(torch.linalg.vector_norm((upload[n] - raw[n]).double())) - 0.2) <= 1e-6
 
 
+def norm_of(tensors: dict) -> float:
+    return global_distance(tensors, {n: 0 * g for n, g in tensors.items()})
+
+
+@pytest.mark.parametrize("eps", [0.01, 0.1, 0.5])
+def test_a_relative_radius_lands_at_exactly_eps_times_the_raw_norm(eps: float) -> None:
+    raw, robust = named(0, scale=20.0), named(1, scale=60.0)
+    upload, moved = project_upload(robust, raw, eps=eps, eps_relative=True)
+    assert moved
+    radius = eps * norm_of(raw)
+    # float32 rounding of g + s d: relative 2^-24 per entry, of ||g|| + radius at most
+    assert abs(global_distance(upload, raw) - radius) <= 1e-6 * (norm_of(raw) + radius)
+    d = torch.cat([(robust[n] - raw[n]).flatten() for n in raw]).double()
+    u = torch.cat([(upload[n] - raw[n]).flatten() for n in raw]).double()
+    assert float(torch.nn.functional.cosine_similarity(u, d, dim=0)) > 1 - 1e-6
+    # the same radius given absolutely is the same projection
+    absolute, _ = project_upload(robust, raw, eps=radius)
+    assert all(torch.allclose(upload[n], absolute[n], rtol=0, atol=1e-5) for n in raw)
+
+
+def test_a_relative_radius_keeps_the_robust_gradient_inside_it() -> None:
+    # ||g* - g|| = 0.05 ||g||: inside the relative radius 0.1 ||g||, outside an absolute eps of 0.1 (||g|| ~ 120)
+    raw = named(0, scale=30.0)
+    direction = named(1)
+    robust = {n: raw[n] + 0.05 * norm_of(raw) / norm_of(direction) * direction[n] for n in raw}
+    assert global_distance(robust, raw) > 0.1
+    upload, moved = project_upload(robust, raw, eps=0.1, eps_relative=True)
+    assert not moved and all(torch.equal(upload[n], robust[n]) for n in raw)
+    _, moved_absolutely = project_upload(robust, raw, eps=0.1)
+    assert moved_absolutely
+
+
+def test_a_relative_per_layer_radius_bounds_each_layer_by_eps_times_its_own_norm() -> None:
+    raw, robust = named(0), named(1, scale=3.0)
+    raw["b.bias"] = 50 * raw["b.bias"]  # layers of very different norms get very different radii
+    robust["b.bias"] = raw["b.bias"] + 1e-3 * robust["b.bias"]  # inside 0.2 ||g_b||: kept as g*_b
+    upload, moved = project_upload(robust, raw, eps=0.2, per_layer=True, eps_relative=True)
+    assert moved
+    radius = 0.2 * float(torch.linalg.vector_norm(raw["a.weight"].double()))
+    distance = float(torch.linalg.vector_norm((upload["a.weight"] - raw["a.weight"]).double()))
+    assert abs(distance - radius) <= 1e-6 * (1 + radius + float(torch.linalg.vector_norm(raw["a.weight"].double())))
+    assert torch.equal(upload["b.bias"], robust["b.bias"])
+
+
 def test_projection_refuses_mismatched_layers_and_negative_eps() -> None:
     raw = named(0)
     with pytest.raises(ValueError, match="different layers"):
         project_upload({"a.weight": raw["a.weight"]}, raw, eps=0.1)
     with pytest.raises(ValueError, match="eps"):
         project_upload(raw, raw, eps=-1.0)
+    with pytest.raises(ValueError, match="eps must be finite with eps_relative=True"):
+        project_upload(raw, raw, eps=math.inf, eps_relative=True)
+    with pytest.raises(TypeError, match="eps_relative"):
+        project_upload(raw, raw, eps=0.1, eps_relative="yes")
 
 
 # ------------------------------------------------------------------------------ the optimisation
@@ -215,6 +263,8 @@ def test_batchnorm_statistics_see_the_robust_batch_once() -> None:
         ({"step_size": 0.0}, "step_size"),
         ({"projection": "blockwise"}, "projection"),
         ({"utility": "mean"}, "utility"),
+        ({"eps": math.inf, "eps_relative": True}, "eps must be finite"),
+        ({"eps": -0.1, "eps_relative": True}, "eps"),
     ],
 )
 def test_bad_settings_are_refused_naming_the_argument(kwargs: dict, match: str) -> None:
@@ -227,6 +277,8 @@ def test_bad_modules_inputs_and_batches_get_clear_errors() -> None:
         RefinerModule(nn.ReLU(), loss_fn=nn.CrossEntropyLoss())
     with pytest.raises(ValueError, match="loss_fn"):
         RefinerModule(tiny_model())
+    with pytest.raises(TypeError, match="eps_relative"):
+        refiner_module(eps_relative=1)
     with pytest.raises(ValueError, match="both mean and std"):
         RefinerModule(tiny_model(), loss_fn=nn.CrossEntropyLoss(), mean=0.5)
     module = refiner_module()
@@ -269,6 +321,22 @@ def test_plain_trainer_shares_and_steps_with_the_projected_upload() -> None:
     assert all(torch.allclose(shared[n], upload[n], atol=1e-7) for n in upload)
     assert abs(global_distance(upload, module.last_refined.raw) - 0.1) <= 1e-5
     # SGD stepped with the upload, not with the raw batch's gradient
+    for n, p in module.named_parameters():
+        assert torch.allclose(p.detach(), before[n] - 0.5 * upload[n], atol=1e-6)
+
+
+def test_a_relative_radius_bounds_the_trained_upload_by_eps_times_the_raw_norm() -> None:
+    x, y = batch(8, seed=4)
+    module = refiner_module(eps=0.01, eps_relative=True, learning_rate=0.5)
+    assert module.hparams["eps_relative"] is True and module.config.eps_relative is True
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    uploads = TapUpload()
+    trainer(max_steps=1, callbacks=[uploads]).fit(module, DataLoader(TensorDataset(x, y), batch_size=8))
+    refined, upload = module.last_refined, uploads.uploads[0]
+    radius = 0.01 * norm_of(refined.raw)
+    assert refined.projected and refined.distance > radius
+    # moved: on the sphere of radius 0.01 ||g|| (float32 rounding of g + s d, relative to ||g||)
+    assert abs(global_distance(upload, refined.raw) - radius) <= 1e-6 * norm_of(refined.raw)
     for n, p in module.named_parameters():
         assert torch.allclose(p.detach(), before[n] - 0.5 * upload[n], atol=1e-6)
 

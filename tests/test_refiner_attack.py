@@ -90,6 +90,54 @@ def test_the_raw_batch_satisfies_the_ball_constraint_exactly(data, projection: s
     assert elsewhere > 1e-2, elsewhere
 
 
+@pytest.mark.parametrize("projection", ["global", "layer"])
+def test_a_relative_radius_keeps_the_raw_batch_on_the_attackers_ball(data, projection: str) -> None:
+    view, x, y, result = refined(data, [0, 1], eps=0.002, eps_relative=True, projection=projection)
+    assert result.projected
+    attack = RefinerAwareInversion(eps=0.002, eps_relative=True, projection=projection)
+    at_truth = float(attack.ball_objective(view, y, tv_weight=0.0)(x).detach())
+    sphere_at_truth = float(attack.ball_objective(view, y, two_sided=True, tv_weight=0.0)(x).detach())
+    # ||g(x) - u|| = 0.002 ||g(x)|| up to float32 rounding (relative 1e-6 of ||g||): squared, over ||u||^2, < 1e-10
+    assert at_truth <= 1e-10 and sphere_at_truth <= 1e-10, (at_truth, sphere_at_truth)
+    elsewhere = float(attack.ball_objective(view, y, tv_weight=0.0)(torch.randn_like(x)).detach())
+    assert elsewhere > 1e-2, elsewhere
+    # an attacker who took the radius as absolute (0.002) would score the true batch outside its ball
+    absolute = RefinerAwareInversion(eps=0.002, projection=projection)
+    assert float(absolute.ball_objective(view, y, tv_weight=0.0)(x).detach()) > 1e-8
+
+
+def test_the_relative_hinge_measures_each_guess_against_its_own_norm() -> None:
+    g = torch.Generator().manual_seed(0)
+    upload = {"a": torch.randn(3, 4, generator=g), "b": torch.randn(5, generator=g)}
+    direction = {n: torch.randn(t.shape, generator=g) for n, t in upload.items()}
+    for step, inside in ((0.05, True), (0.5, False)):
+        guess = {n: upload[n] + step * direction[n] for n in upload}
+        distance = math.sqrt(sum(float((guess[n] - upload[n]).double().pow(2).sum()) for n in upload))
+        norm = math.sqrt(sum(float(guess[n].double().pow(2).sum()) for n in upload))
+        norm_u2 = sum(float(t.double().pow(2).sum()) for t in upload.values())
+        expected = max(distance - 0.1 * norm, 0.0) ** 2 / norm_u2
+        assert (expected == 0.0) is inside
+        value = float(ball_distance(guess, upload, 0.1, eps_relative=True))
+        assert math.isclose(value, expected, rel_tol=1e-4, abs_tol=1e-12), (value, expected)
+
+
+def test_the_registered_attack_models_refiners_relative_radius() -> None:
+    from lightning_gp.attacks import adaptive_attacks
+    from lightning_gp.refiner import RefinerModule
+
+    module = RefinerModule(
+        nn.Linear(4, 2),
+        loss_fn=nn.CrossEntropyLoss(),
+        evaluator=EvaluationNetwork(in_channels=1, width=1 / 32),
+        eps=0.05,
+        eps_relative=True,
+        projection="layer",
+    )
+    (attack,) = adaptive_attacks(module, iterations=5)
+    assert isinstance(attack, RefinerAwareInversion)
+    assert (attack.eps, attack.eps_relative, attack.projection) == (0.05, True, "layer")
+
+
 def test_eps_zero_makes_the_ball_l2_gradient_matching() -> None:
     g = torch.Generator().manual_seed(0)
     upload = {"a": torch.randn(3, 4, generator=g), "b": torch.randn(5, generator=g)}
@@ -232,11 +280,19 @@ def test_tv_denoise_keeps_flat_images_and_lowers_the_rof_objective() -> None:
         ({"lbfgs_iterations": 0}, "lbfgs_iterations"),
         ({"denoise_iterations": 0}, "denoise_iterations"),
         ({"tie_tolerance": -1.0}, "tie_tolerance"),
+        ({"eps": math.inf, "eps_relative": True}, "eps"),
     ],
 )
 def test_bad_arguments_name_the_argument(kwargs: dict, name: str) -> None:
     with pytest.raises(ValueError, match=name):
         RefinerAwareInversion(**kwargs)
+
+
+def test_a_non_boolean_eps_relative_is_refused_by_name() -> None:
+    with pytest.raises(TypeError, match="eps_relative"):
+        RefinerAwareInversion(eps_relative="yes")
+    with pytest.raises(TypeError, match="eps_relative"):
+        ball_distance({"a": torch.ones(2)}, {"a": torch.ones(2)}, 0.1, eps_relative=1)
 
 
 def test_alpha_one_works_without_unblend() -> None:

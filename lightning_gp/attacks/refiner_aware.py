@@ -17,7 +17,11 @@ That attack throws away the two facts the defense guarantees, which this attack 
   exactly 0, every image App. M's ``g'`` would single out is just one of the candidates, and
   with ``eps = 0`` this is L2 gradient matching. When ``eps`` is small next to ``||g||``, the
   ball is a small region around ``g`` and the raw batch is recovered about as well as without
-  the defense. ``"ball_lbfgs"`` minimises the same hinge (without the TV prior) with DLG's
+  the defense. With Refiner's ``eps_relative=True`` the radius is ``eps ||g||``; the attacker
+  does not know ``||g||`` but tests each guess against its own: ``||grad(x') - u|| <= eps
+  ||grad(x')||`` holds for ``x' = x`` exactly as the defense guarantees it, so the hinge becomes
+  ``(||grad(x') - u|| - eps ||grad(x')||)_+^2 / ||u||^2`` (per layer likewise) and still scores
+  the true batch 0. ``"ball_lbfgs"`` minimises the same hinge (without the TV prior) with DLG's
   L-BFGS and iDLG's labels (:class:`~lightning_gp.attacks.IDLG` with its gradient distance
   swapped), then clamps into the data box: the strongest solver on small models.
 * **the blend** (Sec. 3.4): when ``eps`` is large, ``u = g*`` and a gradient attack recovers
@@ -73,30 +77,38 @@ def ball_distance(
     *,
     per_layer: bool = False,
     two_sided: bool = False,
+    eps_relative: bool = False,
 ) -> Tensor:
-    """How far ``guess`` lies outside the ``eps``-ball around ``upload`` (Refiner App. J, Eq. 14).
+    """How far ``guess`` lies outside the radius-``r`` ball around ``upload`` (Refiner App. J, Eq. 14).
 
-    ``(||guess - upload|| - eps)_+^2 / ||upload||^2`` in the global L2 norm, or summed over layers
-    of ``(||guess_l - upload_l|| - eps)_+^2`` with ``per_layer`` (Refiner's per-layer projection).
-    ``two_sided`` penalises ``(... - eps)^2`` on both sides: the sphere ``||g - u|| = eps`` on which
-    the raw gradient lies whenever the projection moved the upload. Zero at the raw gradient; with
-    ``eps = 0`` it is the squared L2 distance (DLG's) relative to ``||upload||^2``.
+    ``(||guess - upload|| - r)_+^2 / ||upload||^2`` in the global L2 norm, or summed over layers
+    of ``(||guess_l - upload_l|| - r_l)_+^2`` with ``per_layer`` (Refiner's per-layer projection).
+    ``r = eps``, or with ``eps_relative`` (Refiner's radius ``eps ||g||``) ``r = eps ||guess||``
+    (per layer ``eps ||guess_l||``): the guess stands in for the raw gradient ``g`` the attacker
+    does not know, which makes the condition exact at ``guess = g``. ``two_sided`` penalises
+    ``(... - r)^2`` on both sides: the sphere ``||g - u|| = r`` on which the raw gradient lies
+    whenever the projection moved the upload. Zero at the raw gradient; with ``eps = 0`` it is
+    the squared L2 distance (DLG's) relative to ``||upload||^2``.
     """
+    check_bool(eps_relative, "eps_relative")
     names = list(upload)
     if not names:
         raise ValueError("upload names no layers")
     scale = torch.stack([upload[n].detach().pow(2).sum() for n in names]).sum().clamp_min(1e-30)
 
-    def excess(norm: Tensor) -> Tensor:
-        gap = norm - eps
+    def excess(layers: list[str]) -> Tensor:
+        # sqrt has an infinite derivative at 0: a tiny floor inside it (it moves the norm by < 1e-15)
+        distance = (torch.stack([(guess[n] - upload[n]).pow(2).sum() for n in layers]).sum() + 1e-30).sqrt()
+        if eps_relative:
+            radius = eps * (torch.stack([guess[n].pow(2).sum() for n in layers]).sum() + 1e-30).sqrt()
+        else:
+            radius = eps
+        gap = distance - radius
         return gap.pow(2) if two_sided else gap.clamp_min(0).pow(2)
 
-    # sqrt has an infinite derivative at 0: add a tiny floor inside it (it moves the norm by < 1e-15)
     if per_layer:
-        terms = [excess(((guess[n] - upload[n]).pow(2).sum() + 1e-30).sqrt()) for n in names]
-        return torch.stack(terms).sum() / scale
-    total = torch.stack([(guess[n] - upload[n]).pow(2).sum() for n in names]).sum()
-    return excess((total + 1e-30).sqrt()) / scale
+        return torch.stack([excess([n]) for n in names]).sum() / scale
+    return excess(names) / scale
 
 
 def tv_denoise(images: Tensor, weight: float, iterations: int = 100) -> Tensor:
@@ -134,7 +146,7 @@ def tv_denoise(images: Tensor, weight: float, iterations: int = 100) -> Tensor:
 class RefinerAwareInversion(GradientAttack):
     """Adaptive gradient inversion against Refiner (see the module docstring for the reasoning).
 
-    The attacker knows Refiner's settings (``eps``, ``alpha``, ``projection``), the model and the
+    The attacker knows Refiner's settings (``eps``, ``eps_relative``, ``alpha``, ``projection``), the model and the
     upload ``u``; not ``x``, ``x*``, ``v`` or ``g``. Labels come from ``view.labels`` or
     :func:`recover_labels` on ``u`` (Refiner keeps the true labels, so the last layer's gradient
     still reveals them). Every strategy uses Inverting Gradients' optimiser
@@ -143,6 +155,8 @@ class RefinerAwareInversion(GradientAttack):
 
     Args:
         eps: Refiner's projection radius (>= 0; App. J).
+        eps_relative: Refiner's radius is ``eps ||g||`` (a fraction of the raw gradient's norm);
+            the ball's hinge then measures each guess against ``eps ||grad(x')||`` (see :func:`ball_distance`).
         alpha: Refiner's noise blend (in [0, 1]; ``"unblend"`` needs ``alpha < 1``).
         projection: ``"global"`` or ``"layer"``, as Refiner was configured.
         strategies: which of ``"ball"``, ``"ball_lbfgs"``, ``"sphere"``, ``"unblend"``, ``"invert"``
@@ -175,10 +189,12 @@ class RefinerAwareInversion(GradientAttack):
         denoise: float = 0.5,
         denoise_iterations: int = 100,
         tie_tolerance: float = 1e-6,
+        eps_relative: bool = False,
         **kwargs,
     ) -> None:
         super().__init__(**kwargs)
         self.eps = check_nonnegative(eps, "eps")
+        self.eps_relative = check_bool(eps_relative, "eps_relative")
         self.alpha = check_nonnegative(alpha, "alpha")
         if self.alpha > 1:
             raise ValueError(f"alpha must be in [0, 1] (Refiner's noise blend), got {alpha!r}")
@@ -216,7 +232,14 @@ class RefinerAwareInversion(GradientAttack):
 
         def loss(images: Tensor) -> Tensor:
             guess = parameter_gradients(view.model, view.loss_fn, images, labels)
-            value = ball_distance(guess, view.gradients, self.eps, per_layer=per_layer, two_sided=two_sided)
+            value = ball_distance(
+                guess,
+                view.gradients,
+                self.eps,
+                per_layer=per_layer,
+                two_sided=two_sided,
+                eps_relative=self.eps_relative,
+            )
             return value + weight * total_variation(images) if weight > 0 else value
 
         return loss
@@ -271,11 +294,11 @@ class RefinerAwareInversion(GradientAttack):
         """DLG's L-BFGS loop (restarts, strong Wolfe, early stop) on the ball's hinge, labels fixed."""
         per_layer = self.projection == "layer"
         norm2 = float(sum(g.detach().double().pow(2).sum() for g in view.gradients.values()))
-        eps = self.eps
+        eps, eps_relative = self.eps, self.eps_relative
 
         class BallLBFGS(IDLG):
             def gradient_distance(self, guess: dict[str, Tensor], shared: dict[str, Tensor]) -> Tensor:
-                return ball_distance(guess, shared, eps, per_layer=per_layer)
+                return ball_distance(guess, shared, eps, per_layer=per_layer, eps_relative=eps_relative)
 
         solver = BallLBFGS(
             iterations=self.lbfgs_iterations,
@@ -334,6 +357,7 @@ class RefinerAwareInversion(GradientAttack):
                 "objectives": objectives,
                 "candidates": {s: candidates[s] for s in self.strategies},
                 "eps": self.eps,
+                "eps_relative": self.eps_relative,
                 "alpha": self.alpha,
                 "projection": self.projection,
             },
@@ -357,7 +381,15 @@ __all__ = [
 
 
 def refiner_adaptive_attacks(target: Any, kwargs: dict[str, Any]) -> list[GradientAttack]:
-    """The adaptive attack of a :class:`~lightning_gp.refiner.RefinerModule` (registered beside it): this module's attack with the module's ``eps``, ``alpha`` and projection."""
+    """The adaptive attack of a :class:`~lightning_gp.refiner.RefinerModule` (registered beside it): this module's attack with the module's ``eps``, ``eps_relative``, ``alpha`` and projection."""
     config = target.config
     kwargs.pop("lbfgs_iterations", None)
-    return [RefinerAwareInversion(eps=config.eps, alpha=config.alpha, projection=config.projection, **kwargs)]
+    return [
+        RefinerAwareInversion(
+            eps=config.eps,
+            eps_relative=config.eps_relative,
+            alpha=config.alpha,
+            projection=config.projection,
+            **kwargs,
+        )
+    ]

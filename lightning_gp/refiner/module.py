@@ -2,8 +2,9 @@
 
 Refiner (Fan et al., USENIX Security 2025) is not a gradient transform: each client optimises a substitute
 batch ``x*`` with the live model, then shares the gradient of ``x*`` projected to within ``eps``
-of its raw gradient (:mod:`lightning_gp.refiner.robust_data`). ``RefinerModule`` wraps a user's
-model so that this is what a client computes, wherever the client step runs:
+(or ``eps ||g||`` with ``eps_relative=True``) of its raw gradient ``g``
+(:mod:`lightning_gp.refiner.robust_data`). ``RefinerModule`` wraps a user's model so that this is
+what a client computes, wherever the client step runs:
 
 * plain ``Trainer.fit`` (one process = one client) and DDP (one rank = one client): each
   training step refines the rank's own batch and backpropagates a surrogate whose parameter
@@ -74,9 +75,10 @@ class RefinerModule(TrainingWrapper):
         evaluator: the evaluation network ``D``: ``None`` loads the checkpoint shipped for the
             input's channel count (:func:`~lightning_gp.refiner.load_evaluator`), a path loads that
             file, or an ``nn.Module`` mapping pixels ``[N, C, H, W]`` to noise ratios ``[N]``.
-        alpha, beta, iterations, warm_iterations, tau, step_size, step_rule, eps, projection,
+        alpha, beta, iterations, warm_iterations, tau, step_size, step_rule, eps, eps_relative, projection,
             utility: see :class:`~lightning_gp.refiner.RefinerConfig` (defaults: the paper's
-            alpha 0.5, beta 1, I = 10, warm I = 5, tau 0.95, eps 0.1, global projection).
+            alpha 0.5, beta 1, I = 10, warm I = 5, tau 0.95, eps 0.1 absolute, global projection;
+            ``eps_relative=True`` reads ``eps`` as a fraction of the raw gradient's norm).
         warm_start: cache each sample's ``x*`` and start from it next time (Sec. 6.3).
         optimizer, learning_rate: the model's optimizer (``"sgd"`` or ``"adam"``) and its learning rate, used
             when ``module`` configures none. In LightningCLI configs wrap a plain ``nn.Module`` and use these:
@@ -105,6 +107,7 @@ class RefinerModule(TrainingWrapper):
         step_size: float = 1.0,
         step_rule: Literal["sgd", "adam"] = "sgd",
         eps: float = 0.1,
+        eps_relative: bool = False,
         projection: Literal["global", "layer"] = "global",
         utility: Literal["printed", "sentence"] = "printed",
         warm_start: bool = False,
@@ -128,6 +131,7 @@ class RefinerModule(TrainingWrapper):
             step_size=step_size,
             step_rule=step_rule,
             eps=eps,
+            eps_relative=eps_relative,
             projection=projection,
             utility=utility,
         )

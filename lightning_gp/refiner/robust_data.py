@@ -13,7 +13,9 @@ no information about ``x``:
   ``sum_i sum_j w_ij Delta_ij^2``).
 * ``PM(x*) = D(x*)``, the evaluation network's predicted noise ratio (higher = more private).
 * App. J, Eq. 14: the upload is ``g*`` when ``||g* - g|| <= eps``, else
-  ``g + eps (g* - g) / ||g* - g||`` (global L2 norm; per layer as an option).
+  ``g + eps (g* - g) / ||g* - g||`` (global L2 norm; per layer as an option). The paper's ``eps``
+  is an absolute radius; ``eps_relative=True`` (ours) makes it ``eps ||g||`` (per layer
+  ``eps ||g_l||``), so one setting means the same on every model, batch and round.
 
 Everything happens in pixel space (``[0, 1]``); the model sees ``normalize(x*)``. Labels are
 never changed: Refiner hides images, not labels.
@@ -30,7 +32,14 @@ import torch
 from torch import Tensor, nn
 
 from lightning_gp.normalization import denormalize, normalize
-from lightning_gp.validation import check_choice, check_nonnegative, check_positive, check_positive_int, check_rate
+from lightning_gp.validation import (
+    check_bool,
+    check_choice,
+    check_nonnegative,
+    check_positive,
+    check_positive_int,
+    check_rate,
+)
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 UtilityReading = Literal["printed", "sentence"]
@@ -51,6 +60,8 @@ class RefinerConfig:
         step_size: the optimiser's learning rate on ``x*`` (the paper's only figure: 10 iterations at lr 1, Fig. 5).
         step_rule: ``"sgd"`` (plain gradient descent, the paper's) or ``"adam"``.
         eps: radius of the upload projection (App. J, Eq. 14; >= 0; ``inf`` turns it off).
+        eps_relative: read ``eps`` as a fraction of the raw gradient's norm: the radius is
+            ``eps ||g||`` (``projection="layer"``: ``eps ||g_l||`` per layer); ``eps`` must then be finite.
         projection: ``"global"`` L2 norm over all layers, or ``"layer"``: each layer on its own.
         utility: ``"printed"`` or ``"sentence"`` reading of Eq. 4 (see the module docstring).
     """
@@ -65,6 +76,7 @@ class RefinerConfig:
     eps: float = 0.1
     projection: ProjectionNorm = "global"
     utility: UtilityReading = "printed"
+    eps_relative: bool = False
 
     def __post_init__(self) -> None:
         check_rate(self.alpha, "alpha")
@@ -74,7 +86,8 @@ class RefinerConfig:
         check_rate(self.tau, "tau")
         check_positive(self.step_size, "step_size")
         check_choice(self.step_rule, "step_rule", ("sgd", "adam"))
-        check_radius(self.eps)
+        check_bool(self.eps_relative, "eps_relative")
+        check_radius(self.eps, eps_relative=self.eps_relative)
         check_choice(self.projection, "projection", ("global", "layer"))
         check_choice(self.utility, "utility", ("printed", "sentence"))
 
@@ -89,7 +102,7 @@ class RefinedBatch:
         upload: the projected gradient the client shares (App. J).
         raw: the raw batch's gradient ``g``; ``robust``: the gradient of ``x*``, ``g*``.
         distance: ``||g* - g||`` (global L2, before projection).
-        projected: whether the projection moved the upload (``||g* - g|| > eps``; per layer: any layer).
+        projected: whether the projection moved the upload (``||g* - g||`` beyond the radius; per layer: any layer).
         utility, privacy: ``UM`` and ``PM`` at every step (``len = iterations + 1``).
         iterations: the steps taken (``iterations`` cold, ``warm_iterations`` warm).
         loss: the loss of the raw batch (the model's training loss on real data).
@@ -139,40 +152,61 @@ def utility_measure(
     return torch.stack(terms).sum()
 
 
-def check_radius(eps: float) -> float:
-    """The projection radius: a number ``>= 0``; ``math.inf`` turns the projection off."""
+def check_radius(eps: float, *, eps_relative: bool = False) -> float:
+    """The projection radius: a number ``>= 0``; ``math.inf`` turns the projection off, except
+    with ``eps_relative`` (a fraction of ``||g||``), where it must be finite."""
     if not (isinstance(eps, (int, float)) and not isinstance(eps, bool)) or math.isnan(eps) or eps < 0:
         raise ValueError(f"eps must be a number >= 0 (math.inf turns the projection off), got {eps!r}")
+    if eps_relative and math.isinf(eps):
+        raise ValueError(
+            f"eps must be finite with eps_relative=True (a fraction of the raw gradient's norm), got {eps!r}; "
+            "an absolute eps=math.inf turns the projection off"
+        )
     return eps
 
 
-def project_upload(
-    robust: Mapping[str, Tensor], raw: Mapping[str, Tensor], eps: float, *, per_layer: bool = False
-) -> tuple[dict[str, Tensor], bool]:
-    """App. J, Eq. 14: the closest point to ``g*`` within ``eps`` of ``g``.
+def _norm(tensors: Sequence[Tensor]) -> float:
+    """The L2 norm over all entries of ``tensors``, in float64."""
+    return math.sqrt(sum(float(torch.linalg.vector_norm(t.detach().double())) ** 2 for t in tensors))
 
-    Returns ``(upload, moved)``: ``g*`` itself when ``||g* - g|| <= eps``, else
-    ``g + eps (g* - g) / ||g* - g||`` (at exactly distance ``eps`` from ``g``). ``per_layer``
-    applies the rule to each layer with its own norm (each layer then within ``eps``).
+
+def project_upload(
+    robust: Mapping[str, Tensor],
+    raw: Mapping[str, Tensor],
+    eps: float,
+    *,
+    per_layer: bool = False,
+    eps_relative: bool = False,
+) -> tuple[dict[str, Tensor], bool]:
+    """App. J, Eq. 14: the closest point to ``g*`` within radius ``r`` of ``g``.
+
+    ``r = eps``, or ``r = eps ||g||`` with ``eps_relative`` (ours: the paper's radius is absolute).
+    Returns ``(upload, moved)``: ``g*`` itself when ``||g* - g|| <= r``, else
+    ``g + r (g* - g) / ||g* - g||`` (at exactly distance ``r`` from ``g``). ``per_layer``
+    applies the rule to each layer with its own norm (each layer then within ``r_l = eps``, or
+    ``eps ||g_l||`` with ``eps_relative``).
     """
-    check_radius(eps)
+    check_bool(eps_relative, "eps_relative")
+    check_radius(eps, eps_relative=eps_relative)
     if set(robust) != set(raw):
         raise ValueError(f"robust and raw gradients name different layers: {sorted(set(robust) ^ set(raw))}")
     delta = {n: robust[n].detach() - raw[n].detach() for n in raw}
     if per_layer:
         upload, moved = {}, False
         for n, d in delta.items():
-            norm = float(torch.linalg.vector_norm(d.double()))
-            if norm > eps:
-                upload[n] = raw[n].detach() + d * (eps / norm)
+            norm = _norm([d])
+            radius = eps * _norm([raw[n]]) if eps_relative else eps
+            if norm > radius:
+                upload[n] = raw[n].detach() + d * (radius / norm)
                 moved = True
             else:
                 upload[n] = robust[n].detach().clone()
         return upload, moved
-    norm = math.sqrt(sum(float(torch.linalg.vector_norm(d.double())) ** 2 for d in delta.values()))
-    if norm <= eps:
+    norm = _norm(list(delta.values()))
+    radius = eps * _norm(list(raw.values())) if eps_relative else eps
+    if norm <= radius:
         return {n: robust[n].detach().clone() for n in raw}, False
-    scale = eps / norm
+    scale = radius / norm
     return {n: raw[n].detach() + d * scale for n, d in delta.items()}, True
 
 
@@ -268,7 +302,9 @@ def refine(
     robust_grads, final_utility, final_privacy = objective.final(robust_pixels, robust_inputs)
     utility.append(final_utility)
     privacy.append(final_privacy)
-    upload, moved = project_upload(robust_grads, raw, config.eps, per_layer=config.projection == "layer")
+    upload, moved = project_upload(
+        robust_grads, raw, config.eps, per_layer=config.projection == "layer", eps_relative=config.eps_relative
+    )
     return RefinedBatch(
         pixels=robust_pixels,
         inputs=robust_inputs,
@@ -351,7 +387,7 @@ class _RefinerObjective:
 
 def _gradient_distance(robust: Mapping[str, Tensor], raw: Mapping[str, Tensor]) -> float:
     """``||g* - g||``, the L2 norm over all layers (in float64)."""
-    return math.sqrt(sum(float(torch.linalg.vector_norm((robust[n] - raw[n]).double())) ** 2 for n in raw))
+    return _norm([robust[n] - raw[n] for n in raw])
 
 
 @torch.no_grad()
