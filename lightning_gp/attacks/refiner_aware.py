@@ -100,10 +100,9 @@ def ball_distance(
         # sqrt has an infinite derivative at 0: a tiny floor inside it (it moves the norm by < 1e-15)
         distance = (torch.stack([(guess[n] - upload[n]).pow(2).sum() for n in layers]).sum() + 1e-30).sqrt()
         if eps_relative:
-            radius = eps * (torch.stack([guess[n].pow(2).sum() for n in layers]).sum() + 1e-30).sqrt()
+            gap = distance - eps * (torch.stack([guess[n].pow(2).sum() for n in layers]).sum() + 1e-30).sqrt()
         else:
-            radius = eps
-        gap = distance - radius
+            gap = distance - eps
         return gap.pow(2) if two_sided else gap.clamp_min(0).pow(2)
 
     if per_layer:
