@@ -1,13 +1,16 @@
-"""Two cost controls of ``AttackBudget``. ``stop_when_all_leak=True``: once every attacked image leaks
-to a passive attack, the audit runs no further attack, and its verdicts and leak fractions are those of
-the full audit. ``learned_min_batch``: the learned inverter runs only on clients that large."""
+"""Two cost controls of ``AttackBudget``. ``stop_when_all_leak=True``: a client whose images all leak to
+a passive attack is attacked no further, and once that holds for every client no further attack runs;
+the verdicts and leak fractions are those of the full audit. ``learned_min_batch``: the learned
+inverter runs only on clients that large."""
 
 from __future__ import annotations
 
 import lightning as L
 import pytest
+import torch
 
-from lightning_gp.audit import AttackBudget, DefenseSetting, audit_setting, published_attacks
+from lightning_gp.attacks import IDLG, InvertingGradients, Reconstruction, ServerView
+from lightning_gp.audit import AttackBudget, AttackSpec, DefenseSetting, audit_setting, published_attacks
 from lightning_gp.callbacks import GaussianNoise
 from lightning_gp.data import FashionMNISTSampleDataModule
 from lightning_gp.models import LeNetZhu
@@ -85,3 +88,60 @@ def test_the_learned_inverter_is_not_run_below_its_minimum_batch() -> None:
     assert "iDLG" in names and not any("Learned" in n for n in names)
     with pytest.raises(ValueError, match="learned_min_batch"):
         AttackBudget(learned_min_batch=0)
+
+
+def test_a_client_whose_images_leaked_is_attacked_no_further() -> None:
+    """iDLG recovers clients 0 and 2 exactly and is made to fail on client 1 (NaN images); the next
+    attack then runs on client 1 only, its cell says so, and the verdicts and leak fractions are the
+    full audit's."""
+
+    class NaNOnSecondClient(IDLG):
+        calls = 0
+
+        def reconstruct(self, view: ServerView) -> Reconstruction:
+            result = super().reconstruct(view)
+            NaNOnSecondClient.calls += 1
+            if NaNOnSecondClient.calls % 3 == 2:
+                result.images = torch.full_like(result.images, float("nan"))
+            return result
+
+    class CountingIG(InvertingGradients):
+        calls = 0
+
+        def reconstruct(self, view: ServerView) -> Reconstruction:
+            CountingIG.calls += 1
+            return super().reconstruct(view)
+
+    published = [
+        AttackSpec("iDLG", "published", lambda seed, model: NaNOnSecondClient(iterations=60, seed=seed)),
+        AttackSpec("IG", "published", lambda seed, model: CountingIG(iterations=2, seed=seed)),
+    ]
+
+    def run(stop: bool):
+        data = FashionMNISTSampleDataModule(batch_size=500)
+        L.seed_everything(0, verbose=False)
+        budget = AttackBudget(ig_iterations=2, lbfgs_iterations=60, stop_when_all_leak=stop)
+        return audit_setting(
+            DefenseSetting("undefended", []),
+            LeNetZhu(),
+            data,
+            indices=[[0], [1], [2]],
+            published=published,
+            budget=budget,
+            num_clients=3,
+            seed=0,
+            log=silent,
+        )
+
+    full = run(False)
+    assert CountingIG.calls == 3
+    assert [row.leaks for row in full.passive.rows] == [True, False, True]  # the premise
+    CountingIG.calls = 0
+    stopped = run(True)
+    assert CountingIG.calls == 1  # client 1 only
+    assert stopped.partial == {"IG": 2} and stopped.skipped == []
+    assert "run on 1 of 3 clients" in stopped.cell("IG").note and stopped.cell("IG").status == "ok"
+    for threat in ("passive", "active"):
+        a, b = getattr(full, threat), getattr(stopped, threat)
+        assert (a.verdict, a.leak_fraction) == (b.verdict, b.leak_fraction)
+        assert [r.leaks for r in a.rows] == [r.leaks for r in b.rows]

@@ -77,6 +77,8 @@ def _reason(scores: dict[str, Any], record: dict[str, Any]) -> str:
     if record.get("skipped_attacks"):
         n = len(record["skipped_attacks"])
         reason += f"; every image leaked before the last {n} attack(s), not run (worst PSNR is a lower bound)"
+    elif record.get("partial_attacks"):
+        reason += "; later attacks skipped clients whose images had leaked (worst PSNR is a lower bound)"
     return reason
 
 

@@ -269,6 +269,7 @@ def audit_record(audit: SettingAudit) -> dict[str, Any]:
             for c in audit.cells
         ],
         "skipped_attacks": list(audit.skipped),
+        "partial_attacks": dict(audit.partial),
         "rero_eta": None if bound is None else bound.eta,
         "rero_kappa": None if bound is None else bound.kappa,
         "seconds": sum(c.seconds for c in audit.cells),

@@ -92,11 +92,13 @@ class AttackBudget:
         lbfgs_restarts: restarts of DLG and iDLG, the one with the lowest gradient distance kept (at
             batch 8 the start decides as much as the budget: the lowest distance of 3 starts was also
             the best PSNR there).
-        stop_when_all_leak: run no further attack once every attacked image leaks to some passive
-            attack already run: no attack can change either verdict or either leak fraction then
-            (both are 100%; the active worst case contains the passive one), only raise the
-            worst-case mean PSNR, which is then a lower bound. The attacks skipped are listed in
-            :attr:`SettingAudit.skipped`. Off by default; the frontier turns it on.
+        stop_when_all_leak: attack no client further once every image it holds leaks to some
+            passive attack already run, and run no further attack once that holds for every client:
+            no attack can change either verdict or either leak fraction then (a leaked image stays
+            leaked; the active worst case contains the passive one), only raise the worst-case mean
+            PSNR, which is then a lower bound. :attr:`SettingAudit.skipped` lists the attacks not
+            run, :attr:`SettingAudit.partial` those run on fewer clients. Off by default; the
+            frontier turns it on.
     """
 
     ig_iterations: int = 1000
@@ -207,6 +209,7 @@ class SettingAudit:
             by post-processing).
         skipped: the attacks not run because every image had leaked to an earlier passive attack
             (``AttackBudget(stop_when_all_leak=True)``); the worst-case PSNR is then a lower bound.
+            ``partial``: attack -> how many clients it skipped (their images had leaked).
     """
 
     setting: str
@@ -218,6 +221,7 @@ class SettingAudit:
     aggregate: WorstCaseReport | None = None
     aggregate_cells: list[Cell] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    partial: dict[str, int] = field(default_factory=dict)
     aggregate_bound: FormalBound | None = None
 
     @property
@@ -286,12 +290,76 @@ def _run_attack(
     log: Callable[[str], None],
     rule: LeakRule,
     reference: Tensor,
+    skip: frozenset[int] = frozenset(),
 ) -> tuple[Cell, list[AttackResult]]:
+    """One attack on every client but those in ``skip`` (positions whose images already leaked; they
+    score "not reconstructed" in this cell and leave the worst case to the attacks that leaked them)."""
     start = time.perf_counter()
-    outcomes: list[AttackResult | TappedGradient] = []  # a record stands for a client the attack failed on
+    outcomes, errors, not_applicable = _attack_clients(
+        name, attacks, records, model, setting, datamodule, secrets, lpips_fn, log, skip
+    )
+    if len(not_applicable) == len(outcomes) - len(skip):  # n/a for every client: it does not apply here
+        note = not_applicable[0].split(": n/a: ", 1)[1]
+        return Cell(setting.name, name, kind, "n/a", note, seconds=time.perf_counter() - start), []
+    # n/a for some clients only: the others' reconstructions stand, the cell is incomplete
+    errors += not_applicable
+    # the failed clients' placeholders carry the attack's own name, so its reports concatenate
+    attack_name = next((r.report.attack for r in outcomes if isinstance(r, AttackResult)), type(attacks[0]).__name__)
+    results = [
+        r if isinstance(r, AttackResult) else _failed_result(r, model, attack_name, datamodule, lpips_fn)
+        for r in outcomes
+    ]
+    fallbacks = sorted(
+        {
+            str(r.reconstruction.meta.get("fallback_reason", ""))
+            for r in results
+            if r.reconstruction.meta.get("fallback")
+        }
+    )
+    status: CellStatus = "error" if errors else "fallback" if fallbacks else "ok"
+    merged = concatenate_reports([r.report for r in results])
+    guesses = _guesses(merged, reference)
+    skipped = [f"run on {len(records) - len(skip)} of {len(records)} clients (the others' images had leaked)"]
+    cell = Cell(
+        setting.name,
+        name,
+        kind,
+        status,
+        "; ".join(errors or fallbacks or (skipped if skip else [])),
+        merged.means,
+        rule.leak_fraction(merged, guesses),
+        time.perf_counter() - start,
+    )
+    if setting.trained_inputs is not None:
+        trained = concatenate_reports(
+            [_score_against_trained_inputs(r, setting, datamodule, lpips_fn) for r in results]
+        )
+        cell.trained_means = trained.means
+        cell.trained_leak_fraction = rule.leak_fraction(trained, _guesses(trained, reference))
+    return cell, results
+
+
+def _attack_clients(
+    name: str,
+    attacks: Sequence[GradientAttack],
+    records: Sequence[TappedGradient],
+    model: nn.Module,
+    setting: DefenseSetting,
+    datamodule: Any,
+    secrets: dict[str, Any],
+    lpips_fn: nn.Module | None,
+    log: Callable[[str], None],
+    skip: frozenset[int],
+) -> tuple[list[AttackResult | TappedGradient], list[str], list[str]]:
+    """Each client's attack result (its record where the attack failed, did not apply or was skipped),
+    the errors and the n/a notes."""
+    outcomes: list[AttackResult | TappedGradient] = []
     errors: list[str] = []
     not_applicable: list[str] = []
-    for attack, record in zip(attacks, records):
+    for position, (attack, record) in enumerate(zip(attacks, records)):
+        if position in skip:
+            outcomes.append(record)
+            continue
         try:
             outcomes.append(
                 attack_record(
@@ -314,44 +382,7 @@ def _run_attack(
             log(traceback.format_exc())
             errors.append(f"client {record.client_id}: {type(err).__name__}: {err}")
             outcomes.append(record)
-    if len(not_applicable) == len(outcomes):  # n/a for every client: the attack does not apply here
-        note = not_applicable[0].split(": n/a: ", 1)[1]
-        return Cell(setting.name, name, kind, "n/a", note, seconds=time.perf_counter() - start), []
-    # n/a for some clients only: the others' reconstructions stand, the cell is incomplete
-    errors += not_applicable
-    # the failed clients' placeholders carry the attack's own name, so its reports concatenate
-    attack_name = next((r.report.attack for r in outcomes if isinstance(r, AttackResult)), type(attacks[0]).__name__)
-    results = [
-        r if isinstance(r, AttackResult) else _failed_result(r, model, attack_name, datamodule, lpips_fn)
-        for r in outcomes
-    ]
-    fallbacks = sorted(
-        {
-            str(r.reconstruction.meta.get("fallback_reason", ""))
-            for r in results
-            if r.reconstruction.meta.get("fallback")
-        }
-    )
-    status: CellStatus = "error" if errors else "fallback" if fallbacks else "ok"
-    merged = concatenate_reports([r.report for r in results])
-    guesses = _guesses(merged, reference)
-    cell = Cell(
-        setting.name,
-        name,
-        kind,
-        status,
-        "; ".join(errors or fallbacks),
-        merged.means,
-        rule.leak_fraction(merged, guesses),
-        time.perf_counter() - start,
-    )
-    if setting.trained_inputs is not None:
-        trained = concatenate_reports(
-            [_score_against_trained_inputs(r, setting, datamodule, lpips_fn) for r in results]
-        )
-        cell.trained_means = trained.means
-        cell.trained_leak_fraction = rule.leak_fraction(trained, _guesses(trained, reference))
-    return cell, results
+    return outcomes, errors, not_applicable
 
 
 def reference_pixels(datamodule: Any, size: int = 1000) -> Tensor:
@@ -513,7 +544,14 @@ def _judged_audit(
     }
     bound = _formal_bound(setting, campaign.model, records, results, reference, rule)
     audit = SettingAudit(
-        setting.name, cells, judged["passive"], judged["active"], results, bound, skipped=campaign.skipped
+        setting.name,
+        cells,
+        judged["passive"],
+        judged["active"],
+        results,
+        bound,
+        skipped=campaign.skipped,
+        partial=campaign.partial,
     )
     if aggregate:
         _audit_aggregate(
@@ -557,6 +595,19 @@ class _Campaign:
     active_gaps: list[str] = field(default_factory=list)  # what only the active threat model misses
     stop_when_all_leak: bool = False
     skipped: list[str] = field(default_factory=list)
+    partial: dict[str, int] = field(default_factory=dict)
+
+    def leaked_clients(self) -> frozenset[int]:
+        """The positions of the clients every image of which leaks to some passive attack run so far."""
+        worst = _judge("passive", self.cells, self.results, self.rule, [], self.reference)
+        if worst is None:
+            return frozenset()
+        leaks, start, out = [row.leaks for row in worst.rows], 0, set()
+        for position, images in enumerate(self.indices):
+            if all(leaks[start : start + len(images)]):
+                out.add(position)
+            start += len(images)
+        return frozenset(out)
 
     def threat_gaps(self, threat: ThreatModel) -> list[str]:
         """What the verdict of ``threat`` must name as not covered."""
@@ -566,13 +617,14 @@ class _Campaign:
         """Run one attack (one object per client) on every client and keep its cell and results; an
         active attack on the round its own model is sent in (round 0 only)."""
         setting, round = self.setting, self.round
-        if self.stop_when_all_leak and (
-            self.skipped or _every_image_leaks(self.cells, self.results, self.rule, self.reference)
-        ):
+        leaked = self.leaked_clients() if self.stop_when_all_leak else frozenset()
+        if len(leaked) == len(self.indices):
             if not self.skipped:
                 self.log(f"   every attacked image of {setting.name} leaks: the remaining attacks are not run")
             self.skipped.append(name)
             return
+        if leaked:
+            self.partial[name] = len(leaked)
         threat = _threat(attacks[0])
         if threat == "active" and round > 0:
             self.log(
@@ -607,6 +659,7 @@ class _Campaign:
             self.log,
             self.rule,
             self.reference,
+            leaked,
         )
         cell.threat = threat
         self.cells.append(cell)
@@ -750,14 +803,6 @@ def _training_summary(cost: dict[str, Any]) -> str:
         f"{cost['samples']} training pairs, {cost['epochs']} epochs, validation MSE {cost['validation_mse']:.4f}, "
         f"{cost['stopped']}"
     )
-
-
-def _every_image_leaks(
-    cells: Sequence[Cell], results: dict[str, list[AttackResult]], rule: LeakRule, reference: Tensor
-) -> bool:
-    """Whether every attacked image already leaks to some passive attack of ``cells``."""
-    worst = _judge("passive", cells, results, rule, [], reference)
-    return worst is not None and worst.leaked == worst.batch_size
 
 
 def _judge(
