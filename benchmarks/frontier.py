@@ -41,6 +41,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2, help="jobs in parallel (one torch thread each)")
     parser.add_argument("--backend", default="local", choices=("local", "ray"))
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument(
+        "--report-only", action="store_true", help="report the jobs already finished (e.g. while a run goes on)"
+    )
     args = parser.parse_args()
     name = "frontier_quick" if args.quick else "frontier"
     config = load_config(args.config or CONFIGS / f"{name}.yaml")
@@ -72,6 +75,7 @@ def main() -> None:
         name=name,
         title=f"Privacy-utility frontier ({'quick, ' if args.quick else ''}{data})",
         context=context,
+        report_only=args.report_only,
     )
     seconds = time.perf_counter() - start
     print(f"{len(result.ran)} jobs ran in {seconds:.0f} s with {args.workers} workers")

@@ -127,6 +127,10 @@ def test_an_interrupted_run_resumes_to_the_same_results(tmp_path: Path) -> None:
     assert len(results.read_text().splitlines()) == 2
     with open(results, "a") as handle:  # a third job killed while it was being written
         handle.write('{"fingerprint": "')
+    partial = frontier(cfg, tmp_path / "cut", log=silent, report_only=True)  # a look at it, nothing run
+    assert partial.ran == [] and len(results.read_text().splitlines()) == 3
+    assert {(p.setting, p.stage) for p in partial.points} <= {(p.setting, p.stage) for p in whole.points}
+    assert "Partial: 2 of 6 jobs finished" in (tmp_path / "cut" / "frontier.md").read_text()
     resumed = frontier(cfg, tmp_path / "cut", log=silent)
     assert sorted(j.key for j in resumed.ran) == sorted(j.key for j in whole.ran if j.key not in finished)
     assert comparable(resumed.points) == comparable(whole.points)

@@ -37,7 +37,7 @@ from lightning_gp.audit.frontier_run import (
     fingerprint,
     frontier_jobs,
 )
-from lightning_gp.validation import check_choice, check_positive_int
+from lightning_gp.validation import check_bool, check_choice, check_positive_int
 
 
 @dataclass
@@ -72,6 +72,7 @@ def frontier(
     context: tuple[str, ...] = (),
     log: Callable[[str], None] = print,
     on_job: Callable[[Job, dict[str, Any]], None] | None = None,
+    report_only: bool = False,
 ) -> FrontierResult:
     """Run the frontier of ``config``; with ``output_dir`` write ``<name>_points.jsonl`` (each job as
     it finishes; a rerun skips the jobs found there) and ``<name>.csv``, ``<name>.md``, ``<name>.png``.
@@ -81,8 +82,11 @@ def frontier(
         backend: ``"local"`` or ``"ray"`` (``ray_address``: an existing cluster; else a local one).
         log: where the progress lines go (one per finished job, with an ETA).
         on_job: called with each finished job and its record, after it is written.
+        report_only: run no job; report the jobs already in ``<name>_points.jsonl`` (a long run still
+            going elsewhere, or cut short). A missing stage counts as not private (inconclusive).
     """
     check_positive_int(workers, "workers")
+    check_bool(report_only, "report_only")
     check_choice(backend, "backend", ("local", "ray"))
     datamodule, _ = check_frontier_config(config)
     jobs = frontier_jobs(config, int(datamodule.image_shape[0]))
@@ -98,7 +102,12 @@ def frontier(
     )
     progress = Progress(len(jobs), len(jobs) - len(todo), workers, log)
     ran = []
-    for job, record in execute(todo, config, workers=workers, backend=backend, ray_address=ray_address):
+    if report_only and todo:
+        log(f"frontier: report only; {len(todo)} jobs not run")
+        context = (*context, f"Partial: {len(jobs) - len(todo)} of {len(jobs)} jobs finished; {len(todo)} not run yet.")
+    for job, record in execute(
+        [] if report_only else todo, config, workers=workers, backend=backend, ray_address=ray_address
+    ):
         store.append(job.key, record)
         records[job.key] = record
         ran.append(job)

@@ -60,6 +60,9 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--ray_address", type=str | None, default=None, help="join a Ray cluster (e.g. 'auto')")
     parser.add_argument("--title", type=str, default="Privacy-utility frontier", help="the report's title")
     parser.add_argument("--check", type=bool, default=False, help="validate the config and list the jobs; run nothing")
+    parser.add_argument(
+        "--report_only", type=bool, default=False, help="write the report of the finished jobs; run nothing"
+    )
     return parser
 
 
@@ -93,5 +96,6 @@ def main(argv: list[str] | None = None) -> None:
         backend=namespace.backend,
         ray_address=namespace.ray_address,
         title=namespace.title,
+        report_only=namespace.report_only,
     )
     print(f"written: {namespace.output_dir}/frontier.{{csv,md,png}} and frontier_points.jsonl")
