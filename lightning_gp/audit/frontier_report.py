@@ -235,7 +235,8 @@ def recommend(points: Sequence[FrontierPoint]) -> list[Recommendation]:
     out = []
     for size in sizes:
         for threat in THREAT_MODELS:
-            out.append(Recommendation(size, threat, choose(setting_candidates(points, size, threat))))
+            only = stages[0] if len(stages) == 1 else None  # one stage audited: say which
+            out.append(Recommendation(size, threat, choose(setting_candidates(points, size, threat)), only))
             for stage in stages if len(stages) > 1 else []:
                 at_stage = [p for p in points if p.stage == stage]
                 out.append(Recommendation(size, threat, choose(setting_candidates(at_stage, size, threat)), stage))
