@@ -24,7 +24,7 @@ from lightning_gp.attacks import (
     adaptive_attacks_of,
     defense_knowledge,
 )
-from lightning_gp.audit import defense_catalog, defense_mechanism, setting_bound
+from lightning_gp.audit import defense_catalog, defense_mechanism, frontier_families, setting_bound
 from lightning_gp.data import FashionMNISTSampleDataModule
 from lightning_gp.metrics.image_quality import psnr
 from lightning_gp.models import LeNetZhu
@@ -227,9 +227,12 @@ def test_the_adaptive_attacks_beat_the_published_idlg_where_the_clip_is_active_a
         assert lower > 10.0, (name, gain)
 
 
-def test_the_catalogue_entry_and_its_attacks_resolve_from_the_registry():
+def test_the_catalogue_entry_and_the_frontier_family_build_it_and_its_attacks_resolve():
     (entry,) = defense_catalog(["LocalGaussianMechanism"])
     (found,) = entry.build(0, 1).defenses(LeNetZhu())
     assert found.defense.config() == {"noise_multiplier": 0.5, "max_update_norm": 1.0}
     attacks = adaptive_attacks(found, iterations=2, lbfgs_iterations=2, seed=0)
     assert isinstance(attacks[-1], NoiseAwareMAP)
+    family = frontier_families()["LocalGaussianMechanism"]
+    (swept,) = family.build({"noise_multiplier": 2.0}, 3, 1).defenses(LeNetZhu())
+    assert swept.defense.config() == {"noise_multiplier": 2.0, "max_update_norm": 1.0} and swept.defense.seed == 3
