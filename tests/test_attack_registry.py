@@ -53,6 +53,7 @@ EXPECTED: dict[str, tuple[tuple[str, ...], str | None]] = {
     "OptimalDPSGD": (NOISE, "defense='OptimalDPSGD', support, transform, noise_std, noise_variance"),
     "GaussianNoise": (NOISE, "defense='GaussianNoise', noise_std"),
     "LaplaceNoise": (NOISE, "defense='LaplaceNoise', noise_std, noise_law=laplace"),
+    "LocalGaussianMechanism": (NOISE, "defense='LocalGaussianMechanism', transform, noise_std"),
     "GradientQuantization": (ADAM, "defense='GradientQuantization', transform"),
     "DPSGD": (NOISE, "defense='DPSGD', per_example_clip=1, noise_std"),
     "Soteria": (PAIR, "defense='Soteria', support"),
@@ -67,7 +68,7 @@ EXPECTED: dict[str, tuple[tuple[str, ...], str | None]] = {
 #: the names ``published_attacks`` accepted before the registry, in its order
 PUBLISHED = ["DLG", "iDLG", "IG", "GradInversion", "R-GAP", "RtF"]
 
-#: every class with a declared adaptive attack (the 16 qualified names the registry was keyed by)
+#: every class with a declared adaptive attack (the 16 qualified names the registry was keyed by, and those added since)
 DECLARED = sorted(
     [
         "lightning_gp.augmentation.module.ATSModule",
@@ -76,6 +77,7 @@ DECLARED = sorted(
         "lightning_gp.defenses.graddefense.GradDefense",
         "lightning_gp.defenses.noise.GaussianNoise",
         "lightning_gp.defenses.noise.LaplaceNoise",
+        "lightning_gp.defenses.noise.LocalGaussianMechanism",
         "lightning_gp.defenses.optimal.OptimalDPSGD",
         "lightning_gp.defenses.optimal.OptimalGradientNoise",
         "lightning_gp.defenses.optimal.OptimalGradientPruning",

@@ -36,6 +36,7 @@ def test_every_named_defense_callback_is_declared_on_its_defense():
                 "GradDefense",
                 "GradientQuantization",
                 "LaplaceNoise",
+                "LocalGaussianMechanism",
                 "MagnitudePruning",
                 "OptimalDPSGD",
                 "OptimalGradientNoise",

@@ -21,6 +21,7 @@ from lightning_gp.attacks.adaptive import (
     layer_noise_weights,
     mark_fallback,
     straight_through_quantization,
+    update_clip,
 )
 from lightning_gp.attacks.ats_aware import ATSAwareInversion, ATSAwareRobbing
 from lightning_gp.attacks.base import AttackNotApplicable, GradientAttack, Reconstruction
@@ -137,4 +138,5 @@ __all__ = [
     "squared_l2_distance",
     "straight_through_quantization",
     "total_variation",
+    "update_clip",
 ]

@@ -18,7 +18,7 @@ the shared one:
   gradient reveals which entries were kept, as exact zeros; only the sent entries are compared
   (PriPrune's SGI mask, :func:`~lightning_gp.attacks.sgi.recover_mask`, on a FedSGD gradient);
 - **known transform** (clipping, quantisation): the defense's deterministic part is applied to the
-  dummy gradient (:func:`coordinate_clip`, :func:`straight_through_quantization`,
+  dummy gradient (:func:`coordinate_clip`, :func:`update_clip`, :func:`straight_through_quantization`,
   ``per_example_clip`` for DP-SGD's per-example clipping), so the true batch reproduces the
   shared gradient up to the noise;
 - **known noise** (Gaussian/Laplace/optimal noise, DP-SGD): with the per-coordinate noise std
@@ -62,6 +62,7 @@ from lightning_gp.attacks.optimization import IDLG, InvertingGradients
 from lightning_gp.attacks.registry import register_defense_knowledge
 from lightning_gp.attacks.sgi import recover_mask
 from lightning_gp.attacks.view import ServerView
+from lightning_gp.defenses.clipping import clip_update
 from lightning_gp.defenses.optimal import OptimalGradientPruning
 from lightning_gp.defenses.quantization import GradientQuantization, quantize
 from lightning_gp.defenses.soteria import Soteria
@@ -95,6 +96,18 @@ def coordinate_clip(clip: float) -> KnownTransform:
 
     def transform(gradients: dict[str, Tensor]) -> dict[str, Tensor]:
         return {n: g.clamp(-clip, clip) for n, g in gradients.items()}
+
+    return transform
+
+
+def update_clip(max_update_norm: float) -> KnownTransform:
+    """Scale the whole gradient, every layer together, onto the L2 ball of radius ``max_update_norm``
+    (:class:`~lightning_gp.defenses.LocalGaussianMechanism`; McMahan et al. 2018, Alg. 1 ``ClipFn``):
+    :func:`~lightning_gp.defenses.clip_update`, differentiable through the norm."""
+    max_update_norm = check_positive(max_update_norm, "max_update_norm")
+
+    def transform(gradients: dict[str, Tensor]) -> dict[str, Tensor]:
+        return clip_update(gradients, max_update_norm)
 
     return transform
 

@@ -7,8 +7,9 @@ squared L2 distance is the Gaussian likelihood, L1 the Laplace one, TV a Laplace
 differences). Against a defense whose noise the server knows, :class:`NoiseAwareMAP` writes both out:
 
 - **likelihood** of the shared gradient ``g`` given a guess ``x``, with ``D`` the defense's known
-  deterministic part applied to the guess's gradient (a coordinate clip, DP-SGD's per-example clip:
-  the client clipped before it noised, so the clipped gradient is what the noise is added to) and
+  deterministic part applied to the guess's gradient (a coordinate clip, DP-SGD's per-example clip,
+  LocalGaussianMechanism's L2 clip of the whole update: the client clipped before it noised, so the
+  clipped gradient is what the noise is added to) and
   ``r = g - D(grad(x))`` over the entries the defense sent:
 
   - Gaussian noise ``N(0, s_i^2)``: ``sum_i r_i^2 / (2 s_i^2)`` (GaussianNoise, DP-SGD's
@@ -43,7 +44,7 @@ which stops on convergence), the labels from the last layer's gradient (iDLG,
 
 Registered here (:func:`~lightning_gp.attacks.registry.register_defense_knowledge`, with
 :func:`noise_aware_attacks`: the defense-aware pair plus this attack; the worst case takes the best)
-for GaussianNoise, LaplaceNoise, OptimalGradientNoise and OptimalDPSGD; DP-SGD and the GradDefense
+for GaussianNoise, LaplaceNoise, LocalGaussianMechanism, OptimalGradientNoise and OptimalDPSGD; DP-SGD and the GradDefense
 callback declare it in their own modules, the pure GradDefense in
 :mod:`lightning_gp.attacks.perturbation_aware`.
 """
@@ -66,6 +67,7 @@ from lightning_gp.attacks.adaptive import (
     class_knowledge,
     coordinate_clip,
     defense_aware_attacks,
+    update_clip,
 )
 from lightning_gp.attacks.base import GradientAttack, Reconstruction
 from lightning_gp.attacks.gradient_matching import (
@@ -76,7 +78,7 @@ from lightning_gp.attacks.gradient_matching import (
 )
 from lightning_gp.attacks.registry import register_defense_knowledge
 from lightning_gp.attacks.view import ServerView
-from lightning_gp.defenses.noise import GaussianNoise, LaplaceNoise
+from lightning_gp.defenses.noise import GaussianNoise, LaplaceNoise, LocalGaussianMechanism
 from lightning_gp.defenses.optimal import OptimalDPSGD, OptimalGradientNoise, optimal_noise_variance
 from lightning_gp.defenses.sensitivity import gradient_sensitivity
 from lightning_gp.normalization import channel_tensor
@@ -300,6 +302,14 @@ def _gaussian(target: Any) -> DefenseKnowledge:
 def _laplace(target: Any) -> DefenseKnowledge:
     # Laplace of scale b has std sqrt(2) b: the Wiener gains read the std, the likelihood the law
     return class_knowledge(target, support=False, noise_std=math.sqrt(2) * target.scale, noise_law="laplace")
+
+
+@register_defense_knowledge(LocalGaussianMechanism, attacks=noise_aware_attacks)
+def _local_gaussian(target: Any) -> DefenseKnowledge:
+    # the exact law: u = clip_C(g(x)) + N(0, (z C)^2 I), the guess's gradient clipped as a whole
+    return class_knowledge(
+        target, support=False, transform=update_clip(target.max_update_norm), noise_std=target.noise_std
+    )
 
 
 @register_defense_knowledge(OptimalGradientNoise, attacks=noise_aware_attacks)

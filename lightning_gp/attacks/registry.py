@@ -6,7 +6,7 @@ moving a defense breaks an import instead of silently turning its attack into a 
 - :mod:`lightning_gp.attacks.adaptive`: the defense-aware pair on the pruning, quantisation,
   Soteria and optimal-pruning defenses;
 - :mod:`lightning_gp.attacks.noise_aware`: the pair and the noise-aware MAP on Gaussian, Laplace
-  and optimal noise and OptimalDPSGD (DP-SGD's callback declares the same in its module);
+  and optimal noise, LocalGaussianMechanism and OptimalDPSGD (DP-SGD's callback declares the same in its module);
 - :mod:`lightning_gp.attacks.perturbation_aware`: GradDefense, Outpost;
 - :mod:`~lightning_gp.attacks.ats_aware`, :mod:`~lightning_gp.attacks.precode_aware`: ATS, PRECODE;
 - a class defined above the attacks declares its attack in its own module (the attacks may not

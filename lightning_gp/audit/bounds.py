@@ -10,6 +10,9 @@ what no informed adversary can exceed. Only a mechanism with a formal guarantee 
   *coordinate-wise* to ``[-c, c]``, not per example, so one image of the batch can move the clipped
   gradient across the whole box: the L2 sensitivity is its diameter ``2 c sqrt(d)`` for ``d``
   parameters (replace-one with clipping norm ``c sqrt(d)``), noise ``scale``, one round.
+- :class:`~lightning_gp.defenses.LocalGaussianMechanism`: the client clips its whole update to L2 norm
+  ``C`` and adds ``N(0, (z C)^2 I)``; replacing one image (or the whole client batch) moves the clipped
+  update by at most ``2 C`` (replace-one, clipping norm ``C``), one round.
 - everything else (pruning, quantisation, Soteria, PRECODE, Refiner, ATS, Laplace or Gaussian noise
   without clipping, compositions): no formal bound, with the reason; never a number.
 
@@ -31,7 +34,7 @@ from torch import Tensor, nn
 
 from lightning_gp.audit.verdict import LeakRule
 from lightning_gp.callbacks import DPSGD, GradientDefense
-from lightning_gp.defenses import GaussianNoise
+from lightning_gp.defenses import GaussianNoise, LocalGaussianMechanism
 from lightning_gp.metrics.image_quality import psnr, ssim
 from lightning_gp.privacy import GaussianMechanism, clopper_pearson
 
@@ -70,12 +73,14 @@ class FormalBound:
 
 
 def defense_mechanism(defense: Any, num_parameters: int | None = None) -> GaussianMechanism:
-    """The Gaussian mechanism of one defense object (a :class:`DPSGD` callback, a ``GaussianNoise``
-    defense or its callback); a ``ValueError`` naming ``defense`` for one that has no formal bound.
+    """The Gaussian mechanism of one defense object (a :class:`DPSGD` callback, a ``GaussianNoise`` or
+    ``LocalGaussianMechanism`` defense or its callback); a ``ValueError`` naming ``defense`` for one that has no formal bound.
     ``num_parameters``: the model's trainable parameter count (``GaussianNoise``'s sensitivity)."""
     if isinstance(defense, DPSGD):
         return _dp_sgd_mechanism(defense)
     inner = defense.defense if isinstance(defense, GradientDefense) else defense
+    if isinstance(inner, LocalGaussianMechanism):
+        return _local_gaussian_mechanism(inner)
     if isinstance(inner, GaussianNoise):
         if inner.clip is None:
             raise ValueError(f"defense: {type(inner).__name__} without clip has unbounded sensitivity: no formal bound")
@@ -95,6 +100,22 @@ def defense_mechanism(defense: Any, num_parameters: int | None = None) -> Gaussi
         )
     name = type(inner).__name__
     raise ValueError(f"defense: {name} has no formal mechanism (clipping-bounded Gaussian noise): no formal bound")
+
+
+def _local_gaussian_mechanism(local: LocalGaussianMechanism) -> GaussianMechanism:
+    """One upload of :class:`~lightning_gp.defenses.LocalGaussianMechanism`: the Gaussian mechanism
+    (Dwork & Roth 2014, Thm. A.1) on the update clipped to ``C`` (McMahan et al. 2018), noise ``z C``;
+    replace-one, sensitivity ``2 C`` (one image or the whole client batch replaced)."""
+    C, z = local.max_update_norm, local.noise_multiplier
+    return GaussianMechanism(
+        noise_std=local.noise_std,
+        clip_norm=C,
+        neighbouring="replace_one",
+        description=(
+            f"LocalGaussianMechanism: one round, the client's whole update clipped to C = {C:g}, any image (or the "
+            f"whole batch) replaced moves it by <= 2 C, noise std z C = {z:g} x {C:g}"
+        ),
+    )
 
 
 def _dp_sgd_mechanism(dp: DPSGD) -> GaussianMechanism:

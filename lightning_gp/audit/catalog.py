@@ -31,6 +31,7 @@ from lightning_gp.callbacks import (
     GradDefense,
     GradientQuantization,
     LaplaceNoise,
+    LocalGaussianMechanism,
     MagnitudePruning,
     OptimalDPSGD,
     OptimalGradientNoise,
@@ -284,6 +285,15 @@ for _entry in (
     ),
     CatalogEntry(
         "LaplaceNoise", "noise", "DLG Sec. 5", _callbacks("LaplaceNoise(scale=0.01)", lambda s: [LaplaceNoise(seed=s)])
+    ),
+    CatalogEntry(
+        "LocalGaussianMechanism",
+        "dp",
+        "McMahan et al. 2018 (clip), local",
+        _callbacks(
+            "LocalGaussianMechanism(z=0.5, C=1)",
+            lambda s: [LocalGaussianMechanism(noise_multiplier=0.5, max_update_norm=1.0, seed=s)],
+        ),
     ),
     CatalogEntry(
         "GradientQuantization",

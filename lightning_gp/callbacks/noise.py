@@ -16,6 +16,12 @@ class LaplaceNoise(GradientDefense, defense=noise.LaplaceNoise):
     """Add Laplace noise of scale ``b = scale`` to every coordinate. See :class:`lightning_gp.defenses.LaplaceNoise`."""
 
 
+class LocalGaussianMechanism(GradientDefense, defense=noise.LocalGaussianMechanism):
+    """Clip the client's whole shared gradient to L2 norm ``max_update_norm`` and add
+    ``N(0, (noise_multiplier * max_update_norm)^2)`` to every coordinate before it leaves the client
+    (local DP of the update). See :class:`lightning_gp.defenses.LocalGaussianMechanism`."""
+
+
 class GradientQuantization(GradientDefense, defense=quantization.GradientQuantization):
     """Quantize every layer to ``bits``-bit symmetric integers times a per-layer scale.
     See :class:`lightning_gp.defenses.GradientQuantization`."""

@@ -4,8 +4,9 @@ No Lightning imports here; :mod:`lightning_gp.callbacks` adapts these to a ``Tra
 """
 
 from lightning_gp.defenses.base import Defense, Gradients, Share, share_in_process
+from lightning_gp.defenses.clipping import clip_update, update_norm
 from lightning_gp.defenses.graddefense import GradDefense, root_set_sensitivity
-from lightning_gp.defenses.noise import GaussianNoise, LaplaceNoise
+from lightning_gp.defenses.noise import GaussianNoise, LaplaceNoise, LocalGaussianMechanism
 from lightning_gp.defenses.optimal import (
     OptimalDPSGD,
     OptimalGradientNoise,
@@ -45,6 +46,7 @@ __all__ = [
     "GradientQuantization",
     "Gradients",
     "LaplaceNoise",
+    "LocalGaussianMechanism",
     "MagnitudePruning",
     "NonFiniteGradientError",
     "OptimalDPSGD",
@@ -58,6 +60,7 @@ __all__ = [
     "SparsifyingDefense",
     "TopKPruning",
     "check_rate",
+    "clip_update",
     "count_for_rate",
     "count_sent",
     "defended_layer",
@@ -71,4 +74,5 @@ __all__ = [
     "representation_scores",
     "root_set_sensitivity",
     "share_in_process",
+    "update_norm",
 ]

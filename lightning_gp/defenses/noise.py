@@ -1,4 +1,5 @@
-"""Isotropic gradient noise (the baselines of the optimal-defenses paper and of DP-SGD)."""
+"""Isotropic gradient noise (the baselines of the optimal-defenses paper and of DP-SGD) and the client-side
+Gaussian mechanism on a whole update (local DP of the client's update)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import torch
 from torch import Tensor
 
 from lightning_gp.defenses.base import Defense, DefenseCall, Gradients
-from lightning_gp.validation import check_nonnegative
+from lightning_gp.defenses.clipping import clip_update
+from lightning_gp.validation import check_nonnegative, check_positive
 
 
 def clip_coordinates(gradients: Gradients, clip: float) -> Gradients:
@@ -66,3 +68,59 @@ class LaplaceNoise(Defense):
             exponential = -torch.log1p(-uniform)
             shared[n] = g + self.scale * (exponential[0] - exponential[1])
         return shared, state
+
+
+class LocalGaussianMechanism(Defense):
+    """Clip the client's whole shared gradient to L2 norm ``C = max_update_norm`` (every layer together),
+    then add ``N(0, (z C)^2)`` to every coordinate, ``z = noise_multiplier``, before it leaves the client.
+
+    The Gaussian mechanism (Dwork & Roth 2014, Thm. A.1; Abadi et al. 2016, the noise scaled to the
+    clipping norm) on the client's update, clipped as a whole as in DP-FedAvg (McMahan et al. 2018,
+    Alg. 1 ``ClipFn``, :func:`~lightning_gp.defenses.clip_update`): every upload is a release of its
+    own, so the guarantee holds against the server itself (local DP of the update). Replacing one image,
+    or the whole client batch, moves the clipped update by at most ``2 C``: noise multiplier ``z / 2``
+    per round under replace-one (:func:`~lightning_gp.audit.bounds.defense_mechanism`).
+
+    How it differs from its neighbours:
+
+    - :class:`~lightning_gp.federated.ClientLevelDP` (DP-FedAvg) clips the same way but the *server*
+      adds one noise ``N(0, (z C)^2)`` to the *sum* of the round's clipped updates: the server sees each
+      update in the clear (trusted server, or secure aggregation). Here each client adds its own, so the
+      mean of ``K`` uploads carries noise of std ``z C / sqrt(K)``: the lever is many clients per round.
+    - DP-SGD (:class:`~lightning_gp.callbacks.DPSGD`) clips *each example's* gradient and adds one noise
+      to their sum (sensitivity ``C`` per example); here the batch gradient is clipped once, whatever
+      the batch size, so the record protected is the client's whole batch as well as each image in it.
+
+    Args:
+        noise_multiplier: ``z``, the noise std over ``max_update_norm`` (``0``: clipping alone).
+        max_update_norm: ``C``, the L2 bound of the client's whole shared gradient.
+        seed, nonfinite: as :class:`~lightning_gp.defenses.Defense` (client ``c`` draws its noise from
+            the stream ``(seed, c)``). Not a cryptographically secure source.
+    """
+
+    # layerwise stays False: the clip reads the norm of every layer at once
+
+    def __init__(
+        self,
+        noise_multiplier: float = 0.5,
+        max_update_norm: float = 1.0,
+        *,
+        seed: int | None = None,
+        nonfinite: str = "error",
+    ) -> None:
+        super().__init__(seed=seed, nonfinite=nonfinite)
+        self.noise_multiplier = check_nonnegative(noise_multiplier, "noise_multiplier")
+        self.max_update_norm = check_positive(max_update_norm, "max_update_norm")
+
+    @property
+    def noise_std(self) -> float:
+        """The per-coordinate noise std ``z C``."""
+        return self.noise_multiplier * self.max_update_norm
+
+    def config(self) -> dict[str, Any]:
+        return {"noise_multiplier": self.noise_multiplier, "max_update_norm": self.max_update_norm}
+
+    def transform(self, gradients: Gradients, state: Gradients, call: DefenseCall) -> tuple[Gradients, Gradients]:
+        clipped = clip_update(gradients, self.max_update_norm)
+        std = self.noise_std
+        return {n: v + std * standard_normal_like(v, call.generator) for n, v in clipped.items()}, state

@@ -3,7 +3,7 @@
 McMahan, Ramage, Talwar, Zhang, "Learning Differentially Private Recurrent Language Models" (ICLR
 2018), Alg. 1 with the fixed-denominator estimator ``f~_f`` (Eq. 2-3): each sampled client's update
 ``Delta_k`` is clipped to L2 norm ``C`` over all its layers at once, ``Delta_k * min(1, C / ||Delta_k||)``
-(:func:`clip_update`); the server adds ``N(0, (z C)^2 I)`` to the **sum** of the round's clipped
+(:func:`~lightning_gp.defenses.clip_update`); the server adds ``N(0, (z C)^2 I)`` to the **sum** of the round's clipped
 updates and divides by the expected number of clients ``W = q N``, so one client moves the release
 by at most ``C / W`` and the noise on the mean has std ``z C / W``. The record the guarantee protects
 is a whole client (its every example): add or remove one client.
@@ -22,36 +22,20 @@ Each round is one Gaussian mechanism with noise multiplier ``z``; ``T`` rounds c
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
 
 from lightning_gp.defenses.base import Gradients
+from lightning_gp.defenses.clipping import clip_update
+from lightning_gp.defenses.clipping import update_norm as update_norm  # re-exported: its home before clipping.py
 from lightning_gp.privacy import GaussianMechanism
 from lightning_gp.seeding import seeded_generator
 from lightning_gp.validation import check_choice, check_int, check_nonnegative, check_number, check_positive
 
 Amplification = Literal["none", "poisson"]
 AMPLIFICATION: tuple[Amplification, ...] = ("none", "poisson")
-
-
-def update_norm(update: Gradients) -> float:
-    """The L2 norm of a whole update, every layer together (accumulated in float64)."""
-    return math.sqrt(sum(float(u.detach().double().pow(2).sum()) for u in update.values()))
-
-
-def clip_update(update: Gradients, max_update_norm: float) -> Gradients:
-    """``update * min(1, C / ||update||)``: the whole update (all layers) scaled onto the L2 ball of
-    radius ``C = max_update_norm`` (McMahan et al. 2018, Alg. 1, ``ClipFn``); an update inside it is
-    returned unchanged."""
-    check_positive(max_update_norm, "max_update_norm")
-    norm = update_norm(update)
-    if norm <= max_update_norm:
-        return dict(update)
-    factor = max_update_norm / norm
-    return {name: u * factor for name, u in update.items()}
 
 
 class ClientLevelDP:
