@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import copy
+import csv
 import inspect
 
 import pytest
 import torch
-from helpers import quiet_trainer
+from helpers import BENCHMARKS, quiet_trainer, run_benchmark
 
 from lightning_gp.audit import DefenseSetting
 from lightning_gp.callbacks import GaussianNoise
@@ -100,3 +101,53 @@ def test_accuracy_on_the_test_split_of_a_constant_classifier_is_its_class_freque
     labels = torch.cat([y for _, y in data.test_dataloader()])
     assert accuracy_on_test_split(model, data) == int((labels == 3).sum()) / len(labels)
     assert model.training  # put back as it was
+
+
+def test_the_benchmark_writes_pmm_against_the_same_clients_undefended_run(tmp_path):
+    result = run_benchmark(
+        "many_clients.py",
+        "--sample",
+        "--defenses",
+        "GaussianNoise",
+        "LaplaceNoise(scale=0.05)",
+        "--clients-per-round",
+        "2",
+        "4",
+        "--batch-sizes",
+        "1",
+        "--rounds",
+        "2",
+        "--output-dir",
+        str(tmp_path),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(tmp_path / "many_clients.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(r["defense"], r["clients_per_round"]) for r in rows] == [
+        (defense, clients)
+        for clients in ("2", "4")
+        for defense in ("undefended", "GaussianNoise(scale=0.01)", "LaplaceNoise(scale=0.05)")
+    ]
+    for row in rows:  # PMM is over the undefended run of the same clients per round
+        base = next(
+            r for r in rows if r["defense"] == "undefended" and r["clients_per_round"] == row["clients_per_round"]
+        )
+        assert float(row["undefended_acc"]) == float(base["test_acc"])
+        assert float(row["PMM"]) == pytest.approx(float(row["test_acc"]) / float(base["test_acc"]), abs=1e-4)
+    assert (tmp_path / "many_clients.png").stat().st_size > 0
+    assert "round 2/2" in result.stdout and "s/round" in result.stdout
+
+
+def test_the_benchmark_reads_pure_defense_specs_and_refuses_what_is_not_one_fedsgd_gradient_defense(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import many_clients
+
+    label, build, setting = many_clients.parse_defense("LaplaceNoise(scale=0.05)", seed=4, channels=1)
+    first, second = build(), build()
+    assert label == "LaplaceNoise(scale=0.05)" and first is not second  # a fresh defense per run
+    assert (type(first).__name__, first.scale, first.seed) == ("LaplaceNoise", 0.05, 4)
+    assert setting.server_optimizer == "adam"
+    with pytest.raises(ValueError, match="not one gradient defense of FedSGD"):
+        many_clients.parse_defense("DPSGD", seed=0, channels=1)  # Opacus runs its own client step
+    with pytest.raises(ValueError, match=r"not a defense of lightning_gp\.defenses"):
+        many_clients.parse_defense("ImageClassifier(lr=0.1)", seed=0, channels=1)
