@@ -10,10 +10,10 @@ import pytest
 import torch
 from helpers import BENCHMARKS, quiet_trainer, run_benchmark
 
+import lightning_gp.callbacks
+import lightning_gp.defenses
 from lightning_gp.audit import DefenseSetting
-from lightning_gp.callbacks import GaussianNoise
 from lightning_gp.data import FashionMNISTSampleDataModule
-from lightning_gp.defenses import GaussianNoise as GaussianNoiseTransform
 from lightning_gp.defenses import Soteria
 from lightning_gp.federated import FederatedSimulation, accuracy_on_test_split, fedsgd_many_clients
 from lightning_gp.models import LeNetZhu
@@ -43,21 +43,28 @@ def simulated(model, *, clients, per_round, batch, rounds, seed, callbacks):
 
 
 @pytest.mark.parametrize(
-    ("clients", "per_round", "chunk", "noise"),
-    [(3, 3, 2, None), (4, 4, 1, 0.01), (3, 3, 1000, 0.01), (5, 3, 2, 0.01)],
-    ids=["undefended-3-chunked", "noise-4-one-per-chunk", "noise-3-one-chunk", "noise-3-of-5-sampled"],
+    ("clients", "per_round", "chunk", "defense"),
+    [
+        (3, 3, 2, None),
+        (4, 4, 1, "GaussianNoise"),
+        (3, 3, 1000, "GaussianNoise"),
+        (5, 3, 2, "GaussianNoise"),
+        (4, 4, 3, "AlignedDualGradientPruning"),  # prepares each round from every client's gradient
+        (4, 4, 3, "Outpost"),  # reads the current weights
+    ],
+    ids=["undefended-chunked", "noise-one-per-chunk", "noise-one-chunk", "noise-3-of-5-sampled", "adgp", "outpost"],
 )
-def test_many_clients_trains_the_weights_the_simulation_trains(clients, per_round, chunk, noise, one_thread):
+def test_many_clients_trains_the_weights_the_simulation_trains(clients, per_round, chunk, defense, one_thread):
     torch.manual_seed(0)
     start = LeNetZhu()
     reference, fast = copy.deepcopy(start), copy.deepcopy(start)
-    callbacks = [] if noise is None else [GaussianNoise(scale=noise, seed=5)]
+    callbacks = [] if defense is None else [getattr(lightning_gp.callbacks, defense)(seed=5)]
     simulated(reference, clients=clients, per_round=per_round, batch=2, rounds=3, seed=7, callbacks=callbacks)
-    defense = None if noise is None else GaussianNoiseTransform(noise, seed=5)
+    pure = None if defense is None else getattr(lightning_gp.defenses, defense)(seed=5)
     run = fedsgd_many_clients(
         fast,
         FashionMNISTSampleDataModule(),
-        defense=defense,
+        defense=pure,
         num_clients=clients,
         clients_per_round=per_round,
         client_batch_size=2,
@@ -69,8 +76,8 @@ def test_many_clients_trains_the_weights_the_simulation_trains(clients, per_roun
     for (name, ours), theirs, before in zip(fast.named_parameters(), reference.parameters(), start.parameters()):
         assert (ours - before).abs().max() > 100 * WEIGHT_ATOL, name  # training moved it: the match says something
         torch.testing.assert_close(ours, theirs, atol=WEIGHT_ATOL, rtol=0, msg=name)
-    if defense is not None:  # every client drew from its own stream, clients 0..n-1 only
-        assert set(defense.clients) <= set(range(clients)) and len(defense.clients) >= per_round
+    if pure is not None:  # every client drew from its own stream, clients 0..n-1 only
+        assert set(pure.clients) <= set(range(clients)) and len(pure.clients) >= per_round
 
 
 def test_the_defaults_are_the_server_optimizer_train_setting_uses_for_fedsgd():
