@@ -161,7 +161,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     ax.axhline(0.97, color="grey", linestyle="--", linewidth=1, label="PMM 0.97 (issue 28)")
     ax.set_xscale("log")
     ax.set_xlabel("clients per round (each defends its own gradient)")
-    ax.set_ylabel("PMM (test accuracy / undefended, same clients, batch, rounds)")
+    ax.set_ylabel("PMM (accuracy / undefended at the same C, B, rounds)", fontsize=9)
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
