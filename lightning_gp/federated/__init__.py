@@ -3,6 +3,12 @@
 from lightning_gp.federated.aggregation import weighted_mean
 from lightning_gp.federated.client_dp import AMPLIFICATION, ClientLevelDP, clip_update, update_norm
 from lightning_gp.federated.client_updates import client_gradients, client_local_updates, updates_running_stats
+from lightning_gp.federated.many_clients import (
+    ManyClientsRound,
+    ManyClientsRun,
+    accuracy_on_test_split,
+    fedsgd_many_clients,
+)
 from lightning_gp.federated.partition import (
     dirichlet_partition,
     iid_partition,
@@ -18,12 +24,16 @@ __all__ = [
     "ClientLevelDP",
     "ClientRounds",
     "FederatedSimulation",
+    "ManyClientsRound",
+    "ManyClientsRun",
     "RoundLoader",
     "RoundSampler",
+    "accuracy_on_test_split",
     "client_gradients",
     "client_local_updates",
     "clip_update",
     "dirichlet_partition",
+    "fedsgd_many_clients",
     "iid_partition",
     "label_histogram",
     "partition",
