@@ -69,7 +69,7 @@ def frontier_jobs(config: FrontierConfig, channels: int) -> list[Job]:
     specs = grid_points(config)
     rank = {}
     for grid in dict.fromkeys(spec.grid for spec in specs):
-        indices = sorted(spec.index for spec in specs if spec.grid == grid)
+        indices = sorted({spec.index for spec in specs if spec.grid == grid})  # two grids may share a name
         rank.update({(grid, indices[i]): r for r, i in enumerate(coverage_order(len(indices)))})
     specs.sort(key=lambda spec: rank[(spec.grid, spec.index)])  # stable: the grids' order within a rank
     points = [(point, point.setting(config, channels).name) for point in specs]
