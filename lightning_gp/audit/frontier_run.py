@@ -344,7 +344,10 @@ def execute(
     backend: Backend = "local",
     ray_address: str | None = None,
 ) -> Iterator[tuple[Job, dict[str, Any]]]:
-    """Run ``jobs``, yielding each with its record as it finishes (in any order)."""
+    """Run ``jobs``, yielding each with its record as it finishes (in any order). No jobs (a run
+    resumed at its end, a report-only call) start no worker pool and no Ray cluster."""
+    if not jobs:
+        return
     if backend == "ray":
         yield from _execute_ray(jobs, config, workers, ray_address)
     elif workers == 1:
