@@ -275,3 +275,8 @@ def test_the_audit_runs_the_learned_inverter_and_logs_its_training_cost(one_thre
     # both clients were attacked by the one inverter, trained once
     keys = {r.reconstruction.meta["inverter_key"] for r in audit.results["adaptive:LearnedInversion"]}
     assert len(keys) == 1 and len(audit.results["adaptive:LearnedInversion"]) == 2
+    # the data-prior attacks are scored against their prior-only control, the others are not
+    for name in ("adaptive:LearnedInversion", "adaptive:RefinedLearnedInversion"):
+        for result in audit.results[name]:
+            assert result.report.prior_only is not None and "psnr" in result.report.prior_only[0]
+    assert all(r.report.prior_only is None for r in audit.results["adaptive:DefenseAwareInversion"])

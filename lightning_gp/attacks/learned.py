@@ -39,6 +39,7 @@ size, seed, configuration), so attacking many images of one setting trains it on
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import math
 import time
@@ -335,6 +336,7 @@ class LearnedInversion(GradientAttack):
         self.defense_key = defense_key
         self.config = config
         self.cache = DEFAULT_CACHE if cache is None else cache
+        self._prior_only: dict[tuple[str, int], Tensor] = {}
         self._data_key = f"{tensor_fingerprint(self.public_images)}:{tensor_fingerprint(self.public_labels.float())}"
 
     def key(self, view: ServerView) -> InverterKey:
@@ -380,15 +382,7 @@ class LearnedInversion(GradientAttack):
             raise ValueError(
                 f"public_images hold inputs of shape {tuple(images.shape[1:])}, the view's are {view.input_shape}"
             )
-        generator = seeded_generator(self.seed, 0x1EA2)
-        order = torch.randperm(images.shape[0], generator=generator).to(view.device)
-        held_out = max(batch_size, round(cfg.val_fraction * images.shape[0]))
-        if images.shape[0] - held_out < 2 * batch_size:
-            raise ValueError(
-                f"public_images: {images.shape[0]} images are too few to train and validate an inverter for "
-                f"batches of {batch_size}"
-            )
-        val_idx, train_idx = order[:held_out], order[held_out:]
+        generator, val_idx, train_idx = self._split(batch_size, view.device)
         model = copy.deepcopy(view.model)
         train_batches = self._batches(train_idx, batch_size, cfg.passes, generator)
         val_batches = self._batches(val_idx, batch_size, 1, generator)
@@ -450,6 +444,54 @@ class LearnedInversion(GradientAttack):
         )
         return TrainedInverter(sketch.cpu(), network.cpu(), cost)
 
+    def _split(self, batch_size: int, device: torch.device) -> tuple[torch.Generator, Tensor, Tensor]:
+        """The seeded generator of training and the public images' indices held out to validate
+        (never fitted) and to train on."""
+        count = self.public_images.shape[0]
+        generator = seeded_generator(self.seed, 0x1EA2)
+        order = torch.randperm(count, generator=generator).to(device)
+        held_out = max(batch_size, round(self.config.val_fraction * count))
+        if count - held_out < 2 * batch_size:
+            raise ValueError(
+                f"public_images: {count} images are too few to train and validate an inverter for batches of {batch_size}"
+            )
+        return generator, order[:held_out], order[held_out:]
+
+    # -------------------------------------------------------------------- prior-only guesses
+    def prior_only_guesses(self, view: ServerView, count: int) -> Tensor:
+        """``[K, B, C, H, W]`` normalised images (``K >= count``): what this attack returns from the
+        defended gradients of ``count`` public batches of ``view``'s size, drawn from the images the
+        inverter held out from fitting, with defense randomness of their own. They carry no
+        information about the attacked batch: matched to its originals they are the attack's
+        prior-only guesses, the control the audit scores its reconstructions against
+        (:mod:`lightning_gp.audit.prior_control`). Computed once per model, batch size and count."""
+        check_positive_int(count, "count")
+        key = (self.key(view).digest(), count)
+        if key not in self._prior_only:
+            self._prior_only[key] = self._prior_only_guesses(view, count)
+        return self._prior_only[key]
+
+    def _prior_only_guesses(self, view: ServerView, count: int) -> Tensor:
+        view, _ = self._prepare(view)
+        inverter = self.inverter(view)
+        inverter.network.to(view.device)
+        inverter.sketch.to(view.device)
+        model, images, labels, batches = self._decoy_batches(view, count)
+        features = self._simulate(model, images, labels, batches, stream=3, sketch=inverter.sketch)
+        with torch.no_grad():
+            inverter.network.eval()
+            return _normalize(inverter.network(features), view)
+
+    def _decoy_batches(self, view: ServerView, count: int) -> tuple[nn.Module, Tensor, Tensor, Tensor]:
+        """A copy of the view's model, the public images and labels on its device, and ``[count, B]``
+        indices of held-out images (as many shuffles of them as ``count`` batches need)."""
+        images = self.public_images.to(view.device)
+        labels = self.public_labels.to(view.device)
+        _, held_out, _ = self._split(view.batch_size, view.device)
+        passes = math.ceil(count / (held_out.numel() // view.batch_size))
+        batches = self._batches(held_out, view.batch_size, passes, seeded_generator(self.seed, 0xDEC0))[:count]
+        return copy.deepcopy(view.model), images, labels, batches
+
     @staticmethod
     def _batches(indices: Tensor, batch_size: int, passes: int, generator: torch.Generator) -> Tensor:
         """``[N, B]`` rows of public-image indices: ``passes`` shuffles of ``indices`` cut into batches."""
@@ -508,6 +550,8 @@ class RefinedLearnedInversion(LearnedInversion):
             learning rate, signed steps and box are used; its iterations are not).
         refine_iterations: Adam steps of the refinement.
         lr: the refinement's learning rate (small: it starts near an answer).
+        refined_decoys: held-out public batches attacked end to end for the audit's prior-only
+            control (:meth:`prior_only_guesses`).
     """
 
     def __init__(
@@ -516,14 +560,36 @@ class RefinedLearnedInversion(LearnedInversion):
         matching: InvertingGradients | None = None,
         refine_iterations: int = 200,
         lr: float = 0.01,
+        refined_decoys: int = 8,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self.refined_decoys = check_positive_int(refined_decoys, "refined_decoys")
         if matching is not None and not isinstance(matching, InvertingGradients):
             raise TypeError(f"matching must be an InvertingGradients attack or None, got {type(matching).__name__}")
         self.matching = InvertingGradients() if matching is None else matching
         self.refine_iterations = check_positive_int(refine_iterations, "refine_iterations")
         self.refine_lr = check_positive(lr, "lr")
+
+    def _prior_only_guesses(self, view: ServerView, count: int) -> Tensor:
+        """The inverter's ``count`` prior-only guesses (:meth:`LearnedInversion.prior_only_guesses`)
+        followed by ``refined_decoys`` of its own: held-out public batches attacked end to end,
+        refinement included. Refining is costly, so the refined guesses are few; the inverter's own
+        outputs stand in for the rest (refining towards a gradient that carries no information
+        about the attacked batch does not bring a guess closer to it)."""
+        learned = super()._prior_only_guesses(view, count)
+        prepared, _ = self._prepare(view)
+        model, images, labels, batches = self._decoy_batches(prepared, self.refined_decoys)
+        shared = self._simulate(model, images, labels, batches, stream=4)
+        refined = []
+        for k in range(batches.shape[0]):
+            decoy = dataclasses.replace(
+                prepared,
+                gradients={n: g[k] for n, g in shared.items()},
+                labels=None if prepared.labels is None else labels[batches[k]],
+            )
+            refined.append(self.reconstruct(decoy).images.detach())
+        return torch.cat([learned, torch.stack(refined)])
 
     def reconstruct(self, view: ServerView) -> Reconstruction:
         learned = super().reconstruct(view)

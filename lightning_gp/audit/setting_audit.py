@@ -53,6 +53,7 @@ from lightning_gp.audit.bounds import FormalBound, prior_only_kappa, setting_bou
 from lightning_gp.audit.catalog import DefenseSetting
 from lightning_gp.audit.engine import AttackResult, attack_record, attacker_loss
 from lightning_gp.audit.learned import learned_inversion_attacks, simulation_refusal
+from lightning_gp.audit.prior_control import with_prior_only_control
 from lightning_gp.audit.rounds import aggregate_record, public_batch, tap_defended_round
 from lightning_gp.audit.verdict import BaselineScores, LeakRule, WorstCaseReport, trivial_baselines, worst_case_report
 from lightning_gp.federated import ClientLevelDP
@@ -309,6 +310,7 @@ def _run_attack(
         r if isinstance(r, AttackResult) else _failed_result(r, model, attack_name, datamodule, lpips_fn)
         for r in outcomes
     ]
+    results = with_prior_only_control(attacks, results)
     fallbacks = sorted(
         {
             str(r.reconstruction.meta.get("fallback_reason", ""))

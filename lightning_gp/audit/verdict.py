@@ -19,6 +19,12 @@ one image leaks when
   similarity: a blank or dataset-mean image is clean too (noise ratio 0.0003 and 0.10), so it only
   counts on an image that a blank or mean guess cannot be.
 
+An attack with a data prior (the learned inverter) returns plausible images from any gradient;
+matched one-to-one to a batch, such guesses beat a blank or mean image by chance. For such an
+attack every criterion also needs its metrics to beat the attack's **prior-only control** on that
+image: its best score over reconstructions of public batches that carry no information about the
+attacked one (:mod:`lightning_gp.audit.prior_control`).
+
 **The verdict** (:func:`judge`): ``"leaks"`` when more than ``max_leak_fraction`` of the images leak
 (default: one image is a leak) or a worst-case mean is on the leaking side of
 :data:`VERDICT_THRESHOLDS` (Refiner's mean PSNR 15 dB, SSIM 0.5, LPIPS 0.05); else
@@ -109,21 +115,36 @@ class LeakRule:
                 raise ValueError(f"noise_ratio_line must be in (0, 1] or None, got {line!r}")
             object.__setattr__(self, "noise_ratio_line", float(line))
 
-    def criteria(self, values: Mapping[str, float | None], floor: Mapping[str, float] | None = None) -> list[str]:
+    def criteria(
+        self,
+        values: Mapping[str, float | None],
+        floor: Mapping[str, float] | None = None,
+        control: Mapping[str, float] | None = None,
+    ) -> list[str]:
         """The criteria one reconstruction meets (empty: it does not leak).
 
         ``values`` are its scores (metric -> value; ``None``/NaN: not computed or not reconstructed);
         ``floor`` the best trivial guess's PSNR and SSIM on the same original (``None``: unknown, the
-        paired noise-ratio test is skipped)."""
+        paired noise-ratio test is skipped); ``control`` the attack's own best prior-only scores on
+        that original (:mod:`lightning_gp.audit.prior_control`): with it, a criterion counts only
+        where the reconstruction also beats the control on the criterion's metrics."""
+        control = control or {}
+
+        def beats_control(metric: str, value: float) -> bool:
+            bar = control.get(metric)
+            return bar is None or math.isnan(bar) or _better_for_attacker(metric, value, bar)
+
         met = []
         for metric, line in self.thresholds.items():
             value = values.get(metric)
-            if value is not None and not math.isnan(value) and leaks_on(metric, value, line):
+            leaking = value is not None and not math.isnan(value) and leaks_on(metric, value, line)
+            if leaking and beats_control(metric, value):  # type: ignore[arg-type]
                 met.append(f"{metric} {'<' if HIGHER_IS_PRIVATE[metric] else '>'} {line:g}")
         ratio = values.get("noise_ratio")
         if self.noise_ratio_line is not None and floor is not None and ratio is not None and not math.isnan(ratio):
             closer = all(
-                (v := values.get(m)) is not None and not math.isnan(v) and v > floor[m] for m in ("psnr", "ssim")
+                (v := values.get(m)) is not None and not math.isnan(v) and v > floor[m] and beats_control(m, v)
+                for m in ("psnr", "ssim")
             )
             if ratio < self.noise_ratio_line and closer:
                 met.append(f"noise_ratio < {self.noise_ratio_line:g} and closer than every trivial guess")
@@ -141,7 +162,9 @@ class LeakRule:
         guesses' scores on the same originals (e.g. the dataset mean; blank guesses are always in)."""
         floors = guess_floors(report.original_pixels, baselines)
         return [
-            bool(self.criteria(row_values(row, report), None if floors is None else floors[i]))
+            bool(
+                self.criteria(row_values(row, report), None if floors is None else floors[i], prior_control(report, i))
+            )
             for i, row in enumerate(report.rows)
         ]
 
@@ -172,6 +195,11 @@ def threshold_phrases(thresholds: Mapping[str, float]) -> list[str]:
 def or_list(parts: Sequence[str]) -> str:
     """``["a", "b", "c"]`` -> ``"a, b or c"``."""
     return ", ".join(parts[:-1]) + (" or " if len(parts) > 1 else "") + (parts[-1] if parts else "")
+
+
+def prior_control(report: ReconstructionReport, i: int) -> dict[str, float] | None:
+    """Image ``i``'s prior-only control in ``report`` (``None`` when the attack ran none)."""
+    return None if report.prior_only is None else report.prior_only[i]
 
 
 def row_values(row: Any, report: ReconstructionReport) -> dict[str, float | None]:
@@ -608,7 +636,9 @@ def _worst_image(
     sources: dict[str, str | None] = {}
     for metric in METRICS:
         values[metric], sources[metric] = _attackers_best(metric, scored)
-    leaked_by = [name for name, row in scored if rule.criteria(row, floor)]
+    leaked_by = [
+        name for (name, row), report in zip(scored, reports) if rule.criteria(row, floor, prior_control(report, i))
+    ]
     return WorstImage(i, values, sources, bool(leaked_by), leaked_by)
 
 

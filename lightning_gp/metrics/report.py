@@ -86,6 +86,9 @@ class ReconstructionReport:
             help the attacker, and the other images keep their scores); the means leave them out.
         original_pixels, reconstructed_pixels: the aligned images in [0, 1] (for figures; not
             part of ``to_dict``).
+        prior_only: per original, the best score the same attack reached with guesses that carry
+            no information about the batch (the audit's prior-only control for attacks with a data
+            prior, :mod:`lightning_gp.audit.prior_control`); ``None``: no control was run.
     """
 
     attack: str
@@ -100,6 +103,7 @@ class ReconstructionReport:
     original_pixels: Tensor | None = field(default=None, repr=False, compare=False)
     reconstructed_pixels: Tensor | None = field(default=None, repr=False, compare=False)
     unavailable: dict[str, str] = field(default_factory=dict)
+    prior_only: list[dict[str, float]] | None = field(default=None, compare=False)
 
     @property
     def batch_size(self) -> int:
@@ -526,4 +530,7 @@ def concatenate_reports(reports: Sequence[ReconstructionReport]) -> Reconstructi
         original_pixels=pixels("original_pixels"),
         reconstructed_pixels=pixels("reconstructed_pixels"),
         unavailable=unavailable,
+        prior_only=None
+        if any(r.prior_only is None for r in reports)
+        else [c for r in reports for c in r.prior_only or []],
     )
