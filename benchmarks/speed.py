@@ -19,12 +19,15 @@ same run on the same thread count, so a shared, noisy machine moves both alike.
    the shared gradient into the parameters' ``.grad`` tensors (``out=``), as the Trainer's local
    path does; a call without ``out`` pays for fresh model-sized memory on top (page faults: about
    3% of this step, measured on the issue's machine).
-3. ``attacks``: Inverting Gradients on LeNetZhu, one client at a time vs clients attacked together
+3. ``client``: a LeNetZhu FedSGD client step at batch 1 and 8 with and without
+   LocalGaussianMechanism (issue 28's cost target: <= 1.2x the undefended step).
+4. ``attacks``: Inverting Gradients on LeNetZhu, one client at a time vs clients attacked together
    in one vmapped optimisation (``benchmarks/attack_throughput.py``): ms per iteration and the time
    to reach 25 dB mean PSNR.
 
 ``--device cuda`` runs parts 1 and 2 on a GPU (absolute times are then meaningful too; the
-script synchronises before reading the clock). Writes benchmarks/results/speed.{csv,md}.
+script synchronises before reading the clock). Writes benchmarks/results/speed.{csv,md}
+(``speed_<parts>`` when ``--parts`` names only some).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from lightning_gp.callbacks.data_dependent import DataDependentGradientDefense
 from lightning_gp.data import FashionMNISTSampleDataModule
 from lightning_gp.defenses import gradient_sensitivity
 from lightning_gp.defenses.base import share_in_process
-from lightning_gp.models import ConvNet, ResNet18
+from lightning_gp.models import ConvNet, LeNetZhu, ResNet18
 from lightning_gp.pipeline import ClientSetup, StageCall
 
 CE = nn.functional.cross_entropy
@@ -255,6 +258,43 @@ def pruning_rows(device: torch.device, repeats: int) -> list[dict]:
     return rows
 
 
+def client_rows(device: torch.device, repeats: int) -> list[dict]:
+    """Issue 28's cost: a client's FedSGD step (forward, backward, the update written into ``.grad``,
+    SGD step) with and without LocalGaussianMechanism (clip the whole update, add its noise)."""
+    sync = synchronized(device)
+    rows = []
+    for batch_size in (1, 8):
+        batches = sample_batches(8, batch_size, device)
+        torch.manual_seed(0)
+        model = LeNetZhu().to(device)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        names = [n for n, _ in model.named_parameters()]
+        grads = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+        counter = {"step": 0}
+        mechanism = defenses.LocalGaussianMechanism(noise_multiplier=0.5, max_update_norm=1.0, seed=0)
+
+        def step(defense: defenses.Defense | None) -> None:
+            x, y = batches[counter["step"] % len(batches)]
+            optimizer.zero_grad()
+            gradients = dict(zip(names, torch.autograd.grad(CE(model(x), y), list(model.parameters()))))
+            if defense is None:
+                for name in names:
+                    grads[name].copy_(gradients[name])
+            else:
+                defense(gradients, 0, out=grads)
+            for name, p in model.named_parameters():
+                p.grad = grads[name]
+            optimizer.step()
+            counter["step"] += 1
+
+        undefended = median_of_means(lambda: step(None), 64, repeats, sync)
+        defended = median_of_means(lambda: step(mechanism), 64, repeats, sync)
+        label = "LocalGaussianMechanism(z=0.5, C=1)"
+        rows.append(cost_row("client", f"LeNetZhu b{batch_size}", label, undefended, defended, 1.2, "<= 1.2x"))
+        print(f"client {label}, batch {batch_size}: {defended / undefended:.2f}x a step", flush=True)
+    return rows
+
+
 def attack_rows(iterations: int, clients: int, threads: int, quick: bool) -> list[dict]:
     from attack_throughput import measure
 
@@ -284,7 +324,10 @@ def attack_rows(iterations: int, clients: int, threads: int, quick: bool) -> lis
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--parts", nargs="+", choices=("optimal", "pruning", "attacks"), default=("optimal", "pruning", "attacks")
+        "--parts",
+        nargs="+",
+        choices=("optimal", "pruning", "client", "attacks"),
+        default=("optimal", "pruning", "client", "attacks"),
     )
     parser.add_argument("--threads", type=int, default=2, help="CPU threads (the issue's targets: 2)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (parts optimal and pruning)")
@@ -315,20 +358,23 @@ def main() -> None:
         )
     if "pruning" in args.parts:
         rows += pruning_rows(device, repeats)
+    if "client" in args.parts:
+        rows += client_rows(device, repeats)
     if "attacks" in args.parts:
         rows += attack_rows(args.attack_iterations, args.attack_clients, 1, args.quick)
     columns = list(dict.fromkeys(c for row in rows for c in row))
     rows = [{c: row.get(c, float("nan")) for c in columns} for row in rows]
     where = f"{device.type}, {args.threads} threads" if device.type == "cpu" else str(torch.cuda.get_device_name())
     write_results(
-        "speed_quick" if args.quick else "speed",
+        "speed" + ("" if len(args.parts) == 4 else "_" + "_".join(args.parts)) + ("_quick" if args.quick else ""),
         rows,
         f"Ratios to the undefended step measured in one process ({where}). Optimal defenses: ConvNet, "
         "batch 16, mean over 8 consecutive steps (refresh amortised), median of repeats; estimator_error: "
         "median relative error vs the exact per-example Jacobian (mean of 3 probe seeds); stale_error: the same "
         "estimate against the exact sensitivity N - 1 Adam steps later on another batch (refreshed every N "
         "steps). Pruning: share of a ResNet18 forward+backward at batch 32, the shared gradient written into "
-        ".grad. Attacks: Inverting Gradients on LeNetZhu, 1 thread, ms per "
+        ".grad. Client: a LeNetZhu FedSGD client step with and without LocalGaussianMechanism, mean of 64 "
+        "steps, median of repeats. Attacks: Inverting Gradients on LeNetZhu, 1 thread, ms per "
         "iteration (cost_ms), speed-up over attacking the clients one at a time."
         + stale_floor
         + (" QUICK RUN: one repeat, estimator errors on 2-image batches; no conclusions." if args.quick else ""),

@@ -9,7 +9,6 @@ import torch
 from torch import Tensor
 
 from lightning_gp.defenses.base import Defense, DefenseCall, Gradients
-from lightning_gp.defenses.clipping import clip_update
 from lightning_gp.validation import check_nonnegative, check_positive
 
 
@@ -121,6 +120,21 @@ class LocalGaussianMechanism(Defense):
         return {"noise_multiplier": self.noise_multiplier, "max_update_norm": self.max_update_norm}
 
     def transform(self, gradients: Gradients, state: Gradients, call: DefenseCall) -> tuple[Gradients, Gradients]:
-        clipped = clip_update(gradients, self.max_update_norm)
-        std = self.noise_std
-        return {n: v + std * standard_normal_like(v, call.generator) for n, v in clipped.items()}, state
+        # fused over the layers (one kernel list per step, one draw for the whole update): on a small
+        # model the per-layer Python calls cost more than the arithmetic
+        names, values = list(gradients), list(gradients.values())
+        norm = float(torch.stack(torch._foreach_norm(values)).double().norm())
+        factor = min(1.0, self.max_update_norm / norm) if norm > 0 else 1.0
+        first = values[0]
+        noise = torch.randn(
+            sum(v.numel() for v in values), generator=call.generator, device=first.device, dtype=first.dtype
+        )
+        draws = [d.view_as(v) for d, v in zip(noise.split([v.numel() for v in values]), values)]
+        if call.out is None:
+            shared = torch._foreach_mul(values, factor)
+        else:  # written straight into the caller's tensors (they may be the gradients themselves)
+            shared = [call.out[n] for n in names]
+            torch._foreach_copy_(shared, values)
+            torch._foreach_mul_(shared, factor)
+        torch._foreach_add_(shared, draws, alpha=self.noise_std)
+        return dict(zip(names, shared)), state

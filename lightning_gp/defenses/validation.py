@@ -65,8 +65,10 @@ def nonfinite_layers(gradients: Mapping[str, Tensor]) -> list[str]:
     """Names of the layers holding NaN or inf (one device sync for the whole model)."""
     names = list(gradients)
     device = gradients[names[0]].device
-    # A finite sum means every entry is finite (NaN and inf propagate through a sum); one cheap
-    # pass per layer, and only layers whose sum is not finite (or overflowed) get the exact check.
-    sums_finite = torch.stack([gradients[n].sum().isfinite().to(device) for n in names]).tolist()
+    # A finite L1 norm means every entry is finite (NaN and inf propagate through it); one fused
+    # pass over the layers, and only layers whose norm is not finite (or overflowed) get the exact check.
+    norms = torch._foreach_norm([gradients[n] for n in names], 1)
+    on_one_device = all(s.device == device for s in norms)
+    sums_finite = torch.stack(norms if on_one_device else [s.to(device) for s in norms]).isfinite().tolist()
     suspects = [n for n, ok in zip(names, sums_finite) if not ok]
     return [n for n in suspects if not bool(gradients[n].isfinite().all())]
