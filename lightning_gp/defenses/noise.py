@@ -131,7 +131,7 @@ class LocalGaussianMechanism(Defense):
         )
         draws = [d.view_as(v) for d, v in zip(noise.split([v.numel() for v in values]), values)]
         if call.out is None:
-            shared = torch._foreach_mul(values, factor)
+            shared = list(torch._foreach_mul(values, factor))
         else:  # written straight into the caller's tensors (they may be the gradients themselves)
             shared = [call.out[n] for n in names]
             torch._foreach_copy_(shared, values)
