@@ -35,6 +35,7 @@ from lightning_gp.audit.frontier_grid import FrontierConfig, PointSpec, build_sp
 from lightning_gp.audit.quiet import library_noise_silenced
 from lightning_gp.audit.setting_audit import THREAT_MODELS, SettingAudit, audit_setting, published_attacks
 from lightning_gp.audit.training import train_setting
+from lightning_gp.audit.verdict import LEAK_RULE_REVISION
 
 Backend = Literal["local", "ray"]
 JobKind = Literal["audit", "train"]
@@ -111,6 +112,7 @@ def fingerprint(config: FrontierConfig) -> str:
         "budget": asdict(config.budget),
         "lpips": config.lpips,
         "seed": config.seed,
+        "leak_rule_revision": LEAK_RULE_REVISION,
     }
     return hashlib.sha256(json.dumps(shared, sort_keys=True, default=repr).encode()).hexdigest()[:16]
 

@@ -74,6 +74,9 @@ LEAK_THRESHOLDS: dict[str, float] = {"psnr": 20.0, "ssim": 0.5, "semantic": SEMA
 VERDICT_THRESHOLDS: dict[str, float] = {m: t for m, t in PRIVACY_THRESHOLDS.items() if m != "noise_ratio"}
 #: Refiner's noise-ratio line: below it an image looks clean (App. N).
 NOISE_RATIO_LINE = 0.4
+#: Raised whenever a change of the leak rule or its baselines can change a stored verdict (stored
+#: results, e.g. a frontier's, are keyed by it). 2: the prior-only control for attacks with a data prior.
+LEAK_RULE_REVISION = 2
 
 Verdict = Literal["private", "leaks", "inconclusive"]
 
