@@ -459,7 +459,7 @@ class LearnedInversion(GradientAttack):
 
     # -------------------------------------------------------------------- prior-only guesses
     def prior_only_guesses(self, view: ServerView, count: int) -> Tensor:
-        """``[K, B, C, H, W]`` normalised images (``K >= count``): what this attack returns from the
+        """``[K, B, C, H, W]`` normalised images (``K = count``; fewer for the refined variant): what this attack returns from the
         defended gradients of ``count`` public batches of ``view``'s size, drawn from the images the
         inverter held out from fitting, with defense randomness of their own. They carry no
         information about the attacked batch: matched to its originals they are the attack's
@@ -551,7 +551,7 @@ class RefinedLearnedInversion(LearnedInversion):
         refine_iterations: Adam steps of the refinement.
         lr: the refinement's learning rate (small: it starts near an answer).
         refined_decoys: held-out public batches attacked end to end for the audit's prior-only
-            control (:meth:`prior_only_guesses`).
+            control (:meth:`prior_only_guesses`; 31: a chance level of 1/32 per metric).
     """
 
     def __init__(
@@ -560,7 +560,7 @@ class RefinedLearnedInversion(LearnedInversion):
         matching: InvertingGradients | None = None,
         refine_iterations: int = 200,
         lr: float = 0.01,
-        refined_decoys: int = 8,
+        refined_decoys: int = 31,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -572,14 +572,13 @@ class RefinedLearnedInversion(LearnedInversion):
         self.refine_lr = check_positive(lr, "lr")
 
     def _prior_only_guesses(self, view: ServerView, count: int) -> Tensor:
-        """The inverter's ``count`` prior-only guesses (:meth:`LearnedInversion.prior_only_guesses`)
-        followed by ``refined_decoys`` of its own: held-out public batches attacked end to end,
-        refinement included. Refining is costly, so the refined guesses are few; the inverter's own
-        outputs stand in for the rest (refining towards a gradient that carries no information
-        about the attacked batch does not bring a guess closer to it)."""
-        learned = super()._prior_only_guesses(view, count)
+        """``refined_decoys`` (at most ``count``) held-out public batches attacked end to end, the
+        refinement included: only guesses made the same way are exchangeable with the attack's
+        output when the gradient says nothing (the inverter's own outputs score higher there, so
+        mixing them in would hide a refinement that reads the gradient). Refining is costly, so
+        these are fewer than the inverter's: the control's chance level is ``1 / (K + 1)``."""
         prepared, _ = self._prepare(view)
-        model, images, labels, batches = self._decoy_batches(prepared, self.refined_decoys)
+        model, images, labels, batches = self._decoy_batches(prepared, min(count, self.refined_decoys))
         shared = self._simulate(model, images, labels, batches, stream=4)
         refined = []
         for k in range(batches.shape[0]):
@@ -589,7 +588,7 @@ class RefinedLearnedInversion(LearnedInversion):
                 labels=None if prepared.labels is None else labels[batches[k]],
             )
             refined.append(self.reconstruct(decoy).images.detach())
-        return torch.cat([learned, torch.stack(refined)])
+        return torch.stack(refined)
 
     def reconstruct(self, view: ServerView) -> Reconstruction:
         learned = super().reconstruct(view)

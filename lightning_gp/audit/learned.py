@@ -92,6 +92,10 @@ def _reseeded(callbacks: list[Any], seed: int, loss_fn: nn.Module) -> list[Any]:
     return copies
 
 
+#: Adam steps of the refined learned inverter's gradient matching (Wu et al.'s "LTI + optimisation").
+REFINE_ITERATIONS = 200
+
+
 def setting_simulator(
     setting: DefenseSetting, *, num_clients: int = 10, round: int = 0, loss_fn: nn.Module | None = None
 ) -> DefenseSimulator:
@@ -149,7 +153,7 @@ def learned_inversion_attacks(
     public_size: int = 10_000,
     num_clients: int = 10,
     config: InverterConfig | None = None,
-    refine_iterations: int = 200,
+    refine_iterations: int = REFINE_ITERATIONS,
     cache: InverterCache | None = None,
     seed: int = 0,
 ) -> list[GradientAttack]:

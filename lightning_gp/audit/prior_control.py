@@ -16,7 +16,8 @@ batch is. Two tests follow, per metric, that the leak rule reads through one num
 1. **Does the gradient inform this attack on this batch?** The attack's batch mean of the metric
    must beat the batch mean of every one of the ``K`` guesses. Without information the ``K + 1``
    batch means are exchangeable, so this passes by chance with probability ``1/(K+1)``; with
-   :data:`PRIOR_ONLY_BATCHES` = 255 and the five similarity metrics, at most 2% per client batch.
+   :data:`PRIOR_ONLY_BATCHES` = 255 and the five similarity metrics, at most 2% per client batch
+   (the refined variant refines only 31 guesses, its refinement being costly: 1/32 per metric).
    A mean over the batch has a small spread, so real information passes it easily.
 2. **Does this image beat the attack's typical uninformed guess on it?** Its score must beat the
    median of the ``K`` guesses' scores on that original. A criterion of the rule counts only then

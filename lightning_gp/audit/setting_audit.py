@@ -52,7 +52,7 @@ from lightning_gp.attacks import (
 from lightning_gp.audit.bounds import FormalBound, prior_only_kappa, setting_bound
 from lightning_gp.audit.catalog import DefenseSetting
 from lightning_gp.audit.engine import AttackResult, attack_record, attacker_loss
-from lightning_gp.audit.learned import learned_inversion_attacks, simulation_refusal
+from lightning_gp.audit.learned import REFINE_ITERATIONS, learned_inversion_attacks, simulation_refusal
 from lightning_gp.audit.prior_control import with_prior_only_control
 from lightning_gp.audit.rounds import aggregate_record, public_batch, tap_defended_round
 from lightning_gp.audit.verdict import BaselineScores, LeakRule, WorstCaseReport, trivial_baselines, worst_case_report
@@ -72,7 +72,8 @@ class AttackBudget:
     """Iterations of every attack (the matrix's ``--quick`` and full budgets are two of these).
 
     Attributes:
-        ig_iterations: Adam steps of Inverting Gradients, GradInversion and the adaptive Adam attacks.
+        ig_iterations: Adam steps of Inverting Gradients, GradInversion and the adaptive Adam attacks
+            (and of the refined learned inverter's refinement, at most 200).
         lbfgs_iterations: the cap on outer L-BFGS steps of DLG, iDLG and the adaptive L-BFGS
             attack; a run stops earlier when it matches the gradient to tolerance or stops
             improving. 300: at client batch 8, 100 steps left 2 of 8 undefended images over 20 dB
@@ -793,7 +794,11 @@ def _learned_attacks(
         log(f"   LearnedInversion not run on {setting.name}: {refusal}")
         return []
     config = InverterConfig(max_epochs=budget.learned_max_epochs)
-    return learned_inversion_attacks(setting, datamodule, adaptive=adaptive, config=config, seed=seed)
+    # the refinement is Adam gradient matching: never more steps than the budget's Adam attacks get
+    refine = min(REFINE_ITERATIONS, budget.ig_iterations)
+    return learned_inversion_attacks(
+        setting, datamodule, adaptive=adaptive, config=config, refine_iterations=refine, seed=seed
+    )
 
 
 def _training_summary(cost: dict[str, Any]) -> str:

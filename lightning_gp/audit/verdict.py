@@ -75,8 +75,9 @@ VERDICT_THRESHOLDS: dict[str, float] = {m: t for m, t in PRIVACY_THRESHOLDS.item
 #: Refiner's noise-ratio line: below it an image looks clean (App. N).
 NOISE_RATIO_LINE = 0.4
 #: Raised whenever a change of the leak rule or its baselines can change a stored verdict (stored
-#: results, e.g. a frontier's, are keyed by it). 2: the prior-only control for attacks with a data prior.
-LEAK_RULE_REVISION = 2
+#: results, e.g. a frontier's, are keyed by it). 2: the prior-only control for attacks with a data prior;
+#: 3: the refined learned inverter's control made of its own refinements only.
+LEAK_RULE_REVISION = 3
 
 Verdict = Literal["private", "leaks", "inconclusive"]
 
