@@ -117,7 +117,7 @@ def main() -> None:
         f"({'the built-in sample' if args.sample else 'Fashion-MNIST'}, seed {args.seed}). The learned inverter "
         "(Wu et al., UAI 2023) and its refined variant, trained on the public test split through each setting's "
         "own defense, judged by the audit's leak rule with the prior-only control (what the audit does) and "
-        "without it. 'informed on': the metrics on which a client's batch mean beat all 255 of the attack's "
+        "without it. 'informed on': the metrics on which a client's batch mean beat all 255 of the attack's (the refined variant: all 31 of its) "
         "guesses from public batches ('-': none, so nothing of that client is credited).\n\n"
         f"Run: `python benchmarks/prior_control.py --settings {' '.join(repr(s) for s in args.settings)} "
         f"--batch-size {args.batch_size} --images {args.images}`"
