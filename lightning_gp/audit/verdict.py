@@ -21,9 +21,10 @@ one image leaks when
 
 An attack with a data prior (the learned inverter) returns plausible images from any gradient;
 matched one-to-one to a batch, such guesses beat a blank or mean image by chance. For such an
-attack every criterion also needs its metrics to beat the attack's **prior-only control** on that
-image: its best score over reconstructions of public batches that carry no information about the
-attacked one (:mod:`lightning_gp.audit.prior_control`).
+attack every criterion also needs its metrics to pass the attack's **prior-only control**: on each
+metric, the attack's batch mean must beat those of its reconstructions of public batches that carry
+no information about the attacked one, and the image must beat its median such guess
+(:mod:`lightning_gp.audit.prior_control`).
 
 **The verdict** (:func:`judge`): ``"leaks"`` when more than ``max_leak_fraction`` of the images leak
 (default: one image is a leak) or a worst-case mean is on the leaking side of
@@ -129,9 +130,10 @@ class LeakRule:
 
         ``values`` are its scores (metric -> value; ``None``/NaN: not computed or not reconstructed);
         ``floor`` the best trivial guess's PSNR and SSIM on the same original (``None``: unknown, the
-        paired noise-ratio test is skipped); ``control`` the attack's own best prior-only scores on
-        that original (:mod:`lightning_gp.audit.prior_control`): with it, a criterion counts only
-        where the reconstruction also beats the control on the criterion's metrics."""
+        paired noise-ratio test is skipped); ``control`` the bars of the attack's prior-only control on
+        that original, metric -> value (:mod:`lightning_gp.audit.prior_control`; ``inf`` where the
+        attack was not informed): with it, a criterion counts only where the reconstruction also
+        beats the bar of each of the criterion's metrics."""
         control = control or {}
 
         def beats_control(metric: str, value: float) -> bool:
