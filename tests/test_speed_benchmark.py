@@ -8,21 +8,24 @@ import math
 from helpers import run_benchmark
 
 
-def test_speed_quick_measures_every_optimal_mode_with_its_estimator_error_and_every_pruning(tmp_path):
+def test_speed_quick_measures_every_optimal_mode_with_its_estimator_error_every_pruning_and_the_client_step(tmp_path):
     result = run_benchmark(
         "speed.py",
         "--quick",
         "--parts",
         "optimal",
         "pruning",
+        "client",
         "--threads",
         "1",
         "--output-dir",
         str(tmp_path),
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    with open(tmp_path / "speed_quick.csv") as handle:
-        rows = {r["setting"]: r for r in csv.DictReader(handle)}
+    # a run of some parts writes speed_<parts>, so it never overwrites the full run's table
+    with open(tmp_path / "speed_optimal_pruning_client_quick.csv") as handle:
+        table = list(csv.DictReader(handle))
+    rows = {r["setting"]: r for r in table}
     optimal = [r for r in rows.values() if r["part"] == "optimal"]
     assert len(optimal) == 15  # 3 defenses x 5 sensitivity modes
     for row in optimal:
@@ -33,4 +36,7 @@ def test_speed_quick_measures_every_optimal_mode_with_its_estimator_error_and_ev
         assert math.isnan(float(row["stale_error"])) != refreshed
     pruning = {s for s, r in rows.items() if r["part"] == "pruning"}
     assert {"DGP (5%, 75%)", "ADGP (20%, 5%), another client's mask"} <= pruning
-    assert "QUICK RUN" in (tmp_path / "speed_quick.md").read_text()
+    client = [r for r in table if r["part"] == "client"]
+    assert [r["model"] for r in client] == ["LeNetZhu b1", "LeNetZhu b8"]
+    assert all(float(r["ratio_to_step"]) > 0 for r in client)
+    assert "QUICK RUN" in (tmp_path / "speed_optimal_pruning_client_quick.md").read_text()
