@@ -20,6 +20,15 @@ def test_full_batch_bound_is_the_gaussian_closed_form(sigma, steps, kappa):
     assert reconstruction_bound(sigma, steps=steps, kappa=kappa) == pytest.approx(closed, abs=1e-3)
 
 
+def test_a_noise_too_small_for_a_pld_gets_the_unsubsampled_bound_which_is_never_lower():
+    # sigma 1e-6 under subsampling: a PLD grid would need petabytes; the q = 1 bound stands in
+    assert reconstruction_bound(1e-6, steps=100, sample_rate=0.01, kappa=0.1) == 1.0
+    tiny = reconstruction_bound(0.04, sample_rate=0.01, kappa=0.001)
+    assert tiny == pytest.approx(norm.cdf(norm.ppf(0.001) + 1 / 0.04), abs=1e-9)
+    # just above the threshold the PLD's subsampled bound is below the fallback's
+    assert reconstruction_bound(0.06, sample_rate=0.01, kappa=0.001) <= reconstruction_bound(0.06, kappa=0.001)
+
+
 def test_replace_one_doubles_the_sensitivity():
     closed = norm.cdf(norm.ppf(0.1) + 2.0 / 1.0)
     assert reconstruction_bound(1.0, kappa=0.1, neighbouring="replace_one") == pytest.approx(closed, abs=1e-3)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -35,6 +36,9 @@ NEIGHBOURING: tuple[Neighbouring, ...] = ("add_remove", "replace_one")
 #: The PLD's discretisation of the privacy loss (dp_accounting's default): ``eta`` is exact to ~1e-6 at
 #: ``q = 1`` and pessimistic (never below the true bound) under subsampling.
 PLD_GRID = 1e-4
+#: Below this noise multiplier a PLD grid of :data:`PLD_GRID` would not fit in memory (its privacy
+#: losses span about 1 / sigma^2); the bound there is the one without subsampling, never lower.
+PLD_MIN_NOISE_MULTIPLIER = 0.05
 #: How far one record moves a release, in clipping norms, under each relation.
 _SENSITIVITY: dict[str, float] = {"add_remove": 1.0, "replace_one": 2.0}
 
@@ -121,6 +125,17 @@ def reconstruction_bound(
     check_choice(neighbouring, "neighbouring", NEIGHBOURING)
     if noise_multiplier == 0 or kappa == 1:
         return 1.0
+    if sample_rate == 1 or noise_multiplier < PLD_MIN_NOISE_MULTIPLIER:
+        # Without subsampling the composition is exactly Gaussian DP with mu = sqrt(steps) * s / sigma
+        # (s = 1 or 2, the relation's sensitivity; Dong, Roth & Su 2022, Cor. 2.5): eta = Phi(Phi^-1(kappa)
+        # + mu), no PLD needed. Subsampling only lowers it, so where sigma is too small for a PLD
+        # grid to fit in memory this is a safe upper bound (it errs against the mechanism).
+        if kappa == 0:
+            return 0.0
+        mu = math.sqrt(steps) * _SENSITIVITY[neighbouring] / float(noise_multiplier)
+        normal = statistics.NormalDist()
+        z = normal.inv_cdf(float(kappa)) + mu
+        return min(1.0, max(float(kappa), normal.cdf(z) if z < 38 else 1.0))
     from riskcal.analysis import get_beta_from_pld
 
     pld = _pld(float(noise_multiplier), float(sample_rate), int(steps), neighbouring)
