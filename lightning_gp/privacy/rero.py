@@ -113,7 +113,9 @@ def reconstruction_bound(
     game with ``n`` equally likely candidates).
 
     At ``sample_rate = 1`` and ``"add_remove"`` (sensitivity ``C``) this is
-    ``Phi(Phi^-1(kappa) + sqrt(steps) / noise_multiplier)``; ``"replace_one"`` doubles the sensitivity. The trade-off
+    ``Phi(Phi^-1(kappa) + sqrt(steps) / noise_multiplier)``; ``"replace_one"`` doubles the sensitivity
+    (computed in that closed form, also as the upper bound where ``noise_multiplier`` is below
+    :data:`PLD_MIN_NOISE_MULTIPLIER`). Under subsampling the trade-off
     curve ``f`` comes from dp_accounting's privacy-loss distribution and riskcal's ``get_beta_from_pld``
     (symmetrised over the two directions of the relation, so never below the one-directional bound).
     ``noise_multiplier = 0`` (no noise) gives ``1``.
