@@ -69,6 +69,9 @@ def test_an_informed_attack_must_beat_the_median_guess_and_an_uninformed_one_not
     for i, bar in enumerate(control):
         per_guess = [report(guess).rows[i].psnr for guess in noisy]
         assert math.isclose(bar["psnr"], sorted(per_guess)[3], rel_tol=1e-6)
+    # a guess batch the attack could not score (NaN) neither blocks the test nor moves the median
+    with_nan = torch.cat([noisy, torch.full_like(noisy[:1], math.nan)])
+    assert prior_only_control(report(originals.clone()), with_nan, originals, view, labels) == control
     # the noisiest guess is beaten by the other guesses' batch means: nothing it scores is credited
     uninformed = prior_only_control(report(noisy[-1]), noisy[:-1], originals, view, labels)
     assert all(bar["psnr"] == math.inf and bar["ssim"] == math.inf for bar in uninformed)

@@ -91,7 +91,10 @@ def prior_only_control(
             continue
         attack = _column(report, metric)
         sign = -1.0 if HIGHER_IS_PRIVATE[metric] else 1.0  # sign * score: higher leaks more
-        informed = bool((sign * attack.nanmean() > sign * null.nanmean(dim=1)).all())
+        # a guess batch with no finite score competes with nothing (a NaN mean must not block the test)
+        null_means = null.nanmean(dim=1)
+        null_means = null_means[~null_means.isnan()]
+        informed = bool((sign * attack.nanmean() > sign * null_means).all())
         median = null.nanmedian(dim=0).values
         for i in range(len(report.rows)):
             control[i][metric] = float(median[i]) if informed else sign * math.inf
