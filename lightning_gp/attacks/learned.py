@@ -354,11 +354,16 @@ class LearnedInversion(GradientAttack):
         """The inverter for ``view``'s model and batch size: cached, or trained now."""
         return self.cache.get(self.key(view), lambda: self.train(view))
 
-    def reconstruct(self, view: ServerView) -> Reconstruction:
-        view, _ = self._prepare(view)
+    def _inverter_on(self, view: ServerView) -> TrainedInverter:
+        """:meth:`inverter`, its network and sketch moved to the view's device."""
         inverter = self.inverter(view)
         inverter.network.to(view.device)
         inverter.sketch.to(view.device)
+        return inverter
+
+    def reconstruct(self, view: ServerView) -> Reconstruction:
+        view, _ = self._prepare(view)
+        inverter = self._inverter_on(view)
         stacked = {n: g.unsqueeze(0) for n, g in view.gradients.items()}
         pixels = inverter.pixels(stacked)[0]
         images = _normalize(pixels, view)
@@ -473,9 +478,7 @@ class LearnedInversion(GradientAttack):
 
     def _prior_only_guesses(self, view: ServerView, count: int) -> Tensor:
         view, _ = self._prepare(view)
-        inverter = self.inverter(view)
-        inverter.network.to(view.device)
-        inverter.sketch.to(view.device)
+        inverter = self._inverter_on(view)
         model, images, labels, batches = self._decoy_batches(view, count)
         features = self._simulate(model, images, labels, batches, stream=3, sketch=inverter.sketch)
         with torch.no_grad():

@@ -143,8 +143,9 @@ class LeakRule:
         met = []
         for metric, line in self.thresholds.items():
             value = values.get(metric)
-            leaking = value is not None and not math.isnan(value) and leaks_on(metric, value, line)
-            if leaking and beats_control(metric, value):  # type: ignore[arg-type]
+            if value is None or math.isnan(value) or not leaks_on(metric, value, line):
+                continue
+            if beats_control(metric, value):
                 met.append(f"{metric} {'<' if HIGHER_IS_PRIVATE[metric] else '>'} {line:g}")
         ratio = values.get("noise_ratio")
         if self.noise_ratio_line is not None and floor is not None and ratio is not None and not math.isnan(ratio):

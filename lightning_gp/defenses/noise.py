@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from lightning_gp.defenses.base import Defense, DefenseCall, Gradients
+from lightning_gp.defenses.clipping import update_norm
 from lightning_gp.validation import check_nonnegative, check_positive
 
 
@@ -123,7 +124,7 @@ class LocalGaussianMechanism(Defense):
         # fused over the layers (one kernel list per step, one draw for the whole update): on a small
         # model the per-layer Python calls cost more than the arithmetic
         names, values = list(gradients), list(gradients.values())
-        norm = float(torch.stack(torch._foreach_norm(values)).double().norm())
+        norm = update_norm(gradients)
         factor = min(1.0, self.max_update_norm / norm) if norm > 0 else 1.0
         first = values[0]
         noise = torch.randn(
