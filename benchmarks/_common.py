@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import csv
 import statistics
 import time
@@ -58,3 +59,12 @@ def write_results(name: str, rows: Sequence[dict[str, Any]], preamble: str, outp
     (output_dir / f"{name}.md").write_text(f"# {name}\n\n{preamble}\n\n{table}\n")
     print(table)
     return output_dir / f"{name}.md"
+
+
+def parse_call(spec: str, option: str, hint: str) -> tuple[str, dict[str, Any]]:
+    """``"Name(keyword=literal, ...)"`` -> ``("Name", {keyword: value})``; anything else is refused
+    naming ``option`` and what to write (``hint``)."""
+    call = ast.parse(spec, mode="eval").body
+    if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name) or call.args:
+        raise ValueError(f"{option} {spec!r}: write {hint}")
+    return call.func.id, {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg is not None}

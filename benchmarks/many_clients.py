@@ -22,7 +22,6 @@ Writes benchmarks/results/<name>.{csv,md,png} (``--name``, default ``many_client
 from __future__ import annotations
 
 import argparse
-import ast
 import inspect
 import time
 from collections.abc import Callable
@@ -30,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import RESULTS_DIR, fashion_mnist_datasets, write_results
+from _common import RESULTS_DIR, fashion_mnist_datasets, parse_call, write_results
 
 from lightning_gp import defenses as pure_defenses
 from lightning_gp.audit import DefenseSetting, defense_catalog
@@ -54,13 +53,10 @@ def parse_defense(spec: str, seed: int, channels: int) -> tuple[str, Callable[[]
                 "clients (a wrapped model, DP-SGD's own runner or a composition); name a pure defense instead"
             )
         return setting.name, lambda: defense_catalog([spec])[0].build(seed, channels).callbacks[0].defense, setting
-    call = ast.parse(spec, mode="eval").body
-    if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name) or call.args:
-        raise ValueError(f"--defenses {spec!r}: write Name(keyword=literal, ...) or a catalogue name")
-    cls = getattr(pure_defenses, call.func.id, None)
+    name, kwargs = parse_call(spec, "--defenses", "Name(keyword=literal, ...) or a catalogue name")
+    cls = getattr(pure_defenses, name, None)
     if not (inspect.isclass(cls) and issubclass(cls, Defense)):
-        raise ValueError(f"--defenses {spec!r}: {call.func.id} is not a defense of lightning_gp.defenses")
-    kwargs: dict[str, Any] = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg is not None}
+        raise ValueError(f"--defenses {spec!r}: {name} is not a defense of lightning_gp.defenses")
     kwargs.setdefault("seed", seed)
     cls(**kwargs)  # the defense checks its own arguments now, before any training
     return spec, lambda: cls(**kwargs), DEFAULT_SERVER

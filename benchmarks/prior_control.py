@@ -19,14 +19,13 @@ else the built-in sample (``--sample`` forces it). Writes benchmarks/results/<na
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import inspect
 import time
 
 import lightning as L
 import torch
-from _common import write_results
+from _common import parse_call, write_results
 
 from lightning_gp import callbacks as callback_classes
 from lightning_gp.audit import AttackBudget, DefenseSetting, audit_setting, defense_catalog, published_attacks
@@ -47,13 +46,10 @@ def parse_setting(spec: str, seed: int) -> DefenseSetting:
         return DefenseSetting("undefended")
     if "(" not in spec:
         return defense_catalog([spec])[0].build(seed, 1)
-    call = ast.parse(spec, mode="eval").body
-    if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name) or call.args:
-        raise ValueError(f"--settings {spec!r}: write Callback(keyword=literal, ...), a catalogue name or undefended")
-    cls = getattr(callback_classes, call.func.id, None)
+    name, kwargs = parse_call(spec, "--settings", "Callback(keyword=literal, ...), a catalogue name or undefended")
+    cls = getattr(callback_classes, name, None)
     if cls is None:
-        raise ValueError(f"--settings {spec!r}: lightning_gp.callbacks has no {call.func.id}")
-    kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg is not None}
+        raise ValueError(f"--settings {spec!r}: lightning_gp.callbacks has no {name}")
     if "seed" in inspect.signature(cls).parameters:
         kwargs.setdefault("seed", seed)
     return DefenseSetting(spec, [cls(**kwargs)])
