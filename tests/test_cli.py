@@ -15,6 +15,7 @@ import torch
 from lightning_gp.cli import main as cli_main
 from lightning_gp.cli.attack import main as attack_main
 from lightning_gp.cli.demo import main as demo_main
+from lightning_gp.cli.demo import parse_args as parse_demo_args
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -146,10 +147,16 @@ def test_attack_command_reports_a_bad_config_by_name(tmp_path, cli):
 
 
 def test_demo_reports_cost_and_worst_case_verdicts_with_the_adaptive_attacks(tmp_path, cli):
+    # two of the default defenses and four images: the whole pipeline at a fraction of the default run's cost
     cli(
         demo_main,
         [
             "--rounds",
+            "4",
+            "--defenses",
+            "undefended",
+            "TopKPruning",
+            "--images",
             "4",
             "--ig-iterations",
             "5",
@@ -162,10 +169,10 @@ def test_demo_reports_cost_and_worst_case_verdicts_with_the_adaptive_attacks(tmp
     )
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     training = report["training"]
-    assert [r["setting"] for r in training] == ["undefended", "TopKPruning(rate=0.8)", "DualGradientPruning(default)"]
-    undefended, topk, dgp = training
+    assert [r["setting"] for r in training] == ["undefended", "TopKPruning(rate=0.8)"]
+    undefended, topk = training
     assert undefended["upload_ratio"] == pytest.approx(1.0)
-    assert topk["upload_ratio"] < 0.35 and dgp["upload_ratio"] < 0.35
+    assert topk["upload_ratio"] < 0.35
     assert all(0.0 <= r["test_acc"] <= 1.0 for r in training)
     audits = {a["defense"]: a for a in report["audit"]}
     assert list(audits) == [r["setting"] for r in training]
@@ -179,12 +186,23 @@ def test_demo_reports_cost_and_worst_case_verdicts_with_the_adaptive_attacks(tmp
     for threat in ("passive", "active"):  # Robbing the Fed rebuilds every image for the malicious server
         worst = audits["undefended"][threat]
         assert worst["threat_model"] == threat and worst["verdict"] == "leaks" and worst["leak_fraction"] == 1.0
+        assert worst["batch_size"] == 4
     assert {(c["attack"], c["threat"]) for c in audits["undefended"]["cells"]} >= {("RtF", "active"), ("IG", "passive")}
     text = (tmp_path / "out" / "report.md").read_text()
     assert "**worst case, passive**" in text and "**worst case, active**" in text
     assert "## Verdicts" in text and "Trivial baseline" in text and "Against a malicious server" in text
+    assert "4 clients, one image each" in text
     assert (tmp_path / "out" / "audit_TopKPruning_rate_0_8.png").exists()
     assert (tmp_path / "out" / "taps" / "TopKPruning_rate_0_8" / "round0_client0.pt").exists()
+
+
+def test_the_demo_defaults_to_undefended_top_k_and_dgp_on_eight_images_and_checks_its_arguments():
+    args = parse_demo_args([])
+    assert args.defenses == ["undefended", "TopKPruning", "DualGradientPruning"] and args.images == 8
+    assert parse_demo_args(["--defenses", "TopKPruning"]).defenses == ["undefended", "TopKPruning"]
+    for bad in (["--images", "0"], ["--images", "3001"], ["--rounds", "0"]):
+        with pytest.raises(SystemExit):
+            parse_demo_args(bad)
 
 
 def test_demo_refuses_an_unknown_defense(tmp_path):

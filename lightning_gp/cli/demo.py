@@ -5,7 +5,7 @@ On the built-in Fashion-MNIST sample, for undefended FedSGD, Top-k 20% and dual 
 
 1. Cost: trains LeNetZhu with 10 clients x 8 images per round and measures test accuracy and the
    bytes each client uploads.
-2. Privacy: eight clients, one image each, FedSGD round 0. The server attacks exactly what each
+2. Privacy: eight clients (``--images``), one image each, FedSGD round 0. The server attacks exactly what each
    client shared with the published iDLG and Inverting Gradients AND with the defense's adaptive
    attack (the attacker who knows the defense: matching only the entries a pruned client sent);
    a malicious server also sends a modified model (Robbing the Fed). Each defense is judged by the
@@ -27,8 +27,9 @@ import json
 import math
 import re
 import time
+from collections.abc import Sized
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import lightning as L
 import torch
@@ -52,9 +53,9 @@ from lightning_gp.metrics.lpips import LPIPS
 from lightning_gp.models import LeNetZhu
 
 DEFAULT_DEFENSES = ("undefended", "TopKPruning", "DualGradientPruning")
-#: The attacked images: the first eight training images of the built-in sample, one per client
-#: (fewer hide leaks: a defense that looked private on four images leaked one on another draw).
-ATTACKED = [[i] for i in range(8)]
+#: Attacked images by default: the first eight training images of the built-in sample, one per
+#: client (fewer hide leaks: a defense that looked private on four images leaked one on another draw).
+DEFAULT_IMAGES = 8
 
 
 def slug(name: str) -> str:
@@ -77,7 +78,12 @@ def train(name: str, rounds: int, output_dir: Path, seed: int) -> TrainingResult
     return result
 
 
-def audit(name: str, budget: AttackBudget, lpips_fn: Any, output_dir: Path, seed: int) -> SettingAudit:
+def attacked(images: int) -> list[list[int]]:
+    """The attacked clients' batches: the first ``images`` training images of the sample, one per client."""
+    return [[i] for i in range(images)]
+
+
+def audit(name: str, budget: AttackBudget, lpips_fn: Any, output_dir: Path, seed: int, images: int) -> SettingAudit:
     setting = defense_catalog([name])[0].build(seed, 1)
     print(
         f"\n== attacking {setting.name}: iDLG, Inverting Gradients, Robbing the Fed and its adaptive attack", flush=True
@@ -87,7 +93,7 @@ def audit(name: str, budget: AttackBudget, lpips_fn: Any, output_dir: Path, seed
         setting,
         LeNetZhu(),
         FashionMNISTSampleDataModule(),
-        indices=ATTACKED,
+        indices=attacked(images),
         published=published_attacks(budget, ["iDLG", "IG", "RtF"]),
         budget=budget,
         seed=seed,
@@ -144,9 +150,9 @@ def _threat_sentence(result: SettingAudit, threat: str) -> str:
 
 
 def write_report(
-    training: list[TrainingResult], audits: list[SettingAudit], budget: AttackBudget, output_dir: Path
+    training: list[TrainingResult], audits: list[SettingAudit], budget: AttackBudget, output_dir: Path, images: int
 ) -> Path:
-    lines = _training_section(training) + _attack_section_intro(budget)
+    lines = _training_section(training) + _attack_section_intro(budget, images)
     for result in audits:
         lines += _audit_rows(result)
     lines += _blank_baseline_note(audits)
@@ -187,7 +193,7 @@ def _training_section(training: list[TrainingResult]) -> list[str]:
     return lines
 
 
-def _attack_section_intro(budget: AttackBudget) -> list[str]:
+def _attack_section_intro(budget: AttackBudget, images: int) -> list[str]:
     """The attack section's heading, what the audit does and how it judges, and its table's header."""
     return [
         "",
@@ -199,7 +205,7 @@ def _attack_section_intro(budget: AttackBudget) -> list[str]:
         "## What an attacker recovers from one shared gradient",
         "",
         (
-            f"{len(ATTACKED)} clients, one image each, FedSGD round 0 (LeNetZhu at initialisation). The server attacks "
+            f"{images} clients, one image each, FedSGD round 0 (LeNetZhu at initialisation). The server attacks "
             f"exactly the gradient each client shared: iDLG ({budget.lbfgs_iterations} L-BFGS steps), Inverting "
             f"Gradients ({budget.ig_iterations} steps) and each defense's adaptive attack (defense-aware Inverting "
             "Gradients and defense-aware iDLG with 4 restarts: for pruning, they match only the entries the client "
@@ -272,7 +278,8 @@ def _report_payload(training: list[TrainingResult], audits: list[SettingAudit], 
     }
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The demo's arguments, checked (a bad one exits with the parser's usage and the reason)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", default="demo_output", type=Path)
     parser.add_argument("--rounds", default=600, type=int, help="FedSGD rounds per training run (default 600)")
@@ -285,25 +292,41 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", default=0, type=int)
     parser.add_argument("--ig-iterations", default=1000, type=int, help="Inverting Gradients budget (default 1000)")
     parser.add_argument("--idlg-iterations", default=100, type=int, help="iDLG L-BFGS steps (default 100)")
+    parser.add_argument(
+        "--images",
+        default=DEFAULT_IMAGES,
+        type=int,
+        help=f"attacked clients, one image each (default {DEFAULT_IMAGES}; fewer hide leaks)",
+    )
     parser.add_argument("--no-lpips", action="store_true", help="skip LPIPS")
     args = parser.parse_args(argv)
-    for flag in ("rounds", "ig_iterations", "idlg_iterations"):
+    for flag in ("rounds", "ig_iterations", "idlg_iterations", "images"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
     try:
         defense_catalog(args.defenses)
     except ValueError as err:
         parser.error(str(err))
+    sample = FashionMNISTSampleDataModule()
+    sample.setup("fit")
+    available = len(cast(Sized, sample.train_dataset))
+    if args.images > available:
+        parser.error(f"--images must be at most the sample's {available} training images")
     if args.defenses[0] != "undefended":
         args.defenses = ["undefended", *[d for d in args.defenses if d != "undefended"]]
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with library_noise_silenced():  # the suite's entry point: known library noise goes, the rest shows
         training = [train(name, args.rounds, args.output_dir, args.seed) for name in args.defenses]
         budget = AttackBudget(ig_iterations=args.ig_iterations, lbfgs_iterations=args.idlg_iterations)
         lpips_fn = None if args.no_lpips else LPIPS()
-        audits = [audit(name, budget, lpips_fn, args.output_dir, args.seed) for name in args.defenses]
-    report = write_report(training, audits, budget, args.output_dir)
+        audits = [audit(name, budget, lpips_fn, args.output_dir, args.seed, args.images) for name in args.defenses]
+    report = write_report(training, audits, budget, args.output_dir, args.images)
     print("\n" + report.read_text())
     print(f"report written to {report} and {report.with_suffix('.json')} in {time.perf_counter() - start:.0f} s")
 
