@@ -145,3 +145,32 @@ def test_a_client_whose_images_leaked_is_attacked_no_further() -> None:
         a, b = getattr(full, threat), getattr(stopped, threat)
         assert (a.verdict, a.leak_fraction) == (b.verdict, b.leak_fraction)
         assert [r.leaks for r in a.rows] == [r.leaks for r in b.rows]
+
+
+def test_the_attacker_who_knows_the_defense_goes_first_and_spares_the_published_attacks() -> None:
+    """Top-k 20%: the support-matching L-BFGS recovers both one-image clients (it matches only the
+    entries the client sent, so the client's image is at objective zero). With ``stop_when_all_leak``
+    the adaptive attacks run before the published ones, which are then skipped; without it the
+    published ones run first (``test_an_audit_stops_once_every_image_leaks_with_the_full_audits_verdicts``
+    shows the verdicts of a stopped audit are the full one's)."""
+    from lightning_gp.callbacks import TopKPruning
+
+    data = FashionMNISTSampleDataModule(batch_size=500)
+    L.seed_everything(0, verbose=False)
+    budget = AttackBudget(ig_iterations=2, lbfgs_iterations=20, rtf_bins=4, stop_when_all_leak=True)
+    stopped = audit_setting(
+        DefenseSetting("top-k", [TopKPruning(rate=0.8)]),
+        LeNetZhu(),
+        data,
+        indices=[[0], [1]],
+        published=published_attacks(budget, ["iDLG", "IG"]),
+        budget=budget,
+        num_clients=2,
+        seed=0,
+        log=silent,
+    )
+    assert [c.attack for c in stopped.cells] == ["adaptive:DefenseAwareInversion", "adaptive:DefenseAwareIDLG"]
+    assert stopped.cells[-1].leak_fraction == 1.0 and stopped.skipped == ["iDLG", "IG"]
+    for threat in ("passive", "active"):
+        report = getattr(stopped, threat)
+        assert (report.verdict, report.leak_fraction) == ("leaks", 1.0)

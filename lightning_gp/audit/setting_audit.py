@@ -98,9 +98,11 @@ class AttackBudget:
             passive attack already run, and run no further attack once that holds for every client:
             no attack can change either verdict or either leak fraction then (a leaked image stays
             leaked; the active worst case contains the passive one), only raise the worst-case mean
-            PSNR, which is then a lower bound. :attr:`SettingAudit.skipped` lists the attacks not
-            run, :attr:`SettingAudit.partial` those run on fewer clients. Off by default; the
-            frontier turns it on.
+            PSNR, which is then a lower bound. The setting's adaptive attacks then run before the
+            published ones (on a pruned gradient the published iDLG never converges and runs its
+            whole budget, after the attack that knows the pruning has leaked every image).
+            :attr:`SettingAudit.skipped` lists the attacks not run, :attr:`SettingAudit.partial`
+            those run on fewer clients. Off by default; the frontier turns it on.
     """
 
     ig_iterations: int = 1000
@@ -488,12 +490,17 @@ def audit_setting(
     rule = rule if rule is not None else LeakRule()
     campaign = _open_campaign(setting, model, datamodule, indices, num_clients, seed, round, lpips_fn, rule, log)
     campaign.stop_when_all_leak = budget.stop_when_all_leak
+    per_client: list[list[GradientAttack]] = []
+    run_adaptive = adaptive and not setting.undefended
+    if run_adaptive and budget.stop_when_all_leak:
+        # The attacker who knows the defense first: once it leaks every image the published attacks
+        # are spared. The order changes no verdict and no leak fraction (a leaked image stays leaked).
+        per_client = _run_adaptive(campaign, budget)
     for spec in published:
         campaign.run(spec.name, spec.kind, [spec.build(seed + c, campaign.passive_model) for c in range(len(indices))])
-    per_client: list[list[GradientAttack]] = []
-    if adaptive and not setting.undefended:
+    if run_adaptive and not budget.stop_when_all_leak:
         per_client = _run_adaptive(campaign, budget)
-    elif not setting.undefended:
+    elif not adaptive and not setting.undefended:
         campaign.gaps.append("the adaptive attacks were not run (adaptive=False)")
     if adaptive and budget.learned_inversion and min(map(len, indices)) >= budget.learned_min_batch:
         _run_learned(campaign, budget, per_client[0] if per_client else [])
