@@ -24,7 +24,7 @@ from lightning_gp.attacks.adaptive import (
     update_clip,
 )
 from lightning_gp.attacks.ats_aware import ATSAwareInversion, ATSAwareRobbing
-from lightning_gp.attacks.base import AttackNotApplicable, GradientAttack, Reconstruction
+from lightning_gp.attacks.base import ATTACK_REVISION, AttackNotApplicable, GradientAttack, Reconstruction
 from lightning_gp.attacks.gradient_matching import (
     cosine_distance,
     gaussian_nll,
@@ -71,6 +71,7 @@ from lightning_gp.attacks.sgi import SGI, received_weights, recover_mask
 from lightning_gp.attacks.view import ServerView
 
 __all__ = [
+    "ATTACK_REVISION",
     "DLG",
     "IDLG",
     "RGAP",

@@ -451,8 +451,9 @@ class DefenseAwareIDLG(_KnowsTheDefense, IDLG):
         """The published iDLG of this attack's budget: what runs when the knowledge does not cover the client."""
         return IDLG(
             iterations=self.iterations, restarts=self.restarts, lr=self.lr, max_iter=self.max_iter,
-            line_search=self.line_search, tolerance=self.tolerance,
-            seed=self.seed, device=self.device, progress_every=self.progress_every,
+            line_search=self.line_search, tolerance=self.tolerance, plateau_steps=self.plateau_steps,
+            plateau_rtol=self.plateau_rtol, observer=self.observer, seed=self.seed, device=self.device,
+            progress_every=self.progress_every,
         )  # fmt: skip
 
     def reconstruct(self, view: ServerView) -> Reconstruction:

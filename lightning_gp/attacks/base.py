@@ -12,6 +12,11 @@ from torch import Tensor
 
 from lightning_gp.attacks.view import ServerView
 
+#: Raised whenever a change of an attack can change what it recovers at a given budget (stored
+#: results, e.g. a frontier's, are keyed by it). 2: L-BFGS gradient matching stops on a plateau of
+#: its objective (:class:`~lightning_gp.attacks.DLG`'s ``plateau_steps`` and ``plateau_rtol``).
+ATTACK_REVISION = 2
+
 
 class AttackNotApplicable(ValueError):
     """The attack's preconditions do not hold for this view: the model, the loss, the batch or what

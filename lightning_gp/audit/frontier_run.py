@@ -30,6 +30,7 @@ from typing import Any, Literal
 import lightning as L
 import torch
 
+from lightning_gp.attacks import ATTACK_REVISION
 from lightning_gp.audit.catalog import DefenseSetting
 from lightning_gp.audit.frontier_grid import FrontierConfig, PointSpec, build_spec, grid_points
 from lightning_gp.audit.quiet import library_noise_silenced
@@ -113,6 +114,7 @@ def fingerprint(config: FrontierConfig) -> str:
         "lpips": config.lpips,
         "seed": config.seed,
         "leak_rule_revision": LEAK_RULE_REVISION,
+        "attack_revision": ATTACK_REVISION,
     }
     return hashlib.sha256(json.dumps(shared, sort_keys=True, default=repr).encode()).hexdigest()[:16]
 
