@@ -148,7 +148,7 @@ def test_a_client_whose_images_leaked_is_attacked_no_further() -> None:
 
 
 def test_the_attacker_who_knows_the_defense_goes_first_and_spares_the_published_attacks() -> None:
-    """Top-k 20%: the support-matching L-BFGS recovers both one-image clients (it matches only the
+    """Top-k 20%: the support-matching L-BFGS recovers a one-image client (it matches only the
     entries the client sent, so the client's image is at objective zero). With ``stop_when_all_leak``
     the adaptive attacks run before the published ones, which are then skipped; without it the
     published ones run first (``test_an_audit_stops_once_every_image_leaks_with_the_full_audits_verdicts``
@@ -162,7 +162,7 @@ def test_the_attacker_who_knows_the_defense_goes_first_and_spares_the_published_
         DefenseSetting("top-k", [TopKPruning(rate=0.8)]),
         LeNetZhu(),
         data,
-        indices=[[0], [1]],
+        indices=[[0]],
         published=published_attacks(budget, ["iDLG", "IG"]),
         budget=budget,
         num_clients=2,
