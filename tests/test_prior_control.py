@@ -148,3 +148,37 @@ def test_an_inverter_fed_no_information_is_not_credited_with_leaks(data, one_thr
         credited += sum(with_control)
         uncontrolled += sum(without)
     assert credited == 0, (credited, uncontrolled)
+
+
+def test_a_control_that_fails_leaves_the_audit_inconclusive_and_credits_without_it():
+    """An attack with a data prior whose control raises: the audit does not stop, the cell reports the
+    error, nothing is judged private, and the client's reconstruction is judged by the rule without
+    the control (the direction that never favours the defense)."""
+    import lightning as L
+
+    from lightning_gp.attacks import IDLG
+    from lightning_gp.audit import AttackBudget, AttackSpec, audit_setting
+    from lightning_gp.data import FashionMNISTSampleDataModule
+
+    class PriorWhoseControlFails(IDLG):
+        def prior_only_guesses(self, view: ServerView, count: int) -> torch.Tensor:
+            raise RuntimeError("no public batches left")
+
+    L.seed_everything(0, verbose=False)
+    audit = audit_setting(
+        DefenseSetting("undefended", []),
+        LeNetZhu(),
+        FashionMNISTSampleDataModule(batch_size=500),
+        indices=[[0]],
+        published=[
+            AttackSpec("iDLG", "published", lambda seed, model: PriorWhoseControlFails(iterations=40, seed=seed))
+        ],
+        budget=AttackBudget(ig_iterations=2, lbfgs_iterations=40),
+        num_clients=2,
+        log=lambda line: None,
+    )
+    cell = audit.cells[0]
+    assert cell.status == "error" and "the prior-only control failed: RuntimeError: no public batches left" in cell.note
+    assert audit.results["iDLG"][0].report.prior_only is None
+    assert cell.leak_fraction == 1.0  # iDLG recovers an undefended image; uncontrolled, it is credited
+    assert audit.passive is not None and audit.passive.verdict != "private"

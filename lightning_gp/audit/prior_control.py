@@ -109,23 +109,31 @@ def _column(report: ReconstructionReport, metric: str) -> Tensor:
 
 def with_prior_only_control(
     attacks: Sequence[object], results: Sequence[AttackResult], count: int = PRIOR_ONLY_BATCHES
-) -> list[AttackResult]:
+) -> tuple[list[AttackResult], list[str]]:
     """``results`` (one per client, ``attacks`` their attacks) with each report's prior-only control
     filled in when the attack has a data prior (:class:`HasDataPrior`); unchanged otherwise. A
-    client the attack did not reconstruct gets an empty control (its NaN scores leak nothing)."""
+    client the attack did not reconstruct gets an empty control (its NaN scores leak nothing).
+
+    Also returns the errors: a client whose control raised keeps no control (``prior_only=None``: the
+    rule credits its reconstruction as if the attack had no prior, the direction that never favours
+    the defense), and the error, which makes the cell's status "error" and the verdict inconclusive."""
     if not attacks or not isinstance(attacks[0], HasDataPrior):
-        return list(results)
-    out = []
-    for attack, result in zip(attacks, results):
+        return list(results), []
+    out, errors = [], []
+    for position, (attack, result) in enumerate(zip(attacks, results)):
         record, report = result.record, result.report
         if not any(row.reconstructed for row in report.rows) or record.inputs is None:
-            control: list[dict[str, float]] = [{} for _ in report.rows]
+            control: list[dict[str, float]] | None = [{} for _ in report.rows]
         else:
             assert isinstance(attack, HasDataPrior)
-            guesses = attack.prior_only_guesses(result.view, count)
-            control = prior_only_control(report, guesses, record.inputs, result.view, record.targets)
+            try:
+                guesses = attack.prior_only_guesses(result.view, count)
+                control = prior_only_control(report, guesses, record.inputs, result.view, record.targets)
+            except Exception as err:  # any failure: no control for this client, and the cell says why
+                errors.append(f"client {position}: the prior-only control failed: {type(err).__name__}: {err}")
+                control = None
         out.append(dataclasses.replace(result, report=dataclasses.replace(report, prior_only=control)))
-    return out
+    return out, errors
 
 
 __all__ = ["CONTROLLED_METRICS", "PRIOR_ONLY_BATCHES", "HasDataPrior", "prior_only_control", "with_prior_only_control"]

@@ -313,7 +313,8 @@ def _run_attack(
         r if isinstance(r, AttackResult) else _failed_result(r, model, attack_name, datamodule, lpips_fn)
         for r in outcomes
     ]
-    results = with_prior_only_control(attacks, results)
+    results, control_errors = with_prior_only_control(attacks, results)
+    errors += control_errors
     fallbacks = sorted(
         {
             str(r.reconstruction.meta.get("fallback_reason", ""))
