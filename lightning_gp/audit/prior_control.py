@@ -116,7 +116,7 @@ def with_prior_only_control(
 
     Also returns the errors: a client whose control raised keeps no control (``prior_only=None``: the
     rule credits its reconstruction as if the attack had no prior, the direction that never favours
-    the defense), and the error, which makes the cell's status "error" and the verdict inconclusive."""
+    the defense), and the error, which makes the cell's status "error", so no verdict reads "private"."""
     if not attacks or not isinstance(attacks[0], HasDataPrior):
         return list(results), []
     out, errors = [], []
