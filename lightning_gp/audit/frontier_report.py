@@ -227,9 +227,10 @@ def setting_candidates(points: Sequence[FrontierPoint], batch_size: int, threat:
 
 def recommend(points: Sequence[FrontierPoint]) -> list[Recommendation]:
     """Per batch size and threat model, :func:`~lightning_gp.audit.choose` over the settings judged
-    over every stage together; with more than one stage, also at each stage alone (the active attacks
-    run at round 0 only, so the all-stage active pick is never private; its round-0 pick still says
-    which setting holds against the malicious server where that server was audited)."""
+    over every stage together; with more than one stage, also at each stage alone (at a trained round
+    the active attacks run only on settings without state across rounds, so the all-stage active
+    pick of a stateful setting is never private; its round-0 pick still says which setting holds
+    against the malicious server where that server was audited)."""
     sizes = sorted({p.batch_size for p in points})
     stages = sorted({p.stage for p in points})
     out = []

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Subset
 from lightning_gp.attacks import GradientAttack
 from lightning_gp.audit.catalog import DefenseSetting
 from lightning_gp.audit.quiet import internal_trainer, quiet_lightning
-from lightning_gp.callbacks import GradientTap
+from lightning_gp.callbacks import GradientDefense, GradientTap
 from lightning_gp.defenses.base import Gradients
 from lightning_gp.federated import FederatedSimulation, weighted_mean
 from lightning_gp.records import TappedGradient
@@ -316,6 +316,34 @@ def tap_defended_round(
     if setting.wrap is not None:
         records = [_strip_wrapper(r, "module.") for r in records]
     return records, model, secrets
+
+
+def active_replay_blocker(setting: DefenseSetting, record: TappedGradient) -> str | None:
+    """Why a malicious server that turns active at a trained round ``r`` cannot be replayed as round 0
+    of a simulation that starts at the round-``r`` weights (``record.model_state``); ``None`` when it can.
+
+    The server builds its modified model (Robbing the Fed's imprint block) on the weights it holds at
+    round ``r`` and sends it instead; each client then defends the new model's gradient. That round
+    equals round 0 from those weights when no client defense carries anything from one round to the
+    next: no per-client state (error feedback, Outpost's step counter), no adapter state (a cached
+    sensitivity, GradDefense's root statistics) and no coordination of a round's clients (ADGP's
+    mask), and the setting neither wraps nor changes the model (Refiner, PriPrune, PRECODE). The
+    defenses' random streams start afresh, which changes the draw and not its law."""
+    if setting.runner == "trainer":
+        return f"{setting.name} runs on the plain Trainer, whose audit taps round 0 only"
+    if setting.wrap is not None or setting.architecture is not None:
+        return f"{setting.name} wraps or changes the model the clients train"
+    for callback in setting.callbacks:
+        name = type(callback).__name__
+        if not isinstance(callback, GradientDefense):
+            return f"{name} does not declare what it keeps across rounds"
+        if callback.prepares_rounds:
+            return f"{name} coordinates the clients of each round"
+        if type(callback).adapter_state is not GradientDefense.adapter_state:
+            return f"{name} keeps state across rounds"
+        if callback.defense.init_client_state(dict(record.gradients)):
+            return f"{name} keeps per-client state across rounds"
+    return None
 
 
 def aggregate_record(

@@ -30,6 +30,7 @@ attack failed on score "not reconstructed" and the others keep their scores. A v
 
 from __future__ import annotations
 
+import copy
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -54,7 +55,7 @@ from lightning_gp.audit.catalog import DefenseSetting
 from lightning_gp.audit.engine import AttackResult, attack_record, attacker_loss
 from lightning_gp.audit.learned import REFINE_ITERATIONS, learned_inversion_attacks, simulation_refusal
 from lightning_gp.audit.prior_control import with_prior_only_control
-from lightning_gp.audit.rounds import aggregate_record, public_batch, tap_defended_round
+from lightning_gp.audit.rounds import active_replay_blocker, aggregate_record, public_batch, tap_defended_round
 from lightning_gp.audit.verdict import BaselineScores, LeakRule, WorstCaseReport, trivial_baselines, worst_case_report
 from lightning_gp.federated import ClientLevelDP
 from lightning_gp.metrics import ReconstructionReport, concatenate_reports, reconstruction_report
@@ -486,8 +487,11 @@ def audit_setting(
 
     ``round = r > 0`` attacks round ``r`` after ``r`` rounds of training under the setting, with
     the defenses' state as it is then (:func:`~lightning_gp.audit.rounds.tap_defended_round`);
-    audit ``rounds=[0, r]`` with one call per round. The active attacks (a modified model) are not
-    run at a trained round, so the active verdict there names that gap and is never "private"."""
+    audit ``rounds=[0, r]`` with one call per round. At a trained round an active attack is the
+    server turning malicious then: it sends its modified model built on the round's weights (round 0
+    of a simulation from those weights), where no client defense carries state across rounds
+    (:func:`~lightning_gp.audit.rounds.active_replay_blocker`); otherwise it is not run and the
+    active verdict names that gap and is never "private"."""
     rule = rule if rule is not None else LeakRule()
     campaign = _open_campaign(setting, model, datamodule, indices, num_clients, seed, round, lpips_fn, rule, log)
     campaign.stop_when_all_leak = budget.stop_when_all_leak
@@ -620,13 +624,23 @@ class _Campaign:
             start += len(images)
         return frozenset(out)
 
+    def _weights_at_round(self) -> nn.Module:
+        """The server's model at the audited round: at initialisation for round 0, else with the
+        round's trained weights (what every passive record of the round carries)."""
+        if not self.round:
+            return self.model
+        trained = copy.deepcopy(self.model)
+        trained.load_state_dict(self.passive_records[0].model_state)
+        return trained
+
     def threat_gaps(self, threat: ThreatModel) -> list[str]:
         """What the verdict of ``threat`` must name as not covered."""
         return self.gaps + (self.active_gaps if threat == "active" else [])
 
     def run(self, name: str, kind: AttackKind, attacks: list[GradientAttack]) -> None:
         """Run one attack (one object per client) on every client and keep its cell and results; an
-        active attack on the round its own model is sent in (round 0 only)."""
+        active attack on the round its own model is sent in (at a trained round: built on the round's
+        weights, where :func:`~lightning_gp.audit.rounds.active_replay_blocker` allows it)."""
         setting, round = self.setting, self.round
         leaked = self.leaked_clients() if self.stop_when_all_leak else frozenset()
         if len(leaked) == len(self.indices):
@@ -637,16 +651,15 @@ class _Campaign:
         if leaked:
             self.partial[name] = len(leaked)
         threat = _threat(attacks[0])
-        if threat == "active" and round > 0:
-            self.log(
-                f"   {name} on {setting.name}: not run at round {round} (an active server's model is sent from round 0)"
-            )
-            self.active_gaps.append(f"the active attack {name} was not run at round {round}")
+        blocker = active_replay_blocker(setting, self.passive_records[0]) if threat == "active" and round else None
+        if blocker is not None:
+            self.log(f"   {name} on {setting.name}: not run at round {round} ({blocker})")
+            self.active_gaps.append(f"the active attack {name} was not run at round {round}: {blocker}")
             return
-        if threat == "active":  # the server sends its own model this round
+        if threat == "active":  # the server sends its own model this round, built on the weights it holds
             records, active_model, secrets = tap_defended_round(
                 setting,
-                self.model,
+                self._weights_at_round(),
                 self.datamodule,
                 indices=self.indices,
                 num_clients=self.num_clients,
