@@ -278,7 +278,9 @@ def tap_defended_round(
     callbacks, so the tapped round sees the weights and the defenses' state (error-feedback
     residuals, Outpost's step counters, ...) as they are at round ``r``; the records carry round
     ``r``'s weights. Tapping a trained round needs the simulation runner and a passive server (an
-    active server would have sent its modified model in every earlier round).
+    active ``attack`` here would send its model from round 0 on); a server that turns malicious at
+    round ``r`` is round 0 from the round-``r`` weights where :func:`active_replay_blocker` allows
+    it (what :func:`~lightning_gp.audit.audit_setting` does).
 
     Returns the records in the parameter names of the model the server sent (a wrapping module's
     prefix removed), that model (with the round's weights in each record) and the server's secrets.
@@ -291,8 +293,9 @@ def tap_defended_round(
         )
     if round > 0 and getattr(attack, "modify_model", None) is not None:
         raise ValueError(
-            f"round={round}: an active attack ({type(attack).__name__}) sends its model from round 0, so only round 0 "
-            "can be tapped with it"
+            f"round={round}: an active attack ({type(attack).__name__}) here would send its model from round 0 on; "
+            "to audit a server that turns malicious at a trained round, tap round 0 from that round's weights "
+            "(active_replay_blocker says where that is exact)"
         )
     datamodule.setup("fit")
     model, secrets = malicious_server_model(attack, setting.server_model(copy.deepcopy(model)), datamodule)
