@@ -50,6 +50,9 @@ from lightning_gp.models import LeNetZhu
 torch.manual_seed(0)
 print({BEGIN!r}, file=sys.stderr, flush=True)
 records, _, _ = tap_fedsgd_round(LeNetZhu(), FashionMNISTSampleDataModule(), clients=[0], num_clients=2)
+from lightning_gp.audit import defense_catalog, train_setting
+# DP-SGD trains on the plain-Trainer runner through Opacus: its internal Trainer and hooks stay quiet too
+train_setting(defense_catalog(["DPSGD"])[0].build(0, 1), LeNetZhu(), FashionMNISTSampleDataModule(batch_size=500), rounds=1)
 print({END!r}, file=sys.stderr, flush=True)
 after_audit = snapshot()
 L.Trainer(accelerator="cpu", logger=False)  # the user's own Trainer
@@ -73,7 +76,8 @@ def run():
 def test_the_audit_prints_no_device_banner_tips_or_deprecation_noise(run) -> None:
     report, during, _ = run
     assert report["records"] == 1
-    for noise in ("GPU available", "TPU available", "HPU available", "Tip:", "litlogger", "Deprecat", "deprecated"):
+    noises = ("GPU available", "TPU available", "HPU available", "Tip:", "litlogger", "Deprecat", "deprecated")
+    for noise in (*noises, "no `val_dataloader`", "Full backward hook is firing"):
         assert noise not in during, f"{noise!r} printed during the audit:\n{during}"
 
 

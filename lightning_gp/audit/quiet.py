@@ -19,8 +19,14 @@ from lightning.pytorch.callbacks import Callback
 #: Loggers of Lightning's rank-zero info lines: device banners, logger/model-registry tips,
 #: "`Trainer.fit` stopped". ``lightning_utilities``' own logger is added at run time.
 _RANK_ZERO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
-#: Advice about the internal Trainers' own set-up, which the user cannot act on.
-_IGNORED_MESSAGES = (r".*does not have many workers", r".*GPU available but not used")
+#: Advice about the internal Trainers' own set-up, and Opacus' note on the hooks its DP-SGD runs put
+#: on our models, which the user cannot act on.
+_IGNORED_MESSAGES = (
+    r".*does not have many workers",
+    r".*GPU available but not used",
+    r".*You defined a `validation_step` but have no `val_dataloader`",
+    r".*Full backward hook is firing when gradients are computed with respect to module outputs",
+)
 
 
 @contextmanager
@@ -28,8 +34,9 @@ def quiet_lightning() -> Iterator[None]:
     """Build and run this package's internal Trainers without Lightning's console chatter.
 
     Inside the block Lightning's rank-zero info lines (GPU/TPU/HPU availability, the litlogger /
-    litmodels tips, "`Trainer.fit` stopped") are dropped, and deprecation warnings and Lightning's
-    advice about dataloader workers are ignored; other warnings and errors still show. The logger
+    litmodels tips, "`Trainer.fit` stopped") are dropped, and deprecation warnings, Lightning's
+    advice about the internal Trainers' set-up (dataloader workers, the skipped validation loop)
+    and Opacus' note on its hooks are ignored; other warnings and errors still show. The logger
     levels and warning filters are restored on exit, so a Trainer the user builds afterwards
     prints as usual. Process-wide while it runs: not for use around concurrent user Trainers.
     """
@@ -54,12 +61,13 @@ def quiet_lightning() -> Iterator[None]:
 
 #: Known library noise a user cannot act on, dropped by the suite's own entry points
 #: (:func:`library_noise_silenced`): Lightning's tips about its paid add-ons, its tensorboardX notice,
-#: a pytree deprecation inside Lightning, and Opacus' notes about its own internals.
+#: a pytree deprecation inside Lightning, and Opacus' notes about its own internals (its hooks).
 _NOISE_MESSAGES = (
     r".*`tensorboardX` has been removed as a dependency",
     r".*`isinstance\(treespec, LeafSpec\)` is deprecated",
     r".*Secure RNG turned off",
     r".*Using a non-full backward hook",
+    r".*Full backward hook is firing when gradients are computed with respect to module outputs",
     r".*Optimal order is the (largest|smallest) alpha",
 )
 
