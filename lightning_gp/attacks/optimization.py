@@ -88,7 +88,9 @@ class DLG(GradientAttack):
     (Top-k 50%, batch 8) steps on average instead of 215 and 300, at the same PSNR; undefended
     clients of 8 images, whose images come out late (100 steps miss leaks that 300 find), improved
     their best objective by at least 2.7% over every 20 steps to step 300 and are never stopped; no
-    run of the measured cases lost an image over 20 dB to the rule.
+    run of the measured cases lost an image over 20 dB to the rule. Under heavy noise it can cost a
+    little: one image's best SSIM of 16 fell from 0.253 to 0.149 against ``LocalGaussianMechanism``
+    (z = 0.5, batch 8), every PSNR and verdict unchanged.
 
     Args:
         iterations: the cap on outer L-BFGS steps (the paper's 300), each with ``max_iter`` inner ones.
