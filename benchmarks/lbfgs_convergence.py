@@ -33,7 +33,7 @@ from _common import RESULTS_DIR, write_results
 from prior_control import parse_setting
 
 from lightning_gp.attacks import IDLG, DefenseAwareIDLG, ServerView
-from lightning_gp.attacks.optimization import Observer
+from lightning_gp.attacks.optimization import Observer, plateaued
 from lightning_gp.audit import DefenseSetting
 from lightning_gp.audit.frontier_run import attacked_images
 from lightning_gp.audit.quiet import library_noise_silenced
@@ -97,15 +97,16 @@ def replay(steps: list[dict], window: int, rtol: float) -> tuple[int, float | No
     """The step at which the plateau rule (``window``, ``rtol``) stops this trace (its last step if
     never) and, over the trace, the largest ratio of the best objective to the best ``window`` steps
     earlier (the rule stops where it exceeds ``1 - rtol``; ``None`` for a trace of ``window`` steps or fewer)."""
+    objectives = [row["objective"] for row in steps]
     best: list[float] = []
     closest: float | None = None
-    for row in steps:
-        best.append(min(row["objective"], best[-1]) if best else row["objective"])
+    for value in objectives:
+        best.append(min(value, best[-1]) if best else value)
     stop = len(steps)
     for i in range(window, len(steps)):
         ratio = best[i] / best[i - window] if best[i - window] > 0 else 1.0
         closest = ratio if closest is None else max(closest, ratio)
-        if ratio > 1.0 - rtol and stop == len(steps):
+        if stop == len(steps) and plateaued(objectives[: i + 1], window, rtol):  # the rule DLG runs
             stop = i + 1
     return stop, closest
 

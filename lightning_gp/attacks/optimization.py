@@ -59,6 +59,15 @@ def checked_observer(observer: Observer | None) -> Observer | None:
     return observer
 
 
+def plateaued(trace: Sequence[float], steps: int, rtol: float) -> bool:
+    """DLG's plateau rule: whether the best of ``trace`` (objective per outer step) fell by less than
+    a fraction ``rtol`` over its last ``steps`` entries (``steps=0``: never)."""
+    if not steps or len(trace) <= steps:
+        return False
+    before = min(trace[:-steps])
+    return before - min(trace) < rtol * abs(before)
+
+
 # ---------------------------------------------------------------------------------------- DLG
 @register_attack(
     "DLG",
@@ -204,12 +213,7 @@ class DLG(GradientAttack):
         return final, images.detach(), labels, trace
 
     def _plateaued(self, trace: list[float]) -> bool:
-        """Whether the best objective fell by less than ``plateau_rtol`` over the last ``plateau_steps`` steps."""
-        steps = self.plateau_steps
-        if not steps or len(trace) <= steps:
-            return False
-        before = min(trace[:-steps])
-        return before - min(trace) < self.plateau_rtol * abs(before)
+        return plateaued(trace, self.plateau_steps, self.plateau_rtol)
 
 
 @register_attack(
