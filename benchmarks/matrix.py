@@ -9,8 +9,9 @@ and active (a malicious server: every attack, Robbing the Fed and ATS-aware Robb
 at initialisation, FedSGD round 0, ``--images`` attacked training images (chosen by ``--seed``, never
 tuned) held ``--batch-size`` per client (default 1: one client per image), on the full Fashion-MNIST
 when installed, else the built-in sample. ``--audit-rounds 0 R`` also audits round ``R`` after ``R``
-rounds of training under each setting (its defenses' state carried; the active attacks are not run
-there), one table per round.
+rounds of training under each setting (its defenses' state carried; the malicious server's model
+is built on the round-R weights where no client state carries across rounds, else the active attacks
+are not run there and the active verdict names the gap), one table per round.
 
 A cell is the mean PSNR over the images with, in the Markdown, the fraction of images that attack
 leaks (the audit's leak rule, ``lightning_gp.audit.LeakRule``); ``n/a`` cells say why the attack does
@@ -27,19 +28,27 @@ bytes per setting). ``--output-dir`` to change where; a batch size above 1 adds 
 to the names, a trained round ``_round{R}``. ``--replot`` redraws the heatmap and the
 summary from the CSVs already written, without attacking or training again. ``--quick`` is a
 CI-sized smoke run (2 images, tiny budgets, 10 rounds); the full run attacks 8 images.
+
+An interrupted run resumes: each defense's row is kept as it finishes in
+``<output-dir>/.matrix[_batchB][_roundR][_quick]_rows.jsonl`` (a pickle per line, read back only by this
+script; ignored by git), keyed by a fingerprint of everything the row depends on (images, attacks,
+budgets, rounds, seed, the leak rule's and the attacks' revisions), and the same command skips the
+rows already there. ``--fresh`` recomputes every row.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import csv
 import math
 import multiprocessing
+import pickle
 import textwrap
 import time
 import warnings
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +68,7 @@ from lightning_gp.audit import (
     train_setting,
 )
 from lightning_gp.audit.figure import VERDICT_COLORS
+from lightning_gp.audit.frontier_run import ResultStore, run_fingerprint
 from lightning_gp.audit.summary import Candidate, choice_sentence, choose, combined_verdict, summary_markdown
 from lightning_gp.metrics.lpips import LPIPS
 from lightning_gp.models import LeNetZhu
@@ -611,6 +621,9 @@ def main() -> None:
     )
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument(
+        "--fresh", action="store_true", help="recompute every row (default: keep the rows an interrupted run finished)"
+    )
+    parser.add_argument(
         "--replot",
         action="store_true",
         help="redraw the heatmap and the summary from matrix[_batchB][_roundR][_quick].csv in --output-dir (no "
@@ -680,12 +693,30 @@ def run_matrix(
         f"{budget.lbfgs_iterations} iterations, {rounds} training rounds",
         flush=True,
     )
-    jobs = [(name, dataset_name, indices, published_names, budget, rounds, args) for name in [e.name for e in entries]]
-    if args.jobs > 1:
+    suffix = matrix_suffix(batch, args.audit_round, quick)
+    store = row_store(args, suffix, dataset_name, indices, published_names, budget, rounds)
+    names = [e.name for e in entries]
+    rows_done = {} if args.fresh else store.load()
+    if rows_done.keys() & set(names):
+        print(f"matrix: {len(rows_done.keys() & set(names))} of {len(names)} rows already in {store.path}", flush=True)
+    by_name = {name: pickle.loads(base64.b64decode(rows_done[name]["pickle"])) for name in names if name in rows_done}
+    jobs = [
+        (name, dataset_name, indices, published_names, budget, rounds, args) for name in names if name not in by_name
+    ]
+
+    def keep(name: str, row: tuple[SettingAudit, TrainingResult | None]) -> None:
+        by_name[name] = row
+        store.append(name, {"pickle": base64.b64encode(pickle.dumps(row)).decode("ascii")})
+
+    if args.jobs > 1 and len(jobs) > 1:
         with ProcessPoolExecutor(max_workers=args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            done = list(pool.map(run_defense, jobs))
+            futures = {pool.submit(run_defense, job): job[0] for job in jobs}
+            for future in as_completed(futures):
+                keep(futures[future], future.result())
     else:
-        done = [run_defense(job) for job in jobs]
+        for job in jobs:
+            keep(job[0], run_defense(job))
+    done = [by_name[name] for name in names]
     audits = [audit for audit, _ in done]
     training = {result.setting: result for _, result in done if result is not None}
 
@@ -706,8 +737,9 @@ def run_matrix(
         "an image leaks or a worst-case mean crosses Refiner's thresholds, else 'inconclusive' when the audit is "
         "incomplete (an error, a fallback), else 'private'. "
         + (
-            "At a trained round the active attacks are not run (the active verdict names that gap), and a setting on "
-            "the plain-Trainer runner (DP-SGD) is not audited. "
+            "At a trained round the malicious server builds its model on that round's weights, replayed where no "
+            "client state carries across rounds; elsewhere the active attacks are not run (the active verdict names "
+            "that gap), and a setting on the plain-Trainer runner (DP-SGD) is not audited. "
             if args.audit_round
             else ""
         )
@@ -719,7 +751,6 @@ def run_matrix(
         )
         + (" QUICK RUN: budgets far too small for conclusions." if quick else "")
     )
-    suffix = matrix_suffix(batch, args.audit_round, quick)
     (args.output_dir / f"matrix{suffix}.md").write_text(f"# matrix\n\n{preamble}\n\n{table}\n")
     detailed = csv_rows(audits, training)
     with open(args.output_dir / f"matrix{suffix}.csv", "w", newline="") as handle:
@@ -736,6 +767,30 @@ def run_matrix(
             writer.writerows(trained)
     print("\n" + table)
     write_figures(matrix_rows(audits, columns, training), columns, args.output_dir, suffix, source, at_round)
+
+
+def row_store(
+    args: argparse.Namespace,
+    suffix: str,
+    dataset_name: str,
+    indices: list[list[int]],
+    published_names: list[str],
+    budget: AttackBudget,
+    rounds: int,
+) -> ResultStore:
+    """Where this run keeps its finished rows, under a fingerprint of all a row depends on."""
+    shared = {
+        "script": "matrix",
+        "dataset": dataset_name,
+        "indices": indices,
+        "attacks": published_names,
+        "budget": asdict(budget),
+        "rounds": None if args.no_training else rounds,
+        "lpips": not args.no_lpips,
+        "seed": args.seed,
+        "audit_round": args.audit_round,
+    }
+    return ResultStore(args.output_dir / f".matrix{suffix}_rows.jsonl", run_fingerprint(shared))
 
 
 def matrix_suffix(batch_size: int, audit_round: int, quick: bool) -> str:

@@ -314,13 +314,22 @@ def test_baselines_quick_writes_the_summary_every_attack_and_soteria_cost(tmp_pa
 def test_matrix_batch_size_and_audit_rounds_reach_the_audit(tmp_path):
     """``--images 4 --batch-size 2 --audit-rounds 0 2``: two clients of two images, one table per round;
     at round 2 the malicious server sends its model built on the round-2 weights (the round reached
-    the audit: undefended clients carry no state across rounds, so Robbing the Fed runs there)."""
-    result = run_benchmark(
+    the audit: undefended clients carry no state across rounds, so Robbing the Fed runs there). The
+    same command again resumes: it attacks nothing and writes the same tables."""
+    command = (
         "matrix.py", "--quick", "--threads", "1", "--sample", "--defenses", "undefended", "--attacks", "iDLG", "RtF",
         "--images", "4", "--batch-size", "2", "--audit-rounds", "0", "2", "--lbfgs-iterations", "1",
         "--no-lpips", "--no-training", "--output-dir", str(tmp_path),
     )  # fmt: skip
+    result = run_benchmark(*command)
     assert result.returncode == 0, result.stderr[-3000:]
+    written = {
+        name: (tmp_path / name).read_text() for name in ("matrix_batch2_quick.csv", "matrix_batch2_round2_quick.csv")
+    }
+    again = run_benchmark(*command)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "== undefended" not in again.stdout and again.stdout.count("1 of 1 rows already in") == 2
+    assert {name: (tmp_path / name).read_text() for name in written} == written
     assert "2 clients x 2 images" in result.stdout and "FedSGD round 2 after 2 rounds" in result.stdout
     at_zero = (tmp_path / "matrix_batch2_quick.md").read_text()
     at_two = (tmp_path / "matrix_batch2_round2_quick.md").read_text()

@@ -101,22 +101,28 @@ def coverage_order(n: int) -> list[int]:
     return order
 
 
+def run_fingerprint(shared: dict[str, Any]) -> str:
+    """A hash of ``shared`` (what a run's results depend on, JSON-able or ``repr``-able) and of the
+    leak rule's and the attacks' revisions: results stored under another fingerprint are stale."""
+    stamped = {**shared, "leak_rule_revision": LEAK_RULE_REVISION, "attack_revision": ATTACK_REVISION}
+    return hashlib.sha256(json.dumps(stamped, sort_keys=True, default=repr).encode()).hexdigest()[:16]
+
+
 def fingerprint(config: FrontierConfig) -> str:
     """A hash of what every job's result depends on besides its own setting, batch size and stage."""
-    shared = {
-        "model": config.model,
-        "datamodule": config.datamodule,
-        "images": config.images,
-        "train_rounds": config.train_rounds,
-        "num_clients": config.num_clients,
-        "attacks": config.attacks,
-        "budget": asdict(config.budget),
-        "lpips": config.lpips,
-        "seed": config.seed,
-        "leak_rule_revision": LEAK_RULE_REVISION,
-        "attack_revision": ATTACK_REVISION,
-    }
-    return hashlib.sha256(json.dumps(shared, sort_keys=True, default=repr).encode()).hexdigest()[:16]
+    return run_fingerprint(
+        {
+            "model": config.model,
+            "datamodule": config.datamodule,
+            "images": config.images,
+            "train_rounds": config.train_rounds,
+            "num_clients": config.num_clients,
+            "attacks": config.attacks,
+            "budget": asdict(config.budget),
+            "lpips": config.lpips,
+            "seed": config.seed,
+        }
+    )
 
 
 class ResultStore:
