@@ -15,6 +15,16 @@ Besides the audit's verdicts, each image is held to issue 28's bar: worst-case P
 
 Data: full Fashion-MNIST when installed, else the built-in sample (``--sample`` forces it).
 Writes benchmarks/results/<name>.{csv,md} (per audit) and <name>_images.csv (per image).
+
+``--beside-frontier`` attacks nothing: it reads the frontier's points (``benchmarks/frontier.py``,
+whose grid holds the shipped strength) and puts the shipped setting's point beside the best point of
+every other family at the same batch size and threat model (each family's private strength with the
+highest PMM over every audited round, else its point closest to private;
+``lightning_gp.audit.frontier_report.family_bests``), as a table and a figure:
+
+    python benchmarks/defense_that_holds.py --beside-frontier benchmarks/results/frontier.csv
+
+writes benchmarks/results/defense_that_holds_beside_frontier.{csv,md,png}.
 """
 
 from __future__ import annotations
@@ -23,14 +33,18 @@ import argparse
 import csv
 import math
 import time
+from pathlib import Path
 
 import lightning as L
 import torch
 from _common import RESULTS_DIR, write_results
 
-from lightning_gp.audit import AttackBudget, audit_setting, defense_catalog, published_attacks
+from lightning_gp.audit import AttackBudget, LeakRule, audit_setting, defense_catalog, published_attacks
+from lightning_gp.audit.frontier_report import PSNR_CAP, family_bests, read_csv, setting_candidates
 from lightning_gp.audit.frontier_run import attacked_images
 from lightning_gp.audit.quiet import library_noise_silenced
+from lightning_gp.audit.setting_audit import THREAT_MODELS
+from lightning_gp.audit.summary import Candidate, format_score
 from lightning_gp.data import FashionMNISTDataModule, FashionMNISTSampleDataModule
 from lightning_gp.metrics.semantic import SEMANTIC_LINE
 from lightning_gp.models import LeNetZhu
@@ -50,6 +64,114 @@ def below_bar(values: dict[str, float | None]) -> bool | None:
     return True
 
 
+#: The shipped configuration's name in the frontier's grid (configs/frontier.yaml).
+SHIPPED = "LocalGaussianMechanism(noise_multiplier=0.5)"
+
+
+def _beside_row(size: int, threat: str, family: str, point: str, c: Candidate) -> dict[str, str | int]:
+    return {
+        "batch size": size,
+        "threat model": threat,
+        "family": family,
+        "point": point,
+        "verdict (every round)": c.verdict,
+        "images leaked (worst round)": "-" if c.leak_fraction is None else f"{c.leak_fraction:.0%}",
+        "worst PSNR (dB)": format_score(c.worst_psnr, ".1f"),
+        "cost": c.cost or "-",
+    }
+
+
+def beside_the_frontier(path: Path, shipped: str, name: str, output_dir: Path = RESULTS_DIR) -> None:
+    """The shipped setting's frontier point beside every other family's best, as a table and a figure."""
+    if not path.is_file():
+        raise SystemExit(f"--beside-frontier: {path} does not exist; run benchmarks/frontier.py first")
+    points = read_csv(path)
+    if not any(p.setting == shipped for p in points):
+        raise SystemExit(
+            f"--shipped {shipped!r} is not a point of {path}: add its strength to the frontier's grid "
+            "(configs/frontier.yaml) and run benchmarks/frontier.py"
+        )
+    bests = family_bests([p for p in points if p.setting != shipped])
+    sizes, stages = sorted({p.batch_size for p in points}), sorted({p.stage for p in points})
+    rows, marks = [], {}
+    for size in sizes:
+        for threat in THREAT_MODELS:
+            own = {c.name: c for c in setting_candidates(points, size, threat)}.get(shipped)
+            if own is None:
+                continue
+            marks[size, threat] = (
+                own,
+                [(b.grid, b.candidate) for b in bests if (b.batch_size, b.threat) == (size, threat)],
+            )
+            rows.append(_beside_row(size, threat, "shipped", f"**{shipped}**", own))
+            rows += [
+                _beside_row(size, threat, b.grid, b.label, b.candidate)
+                for b in bests
+                if (b.batch_size, b.threat) == (size, threat) and b.candidate is not None
+            ]
+    rounds = " and ".join(map(str, stages))
+    preamble = (
+        f"From `{path}` ({len({p.setting for p in points})} settings). Each row is judged over rounds {rounds} "
+        "together (private only if private at every round; a round not audited yet makes it inconclusive), as the "
+        "frontier's recommendation is. 'shipped' is the shipped configuration's own frontier point; every other row is "
+        "its family's private strength with the highest PMM, else its point closest to private. PMM is the "
+        "frontier's: accuracy after its training (its num_clients per round) over the undefended run's; the shipped "
+        "setting reaches PMM >= 0.97 only with many more clients per round (benchmarks/results/many_clients_*.md). "
+        "Issue 28's bar per image (PSNR < 15 dB, SSIM < 0.3, semantic score under its line) is checked on 16 images "
+        "by the rest of this script (defense_that_holds*.md).\n\n"
+        f"Run: `python benchmarks/defense_that_holds.py --beside-frontier {path}`"
+    )
+    write_results(name, rows, preamble, output_dir)
+    save_beside_figure(marks, shipped, output_dir / f"{name}.png", rounds)
+
+
+def save_beside_figure(
+    marks: dict[tuple[int, str], tuple[Candidate, list[tuple[str, Candidate | None]]]],
+    shipped: str,
+    path: Path,
+    rounds: str,
+) -> None:
+    """One panel per batch size (columns) and threat model (rows): x = PMM, y = worst-case PSNR over the
+    rounds; each family's best point labelled, the shipped one a star; the leak line and issue 28's bar."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    sizes = sorted({size for size, _ in marks})
+    colour = {"private": "#1a9850", "leaks": "#d73027", "inconclusive": "#878787"}
+    fig = Figure(figsize=(6.5 * len(sizes), 9.5), dpi=100)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(THREAT_MODELS), len(sizes), squeeze=False)
+    for c_index, size in enumerate(sizes):
+        for r_index, threat in enumerate(THREAT_MODELS):
+            ax = axes[r_index][c_index]
+            if (size, threat) not in marks:
+                ax.set_axis_off()
+                continue
+            own, others = marks[size, threat]
+            for family, c in [*others, ("shipped", own)]:
+                if c is None or c.accuracy is None or c.worst_psnr is None:
+                    continue
+                y = min(c.worst_psnr, PSNR_CAP)
+                star = family == "shipped"
+                ax.plot(
+                    [c.accuracy], [y], "*" if star else "o", color=colour[c.verdict], markersize=16 if star else 6,
+                    mec="black" if star else "none", zorder=5 if star else 3,
+                )  # fmt: skip
+                ax.annotate(family, (c.accuracy, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
+            ax.axhline(LeakRule().thresholds["psnr"], color="#d73027", ls=":", lw=1.2, label="leak line")
+            ax.axhline(BAR["psnr"], color="black", ls="--", lw=1, label="issue 28's bar (15 dB)")
+            ax.set_title(f"batch {size}, {threat} server, rounds {rounds}", fontsize=10)
+            ax.set_xlabel("PMM (frontier training)", fontsize=9)
+            ax.set_ylabel(f"worst-case PSNR over the rounds (dB, cap {PSNR_CAP:g})", fontsize=9)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7, loc="lower left")
+    fig.suptitle(
+        f"{shipped} (star) beside each family's best point; green private, red leaks, grey inconclusive", fontsize=11
+    )
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    fig.savefig(path, dpi=100)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--setting", default="LocalGaussianMechanism", help="a catalogue name")
@@ -61,7 +183,18 @@ def main() -> None:
     parser.add_argument("--sample", action="store_true")
     parser.add_argument("--name", default="defense_that_holds")
     parser.add_argument("--quick", action="store_true", help="tiny attack budgets: checks the script, measures nothing")
+    parser.add_argument(
+        "--beside-frontier",
+        type=Path,
+        default=None,
+        help="attack nothing: the shipped point beside every family's best in this frontier CSV",
+    )
+    parser.add_argument("--shipped", default=SHIPPED, help="the shipped setting's name in the frontier")
+    parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args()
+    if args.beside_frontier is not None:
+        beside_the_frontier(args.beside_frontier, args.shipped, f"{args.name}_beside_frontier", args.output_dir)
+        return
     torch.set_num_threads(1)
     datamodule = FashionMNISTSampleDataModule(batch_size=500) if args.sample else FashionMNISTDataModule(batch_size=500)
     budget = AttackBudget(learned_inversion=True, learned_min_batch=1)
@@ -118,7 +251,7 @@ def main() -> None:
                     }
                 )
             print(rows[-1], flush=True)
-    with open(RESULTS_DIR / f"{args.name}_images.csv", "w", newline="") as handle:
+    with open(args.output_dir / f"{args.name}_images.csv", "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(image_rows[0]))
         writer.writeheader()
         writer.writerows(image_rows)
@@ -132,7 +265,7 @@ def main() -> None:
         f"{' '.join(map(str, args.batch_sizes))} --rounds {' '.join(map(str, args.rounds))} --images {args.images}"
         f"{' --aggregate' if args.aggregate else ''}`; per image: `{args.name}_images.csv`."
     )
-    write_results(args.name, rows, preamble)
+    write_results(args.name, rows, preamble, args.output_dir)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,15 @@ from lightning_gp.audit import (
     pareto_mask,
     published_attacks,
 )
-from lightning_gp.audit.frontier_report import FrontierPoint, recommend, recommendation_table
+from lightning_gp.audit.frontier_report import (
+    FrontierPoint,
+    family_bests,
+    family_table,
+    read_csv,
+    recommend,
+    recommendation_table,
+    write_csv,
+)
 from lightning_gp.audit.frontier_run import RESULTS_FILE, attacked_images, coverage_order, frontier_jobs
 from lightning_gp.callbacks import GaussianNoise, TopKPruning
 from lightning_gp.data import FashionMNISTSampleDataModule
@@ -123,6 +131,8 @@ def test_an_interrupted_run_resumes_to_the_same_results(tmp_path: Path) -> None:
 
     with pytest.raises(Killed):
         frontier(cfg, tmp_path / "cut", log=silent, on_job=kill_after_two)
+    early = frontier(cfg, tmp_path / "early", log=silent, report_only=True)  # a look before any job finished
+    assert early.points == [] and (tmp_path / "early" / "frontier.png").stat().st_size > 0
     results = tmp_path / "cut" / RESULTS_FILE
     assert len(results.read_text().splitlines()) == 2
     with open(results, "a") as handle:  # a third job killed while it was being written
@@ -218,6 +228,48 @@ def test_each_stage_gets_its_own_pick_beside_the_all_stage_one() -> None:
     }
     table = recommendation_table(recommend(points))
     assert "| 1 | active | round 0 | **A** | private |" in table
+
+
+def _on_grid(point: FrontierPoint, grid: str, **changes) -> FrontierPoint:
+    return dataclasses.replace(point, grid=grid, family=grid, **changes)
+
+
+def test_each_family_s_best_is_its_own_cheapest_private_strength_else_its_closest_point() -> None:
+    """Grid "noise": two private strengths (PMM 0.6 and 0.8) and a leaking one (PMM 0.99): its best is
+    the private one with PMM 0.8. Grid "prune": nothing private; its best is the point with the fewest
+    leaks, named as the closest. A setting private at round 0 but leaking at round 50 is not private,
+    nor is one whose round 50 has not been audited (inconclusive)."""
+    rows = []
+    for setting, grid, pmm, verdicts in (
+        ("n1", "noise", 0.6, ("private", "private")),
+        ("n2", "noise", 0.8, ("private", "private")),
+        ("n3", "noise", 0.99, ("private", "leaks")),
+        ("p1", "prune", 0.9, ("leaks", "leaks")),
+    ):
+        for stage, verdict in zip((0, 50), verdicts):
+            rows.append(_on_grid(_point(setting, stage, "passive", verdict, pmm), grid))
+    rows.append(_on_grid(_point("p2", 0, "passive", "leaks", 0.95), "prune", leak_fraction=0.25))
+    rows.append(_on_grid(_point("p2", 50, "passive", "leaks", 0.95), "prune", leak_fraction=0.5))
+    rows.append(_on_grid(_point("q1", 0, "passive", "private", 0.99), "quantise"))  # round 50 not audited yet
+    bests = {b.grid: b for b in family_bests(rows)}
+    assert set(bests) == {"noise", "prune", "quantise"}
+    assert bests["quantise"].choice.pick is None and bests["quantise"].candidate.verdict == "inconclusive"
+    assert bests["noise"].choice.pick.name == "n2"
+    assert bests["prune"].choice.pick is None and bests["prune"].candidate.name == "p2"
+    assert bests["prune"].candidate.leak_fraction == 0.5  # the worse stage's
+    table = family_table(family_bests(rows))
+    assert "| 1 | passive | noise | n2 | private |" in table
+    assert "| 1 | passive | prune | none private; closest: p2 | leaks | 50% |" in table
+
+
+def test_the_csv_reads_back_to_the_same_points(tmp_path: Path) -> None:
+    """write_csv then read_csv: every field as written (the strength comes back as its text)."""
+    points = [
+        _point("A", 0, "passive", "private", 0.9),
+        dataclasses.replace(_point("B", 50, "active", "leaks", 0.5), worst_psnr=float("inf"), pmm=None, pareto=True),
+    ]
+    write_csv(points, tmp_path / "points.csv")
+    assert read_csv(tmp_path / "points.csv") == [dataclasses.replace(p, value=str(p.value)) for p in points]
 
 
 def test_a_two_worker_ray_cluster_gives_the_local_results(tmp_path: Path) -> None:

@@ -8,6 +8,8 @@ the recommendation per batch size and threat model; the CSV, the Markdown and th
   if private at every stage; a stage not audited makes it inconclusive), and the pick is
   :func:`~lightning_gp.audit.choose`'s: the private setting with the highest PMM, never an inconclusive
   one; with none private, "none in the grid" and the closest point.
+- **Each family's best** (:func:`family_bests`): the same choice made within one grid line: the
+  family's cheapest private strength, else its point closest to private.
 
 Nothing here scores an attack: every verdict, leak fraction and PSNR is the audit's
 (:func:`~lightning_gp.audit.audit_setting`), read from the records of
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import csv
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -244,6 +246,69 @@ def recommend(points: Sequence[FrontierPoint]) -> list[Recommendation]:
     return out
 
 
+@dataclass(frozen=True)
+class FamilyBest:
+    """One grid line's best point at one batch size under one threat model, judged over every stage
+    together (``choice.pick``: its private strength with the highest PMM; else ``choice.closest``)."""
+
+    grid: str
+    batch_size: int
+    threat: str
+    choice: Choice
+
+    @property
+    def candidate(self) -> Candidate | None:
+        """The pick, else the closest point."""
+        return self.choice.pick or self.choice.closest
+
+    @property
+    def label(self) -> str:
+        """The pick's name, else "none private; closest: <name>"."""
+        c = self.candidate
+        if c is None:
+            return "nothing audited"
+        return c.name if self.choice.pick is not None else f"none private; closest: {c.name}"
+
+
+def family_bests(points: Sequence[FrontierPoint]) -> list[FamilyBest]:
+    """Per batch size, threat model and grid line (in the order they come), :func:`recommend`'s choice
+    made among that grid line's settings alone (each judged over every stage of ``points``: a stage a
+    setting lacks makes it inconclusive)."""
+    out = []
+    for size in sorted({p.batch_size for p in points}):
+        for threat in THREAT_MODELS:
+            candidates = {c.name: c for c in setting_candidates(points, size, threat)}
+            for grid in dict.fromkeys(p.grid for p in points):
+                names = dict.fromkeys(p.setting for p in points if p.grid == grid and p.setting in candidates)
+                if names:
+                    out.append(FamilyBest(grid, size, threat, choose([candidates[n] for n in names])))
+    return out
+
+
+_FAMILY_TABLE_HEAD = (
+    "| batch size | threat model | family | best point | verdict | images leaked | worst PSNR (dB) | cost |\n"
+    "|---|---|---|---|---|---|---|---|"
+)
+
+
+def _candidate_row(batch_size: int, threat: str, family: str, name: str, candidate: Candidate) -> str:
+    """One row of the family table: ``candidate`` shown as ``name``."""
+    leaked = "-" if candidate.leak_fraction is None else f"{candidate.leak_fraction:.0%}"
+    return (
+        f"| {batch_size} | {threat} | {family} | {name} | {candidate.verdict} | {leaked} | "
+        f"{format_score(candidate.worst_psnr, '.1f')} | {candidate.cost or '-'} |"
+    )
+
+
+def family_table(bests: Sequence[FamilyBest]) -> str:
+    """The Markdown table of :func:`family_bests`."""
+    lines = [_FAMILY_TABLE_HEAD]
+    for b in bests:
+        if b.candidate is not None:
+            lines.append(_candidate_row(b.batch_size, b.threat, b.grid, b.label, b.candidate))
+    return "\n".join(lines)
+
+
 def recommendation_table(recommendations: Sequence[Recommendation]) -> str:
     """The Markdown table: the cheapest private setting per batch size and threat model, or "none in
     the grid" with the closest point."""
@@ -273,12 +338,51 @@ def write_csv(points: Sequence[FrontierPoint], path: Path) -> None:
         writer.writerows(asdict(p) for p in points)
 
 
+_CSV_TYPES: dict[str, Callable[[str], Any]] = {
+    "index": int,
+    "batch_size": int,
+    "stage": int,
+    "audit_seconds": float,
+    "pareto": lambda text: text == "True",
+}
+
+
+def read_csv(path: Path) -> list[FrontierPoint]:
+    """The points :func:`write_csv` wrote (an empty score is ``None``; ``value`` comes back as text)."""
+    optional = {f.name for f in fields(FrontierPoint) if "None" in str(f.type)}
+    with open(path, newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    points = []
+    for row in rows:
+        values: dict[str, Any] = {}
+        for name, text in row.items():
+            if name in optional:
+                values[name] = None if text == "" else float(text)
+            else:
+                values[name] = _CSV_TYPES.get(name, str)(text)
+        points.append(FrontierPoint(**values))
+    return points
+
+
 def frontier_markdown(points: Sequence[FrontierPoint], *, title: str, context: Sequence[str] = ()) -> str:
     """The report: the recommendation table, each pick in a sentence, each Pareto set, every point."""
     recommendations = recommend(points)
+    stages = sorted({p.stage for p in points})
     lines = [f"# {title}", "", *context, "", "## Recommendation", "", recommendation_table(recommendations), ""]
     for r in recommendations:
         lines.append(f"- batch {r.batch_size}, {r.threat}, {r.stages}: {choice_sentence(r.choice, 'PMM', 'setting')}")
+    lines += [
+        "",
+        "## Each family's best point",
+        "",
+        (
+            "Per grid line, the same choice among its own strengths: its private point with the highest PMM, "
+            f"judged over every stage audited so far together (rounds {', '.join(map(str, stages))}), else its point "
+            "closest to private."
+        ),
+        "",
+        family_table(family_bests(points)),
+    ]
     lines += ["", "## Pareto sets (higher PMM, lower worst-case PSNR, lower leak fraction)", ""]
     groups = sorted({(p.batch_size, p.stage, p.threat) for p in points}, key=lambda g: (g[0], g[1], g[2]))
     for size, stage, threat in groups:
@@ -327,6 +431,12 @@ def save_frontier_figure(points: Sequence[FrontierPoint], path: Path, *, title: 
     from matplotlib.lines import Line2D
 
     rows = sorted({(p.batch_size, p.stage) for p in points})
+    if not rows:  # a report of a run with no audit finished yet
+        fig = Figure(figsize=(6, 2), dpi=100)
+        FigureCanvasAgg(fig)
+        fig.text(0.5, 0.5, f"{title}\nno audited point yet", ha="center", va="center", fontsize=11)
+        fig.savefig(path, dpi=100)
+        return
     grids = list(dict.fromkeys(p.grid for p in points))
     colours = colormaps["tab20"]
     colour = {g: colours(i % 20) for i, g in enumerate(grids)}
