@@ -6,21 +6,11 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from helpers import run_benchmark
+from helpers import frontier_point, run_benchmark
 
-from lightning_gp.audit.frontier_report import FrontierPoint, write_csv
+from lightning_gp.audit.frontier_report import write_csv
 
 SHIPPED = "LocalGaussianMechanism(noise_multiplier=0.5)"
-
-
-def _point(setting: str, grid: str, stage: int, threat: str, verdict: str, pmm: float) -> FrontierPoint:
-    leaked = 1.0 if verdict == "leaks" else 0.0
-    return FrontierPoint(
-        grid=grid, family=grid, knob="k", value=1, index=0, setting=setting, batch_size=1, stage=stage,
-        threat=threat, verdict=verdict, leak_fraction=leaked, worst_psnr=30.0 * leaked + 5.0, worst_ssim=0.1,
-        worst_lpips=None, reason="", strongest="", rero_eta=None, test_acc=pmm, pmm=pmm, cost_ratio=1.0,
-        upload_bytes=1.0, upload_ratio=1.0, audit_seconds=0.0,
-    )  # fmt: skip
 
 
 def test_the_shipped_point_comes_first_beside_each_other_family_s_best(tmp_path: Path) -> None:
@@ -30,11 +20,11 @@ def test_the_shipped_point_comes_first_beside_each_other_family_s_best(tmp_path:
     for stage in (0, 50):
         for threat in ("passive", "active"):
             points += [
-                _point(SHIPPED, "LocalGaussianMechanism", stage, threat, "private", 0.4),
-                _point("LocalGaussianMechanism(noise_multiplier=3)", "LocalGaussianMechanism", stage, threat, "private", 0.2),
-                _point("GaussianNoise(scale=1)", "GaussianNoise", stage, threat, "private", 0.5),
-                _point("GaussianNoise(scale=0.1)", "GaussianNoise", stage, threat, "private", 0.7),
-                _point("TopKPruning(rate=0.9)", "TopKPruning", stage, threat, "leaks", 0.9),
+                frontier_point(SHIPPED, stage, threat, "private", 0.4, grid="LocalGaussianMechanism"),
+                frontier_point("LocalGaussianMechanism(noise_multiplier=3)", stage, threat, "private", 0.2, grid="LocalGaussianMechanism"),
+                frontier_point("GaussianNoise(scale=1)", stage, threat, "private", 0.5, grid="GaussianNoise"),
+                frontier_point("GaussianNoise(scale=0.1)", stage, threat, "private", 0.7, grid="GaussianNoise"),
+                frontier_point("TopKPruning(rate=0.9)", stage, threat, "leaks", 0.9, grid="TopKPruning"),
             ]  # fmt: skip
     write_csv(points, tmp_path / "frontier.csv")
     result = run_benchmark(

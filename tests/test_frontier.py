@@ -15,6 +15,7 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+from helpers import frontier_point
 
 from lightning_gp.audit import (
     AttackBudget,
@@ -28,7 +29,6 @@ from lightning_gp.audit import (
     published_attacks,
 )
 from lightning_gp.audit.frontier_report import (
-    FrontierPoint,
     family_bests,
     family_table,
     read_csv,
@@ -193,29 +193,19 @@ def test_the_pareto_set_keeps_exactly_the_undominated_points() -> None:
     assert pareto_mask(rows) == [True, True, False, True, False, True]
 
 
-def _point(setting: str, stage: int, threat: str, verdict: str, pmm: float) -> FrontierPoint:
-    leaked = 1.0 if verdict == "leaks" else 0.0
-    return FrontierPoint(
-        grid=setting, family=setting, knob="k", value=1, index=0, setting=setting, batch_size=1, stage=stage,
-        threat=threat, verdict=verdict, leak_fraction=leaked, worst_psnr=30.0 * leaked + 5.0, worst_ssim=0.1,
-        worst_lpips=None, reason="", strongest="", rero_eta=None, test_acc=pmm, pmm=pmm, cost_ratio=1.0,
-        upload_bytes=1.0, upload_ratio=1.0, audit_seconds=0.0,
-    )  # fmt: skip
-
-
 def test_each_stage_gets_its_own_pick_beside_the_all_stage_one() -> None:
     """A setting private against the active server at round 0, where that server is audited, and
     inconclusive at round 50, where it is not: the all-stage active pick is none (never private on a
     gap), the round-0 active pick is that setting, and the passive picks follow the stage verdicts."""
     points = [
-        _point("A", 0, "active", "private", 0.9),
-        _point("A", 50, "active", "inconclusive", 0.9),
-        _point("A", 0, "passive", "private", 0.9),
-        _point("A", 50, "passive", "private", 0.9),
-        _point("B", 0, "active", "leaks", 0.99),
-        _point("B", 50, "active", "inconclusive", 0.99),
-        _point("B", 0, "passive", "leaks", 0.99),
-        _point("B", 50, "passive", "private", 0.99),
+        frontier_point("A", 0, "active", "private", 0.9),
+        frontier_point("A", 50, "active", "inconclusive", 0.9),
+        frontier_point("A", 0, "passive", "private", 0.9),
+        frontier_point("A", 50, "passive", "private", 0.9),
+        frontier_point("B", 0, "active", "leaks", 0.99),
+        frontier_point("B", 50, "active", "inconclusive", 0.99),
+        frontier_point("B", 0, "passive", "leaks", 0.99),
+        frontier_point("B", 50, "passive", "private", 0.99),
     ]
     picks = {(r.threat, r.stage): r.choice.pick.name if r.choice.pick else None for r in recommend(points)}
     assert picks == {
@@ -228,10 +218,6 @@ def test_each_stage_gets_its_own_pick_beside_the_all_stage_one() -> None:
     }
     table = recommendation_table(recommend(points))
     assert "| 1 | active | round 0 | **A** | private |" in table
-
-
-def _on_grid(point: FrontierPoint, grid: str, **changes) -> FrontierPoint:
-    return dataclasses.replace(point, grid=grid, family=grid, **changes)
 
 
 def test_each_family_s_best_is_its_own_cheapest_private_strength_else_its_closest_point() -> None:
@@ -247,10 +233,14 @@ def test_each_family_s_best_is_its_own_cheapest_private_strength_else_its_closes
         ("p1", "prune", 0.9, ("leaks", "leaks")),
     ):
         for stage, verdict in zip((0, 50), verdicts):
-            rows.append(_on_grid(_point(setting, stage, "passive", verdict, pmm), grid))
-    rows.append(_on_grid(_point("p2", 0, "passive", "leaks", 0.95), "prune", leak_fraction=0.25))
-    rows.append(_on_grid(_point("p2", 50, "passive", "leaks", 0.95), "prune", leak_fraction=0.5))
-    rows.append(_on_grid(_point("q1", 0, "passive", "private", 0.99), "quantise"))  # round 50 not audited yet
+            rows.append(frontier_point(setting, stage, "passive", verdict, pmm, grid=grid))
+    rows.append(
+        dataclasses.replace(frontier_point("p2", 0, "passive", "leaks", 0.95, grid="prune"), leak_fraction=0.25)
+    )
+    rows.append(
+        dataclasses.replace(frontier_point("p2", 50, "passive", "leaks", 0.95, grid="prune"), leak_fraction=0.5)
+    )
+    rows.append(frontier_point("q1", 0, "passive", "private", 0.99, grid="quantise"))  # round 50 not audited yet
     bests = {b.grid: b for b in family_bests(rows)}
     assert set(bests) == {"noise", "prune", "quantise"}
     assert bests["quantise"].choice.pick is None and bests["quantise"].candidate.verdict == "inconclusive"
@@ -265,8 +255,10 @@ def test_each_family_s_best_is_its_own_cheapest_private_strength_else_its_closes
 def test_the_csv_reads_back_to_the_same_points(tmp_path: Path) -> None:
     """write_csv then read_csv: every field as written (the strength comes back as its text)."""
     points = [
-        _point("A", 0, "passive", "private", 0.9),
-        dataclasses.replace(_point("B", 50, "active", "leaks", 0.5), worst_psnr=float("inf"), pmm=None, pareto=True),
+        frontier_point("A", 0, "passive", "private", 0.9),
+        dataclasses.replace(
+            frontier_point("B", 50, "active", "leaks", 0.5), worst_psnr=float("inf"), pmm=None, pareto=True
+        ),
     ]
     write_csv(points, tmp_path / "points.csv")
     assert read_csv(tmp_path / "points.csv") == [dataclasses.replace(p, value=str(p.value)) for p in points]
