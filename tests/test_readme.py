@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 
 PYTHON_BLOCKS = 16
-BASH_BLOCKS = 7
+BASH_BLOCKS = 8
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
