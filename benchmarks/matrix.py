@@ -127,17 +127,16 @@ def rows_for(audits: list[SettingAudit], columns: list[str], training: dict[str,
             if bound.eta is None or bound.kappa is None
             else f"{bound.eta:.3f} ({bound.kappa:.3f})"
         )
-        worst = audit.active
-        if worst is not None:
-            row["worst SSIM"] = _num(worst.means["ssim"], ".3f")
-            row["worst LPIPS"] = _num(worst.means.get("lpips"), ".3f")
-            row["strongest"] = ", ".join(sorted({a for r in worst.rows for a in r.leaked_by})) or "-"
+        worst = audit.active  # every row has every column: a setting not audited (DP-SGD at a trained round) too
+        row["worst SSIM"] = _num(worst.means["ssim"], ".3f") if worst else "-"
+        row["worst LPIPS"] = _num(worst.means.get("lpips"), ".3f") if worst else "-"
+        row["strongest"] = (", ".join(sorted({a for r in worst.rows for a in r.leaked_by})) if worst else "") or "-"
         result = training.get(audit.setting)
-        if result is not None:
-            row["test acc"] = f"{result.test_acc:.3f}"
-            row["PMM"] = f"{result.test_acc / base.test_acc:.3f}" if base is not None else "-"
+        if training:
+            row["test acc"] = f"{result.test_acc:.3f}" if result else "-"
+            row["PMM"] = f"{result.test_acc / base.test_acc:.3f}" if result and base else "-"
             row["upload/client-round"] = (
-                f"{result.upload_bytes_per_client_round / 1024:.1f} KiB ({result.upload_ratio:.0%})"
+                f"{result.upload_bytes_per_client_round / 1024:.1f} KiB ({result.upload_ratio:.0%})" if result else "-"
             )
         rows.append(row)
     return rows
@@ -165,6 +164,14 @@ def csv_rows(audits: list[SettingAudit], training: dict[str, TrainingResult]) ->
             )
         for threat, worst in (("passive", audit.passive), ("active", audit.active)):
             if worst is None:
+                out.append(
+                    {
+                        "defense": audit.setting, "attack": f"worst case ({threat})", "kind": "worst",
+                        "threat": threat, "status": "inconclusive", "psnr": math.nan, "ssim": math.nan,
+                        "lpips": math.nan, "leak_fraction": math.nan, "seconds": sum(c.seconds for c in audit.cells),
+                        "note": "no attack produced a report" + ("" if audit.cells else " (not audited)"),
+                    }
+                )  # fmt: skip
                 continue
             cost = (
                 f"test_acc={result.test_acc:.4f}; upload={result.upload_bytes_per_client_round:.0f}B; "

@@ -113,3 +113,18 @@ def test_replot_redraws_the_committed_results_without_attacking(tmp_path):
     assert not (tmp_path / "matrix.md").exists()  # the tables are the run's; a replot draws only
     missing = run_benchmark("matrix.py", "--replot", "--quick", "--output-dir", str(tmp_path), timeout=300)
     assert missing.returncode != 0 and "no " in missing.stderr and "matrix_quick.csv" in missing.stderr
+
+
+def test_a_setting_not_audited_gets_every_column_and_inconclusive_worst_cases(matrix):
+    """DP-SGD at a trained round is not audited (the plain-Trainer runner taps round 0 only): its table
+    row has the columns of every other row ("-"), and the CSV says both worst cases are inconclusive."""
+    from lightning_gp.audit import SettingAudit, TrainingResult
+
+    unaudited = SettingAudit("DPSGD(sigma=1, C=1)", [], None, None)
+    trained = {"undefended": TrainingResult("undefended", 2, 0.7, 100.0, 100.0, 1.0)}
+    (row,) = matrix.rows_for([unaudited], ["DLG"], trained)
+    assert row["passive verdict"] == row["active verdict"] == "inconclusive"
+    assert row["worst SSIM"] == row["strongest"] == row["test acc"] == row["PMM"] == "-"
+    worst = {r["threat"]: r for r in matrix.csv_rows([unaudited], trained) if r["kind"] == "worst"}
+    assert {t: r["status"] for t, r in worst.items()} == {"passive": "inconclusive", "active": "inconclusive"}
+    assert "not audited" in worst["active"]["note"]
