@@ -135,6 +135,10 @@ def test_an_interrupted_run_resumes_to_the_same_results(tmp_path: Path) -> None:
     assert early.points == [] and (tmp_path / "early" / "frontier.png").stat().st_size > 0
     results = tmp_path / "cut" / RESULTS_FILE
     assert len(results.read_text().splitlines()) == 2
+    for line in (tmp_path / "whole" / RESULTS_FILE).read_text().splitlines():  # an audit's time, attack by attack
+        record = json.loads(line)["record"]
+        if record["kind"] == "audit":
+            assert sum(c["seconds"] for c in record["cells"]) == pytest.approx(record["seconds"])
     with open(results, "a") as handle:  # a third job killed while it was being written
         handle.write('{"fingerprint": "')
     partial = frontier(cfg, tmp_path / "cut", log=silent, report_only=True)  # a look at it, nothing run

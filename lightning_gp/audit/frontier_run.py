@@ -237,7 +237,8 @@ def audit_point(
 
 def audit_record(audit: SettingAudit) -> dict[str, Any]:
     """What the frontier keeps of an audit: per threat model the verdict, the leak fraction, the
-    worst-case means and reasons; per attack its status and scores; the ReRo bound where one exists."""
+    worst-case means and reasons; per attack its status, scores and seconds; the ReRo bound where one
+    exists."""
     threats: dict[str, dict[str, Any]] = {}
     for threat in THREAT_MODELS:
         report = audit.passive if threat == "passive" else audit.active
@@ -275,6 +276,7 @@ def audit_record(audit: SettingAudit) -> dict[str, Any]:
                 "psnr": c.means.get("psnr"),
                 "leak_fraction": c.leak_fraction,
                 "note": c.note,
+                "seconds": c.seconds,
             }
             for c in audit.cells
         ],
