@@ -40,6 +40,7 @@ import torch
 from _common import RESULTS_DIR, write_results
 
 from lightning_gp.audit import AttackBudget, LeakRule, audit_setting, defense_catalog, published_attacks
+from lightning_gp.audit.figure import VERDICT_COLORS
 from lightning_gp.audit.frontier_report import PSNR_CAP, family_bests, read_csv, setting_candidates
 from lightning_gp.audit.frontier_run import attacked_images
 from lightning_gp.audit.quiet import library_noise_silenced
@@ -99,16 +100,10 @@ def beside_the_frontier(path: Path, shipped: str, name: str, output_dir: Path = 
             own = {c.name: c for c in setting_candidates(points, size, threat)}.get(shipped)
             if own is None:
                 continue
-            marks[size, threat] = (
-                own,
-                [(b.grid, b.candidate) for b in bests if (b.batch_size, b.threat) == (size, threat)],
-            )
+            others = [b for b in bests if (b.batch_size, b.threat) == (size, threat) and b.candidate is not None]
+            marks[size, threat] = (own, [(b.grid, b.candidate) for b in others])
             rows.append(_beside_row(size, threat, "shipped", f"**{shipped}**", own))
-            rows += [
-                _beside_row(size, threat, b.grid, b.label, b.candidate)
-                for b in bests
-                if (b.batch_size, b.threat) == (size, threat) and b.candidate is not None
-            ]
+            rows += [_beside_row(size, threat, b.grid, b.label, b.candidate) for b in others]
     rounds = " and ".join(map(str, stages))
     preamble = (
         f"From `{path}` ({len({p.setting for p in points})} settings). Each row is judged over rounds {rounds} "
@@ -126,7 +121,7 @@ def beside_the_frontier(path: Path, shipped: str, name: str, output_dir: Path = 
 
 
 def save_beside_figure(
-    marks: dict[tuple[int, str], tuple[Candidate, list[tuple[str, Candidate | None]]]],
+    marks: dict[tuple[int, str], tuple[Candidate, list[tuple[str, Candidate]]]],
     shipped: str,
     path: Path,
     rounds: str,
@@ -137,7 +132,6 @@ def save_beside_figure(
     from matplotlib.figure import Figure
 
     sizes = sorted({size for size, _ in marks})
-    colour = {"private": "#1a9850", "leaks": "#d73027", "inconclusive": "#878787"}
     fig = Figure(figsize=(6.5 * len(sizes), 9.5), dpi=100)
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(THREAT_MODELS), len(sizes), squeeze=False)
@@ -149,12 +143,12 @@ def save_beside_figure(
                 continue
             own, others = marks[size, threat]
             for family, c in [*others, ("shipped", own)]:
-                if c is None or c.accuracy is None or c.worst_psnr is None:
+                if c.accuracy is None or c.worst_psnr is None:
                     continue
                 y = min(c.worst_psnr, PSNR_CAP)
                 star = family == "shipped"
                 ax.plot(
-                    [c.accuracy], [y], "*" if star else "o", color=colour[c.verdict], markersize=16 if star else 6,
+                    [c.accuracy], [y], "*" if star else "o", color=VERDICT_COLORS[c.verdict], markersize=16 if star else 6,
                     mec="black" if star else "none", zorder=5 if star else 3,
                 )  # fmt: skip
                 ax.annotate(family, (c.accuracy, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
@@ -166,7 +160,7 @@ def save_beside_figure(
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7, loc="lower left")
     fig.suptitle(
-        f"{shipped} (star) beside each family's best point; green private, red leaks, grey inconclusive", fontsize=11
+        f"{shipped} (star) beside each family's best point; green private, red leaks, orange inconclusive", fontsize=11
     )
     fig.tight_layout(rect=(0, 0, 1, 0.96))
     fig.savefig(path, dpi=100)

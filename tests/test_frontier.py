@@ -245,13 +245,14 @@ def test_each_family_s_best_is_its_own_cheapest_private_strength_else_its_closes
         dataclasses.replace(frontier_point("p2", 50, "passive", "leaks", 0.95, grid="prune"), leak_fraction=0.5)
     )
     rows.append(frontier_point("q1", 0, "passive", "private", 0.99, grid="quantise"))  # round 50 not audited yet
-    bests = {b.grid: b for b in family_bests(rows)}
+    found = family_bests(rows)
+    bests = {b.grid: b for b in found}
     assert set(bests) == {"noise", "prune", "quantise"}
     assert bests["quantise"].choice.pick is None and bests["quantise"].candidate.verdict == "inconclusive"
     assert bests["noise"].choice.pick.name == "n2"
     assert bests["prune"].choice.pick is None and bests["prune"].candidate.name == "p2"
     assert bests["prune"].candidate.leak_fraction == 0.5  # the worse stage's
-    table = family_table(family_bests(rows))
+    table = family_table(found)
     assert "| 1 | passive | noise | n2 | private |" in table
     assert "| 1 | passive | prune | none private; closest: p2 | leaks | 50% |" in table
 

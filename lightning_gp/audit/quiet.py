@@ -19,13 +19,14 @@ from lightning.pytorch.callbacks import Callback
 #: Loggers of Lightning's rank-zero info lines: device banners, logger/model-registry tips,
 #: "`Trainer.fit` stopped". ``lightning_utilities``' own logger is added at run time.
 _RANK_ZERO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
-#: Advice about the internal Trainers' own set-up, and Opacus' note on the hooks its DP-SGD runs put
-#: on our models, which the user cannot act on.
+#: Opacus' note on the hooks its DP-SGD runs put on our models (silenced by both filters below).
+_OPACUS_FULL_HOOK = r".*Full backward hook is firing when gradients are computed with respect to module outputs"
+#: Advice about the internal Trainers' own set-up, and Opacus' hook note, which the user cannot act on.
 _IGNORED_MESSAGES = (
     r".*does not have many workers",
     r".*GPU available but not used",
     r".*You defined a `validation_step` but have no `val_dataloader`",
-    r".*Full backward hook is firing when gradients are computed with respect to module outputs",
+    _OPACUS_FULL_HOOK,
 )
 
 
@@ -67,7 +68,7 @@ _NOISE_MESSAGES = (
     r".*`isinstance\(treespec, LeafSpec\)` is deprecated",
     r".*Secure RNG turned off",
     r".*Using a non-full backward hook",
-    r".*Full backward hook is firing when gradients are computed with respect to module outputs",
+    _OPACUS_FULL_HOOK,
     r".*Optimal order is the (largest|smallest) alpha",
 )
 
