@@ -80,6 +80,8 @@ def main() -> None:
     seconds = time.perf_counter() - start
     print(f"{len(result.ran)} jobs ran in {seconds:.0f} s with {args.workers} workers")
     print("\n".join(str(p) for p in result.files))
+    if result.failed:
+        raise SystemExit(f"{len(result.failed)} jobs failed (listed above and in {name}.md); rerun to retry them")
 
 
 if __name__ == "__main__":

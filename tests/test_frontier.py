@@ -25,9 +25,11 @@ from lightning_gp.audit import (
     Grid,
     audit_setting,
     frontier,
+    frontier_grid,
     pareto_mask,
     published_attacks,
 )
+from lightning_gp.audit.frontier_grid import Family, setting_name
 from lightning_gp.audit.frontier_report import (
     family_bests,
     family_table,
@@ -37,8 +39,9 @@ from lightning_gp.audit.frontier_report import (
     write_csv,
 )
 from lightning_gp.audit.frontier_run import RESULTS_FILE, attacked_images, coverage_order, frontier_jobs
-from lightning_gp.callbacks import GaussianNoise, TopKPruning
+from lightning_gp.callbacks import GaussianNoise, GradientDefense, TopKPruning
 from lightning_gp.data import FashionMNISTSampleDataModule
+from lightning_gp.defenses import Defense
 from lightning_gp.models import LeNetZhu
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -267,6 +270,51 @@ def test_the_csv_reads_back_to_the_same_points(tmp_path: Path) -> None:
     ]
     write_csv(points, tmp_path / "points.csv")
     assert read_csv(tmp_path / "points.csv") == [dataclasses.replace(p, value=str(p.value)) for p in points]
+
+
+class _Exploding(Defense):
+    """Raises on every gradient while ``armed``: a job that fails at run time, after the config checks."""
+
+    armed = True
+
+    def config(self) -> dict:
+        return {}
+
+    def transform(self, gradients, state, call):
+        if _Exploding.armed:
+            raise RuntimeError("exploded on purpose")
+        return dict(gradients), state
+
+
+def test_a_failed_job_neither_ends_the_run_nor_is_stored_and_a_rerun_retries_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A setting whose defense raises while its jobs run: the run finishes the other setting, lists
+    both failed jobs with their error (result, log, report), stores neither, never calls the broken
+    setting private, and the same command again runs exactly those two."""
+
+    def build(params: dict, seed: int, channels: int) -> DefenseSetting:
+        return DefenseSetting(setting_name("Exploding", params), [GradientDefense(_Exploding())])
+
+    monkeypatch.setitem(frontier_grid._FAMILIES, "Exploding", Family("Exploding", build))
+    cfg = config(grids=[Grid("TopKPruning", "rate", [0.9]), Grid("Exploding", "strength", [1.0])], undefended=False)
+    lines: list[str] = []
+    first = frontier(cfg, tmp_path, log=lines.append)
+    broken = {"train|Exploding(strength=1)|B=1", "audit|Exploding(strength=1)|B=1|round=0"}
+    assert {job.key for job, _ in first.failed} == broken
+    assert all(error == "RuntimeError: exploded on purpose" for _, error in first.failed)
+    assert {job.key for job in first.ran} == {
+        "train|TopKPruning(rate=0.9)|B=1",
+        "audit|TopKPruning(rate=0.9)|B=1|round=0",
+    }
+    stored = {json.loads(line)["key"] for line in (tmp_path / RESULTS_FILE).read_text().splitlines()}
+    assert stored == {job.key for job in first.ran}
+    assert any(line.startswith("Traceback") and "in transform" in line for line in lines)
+    assert "2 jobs failed and are missing here" in (tmp_path / "frontier.md").read_text()
+    assert not any(p.verdict == "private" for p in first.points if p.setting.startswith("Exploding"))
+    monkeypatch.setattr(_Exploding, "armed", False)
+    again = frontier(cfg, tmp_path, log=silent)
+    assert {job.key for job in again.ran} == broken and again.failed == []
 
 
 def test_a_two_worker_ray_cluster_gives_the_local_results(tmp_path: Path) -> None:

@@ -49,12 +49,15 @@ class FrontierResult:
         recommendations: per batch size and threat model, the pick or the closest point.
         ran: the jobs this call ran (the others were read back from the results file).
         files: what was written (the results file, the CSV, the Markdown, the figure).
+        failed: the jobs that raised, each with its error; their points are missing from the report
+            (never private there) and a rerun tries them again.
     """
 
     points: list[FrontierPoint]
     recommendations: list[Recommendation]
     ran: list[Job] = field(default_factory=list)
     files: list[Path] = field(default_factory=list)
+    failed: list[tuple[Job, str]] = field(default_factory=list)
 
     def markdown(self, title: str = "Privacy-utility frontier", context: tuple[str, ...] = ()) -> str:
         return frontier_markdown(self.points, title=title, context=context)
@@ -80,8 +83,10 @@ def frontier(
     Args:
         workers: jobs run at once (``1``: in this process; ``backend="local"``: spawned processes).
         backend: ``"local"`` or ``"ray"`` (``ray_address``: an existing cluster; else a local one).
-        log: where the progress lines go (one per finished job, with an ETA).
-        on_job: called with each finished job and its record, after it is written.
+        log: where the progress lines go (one per finished job, with an ETA; a failed job's with the
+            end of its traceback).
+        on_job: called with each finished job and its record, after it is written (not for a job
+            that failed: see :attr:`FrontierResult.failed`).
         report_only: run no job; report the jobs already in ``<name>_points.jsonl`` (a long run still
             going elsewhere, or cut short). A missing stage counts as not private (inconclusive).
     """
@@ -101,21 +106,30 @@ def frontier(
         + (f" in {store.path}" if store.path is not None else "")
     )
     progress = Progress(len(jobs), len(jobs) - len(todo), workers, log)
-    ran = []
+    ran: list[Job] = []
+    failed: list[tuple[Job, str]] = []
     if report_only and todo:
         log(f"frontier: report only; {len(todo)} jobs not run")
         context = (*context, f"Partial: {len(jobs) - len(todo)} of {len(jobs)} jobs finished; {len(todo)} not run yet.")
     for job, record in execute(
         [] if report_only else todo, config, workers=workers, backend=backend, ray_address=ray_address
     ):
+        progress.update(job, record)
+        if record.get("failed"):  # not stored: the point stays missing and a rerun tries it again
+            failed.append((job, record["failed"]))
+            log(record["traceback"].rstrip())
+            continue
         store.append(job.key, record)
         records[job.key] = record
         ran.append(job)
-        progress.update(job, record)
         if on_job is not None:
             on_job(job, record)
+    if failed:
+        listed = "; ".join(f"{job.describe()}: {error}" for job, error in failed)
+        context = (*context, f"{len(failed)} jobs failed and are missing here (a rerun tries them again): {listed}.")
+        log(f"frontier: {len(failed)} jobs failed (not stored; the same command again retries them)")
     points = frontier_points(jobs, records)
-    result = FrontierResult(points, recommend(points), ran)
+    result = FrontierResult(points, recommend(points), ran, failed=failed)
     if directory is not None:
         directory.mkdir(parents=True, exist_ok=True)
         write_csv(points, directory / f"{name}.csv")

@@ -6,7 +6,9 @@ A **job** is one audit (a setting at one batch size and one stage: :func:`audit_
 size: :func:`~lightning_gp.audit.train_setting`, for PMM, time and bytes). Each finished job is
 appended to ``<name>_points.jsonl`` at once, keyed by what it computed and by a fingerprint of the
 config fields every job depends on; a rerun with the same config skips the jobs it finds there, so an
-interrupted run resumes where it stopped, and a changed budget or model never reuses stale lines.
+interrupted run resumes where it stopped, and a changed budget or model never reuses stale lines. A job
+that raises (or whose worker dies) gives a failure record (:func:`failure_record`) instead of ending
+the run: the other jobs go on, the failure is never stored, and a rerun tries the job again.
 
 Backends: ``"local"`` runs the jobs in this process (``workers=1``) or in ``workers`` spawned
 processes; ``"ray"`` sends them to Ray (``ray.init(address=...)`` to join a cluster, else a local one
@@ -21,6 +23,7 @@ import json
 import math
 import multiprocessing
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass
@@ -187,6 +190,8 @@ def _clock(seconds: float) -> str:
 
 def record_summary(record: dict[str, Any]) -> str:
     """One job's result in a few words."""
+    if record.get("failed"):
+        return f"FAILED, {record['failed']} (not stored: a rerun tries it again)"
     if record.get("skipped"):
         return f"not audited ({record['skipped']})"
     if record["kind"] == "train":
@@ -299,9 +304,25 @@ def _cached(name: str, build: Callable[[], Any]) -> Any:
 
 def run_job(job: Job, config: FrontierConfig) -> dict[str, Any]:
     """Run one job (in any process: everything it needs is in ``job`` and ``config``), without the
-    libraries' known noise (:func:`~lightning_gp.audit.quiet.library_noise_silenced`)."""
-    with library_noise_silenced():
-        return _run_job(job, config)
+    libraries' known noise (:func:`~lightning_gp.audit.quiet.library_noise_silenced`). An exception
+    of the job gives its :func:`failure_record` (a long run goes on with its other jobs)."""
+    try:
+        with library_noise_silenced():
+            return _run_job(job, config)
+    except Exception as err:
+        return failure_record(job, err)
+
+
+def failure_record(job: Job, error: BaseException) -> dict[str, Any]:
+    """The record of a job that raised ``error`` (or whose worker died): kept out of the results
+    file, so its point is missing from the report (never private) and a rerun runs it again."""
+    lines = traceback.format_exception(type(error), error, error.__traceback__)
+    return {
+        "kind": job.kind,
+        "setting": job.setting,
+        "failed": f"{type(error).__name__}: {error}",
+        "traceback": "".join(lines if len(lines) <= 13 else ["Traceback (innermost frames):\n", *lines[-12:]]),
+    }
 
 
 def _run_job(job: Job, config: FrontierConfig) -> dict[str, Any]:
@@ -376,7 +397,12 @@ def _execute_processes(jobs: Sequence[Job], config: FrontierConfig, workers: int
         while pending:
             finished, _ = wait(pending, return_when=FIRST_COMPLETED)
             for future in finished:
-                yield pending.pop(future), future.result()
+                job = pending.pop(future)
+                try:
+                    record = future.result()
+                except Exception as err:  # the worker died (killed, out of memory) or its result did not pickle
+                    record = failure_record(job, err)
+                yield job, record
     finally:  # an interrupted run stops its queue; the finished jobs are already in the results file
         pool.shutdown(wait=False, cancel_futures=True)
 
@@ -398,7 +424,12 @@ def _execute_ray(
         while pending:
             finished, _ = ray.wait(list(pending), num_returns=1)
             for ref in finished:
-                yield pending.pop(ref), ray.get(ref)
+                job = pending.pop(ref)
+                try:
+                    record = ray.get(ref)
+                except Exception as err:  # the task's worker died
+                    record = failure_record(job, err)
+                yield job, record
     finally:
         for ref in pending:
             ray.cancel(ref)

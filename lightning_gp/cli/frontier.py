@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
         for job in jobs:
             print(f"  {job.kind:5s} {job.describe()}")
         return
-    frontier(
+    result = frontier(
         config,
         Path(namespace.output_dir),
         workers=namespace.workers,
@@ -99,3 +99,5 @@ def main(argv: list[str] | None = None) -> None:
         report_only=namespace.report_only,
     )
     print(f"written: {namespace.output_dir}/frontier.{{csv,md,png}} and frontier_points.jsonl")
+    if result.failed:
+        raise SystemExit(f"{len(result.failed)} jobs failed (listed above and in frontier.md); rerun to retry them")
