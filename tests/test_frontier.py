@@ -38,7 +38,13 @@ from lightning_gp.audit.frontier_report import (
     recommendation_table,
     write_csv,
 )
-from lightning_gp.audit.frontier_run import RESULTS_FILE, attacked_images, coverage_order, frontier_jobs
+from lightning_gp.audit.frontier_run import (
+    RESULTS_FILE,
+    TRAINING_REVISION,
+    attacked_images,
+    coverage_order,
+    frontier_jobs,
+)
 from lightning_gp.callbacks import GaussianNoise, GradientDefense, TopKPruning
 from lightning_gp.data import FashionMNISTSampleDataModule
 from lightning_gp.defenses import Defense
@@ -270,6 +276,34 @@ def test_the_csv_reads_back_to_the_same_points(tmp_path: Path) -> None:
     ]
     write_csv(points, tmp_path / "points.csv")
     assert read_csv(tmp_path / "points.csv") == [dataclasses.replace(p, value=str(p.value)) for p in points]
+
+
+def test_a_training_times_itself_against_its_own_undefended_reference_and_older_ones_rerun(tmp_path: Path) -> None:
+    """Each training record holds the undefended reference trained for the same rounds in the same
+    job, and a point's cost is that record's ratio; a stored training without it (revision 1, whose
+    ratio divided by another job's time) runs again while the stored audits are kept."""
+    cfg = config(grids=[Grid("TopKPruning", "rate", [0.9])])
+    first = frontier(cfg, tmp_path, log=silent)
+    path = tmp_path / RESULTS_FILE
+    entries = [json.loads(line) for line in path.read_text().splitlines()]
+    trainings = {e["key"]: e["record"] for e in entries if e["record"]["kind"] == "train"}
+    assert set(trainings) == {"train|undefended|B=1", "train|TopKPruning(rate=0.9)|B=1"}
+    for record in trainings.values():
+        assert record["revision"] == TRAINING_REVISION and record["reference_seconds"] > 0
+    topk = trainings["train|TopKPruning(rate=0.9)|B=1"]
+    for point in first.points:
+        if point.setting == "TopKPruning(rate=0.9)":
+            assert point.cost_ratio == topk["train_seconds"] / topk["reference_seconds"]
+    for e in entries:  # as revision 1 wrote them
+        if e["record"]["kind"] == "train":
+            for key in ("revision", "reference_seconds"):
+                del e["record"][key]
+    path.write_text("".join(json.dumps(e) + "\n" for e in entries))
+    lines: list[str] = []
+    again = frontier(cfg, tmp_path, log=lines.append)
+    assert sorted(j.key for j in again.ran) == sorted(trainings)
+    assert "2 stored by an older version run again" in lines[0]
+    assert comparable(again.points) == comparable(first.points)
 
 
 class _Exploding(Defense):

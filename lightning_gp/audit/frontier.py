@@ -36,6 +36,7 @@ from lightning_gp.audit.frontier_run import (
     execute,
     fingerprint,
     frontier_jobs,
+    is_current,
 )
 from lightning_gp.validation import check_bool, check_choice, check_positive_int
 
@@ -98,12 +99,15 @@ def frontier(
     directory = None if output_dir is None else Path(output_dir)
     results = f"{name}_points.jsonl"
     store = ResultStore(None if directory is None else directory / results, fingerprint(config))
-    records = store.load()
+    stored = store.load()
+    records = {key: record for key, record in stored.items() if is_current(record)}
     todo = [job for job in jobs if job.key not in records]
+    stale = sum(job.key in stored for job in todo)
     log(
         f"frontier: {len(jobs)} jobs ({sum(j.kind == 'audit' for j in jobs)} audits, "
         f"{sum(j.kind == 'train' for j in jobs)} trainings); {len(jobs) - len(todo)} already done"
         + (f" in {store.path}" if store.path is not None else "")
+        + (f"; {stale} stored by an older version run again" if stale else "")
     )
     progress = Progress(len(jobs), len(jobs) - len(todo), workers, log)
     ran: list[Job] = []

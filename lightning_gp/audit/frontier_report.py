@@ -42,7 +42,9 @@ class FrontierPoint:
             ``strongest``: the attacks that leaked an image).
         rero_eta: the setting's ReRo bound at the rule's kappa (``None``: no formal bound).
         test_acc, pmm: accuracy after the training run and its ratio to the undefended run's at the
-            same batch size; ``cost_ratio``: the training's wall time over the undefended run's;
+            same batch size; ``cost_ratio``: the training's wall time over the undefended reference's,
+            trained for the same rounds right after it in the same process (``None`` for a record
+            without one);
             ``upload_bytes``, ``upload_ratio``: bytes a client uploads per round and over the dense size.
         audit_seconds: the attacks' time; ``pareto``: on the Pareto set of its batch size, stage and threat.
     """
@@ -124,13 +126,19 @@ def frontier_points(jobs: Sequence[Any], records: dict[str, dict[str, Any]]) -> 
                     rero_eta=_finite(record.get("rero_eta")),
                     test_acc=None if training is None else training["test_acc"],
                     pmm=_ratio(training, base, "test_acc"),
-                    cost_ratio=_ratio(training, base, "train_seconds"),
+                    cost_ratio=_cost_ratio(training),
                     upload_bytes=None if training is None else training["upload_bytes"],
                     upload_ratio=None if training is None else training["upload_bytes"] / training["dense_bytes"],
                     audit_seconds=float(record.get("seconds", 0.0)),
                 )
             )
     return _with_pareto(points)
+
+
+def _cost_ratio(training: dict | None) -> float | None:
+    if training is None or not training.get("reference_seconds"):
+        return None
+    return training["train_seconds"] / training["reference_seconds"]
 
 
 def _ratio(record: dict | None, base: dict | None, name: str) -> float | None:

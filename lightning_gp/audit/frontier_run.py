@@ -41,6 +41,12 @@ from lightning_gp.audit.setting_audit import THREAT_MODELS, SettingAudit, audit_
 from lightning_gp.audit.training import train_setting
 from lightning_gp.audit.verdict import LEAK_RULE_REVISION
 
+#: Raised when a training job's record changes meaning; stored trainings of an older revision run
+#: again. 2: each training job also trains the undefended reference for the same rounds in the same
+#: process, after a one-round warm-up, and the cost ratio is the job's own ratio (revision 1 divided
+#: by the undefended *job*'s time, which ran first in a cold worker: about twice its warm time).
+TRAINING_REVISION = 2
+
 Backend = Literal["local", "ray"]
 JobKind = Literal["audit", "train"]
 RESULTS_FILE = "frontier_points.jsonl"  # of a run named "frontier": ``<name>_points.jsonl``
@@ -332,25 +338,7 @@ def _run_job(job: Job, config: FrontierConfig) -> dict[str, Any]:
     setting = job.point.setting(config, int(datamodule.image_shape[0]))
     start = time.perf_counter()
     if job.kind == "train":
-        L.seed_everything(config.seed, verbose=False)
-        trained = train_setting(
-            setting,
-            build_spec(config.model, "model"),
-            datamodule,
-            rounds=config.train_rounds,
-            num_clients=config.num_clients,
-            local_batch_size=job.batch_size,
-            seed=config.seed,
-        )
-        return {
-            "kind": "train",
-            "setting": setting.name,
-            "test_acc": trained.test_acc,
-            "upload_bytes": trained.upload_bytes_per_client_round,
-            "dense_bytes": trained.dense_bytes_per_client_round,
-            "train_seconds": trained.train_seconds,
-            "seconds": time.perf_counter() - start,
-        }
+        return _train_record(job, config, setting, datamodule, start)
     if setting.runner == "trainer" and job.stage > 0:
         reason = "the plain-Trainer runner (DP-SGD through Opacus) is audited at round 0 only"
         return {"kind": "audit", "setting": setting.name, "skipped": reason, "seconds": 0.0}
@@ -363,6 +351,49 @@ def _run_job(job: Job, config: FrontierConfig) -> dict[str, Any]:
         setting, config, datamodule, batch_size=job.batch_size, stage=job.stage, lpips_fn=lpips_fn, log=_silent
     )
     return audit_record(audit)
+
+
+def _train_record(
+    job: Job, config: FrontierConfig, setting: DefenseSetting, datamodule: Any, start: float
+) -> dict[str, Any]:
+    """Train ``setting`` for PMM and bytes, and time it against the undefended reference trained for
+    the same rounds right after, in this process (a ratio of two runs side by side, not of two jobs
+    that ran at other times under other loads); a one-round warm-up first pays the process's
+    one-time costs, which would otherwise fall on whichever training came first."""
+
+    def train(trained_setting: DefenseSetting, rounds: int) -> Any:
+        L.seed_everything(config.seed, verbose=False)
+        return train_setting(
+            trained_setting,
+            build_spec(config.model, "model"),
+            datamodule,
+            rounds=rounds,
+            num_clients=config.num_clients,
+            local_batch_size=job.batch_size,
+            seed=config.seed,
+        )
+
+    reference_setting = DefenseSetting("undefended")
+    train(reference_setting, 1)
+    trained = train(setting, config.train_rounds)
+    reference = train(reference_setting, config.train_rounds)
+    return {
+        "kind": "train",
+        "setting": setting.name,
+        "revision": TRAINING_REVISION,
+        "test_acc": trained.test_acc,
+        "upload_bytes": trained.upload_bytes_per_client_round,
+        "dense_bytes": trained.dense_bytes_per_client_round,
+        "train_seconds": trained.train_seconds,
+        "reference_seconds": reference.train_seconds,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def is_current(record: dict[str, Any]) -> bool:
+    """Whether a stored record still means what this version computes (a training of an older
+    :data:`TRAINING_REVISION` does not: its job runs again)."""
+    return record.get("kind") != "train" or record.get("revision", 1) >= TRAINING_REVISION
 
 
 def _silent(line: str) -> None:
