@@ -62,8 +62,8 @@ def main() -> None:
         f"iterations, L-BFGS {budget.lbfgs_iterations}, Robbing the Fed {budget.rtf_bins} bins; LPIPS "
         f"{'on' if config.lpips else 'off'}. PMM: test accuracy after "
         f"{config.train_rounds} FedSGD rounds ({config.num_clients} clients of B images) over the undefended run's at "
-        f"the same B; time: that training's wall time over the undefended reference's, trained for the same rounds "
-        f"right after it in the same worker; upload: bytes per client-round over "
+        f"the same B; time: that training's wall time over the undefended reference's (same runner), trained for the "
+        f"same rounds just before and after it in the same worker; upload: bytes per client-round over "
         f"the dense gradient. Leak rule: {LeakRule().describe()}."
         + (" QUICK RUN: budgets far too small for conclusions." if args.quick else ""),
     )
