@@ -41,12 +41,15 @@ from __future__ import annotations
 import argparse
 import base64
 import csv
+import functools
 import math
 import multiprocessing
 import pickle
 import textwrap
 import time
+import traceback
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -670,11 +673,20 @@ def main() -> None:
     columns = [s.name for s in published]
     indices = choose_images(datamodule, images, args.seed, args.batch_size)
     published_names = [s.name for s in published]
+    failures: list[str] = []
     for audit_round in args.audit_rounds:
         round_args = argparse.Namespace(**vars(args), audit_round=audit_round)
         # the accuracy/bytes columns do not depend on the round audited: trained once, with the first
         round_args.no_training = args.no_training or audit_round != args.audit_rounds[0]
-        run_matrix(round_args, entries, columns, published_names, indices, dataset_name, budget, rounds, images)
+        failed = run_matrix(
+            round_args, entries, columns, published_names, indices, dataset_name, budget, rounds, images
+        )
+        failures += [f"round {audit_round}: {name}: {error}" for name, error in failed.items()]
+    if failures:
+        raise SystemExit(
+            f"matrix: {len(failures)} rows failed ({'; '.join(failures)}); every other row is kept, and the same "
+            "command again runs only the failed ones and writes the tables"
+        )
 
 
 def run_matrix(
@@ -687,8 +699,10 @@ def run_matrix(
     budget: AttackBudget,
     rounds: int,
     images: int,
-) -> None:
-    """Audit (and train) every defense at ``args.audit_round`` and write that round's table, CSV and heatmap."""
+) -> dict[str, str]:
+    """Audit (and train) every defense at ``args.audit_round`` and write that round's table, CSV and
+    heatmap. A row that raises (or whose worker dies) is not stored and does not stop the others: the
+    failed rows are returned by name with their error, and that round's tables are not written."""
     quick, batch = args.quick, len(indices[0])
     chosen = [i for client in indices for i in client]
     at_round = f"FedSGD round {args.audit_round}" + (
@@ -711,7 +725,16 @@ def run_matrix(
         (name, dataset_name, indices, published_names, budget, rounds, args) for name in names if name not in by_name
     ]
 
-    def keep(name: str, row: tuple[SettingAudit, TrainingResult | None]) -> None:
+    failed: dict[str, str] = {}
+
+    def keep(name: str, compute: Callable[[], tuple[SettingAudit, TrainingResult | None]]) -> None:
+        try:
+            row = compute()
+        except Exception as err:  # one broken row must not cost the hours of the others
+            failed[name] = f"{type(err).__name__}: {err}"
+            traceback.print_exception(err)
+            print(f"matrix: row {name} FAILED ({failed[name]}); not stored, a rerun retries it", flush=True)
+            return
         by_name[name] = row
         store.append(name, {"pickle": base64.b64encode(pickle.dumps(row)).decode("ascii")})
 
@@ -719,10 +742,13 @@ def run_matrix(
         with ProcessPoolExecutor(max_workers=args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
             futures = {pool.submit(run_defense, job): job[0] for job in jobs}
             for future in as_completed(futures):
-                keep(futures[future], future.result())
+                keep(futures[future], future.result)
     else:
         for job in jobs:
-            keep(job[0], run_defense(job))
+            keep(job[0], functools.partial(run_defense, job))
+    if failed:
+        print(f"matrix: round {args.audit_round}: {len(failed)} rows failed, its tables are not written", flush=True)
+        return failed
     done = [by_name[name] for name in names]
     audits = [audit for audit, _ in done]
     training = {result.setting: result for _, result in done if result is not None}
@@ -774,6 +800,7 @@ def run_matrix(
             writer.writerows(trained)
     print("\n" + table)
     write_figures(matrix_rows(audits, columns, training), columns, args.output_dir, suffix, source, at_round)
+    return {}
 
 
 def row_store(

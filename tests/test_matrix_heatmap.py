@@ -128,3 +128,31 @@ def test_a_setting_not_audited_gets_every_column_and_inconclusive_worst_cases(ma
     worst = {r["threat"]: r for r in matrix.csv_rows([unaudited], trained) if r["kind"] == "worst"}
     assert {t: r["status"] for t, r in worst.items()} == {"passive": "inconclusive", "active": "inconclusive"}
     assert "not audited" in worst["active"]["note"]
+
+
+def test_a_row_that_raises_is_not_stored_stops_no_other_row_and_is_retried(matrix, monkeypatch, tmp_path, capsys):
+    """One row raising (here TopKPruning's; the others stand in as unaudited rows, no attack runs):
+    the run finishes the other row and stores it, writes no table, exits naming the failure; the same
+    command again runs only the failed row and writes the tables."""
+    from lightning_gp.audit import SettingAudit
+
+    ran: list[str] = []
+
+    def run_defense(job):
+        ran.append(job[0])
+        if job[0] == "TopKPruning" and broken:
+            raise RuntimeError("broke on purpose")
+        return SettingAudit(job[0], [], None, None), None
+
+    monkeypatch.setattr(matrix, "run_defense", run_defense)
+    argv = ["matrix.py", "--quick", "--sample", "--no-training", "--no-lpips", "--attacks", "iDLG"]
+    argv += ["--defenses", "undefended", "TopKPruning", "--threads", "1", "--output-dir", str(tmp_path)]
+    monkeypatch.setattr("sys.argv", argv)
+    broken = True
+    with pytest.raises(SystemExit, match=r"1 rows failed \(round 0: TopKPruning: RuntimeError: broke on purpose\)"):
+        matrix.main()
+    assert ran == ["undefended", "TopKPruning"] and not (tmp_path / "matrix_quick.md").exists()
+    assert "row TopKPruning FAILED" in capsys.readouterr().out
+    broken, ran[:] = False, []
+    matrix.main()
+    assert ran == ["TopKPruning"] and (tmp_path / "matrix_quick.md").is_file()
