@@ -43,6 +43,7 @@ from lightning_gp.audit.frontier_run import (
     TRAINING_REVISION,
     attacked_images,
     coverage_order,
+    decisive_first,
     frontier_jobs,
 )
 from lightning_gp.callbacks import GaussianNoise, GradientDefense, TopKPruning
@@ -421,4 +422,29 @@ def test_the_first_jobs_of_a_stage_cover_every_grid_at_both_ends() -> None:
         "GaussianNoise(scale=0.1)",
         "TopKPruning(rate=0.9)",
         "GaussianNoise(scale=0.5)",
+    ]
+
+
+def test_later_audits_of_settings_that_already_leak_to_both_servers_run_last_in_their_stage() -> None:
+    """At round 5, Top-k 0.99 (leaked to both servers at round 0) goes after Top-k 0.5 (private to the
+    passive server there) and the undefended run (not audited yet); round 0's jobs keep their order."""
+    cfg = config(stages=[0, 5])
+    jobs = frontier_jobs(cfg, 1)
+
+    def audit(verdicts: tuple[str, str]) -> dict:
+        return {"kind": "audit", "threats": {t: {"verdict": v} for t, v in zip(("passive", "active"), verdicts)}}
+
+    records = {
+        "audit|TopKPruning(rate=0.99)|B=1|round=0": audit(("leaks", "leaks")),
+        "audit|TopKPruning(rate=0.5)|B=1|round=0": audit(("private", "leaks")),
+    }
+    todo = [job for job in jobs if job.key not in records]
+    ordered = decisive_first(todo, records)
+    assert sorted(ordered, key=todo.index) == todo  # a permutation
+    first = [job for job in ordered if job.stage == 0]
+    assert first == [job for job in todo if job.stage == 0] and ordered[: len(first)] == first
+    assert [job.key for job in ordered[len(first) :]] == [
+        "audit|undefended|B=1|round=5",
+        "audit|TopKPruning(rate=0.5)|B=1|round=5",
+        "audit|TopKPruning(rate=0.99)|B=1|round=5",
     ]

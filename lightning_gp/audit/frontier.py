@@ -33,6 +33,7 @@ from lightning_gp.audit.frontier_run import (
     Job,
     Progress,
     ResultStore,
+    decisive_first,
     execute,
     fingerprint,
     frontier_jobs,
@@ -101,7 +102,7 @@ def frontier(
     store = ResultStore(None if directory is None else directory / results, fingerprint(config))
     stored = store.load()
     records = {key: record for key, record in stored.items() if is_current(record)}
-    todo = [job for job in jobs if job.key not in records]
+    todo = decisive_first([job for job in jobs if job.key not in records], records)
     stale = sum(job.key in stored for job in todo)
     log(
         f"frontier: {len(jobs)} jobs ({sum(j.kind == 'audit' for j in jobs)} audits, "

@@ -94,6 +94,30 @@ def frontier_jobs(config: FrontierConfig, channels: int) -> list[Job]:
     return jobs
 
 
+def decisive_first(jobs: Sequence[Job], records: dict[str, dict[str, Any]]) -> list[Job]:
+    """``jobs`` with, within each stage, the audits that cannot change a verdict over every stage put
+    last: those of a setting (at its batch size) that already leaks to both the passive and the
+    active server at an earlier stage. A run cut short in a later stage then has audited the settings
+    still in the running for a recommendation; the order is otherwise kept."""
+
+    def settled(job: Job) -> bool:
+        if job.kind != "audit":
+            return False
+        for key, record in records.items():
+            kind, setting, where = key.split("|", 2)
+            if kind != "audit" or setting != job.setting or not where.startswith(f"B={job.batch_size}|"):
+                continue
+            earlier = int(where.rsplit("round=", 1)[1]) < job.stage
+            threats = record.get("threats", {})
+            if earlier and all(threats.get(t, {}).get("verdict") == "leaks" for t in THREAT_MODELS):
+                return True
+        return False
+
+    # the stages' blocks keep their order (a training belongs to the first block, as in frontier_jobs)
+    block = {stage: i for i, stage in enumerate(dict.fromkeys(j.stage for j in jobs if j.kind == "audit"))}
+    return sorted(jobs, key=lambda job: (block[job.stage] if job.kind == "audit" else 0, settled(job)))
+
+
 def coverage_order(n: int) -> list[int]:
     """Positions ``0 .. n-1`` in the order that covers a range soonest: both ends, then the midpoint
     of the widest gap left, and so on (``5 -> [0, 4, 2, 1, 3]``)."""
