@@ -549,9 +549,6 @@ def run_defense(job: tuple) -> tuple[SettingAudit, TrainingResult | None]:
     tag = f"[{setting.name}]"
     audit_round = getattr(args, "audit_round", 0)  # benchmarks/baselines.py audits round 0
     print(f"\n== {setting.name}" + (f" at round {audit_round}" if audit_round else ""), flush=True)
-    if audit_round > 0 and setting.runner == "trainer":
-        print(f"{tag} not audited at round {audit_round}: the plain-Trainer runner taps round 0 only", flush=True)
-        return SettingAudit(setting.name, [], None, None), None
     L.seed_everything(args.seed, verbose=False)
     with warnings.catch_warnings():
         warnings.simplefilter("always", UnmodelledDefenseWarning)
@@ -718,9 +715,11 @@ def run_matrix(
     store = row_store(args, suffix, dataset_name, indices, published_names, budget, rounds)
     names = [e.name for e in entries]
     rows_done = {} if args.fresh else store.load()
-    if rows_done.keys() & set(names):
-        print(f"matrix: {len(rows_done.keys() & set(names))} of {len(names)} rows already in {store.path}", flush=True)
     by_name = {name: pickle.loads(base64.b64decode(rows_done[name]["pickle"])) for name in names if name in rows_done}
+    # a row an older version did not audit (DP-SGD at a trained round) runs now
+    by_name = {name: row for name, row in by_name.items() if row[0].passive is not None or row[0].active is not None}
+    if by_name:
+        print(f"matrix: {len(by_name)} of {len(names)} rows already in {store.path}", flush=True)
     jobs = [
         (name, dataset_name, indices, published_names, budget, rounds, args) for name in names if name not in by_name
     ]

@@ -50,6 +50,27 @@ def test_robbing_the_fed_runs_at_a_trained_round_on_the_model_built_on_that_roun
     assert cells["RtF"].leak_fraction == 1.0 and audit.active.verdict == "leaks"
 
 
+def test_dp_sgd_is_audited_at_a_trained_round_on_the_weights_its_own_training_reached():
+    """DP-SGD (the plain-Trainer runner, through Opacus) at round 2: both servers attack the round-2
+    weights that two DP-SGD steps reached (not the initial ones, not undefended training's), and the
+    malicious server's round is replayed (DP-SGD keeps nothing across steps but its accounting)."""
+    setting = defense_catalog(["DPSGD"])[0].build(0, 1)
+    audit = audit_at_round_two(setting)
+    cells = {c.attack: c for c in audit.cells}
+    assert cells["iDLG"].status == "ok" and cells["RtF"].status == "ok"
+    passive = audit.results["iDLG"][0].record.model_state
+    active = audit.results["RtF"][0].record.model_state
+    initial = LeNetZhu().state_dict()
+    assert any(not torch.equal(passive[n], initial[n]) for n in initial)
+    for name, weight in passive.items():
+        assert torch.equal(active[f"model.{name}"], weight)
+    L.seed_everything(0, verbose=False)
+    undefended = audit_at_round_two(DefenseSetting("undefended", runner="trainer"))
+    other = undefended.results["iDLG"][0].record.model_state
+    assert any(not torch.equal(passive[n], other[n]) for n in initial)  # trained through DP-SGD's clip and noise
+    assert audit.active is not None and not any("not run at round" in r for r in audit.active.verdict_reasons)
+
+
 def test_a_defense_with_per_client_state_is_not_replayed_and_the_active_verdict_says_why():
     setting = defense_catalog(["DualGradientPruning"])[0].build(0, 1)
     audit = audit_at_round_two(setting)
@@ -73,7 +94,7 @@ def test_a_defense_with_per_client_state_is_not_replayed_and_the_active_verdict_
         ("AlignedDualGradientPruning", "coordinates the clients of each round"),
         ("OptimalGradientNoise", "keeps state across rounds"),
         ("PRECODE", "wraps or changes the model the clients train"),
-        ("DPSGD", "runs on the plain Trainer"),
+        ("DPSGD", None),
     ],
 )
 def test_which_settings_a_trained_active_round_replays(name, reason):

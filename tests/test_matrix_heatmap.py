@@ -116,8 +116,8 @@ def test_replot_redraws_the_committed_results_without_attacking(tmp_path):
 
 
 def test_a_setting_not_audited_gets_every_column_and_inconclusive_worst_cases(matrix):
-    """DP-SGD at a trained round is not audited (the plain-Trainer runner taps round 0 only): its table
-    row has the columns of every other row ("-"), and the CSV says both worst cases are inconclusive."""
+    """A setting without audit reports: its table row has the columns of every other row ("-"), and
+    the CSV says both worst cases are inconclusive."""
     from lightning_gp.audit import SettingAudit, TrainingResult
 
     unaudited = SettingAudit("DPSGD(sigma=1, C=1)", [], None, None)
@@ -131,18 +131,24 @@ def test_a_setting_not_audited_gets_every_column_and_inconclusive_worst_cases(ma
 
 
 def test_a_row_that_raises_is_not_stored_stops_no_other_row_and_is_retried(matrix, monkeypatch, tmp_path, capsys):
-    """One row raising (here TopKPruning's; the others stand in as unaudited rows, no attack runs):
-    the run finishes the other row and stores it, writes no table, exits naming the failure; the same
-    command again runs only the failed row and writes the tables."""
-    from lightning_gp.audit import SettingAudit
+    """One row raising (TopKPruning's): the run finishes the other row (the undefended one, really
+    audited at the quick budget) and stores it, writes no table, exits naming the failure; the same
+    command again runs only the failed row (standing in with the undefended audit, renamed) and
+    writes the tables."""
+    import dataclasses
 
+    audit_row = matrix.run_defense
     ran: list[str] = []
+    rows: dict = {}
 
     def run_defense(job):
         ran.append(job[0])
-        if job[0] == "TopKPruning" and broken:
-            raise RuntimeError("broke on purpose")
-        return SettingAudit(job[0], [], None, None), None
+        if job[0] == "TopKPruning":
+            if broken:
+                raise RuntimeError("broke on purpose")
+            return dataclasses.replace(rows["undefended"][0], setting="TopKPruning(rate=0.8)"), None
+        rows[job[0]] = audit_row(job)
+        return rows[job[0]]
 
     monkeypatch.setattr(matrix, "run_defense", run_defense)
     argv = ["matrix.py", "--quick", "--sample", "--no-training", "--no-lpips", "--attacks", "iDLG"]

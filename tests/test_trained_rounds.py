@@ -56,9 +56,22 @@ def test_a_trained_round_carries_the_error_feedback_residual(data) -> None:
     assert not differs(shared, fresh)
 
 
-def test_a_trained_round_is_refused_where_it_cannot_be_simulated(data) -> None:
+def test_a_plain_trainer_round_is_tapped_from_the_weights_its_training_reached(data) -> None:
+    """On the plain-Trainer runner, round 1 is tapped after one step of that runner: the record
+    carries the trained weights, not the initial ones, and is the gradient there of the chosen images."""
     plain = DefenseSetting("plain", runner="trainer")
-    with pytest.raises(ValueError, match="round=1: tapping a trained round needs the simulation runner"):
-        tap_defended_round(plain, lenet(), data, indices=CHOSEN, round=1)
+    torch.manual_seed(0)
+    model = lenet()
+    initial = {n: t.clone() for n, t in model.state_dict().items()}
+    (record,), sent, _ = tap_defended_round(plain, model, data, indices=CHOSEN, round=1)
+    assert any(not torch.equal(record.model_state[n], initial[n]) for n in initial)
+    sent.load_state_dict(record.model_state)
+    fresh = parameter_gradients(sent, nn.CrossEntropyLoss(), record.inputs, record.targets, create_graph=False)
+    assert record.gradients.keys() == fresh.keys()
+    for name, shared in record.gradients.items():
+        torch.testing.assert_close(shared, fresh[name], msg=name)
+
+
+def test_a_trained_round_is_refused_where_it_cannot_be_simulated(data) -> None:
     with pytest.raises(ValueError, match="round must be"):
         tap_defended_round(DefenseSetting("undefended"), lenet(), data, indices=CHOSEN, round=-1)

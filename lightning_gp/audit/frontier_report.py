@@ -101,10 +101,7 @@ def frontier_points(jobs: Sequence[Any], records: dict[str, dict[str, Any]]) -> 
         training = trained.get((job.setting, job.batch_size))
         base = trained.get(("undefended", job.batch_size))
         for threat in THREAT_MODELS:
-            if record.get("skipped"):
-                scores: dict[str, Any] = {"verdict": "inconclusive", "reasons": [f"not audited: {record['skipped']}"]}
-            else:
-                scores = record["threats"][threat]
+            scores: dict[str, Any] = record["threats"][threat]
             points.append(
                 FrontierPoint(
                     grid=job.point.grid,

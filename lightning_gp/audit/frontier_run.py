@@ -223,8 +223,6 @@ def record_summary(record: dict[str, Any]) -> str:
     """One job's result in a few words."""
     if record.get("failed"):
         return f"FAILED, {record['failed']} (not stored: a rerun tries it again)"
-    if record.get("skipped"):
-        return f"not audited ({record['skipped']})"
     if record["kind"] == "train":
         return f"test acc {record['test_acc']:.3f} ({record['seconds']:.0f} s)"
     verdicts = ", ".join(f"{t} {record['threats'][t]['verdict']}" for t in THREAT_MODELS)
@@ -364,9 +362,6 @@ def _run_job(job: Job, config: FrontierConfig) -> dict[str, Any]:
     start = time.perf_counter()
     if job.kind == "train":
         return _train_record(job, config, setting, datamodule, start)
-    if setting.runner == "trainer" and job.stage > 0:
-        reason = "the plain-Trainer runner (DP-SGD through Opacus) is audited at round 0 only"
-        return {"kind": "audit", "setting": setting.name, "skipped": reason, "seconds": 0.0}
     lpips_fn = None
     if config.lpips:
         from lightning_gp.metrics.lpips import LPIPS
@@ -421,7 +416,9 @@ def _train_record(
 
 def is_current(record: dict[str, Any]) -> bool:
     """Whether a stored record still means what this version computes (a training of an older
-    :data:`TRAINING_REVISION` does not: its job runs again)."""
+    :data:`TRAINING_REVISION` does not, nor an audit an older version skipped: its job runs again)."""
+    if record.get("skipped"):  # a trained round of DP-SGD, which older versions did not audit
+        return False
     return record.get("kind") != "train" or record.get("revision", 1) >= TRAINING_REVISION
 
 

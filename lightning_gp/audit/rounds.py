@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Subset
 from lightning_gp.attacks import GradientAttack
 from lightning_gp.audit.catalog import DefenseSetting
 from lightning_gp.audit.quiet import internal_trainer, quiet_lightning
+from lightning_gp.audit.training import trainer_runner
 from lightning_gp.callbacks import GradientDefense, GradientTap
 from lightning_gp.defenses.base import Gradients
 from lightning_gp.federated import FederatedSimulation, weighted_mean
@@ -258,6 +259,19 @@ def _tap_with_trainer(
     return records
 
 
+def _train_on_trainer(
+    setting: DefenseSetting, model: nn.Module, datamodule: Any, steps: int, batch_size: int, seed: int
+) -> nn.Module:
+    """``model`` after ``steps`` steps of the plain-Trainer runner through the setting's callbacks,
+    ``batch_size`` images per step (the rounds :func:`~lightning_gp.audit.train_setting` trains)."""
+    L.seed_everything(seed, verbose=False)
+    module, data = trainer_runner(setting, model, datamodule, batch_size)
+    with quiet_lightning():
+        trainer = internal_trainer(max_steps=steps, callbacks=[copy.deepcopy(cb) for cb in setting.callbacks])
+        trainer.fit(module, datamodule=data)
+    return cast(nn.Module, module.model)
+
+
 def tap_defended_round(
     setting: DefenseSetting,
     model: nn.Module,
@@ -274,10 +288,11 @@ def tap_defended_round(
     ``model`` is the server's model at initialisation (the caller seeds it); a setting that changes
     the architecture (PRECODE) changes it, and an active ``attack`` (Robbing the Fed) then replaces
     it, as a malicious server would. With ``round = r > 0`` the setting first trains ``r`` FedSGD
-    rounds (every client's batch drawn by the simulation's sampler) through the same defense
-    callbacks, so the tapped round sees the weights and the defenses' state (error-feedback
-    residuals, Outpost's step counters, ...) as they are at round ``r``; the records carry round
-    ``r``'s weights. Tapping a trained round needs the simulation runner and a passive server (an
+    rounds (every client's batch drawn by the simulation's sampler; on the plain-Trainer runner, ``r``
+    steps of ``num_clients`` clients' images each, as :func:`~lightning_gp.audit.train_setting`
+    trains it) through the same defense callbacks, so the tapped round sees the weights and the
+    defenses' state (error-feedback residuals, Outpost's step counters, ...) as they are at round
+    ``r``; the records carry round ``r``'s weights. Tapping a trained round needs a passive server (an
     active ``attack`` here would send its model from round 0 on); a server that turns malicious at
     round ``r`` is round 0 from the round-``r`` weights where :func:`active_replay_blocker` allows
     it (what :func:`~lightning_gp.audit.audit_setting` does).
@@ -286,11 +301,6 @@ def tap_defended_round(
     prefix removed), that model (with the round's weights in each record) and the server's secrets.
     """
     check_int(round, "round", low=0)
-    if round > 0 and setting.runner == "trainer":
-        raise ValueError(
-            f"round={round}: tapping a trained round needs the simulation runner; {setting.name} runs on the "
-            "plain Trainer (runner='trainer'), whose audit taps round 0 only"
-        )
     if round > 0 and getattr(attack, "modify_model", None) is not None:
         raise ValueError(
             f"round={round}: an active attack ({type(attack).__name__}) here would send its model from round 0 on; "
@@ -300,6 +310,9 @@ def tap_defended_round(
     datamodule.setup("fit")
     model, secrets = malicious_server_model(attack, setting.server_model(copy.deepcopy(model)), datamodule)
     if setting.runner == "trainer":
+        if round > 0:
+            batch_size = max(num_clients, len(indices)) * len(indices[0])
+            model = _train_on_trainer(setting, model, datamodule, round, batch_size, seed)
         return _tap_with_trainer(setting, model, datamodule, indices, setting.local_lr, seed), model, secrets
     client_model = setting.wrap(model) if setting.wrap is not None else model
     records, _, _ = tap_fedsgd_round(
@@ -330,10 +343,15 @@ def active_replay_blocker(setting: DefenseSetting, record: TappedGradient) -> st
     equals round 0 from those weights when no client defense carries anything from one round to the
     next: no per-client state (error feedback, Outpost's step counter), no adapter state (a cached
     sensitivity, GradDefense's root statistics) and no coordination of a round's clients (ADGP's
-    mask), and the setting neither wraps nor changes the model (Refiner, PriPrune, PRECODE). The
-    defenses' random streams start afresh, which changes the draw and not its law."""
+    mask), and the setting neither wraps nor changes the model (Refiner, PriPrune, PRECODE); on the
+    plain-Trainer runner, when its only callback is DP-SGD. The defenses' random streams start
+    afresh, which changes the draw and not its law."""
     if setting.runner == "trainer":
-        return f"{setting.name} runs on the plain Trainer, whose audit taps round 0 only"
+        from lightning_gp.callbacks import DPSGD
+
+        # DP-SGD clips each example and draws fresh noise at every step; its accountant only counts
+        others = [type(cb).__name__ for cb in setting.callbacks if not isinstance(cb, DPSGD)]
+        return f"{', '.join(others)} on the plain Trainer declares nothing of what it keeps" if others else None
     if setting.wrap is not None or setting.architecture is not None:
         return f"{setting.name} wraps or changes the model the clients train"
     for callback in setting.callbacks:

@@ -34,6 +34,20 @@ class TrainingResult:
         return self.upload_bytes_per_client_round / self.dense_bytes_per_client_round
 
 
+def trainer_runner(
+    setting: DefenseSetting, model: nn.Module, datamodule: L.LightningDataModule, batch_size: int
+) -> tuple[L.LightningModule, L.LightningDataModule]:
+    """The plain-Trainer runner's module (a copy of ``model``, trained with the setting's server
+    optimizer) and data (``batch_size`` images per step): one step is the round of FedSGD clients
+    whose images it holds."""
+    from lightning_gp.models import ImageClassifier
+
+    module = ImageClassifier(copy.deepcopy(model), lr=setting.server_lr, optimizer=setting.server_optimizer)
+    data: Any = copy.copy(datamodule)
+    data.batch_size = batch_size
+    return module, data
+
+
 def train_setting(
     setting: DefenseSetting,
     model: nn.Module,
@@ -57,7 +71,6 @@ def train_setting(
     """
     from lightning_gp.callbacks import CommunicationMeter
     from lightning_gp.federated import FederatedSimulation
-    from lightning_gp.models import ImageClassifier
 
     check_positive_int(rounds, "rounds")
     L.seed_everything(seed, verbose=False)
@@ -69,10 +82,7 @@ def train_setting(
     if setting.runner == "trainer":
         if client_dp is not None:
             raise ValueError(f"client_dp needs the simulation runner; {setting.name} trains on a plain Trainer")
-        module = ImageClassifier(copy.deepcopy(model), lr=setting.server_lr, optimizer=setting.server_optimizer)
-        data: Any = copy.copy(datamodule)
-        data.batch_size = num_clients * local_batch_size
-        fit_kwargs["datamodule"] = data
+        module, fit_kwargs["datamodule"] = trainer_runner(setting, model, datamodule, num_clients * local_batch_size)
     else:
         client_model = setting.wrap(copy.deepcopy(model)) if setting.wrap is not None else copy.deepcopy(model)
         module = FederatedSimulation(
