@@ -42,9 +42,9 @@ class FrontierPoint:
             ``strongest``: the attacks that leaked an image).
         rero_eta: the setting's ReRo bound at the rule's kappa (``None``: no formal bound).
         test_acc, pmm: accuracy after the training run and its ratio to the undefended run's at the
-            same batch size; ``cost_ratio``: the training's wall time over the undefended reference's,
-            trained for the same rounds right after it in the same process (``None`` for a record
-            without one);
+            same batch size; ``cost_ratio``: the training's wall time over the undefended reference's
+            (the mean of the same rounds trained just before and after it in the same process; ``None``
+            for a record without one);
             ``upload_bytes``, ``upload_ratio``: bytes a client uploads per round and over the dense size.
         audit_seconds: the attacks' time; ``pareto``: on the Pareto set of its batch size, stage and threat.
     """
