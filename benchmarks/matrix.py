@@ -130,7 +130,7 @@ def rows_for(audits: list[SettingAudit], columns: list[str], training: dict[str,
             if bound.eta is None or bound.kappa is None
             else f"{bound.eta:.3f} ({bound.kappa:.3f})"
         )
-        worst = audit.active  # every row has every column: a setting not audited (DP-SGD at a trained round) too
+        worst = audit.active  # every row has every column: one without any report (every attack failed) too
         row["worst SSIM"] = _num(worst.means["ssim"], ".3f") if worst else "-"
         row["worst LPIPS"] = _num(worst.means.get("lpips"), ".3f") if worst else "-"
         row["strongest"] = (", ".join(sorted({a for r in worst.rows for a in r.leaked_by})) if worst else "") or "-"
@@ -771,7 +771,7 @@ def run_matrix(
         + (
             "At a trained round the malicious server builds its model on that round's weights, replayed where no "
             "client state carries across rounds; elsewhere the active attacks are not run (the active verdict names "
-            "that gap), and a setting on the plain-Trainer runner (DP-SGD) is not audited. "
+            "that gap); DP-SGD (the plain-Trainer runner) trains that many steps of the round's images first. "
             if args.audit_round
             else ""
         )
