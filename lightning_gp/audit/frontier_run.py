@@ -26,7 +26,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -377,7 +377,7 @@ def _train_record(
     job: Job, config: FrontierConfig, setting: DefenseSetting, datamodule: Any, start: float
 ) -> dict[str, Any]:
     """Train ``setting`` for PMM and bytes, and time it against the undefended reference (on the same
-    runner, with the same algorithm) trained for the same rounds just before and just after it in
+    runner, with the same algorithm and optimizers) trained for the same rounds just before and just after it in
     this process, their mean (a ratio of runs side by side, not of jobs that ran at other times under
     other loads, and no bias from which came first); a one-round warm-up first pays the process's
     one-time costs, which would otherwise fall on whichever training came first."""
@@ -394,8 +394,8 @@ def _train_record(
             seed=config.seed,
         )
 
-    # the same runner and algorithm undefended: DP-SGD's plain Trainer, PriPrune's FedAvg
-    reference_setting = DefenseSetting("undefended", algorithm=setting.algorithm, runner=setting.runner)
+    # undefended on the same runner, algorithm and optimizers: DP-SGD's plain Trainer, PriPrune's FedAvg
+    reference_setting = replace(DefenseSetting("undefended"), **_runner_fields(setting))
     train(reference_setting, 1)
     before = train(reference_setting, config.train_rounds).train_seconds
     trained = train(setting, config.train_rounds)
@@ -412,6 +412,12 @@ def _train_record(
         "reference_runs": [before, after],
         "seconds": time.perf_counter() - start,
     }
+
+
+def _runner_fields(setting: DefenseSetting) -> dict[str, Any]:
+    """How ``setting`` trains, apart from its defenses: runner, algorithm, learning rates, optimizer."""
+    names = ("runner", "algorithm", "local_lr", "server_optimizer", "server_lr")
+    return {name: getattr(setting, name) for name in names}
 
 
 def is_current(record: dict[str, Any]) -> bool:
