@@ -41,10 +41,12 @@ from lightning_gp.audit.frontier_report import (
 from lightning_gp.audit.frontier_run import (
     RESULTS_FILE,
     TRAINING_REVISION,
+    Progress,
     attacked_images,
     coverage_order,
     decisive_first,
     frontier_jobs,
+    job_estimates,
 )
 from lightning_gp.callbacks import GaussianNoise, GradientDefense, TopKPruning
 from lightning_gp.data import FashionMNISTSampleDataModule
@@ -448,3 +450,40 @@ def test_later_audits_of_settings_that_already_leak_to_both_servers_run_last_in_
         "audit|TopKPruning(rate=0.5)|B=1|round=5",
         "audit|TopKPruning(rate=0.99)|B=1|round=5",
     ]
+
+
+def test_the_eta_counts_each_job_as_long_as_the_finished_jobs_say_it_takes() -> None:
+    """A resumed run's estimates: a job's own stale record, the same setting's audit at another
+    stage, else its kind and batch size's mean; the ETA scales the work left by this run's pace (a
+    short training done in 2 s where 1 s was expected leaves 340 s for the 170 s of audits), where
+    counting jobs says 4 s."""
+    cfg = config(stages=[0, 5])
+    jobs = {job.key: job for job in frontier_jobs(cfg, 1)}
+    records = {
+        "train|TopKPruning(rate=0.5)|B=1": {"kind": "train", "seconds": 1.0},  # stale: its job runs again
+        "audit|TopKPruning(rate=0.5)|B=1|round=0": {"kind": "audit", "seconds": 100.0},
+        "audit|undefended|B=1|round=0": {"kind": "audit", "seconds": 40.0},
+    }
+    todo = [
+        jobs["train|TopKPruning(rate=0.5)|B=1"],
+        jobs["audit|TopKPruning(rate=0.5)|B=1|round=5"],
+        jobs["audit|TopKPruning(rate=0.99)|B=1|round=0"],
+    ]
+    estimates = job_estimates(todo, records)
+    assert estimates == {
+        "train|TopKPruning(rate=0.5)|B=1": 1.0,
+        "audit|TopKPruning(rate=0.5)|B=1|round=5": 100.0,
+        "audit|TopKPruning(rate=0.99)|B=1|round=0": 70.0,
+    }
+    assert job_estimates(todo, {}) is None
+    now = [0.0]
+    lines: list[str] = []
+    progress = Progress(6, 3, 1, lines.append, estimates=estimates, clock=lambda: now[0])
+    assert progress.eta(0.0) == 171.0
+    now[0] = 2.0
+    progress.update(todo[0], {"kind": "train", "test_acc": 0.5, "seconds": 2.0})
+    assert lines[-1].endswith("ETA 0:05:40")  # (100 + 70) * 2 / 1
+    counting = Progress(6, 3, 1, lines.append, clock=lambda: now[0])
+    now[0] = 4.0
+    counting.update(todo[0], {"kind": "train", "test_acc": 0.5, "seconds": 2.0})
+    assert lines[-1].endswith("ETA 0:00:04")  # 2 s per job, 2 jobs left: what a resumed run printed before

@@ -37,7 +37,9 @@ from lightning_gp.audit.frontier_run import (
     execute,
     fingerprint,
     frontier_jobs,
+    hours_minutes_seconds,
     is_current,
+    job_estimates,
 )
 from lightning_gp.validation import check_bool, check_choice, check_positive_int
 
@@ -110,7 +112,12 @@ def frontier(
         + (f" in {store.path}" if store.path is not None else "")
         + (f"; {stale} stored by an older version run again" if stale else "")
     )
-    progress = Progress(len(jobs), len(jobs) - len(todo), workers, log)
+    estimates = None if report_only else job_estimates(todo, stored)
+    progress = Progress(len(jobs), len(jobs) - len(todo), workers, log, estimates=estimates)
+    if estimates:
+        log(
+            f"frontier: about {hours_minutes_seconds(progress.eta(0.0))} left on {workers} workers at the finished jobs' pace"
+        )
     ran: list[Job] = []
     failed: list[tuple[Job, str]] = []
     if report_only and todo:

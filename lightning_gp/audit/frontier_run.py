@@ -191,30 +191,84 @@ class ResultStore:
 
 
 class Progress:
-    """A progress bar over jobs with an ETA: the wall time per job finished in this run (with
-    ``workers`` in parallel, a job's time over the workers) times the jobs left."""
+    """A progress bar over jobs with an ETA.
 
-    def __init__(self, total: int, done: int, workers: int, log: Callable[[str], None], width: int = 24) -> None:
+    With ``estimates`` (the expected seconds of each job left, by key: :func:`job_estimates`) the ETA
+    is the estimated work left, scaled by this run's pace: the wall time so far over the estimates
+    of the jobs it finished (before the first, the estimates over the ``workers``). Jobs of very
+    different sizes (a training of seconds, an audit of minutes) then count as long as they take.
+    Without, it is the wall time per finished job times the jobs left. ``clock``: seconds (tests)."""
+
+    def __init__(
+        self,
+        total: int,
+        done: int,
+        workers: int,
+        log: Callable[[str], None],
+        width: int = 24,
+        estimates: dict[str, float] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.total, self.done, self.workers, self.log, self.width = total, done, workers, log, width
-        self.start = time.perf_counter()
+        self.estimates = dict(estimates or {})
+        self.left_estimate = sum(self.estimates.values())
+        self.done_estimate = 0.0
+        self.clock = clock
+        self.start = clock()
         self.ran = 0
+
+    def eta(self, elapsed: float) -> float:
+        """Seconds left, ``elapsed`` seconds into this run."""
+        if self.estimates:
+            if self.done_estimate > 0:
+                return self.left_estimate * elapsed / self.done_estimate
+            return self.left_estimate / self.workers
+        return elapsed / max(1, self.ran) * (self.total - self.done)  # elapsed / ran is already per worker
 
     def update(self, job: Job, record: dict[str, Any]) -> str:
         self.done += 1
         self.ran += 1
-        elapsed = time.perf_counter() - self.start
-        left = self.total - self.done
-        eta = elapsed / self.ran * left  # jobs finish in parallel: elapsed / ran is already per worker
+        estimate = self.estimates.pop(job.key, 0.0)
+        self.left_estimate -= estimate
+        self.done_estimate += estimate
+        elapsed = self.clock() - self.start
         filled = round(self.width * self.done / max(1, self.total))
         line = (
             f"[{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} {job.describe()}: "
-            f"{record_summary(record)} | elapsed {_clock(elapsed)}, ETA {_clock(eta)}"
+            f"{record_summary(record)} | elapsed {hours_minutes_seconds(elapsed)}, ETA {hours_minutes_seconds(self.eta(elapsed))}"
         )
         self.log(line)
         return line
 
 
-def _clock(seconds: float) -> str:
+def job_estimates(jobs: Sequence[Job], records: dict[str, dict[str, Any]]) -> dict[str, float] | None:
+    """Expected seconds of each of ``jobs`` from the finished ``records`` (stale ones too: their
+    jobs take about as long again): the job's own earlier record, else the same setting's audit at
+    another stage, else the mean of the finished jobs of its kind and batch size, of its kind, of all.
+    ``None`` when no record has a time (a fresh run)."""
+    finished = {key: float(r["seconds"]) for key, r in records.items() if r.get("seconds")}
+    if not finished:
+        return None
+    groups: dict[tuple[str, ...], list[float]] = {}
+    for key, seconds in finished.items():
+        kind, _, where = key.split("|", 2)
+        for group in ((kind, where.split("|")[0]), (kind,), ()):
+            groups.setdefault(group, []).append(seconds)
+    estimates = {}
+    for job in jobs:
+        prefix = f"audit|{job.setting}|B={job.batch_size}|"
+        same = [s for key, s in finished.items() if key.startswith(prefix)] if job.kind == "audit" else []
+        pool = (
+            [finished[job.key]]
+            if job.key in finished
+            else same or groups.get((job.kind, f"B={job.batch_size}")) or groups.get((job.kind,)) or groups[()]
+        )
+        estimates[job.key] = sum(pool) / len(pool)
+    return estimates
+
+
+def hours_minutes_seconds(seconds: float) -> str:
+    """``seconds`` as ``H:MM:SS``."""
     whole = round(seconds)
     return f"{whole // 3600}:{whole % 3600 // 60:02d}:{whole % 60:02d}"
 
