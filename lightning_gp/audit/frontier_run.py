@@ -99,23 +99,26 @@ def decisive_first(jobs: Sequence[Job], records: dict[str, dict[str, Any]]) -> l
     last: those of a setting (at its batch size) that already leaks to both the passive and the
     active server at an earlier stage. A run cut short in a later stage then has audited the settings
     still in the running for a recommendation; the order is otherwise kept."""
+    first_leak: dict[tuple[str, int], int] = {}  # (setting, batch size) -> its first round leaking to both
+    for key, record in records.items():
+        kind, setting, batch_size, stage = key_parts(key)
+        threats = record.get("threats", {})
+        if kind == "audit" and all(threats.get(t, {}).get("verdict") == "leaks" for t in THREAT_MODELS):
+            first_leak[(setting, batch_size)] = min(stage, first_leak.get((setting, batch_size), stage))
 
     def settled(job: Job) -> bool:
-        if job.kind != "audit":
-            return False
-        for key, record in records.items():
-            kind, setting, where = key.split("|", 2)
-            if kind != "audit" or setting != job.setting or not where.startswith(f"B={job.batch_size}|"):
-                continue
-            earlier = int(where.rsplit("round=", 1)[1]) < job.stage
-            threats = record.get("threats", {})
-            if earlier and all(threats.get(t, {}).get("verdict") == "leaks" for t in THREAT_MODELS):
-                return True
-        return False
+        return job.kind == "audit" and first_leak.get((job.setting, job.batch_size), job.stage) < job.stage
 
     # the stages' blocks keep their order (a training belongs to the first block, as in frontier_jobs)
     block = {stage: i for i, stage in enumerate(dict.fromkeys(j.stage for j in jobs if j.kind == "audit"))}
     return sorted(jobs, key=lambda job: (block[job.stage] if job.kind == "audit" else 0, settled(job)))
+
+
+def key_parts(key: str) -> tuple[str, str, int, int]:
+    """``(kind, setting, batch size, stage)`` of a :attr:`Job.key` (a training's stage is 0)."""
+    kind, setting, where = key.split("|", 2)
+    size, _, stage = where.partition("|round=")
+    return kind, setting, int(size.removeprefix("B=")), int(stage or 0)
 
 
 def coverage_order(n: int) -> list[int]:
@@ -249,20 +252,16 @@ def job_estimates(jobs: Sequence[Job], records: dict[str, dict[str, Any]]) -> di
     finished = {key: float(r["seconds"]) for key, r in records.items() if r.get("seconds")}
     if not finished:
         return None
-    groups: dict[tuple[str, ...], list[float]] = {}
+    groups: dict[tuple[Any, ...], list[float]] = {}
     for key, seconds in finished.items():
-        kind, _, where = key.split("|", 2)
-        for group in ((kind, where.split("|")[0]), (kind,), ()):
+        kind, setting, batch_size, _ = key_parts(key)
+        for group in ((kind, setting, batch_size), (kind, batch_size), (kind,), ()):
             groups.setdefault(group, []).append(seconds)
     estimates = {}
     for job in jobs:
-        prefix = f"audit|{job.setting}|B={job.batch_size}|"
-        same = [s for key, s in finished.items() if key.startswith(prefix)] if job.kind == "audit" else []
-        pool = (
-            [finished[job.key]]
-            if job.key in finished
-            else same or groups.get((job.kind, f"B={job.batch_size}")) or groups.get((job.kind,)) or groups[()]
-        )
+        own = [finished[job.key]] if job.key in finished else None
+        same_setting = groups.get(("audit", job.setting, job.batch_size)) if job.kind == "audit" else None
+        pool = own or same_setting or groups.get((job.kind, job.batch_size)) or groups.get((job.kind,)) or groups[()]
         estimates[job.key] = sum(pool) / len(pool)
     return estimates
 
