@@ -67,6 +67,33 @@ class FrontierResult:
         return frontier_markdown(self.points, title=title, context=context)
 
 
+def _progress(
+    jobs: list[Job],
+    todo: list[Job],
+    stored: dict[str, dict[str, Any]],
+    store: ResultStore,
+    workers: int,
+    log: Callable[[str], None],
+    *,
+    estimate: bool,
+) -> Progress:
+    """Say what the run holds and has left (with an ETA from the stored jobs' times when ``estimate``)
+    and give the progress bar over the jobs left."""
+    stale = sum(job.key in stored for job in todo)
+    log(
+        f"frontier: {len(jobs)} jobs ({sum(j.kind == 'audit' for j in jobs)} audits, "
+        f"{sum(j.kind == 'train' for j in jobs)} trainings); {len(jobs) - len(todo)} already done"
+        + (f" in {store.path}" if store.path is not None else "")
+        + (f"; {stale} stored by an older version run again" if stale else "")
+    )
+    estimates = job_estimates(todo, stored) if estimate else None
+    progress = Progress(len(jobs), len(jobs) - len(todo), workers, log, estimates=estimates)
+    if estimates:
+        left = hours_minutes_seconds(progress.eta(0.0))
+        log(f"frontier: about {left} left on {workers} workers at the finished jobs' pace")
+    return progress
+
+
 def frontier(
     config: FrontierConfig,
     output_dir: str | Path | None = None,
@@ -105,19 +132,7 @@ def frontier(
     stored = store.load()
     records = {key: record for key, record in stored.items() if is_current(record)}
     todo = decisive_first([job for job in jobs if job.key not in records], records)
-    stale = sum(job.key in stored for job in todo)
-    log(
-        f"frontier: {len(jobs)} jobs ({sum(j.kind == 'audit' for j in jobs)} audits, "
-        f"{sum(j.kind == 'train' for j in jobs)} trainings); {len(jobs) - len(todo)} already done"
-        + (f" in {store.path}" if store.path is not None else "")
-        + (f"; {stale} stored by an older version run again" if stale else "")
-    )
-    estimates = None if report_only else job_estimates(todo, stored)
-    progress = Progress(len(jobs), len(jobs) - len(todo), workers, log, estimates=estimates)
-    if estimates:
-        log(
-            f"frontier: about {hours_minutes_seconds(progress.eta(0.0))} left on {workers} workers at the finished jobs' pace"
-        )
+    progress = _progress(jobs, todo, stored, store, workers, log, estimate=not report_only)
     ran: list[Job] = []
     failed: list[tuple[Job, str]] = []
     if report_only and todo:
