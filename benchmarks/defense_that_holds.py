@@ -120,6 +120,17 @@ def beside_the_frontier(path: Path, shipped: str, name: str, output_dir: Path = 
     save_beside_figure(marks, shipped, output_dir / f"{name}.png", rounds)
 
 
+#: The beside-the-frontier figure's family shapes (colour is the verdict, so shape names the family);
+#: past the last, the shapes come again half filled.
+FAMILY_MARKERS = ("o", "s", "^", "v", "D", "P", "X", "h", "<", ">", "p", "d")
+
+
+def family_marker(index: int) -> dict[str, str]:
+    """The marker keywords of the ``index``-th family: a shape, filled whole or (second time round) half."""
+    shape = FAMILY_MARKERS[index % len(FAMILY_MARKERS)]
+    return {"marker": shape, "fillstyle": "full" if index < len(FAMILY_MARKERS) else "left"}
+
+
 def save_beside_figure(
     marks: dict[tuple[int, str], tuple[Candidate, list[tuple[str, Candidate]]]],
     shipped: str,
@@ -127,12 +138,17 @@ def save_beside_figure(
     rounds: str,
 ) -> None:
     """One panel per batch size (columns) and threat model (rows): x = PMM, y = worst-case PSNR over the
-    rounds; each family's best point labelled, the shipped one a star; the leak line and issue 28's bar."""
+    rounds; each family's best point a marker of its own shape, filled by its verdict, the shipped one a
+    star; the leak line and issue 28's bar. Families are named in one legend below the panels (labels
+    beside the points overlap where the families crowd near PMM 1)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
 
     sizes = sorted({size for size, _ in marks})
-    fig = Figure(figsize=(6.5 * len(sizes), 9.5), dpi=100)
+    families = sorted({family for _, others in marks.values() for family, _ in others})
+    marker = {f: family_marker(i) for i, f in enumerate(families)}
+    fig = Figure(figsize=(6.5 * len(sizes), 11), dpi=100)
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(THREAT_MODELS), len(sizes), squeeze=False)
     for c_index, size in enumerate(sizes):
@@ -145,24 +161,38 @@ def save_beside_figure(
             for family, c in [*others, ("shipped", own)]:
                 if c.accuracy is None or c.worst_psnr is None:
                     continue
-                y = min(c.worst_psnr, PSNR_CAP)
                 star = family == "shipped"
                 ax.plot(
-                    [c.accuracy], [y], "*" if star else "o", color=VERDICT_COLORS[c.verdict], markersize=16 if star else 6,
-                    mec="black" if star else "none", zorder=5 if star else 3,
+                    [c.accuracy], [min(c.worst_psnr, PSNR_CAP)], ls="none",
+                    **({"marker": "*"} if star else marker[family]), color=VERDICT_COLORS[c.verdict],
+                    markerfacecoloralt="white", markersize=18 if star else 8, mec="black", mew=0.8 if star else 0.5,
+                    alpha=1.0 if star else 0.85, zorder=5 if star else 3,
                 )  # fmt: skip
-                ax.annotate(family, (c.accuracy, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
-            ax.axhline(LeakRule().thresholds["psnr"], color="#d73027", ls=":", lw=1.2, label="leak line")
-            ax.axhline(BAR["psnr"], color="black", ls="--", lw=1, label="issue 28's bar (15 dB)")
+            ax.axhline(LeakRule().thresholds["psnr"], color="#d73027", ls=":", lw=1.2)
+            ax.axhline(BAR["psnr"], color="black", ls="--", lw=1)
             ax.set_title(f"batch {size}, {threat} server, rounds {rounds}", fontsize=10)
             ax.set_xlabel("PMM (frontier training)", fontsize=9)
             ax.set_ylabel(f"worst-case PSNR over the rounds (dB, cap {PSNR_CAP:g})", fontsize=9)
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=7, loc="lower left")
+    handles = [Line2D([], [], ls="none", marker="*", ms=14, color="white", mec="black", label=f"shipped: {shipped}")]
+    handles += [
+        Line2D([], [], ls="none", **marker[f], ms=8, color="#9e9e9e", markerfacecoloralt="white", mec="black", label=f)
+        for f in families
+    ]
+    handles += [
+        Line2D([], [], ls="none", marker="s", ms=9, color=VERDICT_COLORS[v], mec="black", mew=0.5, label=v)
+        for v in ("private", "leaks", "inconclusive")
+    ]
+    handles += [
+        Line2D([], [], color="#d73027", ls=":", lw=1.2, label="leak line (PSNR 20 dB)"),
+        Line2D([], [], color="black", ls="--", lw=1, label="issue 28's bar (PSNR 15 dB)"),
+    ]
+    fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=8, frameon=False)
     fig.suptitle(
-        f"{shipped} (star) beside each family's best point; green private, red leaks, orange inconclusive", fontsize=11
+        f"{shipped} (star) beside each family's best point (shape: family; colour: verdict over rounds {rounds})",
+        fontsize=11,
     )
-    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    fig.tight_layout(rect=(0, 0.13, 1, 0.96))
     fig.savefig(path, dpi=100)
 
 
