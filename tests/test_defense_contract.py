@@ -210,6 +210,37 @@ def test_nonfinite_zero_policy_keeps_error_feedback_residual_finite():
     assert torch.equal(d.client_state(0)["w"], torch.tensor([0.0, 0.0, 0.0, 0.5]))
 
 
+def test_a_huge_but_finite_gradient_is_not_called_non_finite():
+    # entries of 1e20 overflow the float32 squares of the finite check's L2 norm: the exact check clears them
+    d = MagnitudePruning(0.0)  # keeps every entry
+    g = {"w": torch.tensor([1e20, -3e20, 2.0]), "b": torch.tensor([1.0])}
+    out = d(g)
+    assert torch.equal(out["w"], g["w"]) and torch.equal(out["b"], g["b"])
+
+
+class _NormRecorder(Defense):
+    """Identity that keeps the whole-gradient norm each call handed its transform."""
+
+    def __init__(self, nonfinite: str = "error") -> None:
+        super().__init__(seed=0, nonfinite=nonfinite)
+        self.norms: list[float | None] = []
+
+    def transform(self, gradients, state, call):
+        self.norms.append(call.update_norm)
+        return dict(gradients), state
+
+
+def test_a_transform_gets_the_norm_the_finite_check_computed_and_none_once_a_layer_was_zeroed():
+    g = grads()
+    d = _NormRecorder(nonfinite="zero")
+    d(g)
+    assert d.norms[0] == pytest.approx(defenses.update_norm(g), rel=1e-12)
+    g["fc.bias"][0] = float("nan")
+    with pytest.warns(RuntimeWarning):
+        d(g)
+    assert d.norms[1] is None  # the zeroed gradient's norm is not the checked one
+
+
 # ------------------------------------------------------------------ per-client state
 
 

@@ -110,6 +110,18 @@ def test_each_client_draws_its_own_stream_and_the_seed_repeats_it():
     assert not torch.equal(flat(D.LocalGaussianMechanism(0.5, 1.0, seed=12)(g, 0)), flat(first))
 
 
+@pytest.mark.parametrize("norm", [0.3, 5.0], ids=["inside-the-ball", "clipped"])
+def test_writing_into_given_tensors_or_the_gradient_itself_uploads_the_same(norm):
+    g = gradient(4, norm)
+    fresh = D.LocalGaussianMechanism(0.5, 1.0, seed=3)(g, 1)
+    out = zeros()
+    written = D.LocalGaussianMechanism(0.5, 1.0, seed=3)(g, 1, out=out)
+    assert all(written[n] is out[n] and torch.equal(out[n], fresh[n]) for n in g)
+    in_place = {n: t.clone() for n, t in g.items()}
+    D.LocalGaussianMechanism(0.5, 1.0, seed=3)(in_place, 1, out=in_place)  # out aliases the gradient it reads
+    assert all(torch.equal(in_place[n], fresh[n]) for n in g)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "named"),
     [

@@ -9,6 +9,7 @@ Defenses import nothing from Lightning: the callbacks in :mod:`lightning_gp.call
 
 from __future__ import annotations
 
+import math
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
@@ -24,7 +25,9 @@ from lightning_gp.defenses.validation import (
     check_choice,
     check_client_id,
     check_gradients,
+    layer_norms,
     nonfinite_layers,
+    whole_norm,
 )
 from lightning_gp.named_tensors import write_into
 from lightning_gp.seeding import seeded_generator
@@ -49,12 +52,16 @@ class DefenseCall:
         out: where the caller wants the shared gradient written (see :meth:`output`), or ``None``.
         statistic: what :meth:`Defense.prepare` made of the call's data-dependent inputs (a
             sensitivity, feature scores, a noise scale); ``None`` for defenses that take none.
+        update_norm: the L2 norm of the whole gradient the transform gets (every layer together,
+            as :func:`~lightning_gp.defenses.clipping.update_norm`), which the finite check
+            computed on the way; ``None`` where it did not (a layer was zeroed, or another caller).
     """
 
     client_id: int
     generator: torch.Generator
     out: Mapping[str, Tensor] | None = None
     statistic: Any = None
+    update_norm: float | None = None
 
     def output(self, name: str, like: Tensor) -> Tensor:
         """Where :meth:`Defense.transform` may write layer ``name``'s shared gradient: the caller's
@@ -213,7 +220,7 @@ class Defense(ABC):
         if out is not None:
             check_out(out, gradients)
         client_id = check_client_id(client_id, self.num_clients)
-        gradients = self._apply_nonfinite_policy(dict(gradients), client_id)
+        gradients, norm = self._apply_nonfinite_policy(dict(gradients), client_id)
         shapes = {n: g.shape for n, g in gradients.items()}
         if part:
             self._check_part_shapes(shapes, client_id)
@@ -231,10 +238,15 @@ class Defense(ABC):
                 state.update(self.init_client_state(new_layers))
             state = _aligned(state, gradients)
         generator = self._generator(client_id, next(iter(gradients.values())).device)
-        shared, new_state = self.transform(gradients, state, DefenseCall(client_id, generator, out, statistic))
+        shared, new_state = self.transform(gradients, state, DefenseCall(client_id, generator, out, statistic, norm))
         if shared.keys() != gradients.keys():
             raise RuntimeError(f"{type(self).__name__}.transform changed the set of layers")
-        changed = [n for n, g in gradients.items() if (shared[n].dtype, shared[n].device) != (g.dtype, g.device)]
+        written = {} if out is None else out  # out's tensors were checked against the gradient's
+        changed = [
+            n
+            for n, g in gradients.items()
+            if shared[n] is not written.get(n) and (shared[n].dtype, shared[n].device) != (g.dtype, g.device)
+        ]
         if changed:
             raise RuntimeError(f"{type(self).__name__}.transform changed the dtype or device of {changed}")
         self._states[client_id] = {**stored, **new_state} if part and stored is not None else new_state
@@ -359,10 +371,15 @@ class Defense(ABC):
         self._generators[client_id] = generator
         return generator
 
-    def _apply_nonfinite_policy(self, gradients: Gradients, client_id: int) -> Gradients:
-        bad = nonfinite_layers(gradients)
+    def _apply_nonfinite_policy(self, gradients: Gradients, client_id: int) -> tuple[Gradients, float | None]:
+        """The gradients the transform gets and their whole L2 norm (``None`` once a layer was zeroed):
+        the norm is the check's own pass (a finite norm means every entry is finite), kept for the
+        transforms that clip (:attr:`DefenseCall.update_norm`)."""
+        norms = layer_norms(gradients)
+        norm = whole_norm(norms)
+        bad = [] if math.isfinite(norm) else nonfinite_layers(gradients, norms)
         if not bad:
-            return gradients
+            return gradients, norm
         if self.nonfinite == "error":
             raise NonFiniteGradientError(
                 f"client {client_id}'s gradient holds NaN or inf in {bad}; fix the training "
@@ -374,9 +391,10 @@ class Defense(ABC):
             RuntimeWarning,
             stacklevel=3,
         )
-        return {
+        zeroed = {
             n: torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0) if n in bad else g for n, g in gradients.items()
         }
+        return zeroed, None
 
     def _check_part_shapes(self, shapes: dict[str, torch.Size], client_id: int) -> None:
         known = self._layer_shapes

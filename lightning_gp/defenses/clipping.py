@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import torch
 from torch import Tensor
 
+from lightning_gp.defenses.validation import layer_norms, whole_norm
 from lightning_gp.validation import check_positive
 
 
@@ -29,8 +29,7 @@ def update_norm(update: Mapping[str, Tensor]) -> float:
     :func:`squared_update_norm`); on a small model the fused pass is most of a defense's saving."""
     if not update:
         raise ValueError("update must hold at least one layer")
-    norms = torch._foreach_norm([u.detach() for u in update.values()])
-    return float(torch.stack(norms).double().norm())
+    return whole_norm(layer_norms(update))
 
 
 def clip_update(update: Mapping[str, Tensor], max_update_norm: float) -> dict[str, Tensor]:

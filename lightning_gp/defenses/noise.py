@@ -111,6 +111,7 @@ class LocalGaussianMechanism(Defense):
         super().__init__(seed=seed, nonfinite=nonfinite)
         self.noise_multiplier = check_nonnegative(noise_multiplier, "noise_multiplier")
         self.max_update_norm = check_positive(max_update_norm, "max_update_norm")
+        self._noise_cache: tuple[tuple[Any, ...], Tensor, list[Tensor]] | None = None
 
     @property
     def noise_std(self) -> float:
@@ -121,21 +122,32 @@ class LocalGaussianMechanism(Defense):
         return {"noise_multiplier": self.noise_multiplier, "max_update_norm": self.max_update_norm}
 
     def transform(self, gradients: Gradients, state: Gradients, call: DefenseCall) -> tuple[Gradients, Gradients]:
-        # fused over the layers (one kernel list per step, one draw for the whole update): on a small
+        # fused over the layers (one draw for the whole update, a few kernel lists per step): on a small
         # model the per-layer Python calls cost more than the arithmetic
         names, values = list(gradients), list(gradients.values())
-        norm = update_norm(gradients)
+        norm = update_norm(gradients) if call.update_norm is None else call.update_norm
         factor = min(1.0, self.max_update_norm / norm) if norm > 0 else 1.0
-        first = values[0]
-        noise = torch.randn(
-            sum(v.numel() for v in values), generator=call.generator, device=first.device, dtype=first.dtype
-        )
-        draws = [d.view_as(v) for d, v in zip(noise.split([v.numel() for v in values]), values)]
-        if call.out is None:
-            shared = list(torch._foreach_mul(values, factor))
-        else:  # written straight into the caller's tensors (they may be the gradients themselves)
-            shared = [call.out[n] for n in names]
-            torch._foreach_copy_(shared, values)
-            torch._foreach_mul_(shared, factor)
-        torch._foreach_add_(shared, draws, alpha=self.noise_std)
+        # z C n + factor g, built in the noise's own buffer (its per-layer views), then where the caller wants it
+        noise, shared = self._noise_buffer(values, reuse=call.out is not None)
+        noise.normal_(generator=call.generator).mul_(self.noise_std)  # the stream torch.randn would draw
+        torch._foreach_add_(shared, values, alpha=factor)
+        if call.out is not None:  # the caller's tensors (they may be the gradients themselves: read above)
+            out = [call.out[n] for n in names]
+            torch._foreach_copy_(out, shared)
+            shared = out
         return dict(zip(names, shared)), state
+
+    def _noise_buffer(self, values: list[Tensor], *, reuse: bool) -> tuple[Tensor, list[Tensor]]:
+        """A flat buffer for the whole update's noise and its per-layer views. With ``reuse`` (the caller
+        copies the result out at once) the same buffer and views serve every call on the same layers:
+        on a small model making them costs as much as filling them."""
+        first = values[0]
+        key = (tuple(v.shape for v in values), first.dtype, first.device)
+        if reuse and self._noise_cache is not None and self._noise_cache[0] == key:
+            return self._noise_cache[1], self._noise_cache[2]
+        sizes = [v.numel() for v in values]
+        flat = torch.empty(sum(sizes), dtype=first.dtype, device=first.device)
+        views = [d.view(v.shape) for d, v in zip(flat.split(sizes), values)]
+        if reuse:
+            self._noise_cache = (key, flat, views)
+        return flat, views

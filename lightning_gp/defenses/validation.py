@@ -21,7 +21,9 @@ __all__ = [
     "check_nonnegative",
     "check_positive_int",
     "check_rate",
+    "layer_norms",
     "nonfinite_layers",
+    "whole_norm",
 ]
 
 NONFINITE_POLICIES = ("error", "zero")
@@ -61,14 +63,31 @@ def check_gradients(gradients: Mapping[str, Tensor]) -> None:
             raise TypeError(f"gradients[{name!r}] must be a floating-point tensor, got dtype {grad.dtype}")
 
 
-def nonfinite_layers(gradients: Mapping[str, Tensor]) -> list[str]:
-    """Names of the layers holding NaN or inf (one device sync for the whole model)."""
+def nonfinite_layers(gradients: Mapping[str, Tensor], norms: Tensor | None = None) -> list[str]:
+    """Names of the layers holding NaN or inf (one device sync for the whole model).
+
+    ``norms``: the layers' stacked L2 norms (:func:`layer_norms`) where the caller has them already.
+    """
     names = list(gradients)
-    device = gradients[names[0]].device
-    # A finite L1 norm means every entry is finite (NaN and inf propagate through it); one fused
-    # pass over the layers, and only layers whose norm is not finite (or overflowed) get the exact check.
-    norms = torch._foreach_norm([gradients[n] for n in names], 1)
-    on_one_device = all(s.device == device for s in norms)
-    sums_finite = torch.stack(norms if on_one_device else [s.to(device) for s in norms]).isfinite().tolist()
+    # A finite norm means every entry is finite (NaN and inf propagate through it); one fused pass
+    # over the layers, and only layers whose norm is not finite (or overflowed) get the exact check.
+    sums_finite = (layer_norms(gradients) if norms is None else norms).isfinite().tolist()
     suspects = [n for n, ok in zip(names, sums_finite) if not ok]
     return [n for n in suspects if not bool(gradients[n].isfinite().all())]
+
+
+def layer_norms(gradients: Mapping[str, Tensor]) -> Tensor:
+    """The L2 norm of every layer, in one fused pass (``torch._foreach_norm``, in each layer's dtype),
+    stacked on the first layer's device."""
+    with torch.no_grad():
+        norms = torch._foreach_norm(list(gradients.values()))
+    try:
+        return torch.stack(norms)
+    except RuntimeError:  # layers on several devices
+        device = norms[0].device
+        return torch.stack([s.to(device) for s in norms])
+
+
+def whole_norm(norms: Tensor) -> float:
+    """The L2 norm of a whole update from its :func:`layer_norms`, combined in float64."""
+    return float(norms.double().norm())
