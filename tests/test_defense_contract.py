@@ -218,6 +218,14 @@ def test_a_huge_but_finite_gradient_is_not_called_non_finite():
     assert torch.equal(out["w"], g["w"]) and torch.equal(out["b"], g["b"])
 
 
+def test_a_float16_gradient_whose_norm_passes_float16_range_is_clipped_by_its_true_norm():
+    # a norm of 1e5 is past float16's largest value (65504): taken in float16 it would read inf and clip to 0
+    g = {"w": torch.full((100,), 1e4, dtype=torch.float16)}
+    shared = defenses.LocalGaussianMechanism(0.0, 1.0, seed=0)(g)
+    assert shared["w"].dtype == torch.float16
+    assert float(shared["w"].float().norm()) == pytest.approx(1.0, rel=1e-2)  # float16 rounding
+
+
 class _NormRecorder(Defense):
     """Identity that keeps the whole-gradient norm each call handed its transform."""
 

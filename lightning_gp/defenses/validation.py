@@ -77,10 +77,13 @@ def nonfinite_layers(gradients: Mapping[str, Tensor], norms: Tensor | None = Non
 
 
 def layer_norms(gradients: Mapping[str, Tensor]) -> Tensor:
-    """The L2 norm of every layer, in one fused pass (``torch._foreach_norm``, in each layer's dtype),
-    stacked on the first layer's device."""
+    """The L2 norm of every layer, in one fused pass (``torch._foreach_norm``, in each layer's dtype, in
+    float32 where a layer is 16-bit: a float16 norm overflows past 65504), stacked on the first layer's
+    device."""
+    values = list(gradients.values())
+    low_precision = any(v.dtype.itemsize < 4 for v in values)
     with torch.no_grad():
-        norms = torch._foreach_norm(list(gradients.values()))
+        norms = torch._foreach_norm(values, 2, dtype=torch.float32) if low_precision else torch._foreach_norm(values)
     try:
         return torch.stack(norms)
     except RuntimeError:  # layers on several devices
