@@ -25,7 +25,7 @@ def squared_update_norm(update: Mapping[str, Tensor]) -> Tensor:
 
 def update_norm(update: Mapping[str, Tensor]) -> float:
     """The L2 norm of a whole update, every layer together: each layer's norm in one fused pass
-    (``torch._foreach_norm``, in the layer's dtype), combined in float64. Not differentiable (see
+    (:func:`~lightning_gp.defenses.validation.layer_norms`), combined in float64. Not differentiable (see
     :func:`squared_update_norm`); on a small model the fused pass is most of a defense's saving."""
     if not update:
         raise ValueError("update must hold at least one layer")
