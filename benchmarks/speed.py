@@ -324,7 +324,7 @@ def client_rows(device: torch.device, repeats: int) -> list[dict]:
         label = "LocalGaussianMechanism(z=0.5, C=1)"
         for clock_name, clock in (("CPU time", time.process_time), ("wall time", time.perf_counter)):
             undefended, defended, ratio = interleaved_ratio(
-                lambda: step(None), lambda: step(mechanism), 64, max(repeats, 15), clock
+                lambda: step(None), lambda: step(mechanism), 64, 3 * repeats, clock
             )
             row = cost_row(
                 "client", f"LeNetZhu b{batch_size}, {clock_name}", label, undefended, defended, 1.2, "<= 1.2x"

@@ -37,6 +37,8 @@ def test_speed_quick_measures_every_optimal_mode_with_its_estimator_error_every_
     pruning = {s for s, r in rows.items() if r["part"] == "pruning"}
     assert {"DGP (5%, 75%)", "ADGP (20%, 5%), another client's mask"} <= pruning
     client = [r for r in table if r["part"] == "client"]
-    assert [r["model"] for r in client] == ["LeNetZhu b1", "LeNetZhu b8"]
+    assert [r["model"] for r in client] == [
+        f"LeNetZhu b{b}, {clock}" for b in (1, 8) for clock in ("CPU time", "wall time")
+    ]
     assert all(float(r["ratio_to_step"]) > 0 for r in client)
     assert "QUICK RUN" in (tmp_path / "speed_optimal_pruning_client_quick.md").read_text()
