@@ -13,8 +13,8 @@ Besides the audit's verdicts, each image is held to issue 28's bar: worst-case P
 
     python benchmarks/defense_that_holds.py --batch-sizes 1 8 --rounds 0 50 --images 16 --aggregate
 
-``--params KEY=VALUE ...`` audits the frontier family ``--setting`` at those keyword arguments instead
-of the catalogue entry (``--params noise_multiplier=0.03``: the frontier's own point, by its name).
+``--setting`` is a catalogue name, or ``Name(keyword=literal, ...)``: that frontier family at those
+arguments (``'LocalGaussianMechanism(noise_multiplier=0.03)'``: the frontier's own point, by its name).
 
 Data: full Fashion-MNIST when installed, else the built-in sample (``--sample`` forces it).
 Writes benchmarks/results/<name>.{csv,md} (per audit) and <name>_images.csv (per image).
@@ -33,17 +33,15 @@ writes benchmarks/results/defense_that_holds_beside_frontier.{csv,md,png}.
 from __future__ import annotations
 
 import argparse
-import ast
 import csv
 import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import lightning as L
 import torch
-from _common import RESULTS_DIR, write_results
+from _common import RESULTS_DIR, parse_call, write_results
 
 from lightning_gp.audit import (
     AttackBudget,
@@ -210,37 +208,28 @@ def save_beside_figure(
     fig.savefig(path, dpi=100)
 
 
-def setting_builder(name: str, params: list[str] | None) -> Callable[[int], DefenseSetting]:
-    """``seed -> setting``: the catalogue entry ``name``, or with ``params`` (``KEY=VALUE`` strings, values
-    read as Python literals where they are one) the frontier family ``name`` at those keyword arguments."""
-    if params is None:
-        entry = defense_catalog([name])[0]
+def setting_builder(spec: str) -> Callable[[int], DefenseSetting]:
+    """``seed -> setting``: the catalogue entry named ``spec``, or for ``"Name(keyword=literal, ...)"``
+    the frontier family ``Name`` at those arguments (the frontier's point of that name)."""
+    if "(" not in spec:
+        entry = defense_catalog([spec])[0]
         return lambda seed: entry.build(seed, 1)
+    try:
+        name, keywords = parse_call(spec, "--setting", "Name(keyword=literal, ...) or a catalogue name")
+    except (ValueError, SyntaxError) as err:
+        raise SystemExit(str(err)) from err
     families = frontier_families()
     if name not in families:
-        raise SystemExit(f"--params builds a frontier family; {name!r} is none of {sorted(families)}")
-    keywords: dict[str, Any] = {}
-    for item in params:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--params takes KEY=VALUE, got {item!r}")
-        try:
-            keywords[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            keywords[key] = value
+        raise SystemExit(f"--setting {spec!r}: {name!r} is no frontier family; they are {sorted(families)}")
     return lambda seed: families[name].build(keywords, seed, 1)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--setting", default="LocalGaussianMechanism", help="a catalogue name")
     parser.add_argument(
-        "--params",
-        nargs="+",
-        default=None,
-        metavar="KEY=VALUE",
-        help="build --setting as the frontier family of that name at these keyword arguments (e.g. "
-        "noise_multiplier=0.03: the frontier's own point) instead of the catalogue entry's defaults",
+        "--setting",
+        default="LocalGaussianMechanism",
+        help="a catalogue name, or Name(keyword=literal, ...): that frontier family at those arguments",
     )
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--rounds", type=int, nargs="+", default=[0, 50])
@@ -269,7 +258,7 @@ def main() -> None:
         budget = AttackBudget(
             ig_iterations=2, lbfgs_iterations=2, rtf_bins=8, learned_inversion=True, learned_max_epochs=1
         )
-    build = setting_builder(args.setting, args.params)
+    build = setting_builder(args.setting)
     rows, image_rows, total = [], [], time.perf_counter()
     for batch_size in args.batch_sizes:
         indices = attacked_images(datamodule, args.images, batch_size, args.seed)
@@ -329,8 +318,7 @@ def main() -> None:
         "Adam 1000 steps, L-BFGS 300 on convergence, Robbing the Fed 64 bins (at a trained round built on its weights where the setting allows it), the learned inverter with the "
         "prior-only control). Issue 28's bar per image: worst-case PSNR < 15 dB, SSIM < 0.3, semantic score < "
         f"{SEMANTIC_LINE:g}. Total {(time.perf_counter() - total) / 60:.0f} min, one torch thread.\n\n"
-        f"Run: `python benchmarks/defense_that_holds.py --setting {args.setting}"
-        f"{' --params ' + ' '.join(args.params) if args.params else ''} --batch-sizes "
+        f"Run: `python benchmarks/defense_that_holds.py --setting '{args.setting}' --batch-sizes "
         f"{' '.join(map(str, args.batch_sizes))} --rounds {' '.join(map(str, args.rounds))} --images {args.images}"
         f"{' --aggregate' if args.aggregate else ''}`; per image: `{args.name}_images.csv`."
     )

@@ -50,18 +50,18 @@ def test_the_shipped_point_comes_first_beside_each_other_family_s_best(tmp_path:
     assert missing.returncode != 0 and "--shipped" in missing.stderr and "configs/frontier.yaml" in missing.stderr
 
 
-def test_params_build_the_frontier_s_own_point_and_bad_ones_are_refused(monkeypatch) -> None:
-    """``--params``: the setting is the frontier family's point (same name, same defense), not the catalogue
-    default; a malformed pair or a name that is no family stops before any audit."""
+def test_a_call_spec_builds_the_frontier_s_own_point_and_bad_ones_are_refused(monkeypatch) -> None:
+    """``--setting 'Name(k=v)'``: the frontier family's point (same name, same defense), not the catalogue
+    default a bare name builds; a malformed spec or a name that is no family stops before any audit."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     from defense_that_holds import setting_builder
 
-    built = setting_builder("LocalGaussianMechanism", ["noise_multiplier=0.03"])(0)
+    built = setting_builder("LocalGaussianMechanism(noise_multiplier=0.03)")(0)
     frontier = frontier_families()["LocalGaussianMechanism"].build({"noise_multiplier": 0.03}, 0, 1)
     assert built.name == frontier.name == "LocalGaussianMechanism(noise_multiplier=0.03)"
     assert built.callbacks[0].defense.noise_multiplier == 0.03
-    assert setting_builder("LocalGaussianMechanism", None)(0).callbacks[0].defense.noise_multiplier == 0.5
-    with pytest.raises(SystemExit, match="KEY=VALUE"):
-        setting_builder("LocalGaussianMechanism", ["noise_multiplier"])
-    with pytest.raises(SystemExit, match="frontier family"):
-        setting_builder("NoSuchDefense", ["rate=0.5"])
+    assert setting_builder("LocalGaussianMechanism")(0).callbacks[0].defense.noise_multiplier == 0.5
+    with pytest.raises(SystemExit, match="Name\\(keyword=literal"):
+        setting_builder("LocalGaussianMechanism(0.03)")
+    with pytest.raises(SystemExit, match="no frontier family"):
+        setting_builder("NoSuchDefense(rate=0.5)")
