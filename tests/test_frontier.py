@@ -306,8 +306,40 @@ def test_a_training_times_itself_against_its_own_undefended_reference_and_older_
     lines: list[str] = []
     again = frontier(cfg, tmp_path, log=lines.append)
     assert sorted(j.key for j in again.ran) == sorted(trainings)
-    assert "2 stored by an older version run again" in lines[0]
+    assert "2 stored ones run again (an older version's" in lines[0]
     assert comparable(again.points) == comparable(first.points)
+
+
+def test_lowering_learned_min_batch_reruns_just_the_audits_the_learned_inverter_could_change(tmp_path: Path) -> None:
+    """Audits stored under ``learned_min_batch=2`` ran at batch 1 without the learned inverter. With
+    1 the same results file is reused (the fingerprint leaves it out): an audit whose images had not
+    all leaked to the passive server runs again, now with the inverter, and records the value; one
+    whose images had all leaked is kept (no attack can change it), and so are the trainings. Raising
+    the value again reruns nothing."""
+    budget = dataclasses.replace(TINY, learned_inversion=True, learned_max_epochs=1, learned_min_batch=2)
+    cfg = config(grids=[Grid("TopKPruning", "rate", [0.9])], budget=budget)
+    frontier(cfg, tmp_path, log=silent)
+    path = tmp_path / RESULTS_FILE
+    entries = [json.loads(line) for line in path.read_text().splitlines()]
+    audits = [e for e in entries if e["record"]["kind"] == "audit"]
+    assert {e["key"] for e in audits} == {"audit|undefended|B=1|round=0", "audit|TopKPruning(rate=0.9)|B=1|round=0"}
+    for e in audits:
+        assert e["record"]["learned_min_batch"] == 2
+        assert not any("Learned" in c["attack"] for c in e["record"]["cells"])
+        passive = e["record"]["threats"]["passive"]
+        # the undefended audit as if every image had leaked, the pruned one as if one had not
+        passive["leak_fraction"] = 1.0 if e["key"].startswith("audit|undefended") else 0.0
+    path.write_text("".join(json.dumps(e) + "\n" for e in entries))
+
+    lowered = dataclasses.replace(cfg, budget=dataclasses.replace(budget, learned_min_batch=1))
+    lines: list[str] = []
+    again = frontier(lowered, tmp_path, log=lines.append)
+    assert [j.key for j in again.ran] == ["audit|TopKPruning(rate=0.9)|B=1|round=0"]
+    assert "1 stored ones run again" in lines[0]
+    rerun = json.loads(path.read_text().splitlines()[-1])["record"]
+    assert rerun["learned_min_batch"] == 1
+    assert {"adaptive:LearnedInversion", "adaptive:RefinedLearnedInversion"} <= {c["attack"] for c in rerun["cells"]}
+    assert frontier(cfg, tmp_path, log=silent).ran == []
 
 
 class _Exploding(Defense):

@@ -84,7 +84,11 @@ def _progress(
         f"frontier: {len(jobs)} jobs ({sum(j.kind == 'audit' for j in jobs)} audits, "
         f"{sum(j.kind == 'train' for j in jobs)} trainings); {len(jobs) - len(todo)} already done"
         + (f" in {store.path}" if store.path is not None else "")
-        + (f"; {stale} stored by an older version run again" if stale else "")
+        + (
+            f"; {stale} stored ones run again (an older version's, or missing an attack this budget runs)"
+            if stale
+            else ""
+        )
     )
     estimates = job_estimates(todo, stored) if estimate else None
     progress = Progress(len(jobs), len(jobs) - len(todo), workers, log, estimates=estimates)
@@ -130,7 +134,7 @@ def frontier(
     results = f"{name}_points.jsonl"
     store = ResultStore(None if directory is None else directory / results, fingerprint(config))
     stored = store.load()
-    records = {key: record for key, record in stored.items() if is_current(record)}
+    records = {key: record for key, record in stored.items() if is_current(key, record, config.budget)}
     todo = decisive_first([job for job in jobs if job.key not in records], records)
     progress = _progress(jobs, todo, stored, store, workers, log, estimate=not report_only)
     ran: list[Job] = []

@@ -37,7 +37,13 @@ from lightning_gp.attacks import ATTACK_REVISION
 from lightning_gp.audit.catalog import DefenseSetting
 from lightning_gp.audit.frontier_grid import FrontierConfig, PointSpec, build_spec, grid_points
 from lightning_gp.audit.quiet import library_noise_silenced
-from lightning_gp.audit.setting_audit import THREAT_MODELS, SettingAudit, audit_setting, published_attacks
+from lightning_gp.audit.setting_audit import (
+    THREAT_MODELS,
+    AttackBudget,
+    SettingAudit,
+    audit_setting,
+    published_attacks,
+)
 from lightning_gp.audit.training import train_setting
 from lightning_gp.audit.verdict import LEAK_RULE_REVISION
 
@@ -146,7 +152,11 @@ def run_fingerprint(shared: dict[str, Any]) -> str:
 
 
 def fingerprint(config: FrontierConfig) -> str:
-    """A hash of what every job's result depends on besides its own setting, batch size and stage."""
+    """A hash of what every job's result depends on besides its own setting, batch size and stage.
+    The budget's ``learned_min_batch`` is left out: each audit records the one it ran under, and
+    :func:`is_current` runs again those it kept from the learned inverter that this config reaches
+    (lowering it reruns the smaller batches' audits, not the whole frontier)."""
+    budget = {k: v for k, v in asdict(config.budget).items() if k != "learned_min_batch"}
     return run_fingerprint(
         {
             "model": config.model,
@@ -155,7 +165,7 @@ def fingerprint(config: FrontierConfig) -> str:
             "train_rounds": config.train_rounds,
             "num_clients": config.num_clients,
             "attacks": config.attacks,
-            "budget": asdict(config.budget),
+            "budget": budget,
             "lpips": config.lpips,
             "seed": config.seed,
         }
@@ -423,7 +433,7 @@ def _run_job(job: Job, config: FrontierConfig) -> dict[str, Any]:
     audit = audit_point(
         setting, config, datamodule, batch_size=job.batch_size, stage=job.stage, lpips_fn=lpips_fn, log=_silent
     )
-    return audit_record(audit)
+    return {**audit_record(audit), "learned_min_batch": config.budget.learned_min_batch}
 
 
 def _train_record(
@@ -473,12 +483,28 @@ def _runner_fields(setting: DefenseSetting) -> dict[str, Any]:
     return {name: getattr(setting, name) for name in names}
 
 
-def is_current(record: dict[str, Any]) -> bool:
-    """Whether a stored record still means what this version computes (a training of an older
-    :data:`TRAINING_REVISION` does not, nor an audit an older version skipped: its job runs again)."""
+def is_current(key: str, record: dict[str, Any], budget: AttackBudget) -> bool:
+    """Whether the stored record of job ``key`` still means what this version computes under
+    ``budget``: a training of an older :data:`TRAINING_REVISION` does not, nor an audit an older
+    version skipped, nor one that :func:`misses_learned_inverter`; their jobs run again."""
     if record.get("skipped"):  # a trained round of DP-SGD, which older versions did not audit
         return False
-    return record.get("kind") != "train" or record.get("revision", 1) >= TRAINING_REVISION
+    if record.get("kind") == "train":
+        return record.get("revision", 1) >= TRAINING_REVISION
+    return not misses_learned_inverter(key, record, budget)
+
+
+def misses_learned_inverter(key: str, record: dict[str, Any], budget: AttackBudget) -> bool:
+    """Whether the audit ``record`` of job ``key`` ran without the learned inverter that ``budget``
+    runs at its batch size (it was stored under a higher ``learned_min_batch``), and the inverter
+    could still change it: some image had not leaked to the passive server (once every image has,
+    no attack changes a verdict or a leak fraction)."""
+    _, _, batch_size, _ = key_parts(key)
+    if not budget.learned_inversion or batch_size < budget.learned_min_batch:
+        return False
+    if record.get("learned_min_batch", budget.learned_min_batch) <= batch_size:
+        return False
+    return record.get("threats", {}).get("passive", {}).get("leak_fraction") != 1.0
 
 
 def _silent(line: str) -> None:

@@ -87,10 +87,12 @@ class AttackBudget:
             per setting, minutes on a CPU).
         learned_max_epochs: cap on the learned inverter's epochs (it stops earlier on convergence).
         learned_min_batch: with ``learned_inversion``, run the learned inverter only on clients of at
-            least this many images. At one image per client gradient matching recovered more than
-            the inverter in every setting measured (``benchmarks/results/learned_inversion.md``),
-            while training it costs minutes per setting there (nine times the pairs of batch 8); at
-            batch 8 it is the strongest passive attack on Top-k and DGP
+            least this many images. Raising it above 1 saves minutes per setting (at batch 1 the
+            inverter trains on nine times the pairs of batch 8) but can err in the defense's
+            favour: gradient matching beat the inverter at batch 1 on the catalogue
+            (``benchmarks/results/learned_inversion.md``), yet after 50 rounds the inverter alone
+            leaked 7 of 16 batch-1 images of the Gaussian mechanism at z = 0.03 (README, "Less
+            noise, fewer clients"). At batch 8 it is the strongest passive attack on Top-k and DGP
             (``benchmarks/results/matrix_batch8_pruning.md``).
         lbfgs_restarts: restarts of DLG and iDLG, the one with the lowest gradient distance kept (at
             batch 8 the start decides as much as the budget: the lowest distance of 3 starts was also
