@@ -306,7 +306,7 @@ def test_a_training_times_itself_against_its_own_undefended_reference_and_older_
     lines: list[str] = []
     again = frontier(cfg, tmp_path, log=lines.append)
     assert sorted(j.key for j in again.ran) == sorted(trainings)
-    assert "2 stored ones run again (an older version's" in lines[0]
+    assert "run again though stored: 2 (an older version's" in lines[0]
     assert comparable(again.points) == comparable(first.points)
 
 
@@ -335,7 +335,7 @@ def test_lowering_learned_min_batch_reruns_just_the_audits_the_learned_inverter_
     lines: list[str] = []
     again = frontier(lowered, tmp_path, log=lines.append)
     assert [j.key for j in again.ran] == ["audit|TopKPruning(rate=0.9)|B=1|round=0"]
-    assert "1 stored ones run again" in lines[0]
+    assert "run again though stored: 1 (" in lines[0]
     rerun = json.loads(path.read_text().splitlines()[-1])["record"]
     assert rerun["learned_min_batch"] == 1
     assert {"adaptive:LearnedInversion", "adaptive:RefinedLearnedInversion"} <= {c["attack"] for c in rerun["cells"]}

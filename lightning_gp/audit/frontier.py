@@ -85,7 +85,7 @@ def _progress(
         f"{sum(j.kind == 'train' for j in jobs)} trainings); {len(jobs) - len(todo)} already done"
         + (f" in {store.path}" if store.path is not None else "")
         + (
-            f"; {stale} stored ones run again (an older version's, or missing an attack this budget runs)"
+            f"; run again though stored: {stale} (an older version's, or missing an attack this budget runs)"
             if stale
             else ""
         )
