@@ -9,6 +9,7 @@ from helpers import RandomImages, quiet_trainer, small_cnn
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_gp.callbacks import GradientTap
+from lightning_gp.defenses import dp_sgd_gradient
 from lightning_gp.federated import ClientLevelDP, FederatedSimulation, clip_update, update_norm
 
 NUM_CLIENTS, PER_ROUND = 6, 3
@@ -54,6 +55,32 @@ def test_clip_update_scales_the_whole_update_onto_the_ball_and_keeps_shorter_one
         torch.testing.assert_close(clipped[name], long[name] * factor)
     short = {n: t * (1.0 / update_norm(long)) for n, t in long.items()}  # norm 1 < 1.5
     assert all(clip_update(short, 1.5)[n] is short[n] for n in short)
+
+
+def test_dp_sgd_gradient_clips_each_example_onto_the_ball_before_the_mean():
+    """Without noise: each example's whole gradient is clipped on its own (Opacus's factor
+    ``C / (||g|| + 1e-6)``), then averaged; an example inside the ball counts unchanged."""
+    g = torch.Generator().manual_seed(0)
+    per_example = {"a": torch.randn(3, 30, generator=g), "b": torch.randn(3, 4, 2, generator=g)}
+    per_example = {
+        n: t * torch.tensor([10.0, 10.0, 0.01]).view(-1, *[1] * (t.ndim - 1)) for n, t in per_example.items()
+    }
+    shared = dp_sgd_gradient(per_example, 1.0, 0.0)
+    expected = {n: torch.zeros_like(t[0]) for n, t in per_example.items()}
+    for i in range(3):
+        example = {n: t[i] for n, t in per_example.items()}
+        norm = update_norm(example)
+        factor = min(1.0, 1.0 / (norm + 1e-6))
+        for n in expected:
+            expected[n] += example[n] * factor / 3
+    for n in shared:
+        torch.testing.assert_close(shared[n], expected[n])
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        dp_sgd_gradient(per_example, 1.0, -1.0)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        dp_sgd_gradient(per_example, 0.0, 1.0)
+    with pytest.raises(ValueError, match="per_example"):
+        dp_sgd_gradient({"a": per_example["a"], "b": per_example["b"][:2]}, 1.0, 1.0)
 
 
 def test_every_shared_update_is_clipped_to_max_update_norm():

@@ -47,6 +47,7 @@ from lightning_gp.audit.frontier_run import (
     decisive_first,
     frontier_jobs,
     job_estimates,
+    misses_learned_inverter,
 )
 from lightning_gp.callbacks import GaussianNoise, GradientDefense, TopKPruning
 from lightning_gp.data import FashionMNISTSampleDataModule
@@ -340,6 +341,24 @@ def test_lowering_learned_min_batch_reruns_just_the_audits_the_learned_inverter_
     assert rerun["learned_min_batch"] == 1
     assert {"adaptive:LearnedInversion", "adaptive:RefinedLearnedInversion"} <= {c["attack"] for c in rerun["cells"]}
     assert frontier(cfg, tmp_path, log=silent).ran == []
+
+
+def test_an_audit_without_the_inverter_reruns_once_the_server_can_replay_its_setting() -> None:
+    """An audit whose record has no learned-inverter cell (stored while the server could not replay
+    DP-SGD) runs again when the inverter is due at its batch size, the setting can now be replayed
+    and an image had not leaked; not when any of these fails."""
+    budget = AttackBudget(learned_inversion=True, learned_min_batch=1)
+    key = "audit|DPSGD(noise_multiplier=0.3)|B=1|round=0"
+    cells = [{"attack": "adaptive:NoiseAwareMAP"}, {"attack": "IG"}]
+    record = {"kind": "audit", "cells": cells, "threats": {"passive": {"leak_fraction": 0.0}}}
+    assert misses_learned_inverter(key, record, budget, lambda: None)
+    assert not misses_learned_inverter(key, record, budget, lambda: "DPSGD wraps the model")
+    assert not misses_learned_inverter(key, record, dataclasses.replace(budget, learned_min_batch=2), lambda: None)
+    assert not misses_learned_inverter(key, record, dataclasses.replace(budget, learned_inversion=False), lambda: None)
+    ran = {**record, "cells": [*cells, {"attack": "adaptive:LearnedInversion"}]}
+    assert not misses_learned_inverter(key, ran, budget, lambda: None)
+    leaked = {**record, "threats": {"passive": {"leak_fraction": 1.0}}}
+    assert not misses_learned_inverter(key, leaked, budget, lambda: None)
 
 
 class _Exploding(Defense):

@@ -29,7 +29,7 @@ from lightning_gp.audit import (
     tap_defended_round,
 )
 from lightning_gp.audit.rounds import public_batch
-from lightning_gp.callbacks import GaussianNoise
+from lightning_gp.callbacks import DPSGD, GaussianNoise
 from lightning_gp.data import ArrayDataModule
 from lightning_gp.metrics.image_quality import psnr
 from lightning_gp.models import LeNetZhu
@@ -202,6 +202,29 @@ def test_the_server_replays_the_settings_noise_with_its_own_randomness(data, one
     assert not torch.equal(other["fc.weight"], noisy["fc.weight"])
 
 
+def test_the_server_replays_dp_sgd_as_opacus_computes_it(data, one_thread):
+    """Without noise the replay of DP-SGD equals, to float precision, the gradient Opacus let out in
+    a real client step (per-example clip to 0.05, far below these gradients' norms, so every example
+    is clipped); with noise multiplier 1 the residual has std ``sigma * C / B`` (to 5%: 61,706 draws
+    give a relative standard error of 0.3%)."""
+    torch.manual_seed(0)
+    model = LeNetZhu()
+    indices = [[0, 1, 2, 3]]
+    images = torch.stack([data.train_dataset[i][0] for i in indices[0]])[None]
+    labels = torch.as_tensor([int(data.train_dataset[i][1]) for i in indices[0]])[None]
+    clip = 0.05
+    exact = DefenseSetting("clip", callbacks=[DPSGD(noise_multiplier=0.0, max_grad_norm=clip, poisson_sampling=False)],
+                           runner="trainer")  # fmt: skip
+    tapped, _, _ = tap_defended_round(exact, model, data, indices=indices, num_clients=1)
+    replayed = setting_simulator(exact)(model, images, labels, 0)
+    for name, gradient in tapped[0].gradients.items():
+        torch.testing.assert_close(replayed[name][0], gradient, rtol=1e-4, atol=1e-7)
+    noisy = DefenseSetting("dp", callbacks=[DPSGD(noise_multiplier=1.0, max_grad_norm=clip)], runner="trainer")
+    shared = setting_simulator(noisy)(model, images, labels, 0)
+    residual = torch.cat([(shared[n] - replayed[n]).flatten() for n in shared])
+    assert residual.std().item() == pytest.approx(clip / 4, rel=0.05)
+
+
 def test_a_batch_inverter_returns_one_image_per_slot(data, one_thread):
     torch.manual_seed(0)
     model = LeNetZhu()
@@ -223,8 +246,13 @@ def test_a_batch_inverter_returns_one_image_per_slot(data, one_thread):
 def test_settings_the_server_cannot_replay_are_named_with_the_reason():
     refiner_like = DefenseSetting("wrapped", wrap=lambda model: model)
     assert "wraps the model" in simulation_refusal(refiner_like)
-    dpsgd = defense_catalog(["DPSGD"])[0].build(0, 1)
-    assert "runs its own client step" in simulation_refusal(dpsgd)
+    assert simulation_refusal(defense_catalog(["DPSGD"])[0].build(0, 1)) is None
+    by_epsilon = DefenseSetting("eps", callbacks=[DPSGD(target_epsilon=3.0)], runner="trainer")
+    assert "target epsilon" in simulation_refusal(by_epsilon)
+    beside = DefenseSetting(
+        "dp+noise", callbacks=[DPSGD(noise_multiplier=1.0), GaussianNoise(scale=0.1)], runner="trainer"
+    )
+    assert "only DP-SGD alone" in simulation_refusal(beside)
     assert simulation_refusal(defense_catalog(["TopKPruning"])[0].build(0, 1)) is None
     with pytest.raises(ValueError, match="setting: wrapped wraps the model"):
         setting_simulator(refiner_like)

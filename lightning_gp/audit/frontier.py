@@ -129,12 +129,13 @@ def frontier(
     check_bool(report_only, "report_only")
     check_choice(backend, "backend", ("local", "ray"))
     datamodule, _ = check_frontier_config(config)
-    jobs = frontier_jobs(config, int(datamodule.image_shape[0]))
+    channels = int(datamodule.image_shape[0])
+    jobs = frontier_jobs(config, channels)
     directory = None if output_dir is None else Path(output_dir)
     results = f"{name}_points.jsonl"
     store = ResultStore(None if directory is None else directory / results, fingerprint(config))
     stored = store.load()
-    records = {key: record for key, record in stored.items() if is_current(key, record, config.budget)}
+    records = {j.key: stored[j.key] for j in jobs if j.key in stored and is_current(j, stored[j.key], config, channels)}
     todo = decisive_first([job for job in jobs if job.key not in records], records)
     progress = _progress(jobs, todo, stored, store, workers, log, estimate=not report_only)
     ran: list[Job] = []

@@ -36,6 +36,7 @@ import torch
 from lightning_gp.attacks import ATTACK_REVISION
 from lightning_gp.audit.catalog import DefenseSetting
 from lightning_gp.audit.frontier_grid import FrontierConfig, PointSpec, build_spec, grid_points
+from lightning_gp.audit.learned import simulation_refusal
 from lightning_gp.audit.quiet import library_noise_silenced
 from lightning_gp.audit.setting_audit import (
     THREAT_MODELS,
@@ -483,28 +484,35 @@ def _runner_fields(setting: DefenseSetting) -> dict[str, Any]:
     return {name: getattr(setting, name) for name in names}
 
 
-def is_current(key: str, record: dict[str, Any], budget: AttackBudget) -> bool:
-    """Whether the stored record of job ``key`` still means what this version computes under
-    ``budget``: a training of an older :data:`TRAINING_REVISION` does not, nor an audit an older
+def is_current(job: Job, record: dict[str, Any], config: FrontierConfig, channels: int) -> bool:
+    """Whether the stored record of ``job`` still means what this version computes under
+    ``config``: a training of an older :data:`TRAINING_REVISION` does not, nor an audit an older
     version skipped, nor one that :func:`misses_learned_inverter`; their jobs run again."""
     if record.get("skipped"):  # a trained round of DP-SGD, which older versions did not audit
         return False
     if record.get("kind") == "train":
         return record.get("revision", 1) >= TRAINING_REVISION
-    return not misses_learned_inverter(key, record, budget)
+    return not misses_learned_inverter(
+        job.key, record, config.budget, lambda: simulation_refusal(job.point.setting(config, channels))
+    )
 
 
-def misses_learned_inverter(key: str, record: dict[str, Any], budget: AttackBudget) -> bool:
-    """Whether the audit ``record`` of job ``key`` ran without the learned inverter that ``budget``
-    runs at its batch size (it was stored under a higher ``learned_min_batch``), and the inverter
-    could still change it: some image had not leaked to the passive server (once every image has,
-    no attack changes a verdict or a leak fraction)."""
+def misses_learned_inverter(
+    key: str, record: dict[str, Any], budget: AttackBudget, refusal: Callable[[], str | None]
+) -> bool:
+    """Whether the audit ``record`` of job ``key`` has no learned-inverter cell where ``budget`` runs
+    the inverter (at its batch size, ``learned_min_batch``) and the server can now replay the setting
+    (``refusal()`` is ``None``: an older version refused DP-SGD, or the record was stored under a
+    higher ``learned_min_batch``), and the inverter could still change it: some image had not leaked
+    to the passive server (once every image has, no attack changes a verdict or a leak fraction)."""
     _, _, batch_size, _ = key_parts(key)
     if not budget.learned_inversion or batch_size < budget.learned_min_batch:
         return False
-    if record.get("learned_min_batch", budget.learned_min_batch) <= batch_size:
+    if any(cell["attack"].endswith("LearnedInversion") for cell in record.get("cells", [])):
         return False
-    return record.get("threats", {}).get("passive", {}).get("leak_fraction") != 1.0
+    if record.get("threats", {}).get("passive", {}).get("leak_fraction") == 1.0:
+        return False
+    return refusal() is None
 
 
 def _silent(line: str) -> None:

@@ -16,8 +16,15 @@ Settings whose transform the server cannot run this way (:func:`simulation_refus
   (Refiner optimises robust data per batch, which costs the defense's own optimisation per training
   pair; PriPrune shares FedAvg weights; ATS's augmented step runs in the module), not a gradient
   pipeline the server can replay from the callbacks;
-- the plain-Trainer runner (DP-SGD through Opacus): the clip and the noise happen inside Opacus's
-  optimizer step, not in pipeline stages (the noise-aware attacks model DP-SGD instead).
+- the plain-Trainer runner with anything but one :class:`~lightning_gp.callbacks.DPSGD` callback, or a
+  DP-SGD that picks its noise multiplier at fit start from a target epsilon (the server does not know
+  the run's length).
+
+DP-SGD (the plain-Trainer runner, its clip and noise inside Opacus's optimizer step) is replayed in
+tensor form: each client's per-example gradients, clipped, summed, noised and divided by the batch
+size as Opacus's ``DPOptimizer`` does (:func:`~lightning_gp.defenses.dp_sgd_gradient`). An audited
+client's round is its one batch (under Poisson sampling the audit's loader holds just that batch, so
+every example joins), which is what the replay gives.
 
 A changed architecture (PRECODE) is simulated: the server sends that model, so the clients'
 gradient is the plain gradient of the model in the view, its sampling included.
@@ -42,6 +49,7 @@ from lightning_gp.attacks.learned import (
 from lightning_gp.audit.catalog import DefenseSetting
 from lightning_gp.audit.rounds import public_batch
 from lightning_gp.defenses.base import share_in_process
+from lightning_gp.defenses.clipping import dp_sgd_gradient
 from lightning_gp.federated.client_updates import client_gradients
 from lightning_gp.functional import trainable_parameters, updates_running_stats
 from lightning_gp.pipeline import ClientSetup, ClientStepRunner, DefenseStage, SharedGradientPipeline, StageCall
@@ -64,6 +72,8 @@ def simulation_refusal(setting: DefenseSetting) -> str | None:
     """Why the server cannot replay ``setting``'s clients (``None``: it can)."""
     if setting.wrap is not None:
         return f"{setting.name} wraps the model: the client's step is the wrapping module's own training step"
+    if setting.runner == "trainer":
+        return _dp_sgd_refusal(setting)
     if setting.runner != "simulation":
         return f"{setting.name} runs its own client step ({setting.runner} runner: the defense acts inside it)"
     if setting.algorithm != "fedsgd":
@@ -72,6 +82,54 @@ def simulation_refusal(setting: DefenseSetting) -> str | None:
     if stages:
         return f"{setting.name} has callbacks that are not pipeline stages: {[type(s).__name__ for s in stages]}"
     return None
+
+
+def _dp_sgd_refusal(setting: DefenseSetting) -> str | None:
+    """Why the server cannot replay a plain-Trainer ``setting`` (``None``: it is one DP-SGD callback
+    with a fixed noise multiplier, which :func:`_dp_sgd_simulator` replays)."""
+    from lightning_gp.callbacks import DPSGD
+
+    callbacks = list(setting.callbacks)
+    if len(callbacks) != 1 or not isinstance(callbacks[0], DPSGD):
+        names = [type(cb).__name__ for cb in callbacks]
+        return f"{setting.name} runs its own client step (trainer runner with {names}: only DP-SGD alone is replayed)"
+    if callbacks[0].noise_multiplier is None:
+        return f"{setting.name} picks its noise multiplier at fit start from a target epsilon and the run's length"
+    return None
+
+
+def _dp_sgd_simulator(setting: DefenseSetting, num_clients: int, loss: nn.Module) -> DefenseSimulator:
+    """DP-SGD's clients replayed in tensor form (:func:`~lightning_gp.defenses.dp_sgd_gradient`):
+    per-example gradients of each client's batch, clipped, summed, noised and averaged."""
+    dp_sgd: Any = setting.callbacks[0]  # a DPSGD with a noise multiplier (_dp_sgd_refusal)
+    clip, sigma = float(dp_sgd.max_grad_norm), float(dp_sgd.noise_multiplier)
+
+    def simulate(model: nn.Module, images: Tensor, labels: Tensor, seed: int) -> dict[str, Tensor]:
+        _check_client_batches(images, labels)
+        model.train()
+        vectorize = not updates_running_stats(model)
+        generator = seeded_generator(seed)
+        out: dict[str, list[Tensor]] = {}
+        for start in range(0, images.shape[0], num_clients):
+            xs, ys = images[start : start + num_clients], labels[start : start + num_clients]
+            # every example its own "client" of one image: its gradient is the one Opacus clips
+            flat_x = xs.reshape(-1, 1, *xs.shape[2:])
+            grads, _ = client_gradients(model, loss, flat_x, ys.reshape(-1, 1), vectorize=vectorize)
+            for c in range(xs.shape[0]):
+                rows = slice(c * xs.shape[1], (c + 1) * xs.shape[1])
+                shared = dp_sgd_gradient({n: g[rows] for n, g in grads.items()}, clip, sigma, generator=generator)
+                for name, tensor in shared.items():
+                    out.setdefault(name, []).append(tensor.detach())
+        return {n: torch.stack(parts) for n, parts in out.items()}
+
+    return simulate
+
+
+def _check_client_batches(images: Tensor, labels: Tensor) -> None:
+    if images.ndim < 3 or labels.shape != images.shape[:2]:
+        raise ValueError(
+            f"images must be [N, B, ...] and labels [N, B]; got {tuple(images.shape)}, {tuple(labels.shape)}"
+        )
 
 
 def _reseeded(callbacks: list[Any], seed: int, loss_fn: nn.Module) -> list[Any]:
@@ -108,13 +166,12 @@ def setting_simulator(
         raise ValueError(f"setting: {refusal}")
     check_positive_int(num_clients, "num_clients")
     loss = nn.CrossEntropyLoss() if loss_fn is None else loss_fn
+    if setting.runner == "trainer":
+        return _dp_sgd_simulator(setting, num_clients, loss)
     runner = _ServerSimulatedClients()
 
     def simulate(model: nn.Module, images: Tensor, labels: Tensor, seed: int) -> dict[str, Tensor]:
-        if images.ndim < 3 or labels.shape != images.shape[:2]:
-            raise ValueError(
-                f"images must be [N, B, ...] and labels [N, B]; got {tuple(images.shape)}, {tuple(labels.shape)}"
-            )
+        _check_client_batches(images, labels)
         model.train()
         shapes = {n: p.shape for n, p in trainable_parameters(model).items()}
         vectorize = not updates_running_stats(model)

@@ -4,7 +4,7 @@ No Lightning imports here; :mod:`lightning_gp.callbacks` adapts these to a ``Tra
 """
 
 from lightning_gp.defenses.base import Defense, Gradients, Share, share_in_process
-from lightning_gp.defenses.clipping import clip_update, update_norm
+from lightning_gp.defenses.clipping import clip_update, dp_sgd_gradient, update_norm
 from lightning_gp.defenses.graddefense import GradDefense, root_set_sensitivity
 from lightning_gp.defenses.noise import GaussianNoise, LaplaceNoise, LocalGaussianMechanism
 from lightning_gp.defenses.optimal import (
@@ -64,6 +64,7 @@ __all__ = [
     "count_for_rate",
     "count_sent",
     "defended_layer",
+    "dp_sgd_gradient",
     "gradient_sensitivity",
     "kth_largest",
     "largest_entries_mask",

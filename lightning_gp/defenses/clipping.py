@@ -1,4 +1,5 @@
-"""The L2 clip of a whole update, every layer together (McMahan et al. 2018, DP-FedAvg, Alg. 1 ``ClipFn``).
+"""The L2 clip of a whole update, every layer together (McMahan et al. 2018, DP-FedAvg, Alg. 1 ``ClipFn``),
+and DP-SGD's per-example clip, sum and noise (:func:`dp_sgd_gradient`, Abadi et al. 2016, Alg. 1).
 
 One implementation serves the client-side mechanism (:class:`~lightning_gp.defenses.LocalGaussianMechanism`),
 the server side of DP-FedAvg (:class:`~lightning_gp.federated.ClientLevelDP`) and the adaptive attacks
@@ -10,10 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import torch
 from torch import Tensor
 
 from lightning_gp.defenses.validation import layer_norms, whole_norm
-from lightning_gp.validation import check_positive
+from lightning_gp.validation import check_nonnegative, check_positive
 
 
 def squared_update_norm(update: Mapping[str, Tensor]) -> Tensor:
@@ -42,3 +44,38 @@ def clip_update(update: Mapping[str, Tensor], max_update_norm: float) -> dict[st
         return dict(update)
     factor = max_update_norm / norm
     return {name: u * factor.to(u.dtype) for name, u in update.items()}
+
+
+def dp_sgd_gradient(
+    per_example: Mapping[str, Tensor],
+    max_grad_norm: float,
+    noise_multiplier: float,
+    *,
+    generator: torch.Generator | None = None,
+) -> dict[str, Tensor]:
+    """One DP-SGD step's gradient from a batch's per-example gradients (Abadi et al. 2016, Alg. 1;
+    as Opacus's ``DPOptimizer`` computes it): each example's gradient, every layer together, scaled
+    by ``min(1, C / (||g_i|| + 1e-6))`` with ``C = max_grad_norm``, the sum, Gaussian noise of std
+    ``noise_multiplier * C`` per coordinate, divided by the batch size.
+
+    Args:
+        per_example: ``{name: [B, *param.shape]}``, the gradient of each example's own loss.
+    """
+    check_positive(max_grad_norm, "max_grad_norm")
+    check_nonnegative(noise_multiplier, "noise_multiplier")
+    if not per_example:
+        raise ValueError("per_example must hold at least one layer")
+    sizes = {int(g.shape[0]) for g in per_example.values()}
+    if len(sizes) != 1 or 0 in sizes:
+        raise ValueError(f"per_example must hold one non-empty batch of examples per layer, got sizes {sorted(sizes)}")
+    batch = sizes.pop()
+    norms = torch.stack([g.reshape(batch, -1).double().pow(2).sum(1) for g in per_example.values()]).sum(0).sqrt()
+    factor = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+    shared = {}
+    for name, g in per_example.items():
+        summed = (g * factor.to(g.dtype).view(-1, *([1] * (g.ndim - 1)))).sum(0)
+        if noise_multiplier > 0:
+            noise = torch.randn(summed.shape, generator=generator, dtype=summed.dtype, device=summed.device)
+            summed = summed + noise * (noise_multiplier * max_grad_norm)
+        shared[name] = summed / batch
+    return shared
