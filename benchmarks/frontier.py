@@ -9,7 +9,9 @@ built-in sample (``--sample`` forces it); the quick run always uses the sample.
 
 Writes ``benchmarks/results/frontier[_quick].{csv,md,png}`` and ``frontier[_quick]_points.jsonl``
 (each job as it finishes: rerun the same command to resume an interrupted run). ``--workers`` runs
-jobs in parallel processes (``--backend ray`` on a Ray cluster).
+jobs in parallel processes (``--backend ray`` on a Ray cluster). ``--timing`` runs nothing: it writes
+``frontier[_quick]_timing.{csv,md}``, the finished jobs' seconds per grid, and what the cheapest grids
+would take on ``--workers`` workers.
 """
 
 from __future__ import annotations
@@ -19,9 +21,18 @@ import dataclasses
 import time
 from pathlib import Path
 
-from _common import RESULTS_DIR, fashion_mnist_datasets
+from _common import RESULTS_DIR, fashion_mnist_datasets, write_results
 
 from lightning_gp.audit import FrontierConfig, LeakRule, frontier
+from lightning_gp.audit.frontier_grid import check_frontier_config
+from lightning_gp.audit.frontier_run import (
+    Job,
+    ResultStore,
+    fingerprint,
+    frontier_jobs,
+    hours_minutes_seconds,
+    is_current,
+)
 from lightning_gp.cli.frontier import build_parser, config_from
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -31,6 +42,58 @@ def load_config(path: Path) -> FrontierConfig:
     """A :class:`FrontierConfig` from a YAML, read as ``lightning-gp frontier --config`` reads it."""
     parser = build_parser()
     return config_from(parser.instantiate(parser.parse_args(["--config", str(path)])))
+
+
+def timing(config: FrontierConfig, output_dir: Path, name: str, workers: int, families: int) -> None:
+    """The finished jobs' seconds per grid (trainings, and audits per batch size and stage), and the
+    wall time of the ``families`` cheapest grids (the undefended reference included) on ``workers``
+    workers: their job-seconds over the workers, a lower bound (the last jobs may leave a worker idle)."""
+    datamodule, _ = check_frontier_config(config)
+    channels = int(datamodule.image_shape[0])
+    jobs = frontier_jobs(config, channels)
+    stored = ResultStore(output_dir / f"{name}_points.jsonl", fingerprint(config)).load()
+    done = {j.key: stored[j.key] for j in jobs if j.key in stored and is_current(j, stored[j.key], config, channels)}
+
+    def column(job: Job) -> str:
+        return f"train B={job.batch_size} s" if job.kind == "train" else f"audit B={job.batch_size} round {job.stage} s"
+
+    labels = sorted(dict.fromkeys(column(j) for j in jobs), key=lambda label: (not label.startswith("train"), label))
+    rows, missing = [], 0
+    for grid in dict.fromkeys(j.point.grid for j in jobs):
+        mine = [j for j in jobs if j.point.grid == grid]
+        missing += sum(j.key not in done for j in mine)
+        finished = sum(j.key in done for j in mine)
+        row: dict = {"grid": grid, "points": len({j.point.key for j in mine}), "jobs done": f"{finished}/{len(mine)}"}
+        row.update(dict.fromkeys(labels, 0.0))
+        for job in mine:
+            row[column(job)] += float(done[job.key]["seconds"]) if job.key in done else 0.0
+        row.update({label: round(row[label]) for label in labels})
+        row["total s"] = sum(v for k, v in row.items() if k.endswith(" s"))
+        rows.append(row)
+    total = sum(r["total s"] for r in rows)
+    reference = [r for r in rows if r["grid"] == "undefended"]
+    complete = [r for r in rows if r["grid"] != "undefended" and r["points"] >= 5 and _finished(r["jobs done"])]
+    cheapest = sorted(complete, key=lambda r: r["total s"])
+    chosen = reference + cheapest[:families]
+    subset = sum(r["total s"] for r in chosen)
+    rows.append(
+        {**dict.fromkeys(rows[0], ""), "grid": "all", "points": sum(r["points"] for r in rows), "total s": total}
+    )
+    preamble = (
+        f"Seconds of the finished jobs of `{name}_points.jsonl` ({len(jobs) - missing} of {len(jobs)}; each job timed "
+        f"in its worker, one torch thread). All grids: {round(total)} job-seconds, about "
+        f"{hours_minutes_seconds(total / workers)} on {workers} workers. The {families} cheapest finished grids of at "
+        f"least 5 points ({', '.join(r['grid'] for r in cheapest[:families])}) with the undefended reference: "
+        f"{round(subset)} job-seconds, about {hours_minutes_seconds(subset / workers)} on {workers} workers "
+        "(job-seconds over workers: a lower bound)."
+    )
+    write_results(f"{name}_timing", rows, preamble, output_dir)
+    print(preamble)
+
+
+def _finished(jobs_done: str) -> bool:
+    done, total = jobs_done.split("/")
+    return done == total
 
 
 def main() -> None:
@@ -44,6 +107,10 @@ def main() -> None:
     parser.add_argument(
         "--report-only", action="store_true", help="report the jobs already finished (e.g. while a run goes on)"
     )
+    parser.add_argument(
+        "--timing", action="store_true", help="write <name>_timing.{csv,md} from the finished jobs (runs nothing)"
+    )
+    parser.add_argument("--families", type=int, default=10, help="with --timing: the cheapest grids to time together")
     args = parser.parse_args()
     name = "frontier_quick" if args.quick else "frontier"
     config = load_config(args.config or CONFIGS / f"{name}.yaml")
@@ -53,6 +120,9 @@ def main() -> None:
     else:
         datamodule = {"class_path": "lightning_gp.data.FashionMNISTSampleDataModule", "init_args": {"batch_size": 500}}
         config = dataclasses.replace(config, datamodule=datamodule)
+    if args.timing:
+        timing(config, args.output_dir, name, args.workers, args.families)
+        return
     budget = config.budget
     context = (
         f"{config.model['class_path'].rsplit('.', 1)[1]} on {data}; {len(config.grids)} grids; batch sizes "
