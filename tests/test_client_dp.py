@@ -81,6 +81,10 @@ def test_dp_sgd_gradient_clips_each_example_onto_the_ball_before_the_mean():
         dp_sgd_gradient(per_example, 0.0, 1.0)
     with pytest.raises(ValueError, match="per_example"):
         dp_sgd_gradient({"a": per_example["a"], "b": per_example["b"][:2]}, 1.0, 1.0)
+    broken = {**per_example, "a": per_example["a"].clone()}
+    broken["a"][1, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"non-finite gradients \(examples \[1\]\)"):
+        dp_sgd_gradient(broken, 1.0, 1.0)
 
 
 def test_every_shared_update_is_clipped_to_max_update_norm():

@@ -70,6 +70,9 @@ def dp_sgd_gradient(
         raise ValueError(f"per_example must hold one non-empty batch of examples per layer, got sizes {sorted(sizes)}")
     batch = sizes.pop()
     norms = torch.stack([g.reshape(batch, -1).double().pow(2).sum(1) for g in per_example.values()]).sum(0).sqrt()
+    if not bool(torch.isfinite(norms).all()):
+        bad = torch.nonzero(~torch.isfinite(norms)).flatten().tolist()
+        raise ValueError(f"per_example holds non-finite gradients (examples {bad})")
     factor = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
     shared = {}
     for name, g in per_example.items():
