@@ -62,7 +62,7 @@ from lightning_gp.attacks.optimization import IDLG, InvertingGradients
 from lightning_gp.attacks.registry import register_defense_knowledge
 from lightning_gp.attacks.sgi import recover_mask
 from lightning_gp.attacks.view import ServerView
-from lightning_gp.defenses.clipping import clip_update
+from lightning_gp.defenses.clipping import clip_update, clipped_example_sum
 from lightning_gp.defenses.optimal import OptimalGradientPruning
 from lightning_gp.defenses.quantization import GradientQuantization, quantize
 from lightning_gp.defenses.soteria import Soteria
@@ -299,14 +299,12 @@ class DefenseKnowledge:
         (without a straight-through transform when ``straight_through`` is false)."""
         if self.per_example_clip is None:
             guess = parameter_gradients(view.model, view.loss_fn, images, targets)
-        else:
-            clipped = []
-            for x, y in zip(images, targets):
-                g = parameter_gradients(view.model, view.loss_fn, x[None], y[None])
-                norm = torch.stack([t.pow(2).sum() for t in g.values()]).sum().add(1e-24).sqrt()
-                factor = torch.clamp(self.per_example_clip / norm, max=1.0)
-                clipped.append({n: t * factor for n, t in g.items()})
-            guess = {n: torch.stack([c[n] for c in clipped]).mean(0) for n in clipped[0]}
+        else:  # DP-SGD's per-example clip and mean, as the client computed it (its noise aside)
+            examples = [
+                parameter_gradients(view.model, view.loss_fn, x[None], y[None]) for x, y in zip(images, targets)
+            ]
+            per_example = {n: torch.stack([g[n] for g in examples]) for n in examples[0]}
+            guess = {n: t / len(examples) for n, t in clipped_example_sum(per_example, self.per_example_clip).items()}
         if self.transform is None:
             return guess
         if not straight_through and getattr(self.transform, "straight_through", False):

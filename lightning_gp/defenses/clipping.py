@@ -46,6 +46,21 @@ def clip_update(update: Mapping[str, Tensor], max_update_norm: float) -> dict[st
     return {name: u * factor.to(u.dtype) for name, u in update.items()}
 
 
+def clipped_example_sum(per_example: Mapping[str, Tensor], max_grad_norm: float) -> dict[str, Tensor]:
+    """``sum_i g_i * min(1, C / (||g_i|| + 1e-6))``: DP-SGD's per-example clip (each example's gradient,
+    every layer together, as Opacus's ``DPOptimizer`` scales it) and sum. No input checks (see
+    :func:`dp_sgd_gradient`): differentiable, and a non-finite example stays non-finite, for an attack
+    that models DP-SGD on its dummy batch.
+
+    Args:
+        per_example: ``{name: [B, *param.shape]}``, the gradient of each example's own loss.
+    """
+    batch = int(next(iter(per_example.values())).shape[0])
+    norms = torch.stack([g.reshape(batch, -1).double().pow(2).sum(1) for g in per_example.values()]).sum(0).sqrt()
+    factor = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+    return {name: (g * factor.to(g.dtype).view(-1, *([1] * (g.ndim - 1)))).sum(0) for name, g in per_example.items()}
+
+
 def dp_sgd_gradient(
     per_example: Mapping[str, Tensor],
     max_grad_norm: float,
@@ -54,9 +69,9 @@ def dp_sgd_gradient(
     generator: torch.Generator | None = None,
 ) -> dict[str, Tensor]:
     """One DP-SGD step's gradient from a batch's per-example gradients (Abadi et al. 2016, Alg. 1;
-    as Opacus's ``DPOptimizer`` computes it): each example's gradient, every layer together, scaled
-    by ``min(1, C / (||g_i|| + 1e-6))`` with ``C = max_grad_norm``, the sum, Gaussian noise of std
-    ``noise_multiplier * C`` per coordinate, divided by the batch size.
+    as Opacus's ``DPOptimizer`` computes it): the clipped sum (:func:`clipped_example_sum`, bound
+    ``C = max_grad_norm``), Gaussian noise of std ``noise_multiplier * C`` per coordinate, divided by
+    the batch size.
 
     Args:
         per_example: ``{name: [B, *param.shape]}``, the gradient of each example's own loss.
@@ -69,14 +84,13 @@ def dp_sgd_gradient(
     if len(sizes) != 1 or 0 in sizes:
         raise ValueError(f"per_example must hold one non-empty batch of examples per layer, got sizes {sorted(sizes)}")
     batch = sizes.pop()
-    norms = torch.stack([g.reshape(batch, -1).double().pow(2).sum(1) for g in per_example.values()]).sum(0).sqrt()
-    if not bool(torch.isfinite(norms).all()):
-        bad = torch.nonzero(~torch.isfinite(norms)).flatten().tolist()
-        raise ValueError(f"per_example holds non-finite gradients (examples {bad})")
-    factor = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+    finite = torch.stack([torch.isfinite(g.reshape(batch, -1)).all(1) for g in per_example.values()]).all(0)
+    if not bool(finite.all()):
+        raise ValueError(
+            f"per_example holds non-finite gradients (examples {torch.nonzero(~finite).flatten().tolist()})"
+        )
     shared = {}
-    for name, g in per_example.items():
-        summed = (g * factor.to(g.dtype).view(-1, *([1] * (g.ndim - 1)))).sum(0)
+    for name, summed in clipped_example_sum(per_example, max_grad_norm).items():
         if noise_multiplier > 0:
             noise = torch.randn(summed.shape, generator=generator, dtype=summed.dtype, device=summed.device)
             summed = summed + noise * (noise_multiplier * max_grad_norm)
