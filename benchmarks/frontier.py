@@ -58,11 +58,13 @@ def timing(config: FrontierConfig, output_dir: Path, name: str, workers: int, fa
         return f"train B={job.batch_size} s" if job.kind == "train" else f"audit B={job.batch_size} round {job.stage} s"
 
     labels = sorted(dict.fromkeys(column(j) for j in jobs), key=lambda label: (not label.startswith("train"), label))
-    rows, missing = [], 0
+    rows, missing, complete = [], 0, set()
     for grid in dict.fromkeys(j.point.grid for j in jobs):
         mine = [j for j in jobs if j.point.grid == grid]
-        missing += sum(j.key not in done for j in mine)
         finished = sum(j.key in done for j in mine)
+        missing += len(mine) - finished
+        if finished == len(mine):
+            complete.add(grid)
         row: dict = {"grid": grid, "points": len({j.point.key for j in mine}), "jobs done": f"{finished}/{len(mine)}"}
         row.update(dict.fromkeys(labels, 0.0))
         for job in mine:
@@ -72,8 +74,8 @@ def timing(config: FrontierConfig, output_dir: Path, name: str, workers: int, fa
         rows.append(row)
     total = sum(r["total s"] for r in rows)
     reference = [r for r in rows if r["grid"] == "undefended"]
-    complete = [r for r in rows if r["grid"] != "undefended" and r["points"] >= 5 and _finished(r["jobs done"])]
-    cheapest = sorted(complete, key=lambda r: r["total s"])
+    candidates = [r for r in rows if r["grid"] in complete and r["grid"] != "undefended" and r["points"] >= 5]
+    cheapest = sorted(candidates, key=lambda r: r["total s"])
     chosen = reference + cheapest[:families]
     subset = sum(r["total s"] for r in chosen)
     rows.append(
@@ -89,11 +91,6 @@ def timing(config: FrontierConfig, output_dir: Path, name: str, workers: int, fa
     )
     write_results(f"{name}_timing", rows, preamble, output_dir)
     print(preamble)
-
-
-def _finished(jobs_done: str) -> bool:
-    done, total = jobs_done.split("/")
-    return done == total
 
 
 def main() -> None:
