@@ -10,6 +10,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_gp.callbacks import GradientTap
 from lightning_gp.defenses import dp_sgd_gradient
+from lightning_gp.defenses.clipping import clipped_example_sum
 from lightning_gp.federated import ClientLevelDP, FederatedSimulation, clip_update, update_norm
 
 NUM_CLIENTS, PER_ROUND = 6, 3
@@ -81,6 +82,9 @@ def test_dp_sgd_gradient_clips_each_example_onto_the_ball_before_the_mean():
         dp_sgd_gradient(per_example, 0.0, 1.0)
     with pytest.raises(ValueError, match="per_example"):
         dp_sgd_gradient({"a": per_example["a"], "b": per_example["b"][:2]}, 1.0, 1.0)
+    zero = {n: torch.zeros(2, *t.shape[1:], requires_grad=True) for n, t in per_example.items()}
+    sum(t.sum() for t in clipped_example_sum(zero, 1.0).values()).backward()
+    assert all(torch.isfinite(t.grad).all() for t in zero.values())  # an attack's all-zero dummy example
     broken = {**per_example, "a": per_example["a"].clone()}
     broken["a"][1, 0] = float("nan")
     with pytest.raises(ValueError, match=r"non-finite gradients \(examples \[1\]\)"):

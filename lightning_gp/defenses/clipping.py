@@ -56,7 +56,9 @@ def clipped_example_sum(per_example: Mapping[str, Tensor], max_grad_norm: float)
         per_example: ``{name: [B, *param.shape]}``, the gradient of each example's own loss.
     """
     batch = int(next(iter(per_example.values())).shape[0])
-    norms = torch.stack([g.reshape(batch, -1).double().pow(2).sum(1) for g in per_example.values()]).sum(0).sqrt()
+    squares = torch.stack([g.reshape(batch, -1).double().pow(2).sum(1) for g in per_example.values()]).sum(0)
+    # 1e-24 under the root keeps the backward pass finite for an all-zero example (d sqrt(x) / dx at 0)
+    norms = squares.add(1e-24).sqrt()
     factor = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
     return {name: (g * factor.to(g.dtype).view(-1, *([1] * (g.ndim - 1)))).sum(0) for name, g in per_example.items()}
 
