@@ -641,7 +641,8 @@ def main() -> None:
     quick = args.quick
     if args.replot:
         for audit_round in args.audit_rounds:
-            replot(args.output_dir, matrix_suffix(args.batch_size, audit_round, quick))
+            stage = figure_stage(args.batch_size, audit_round)
+            replot(args.output_dir, matrix_suffix(args.batch_size, audit_round, quick), stage)
         return
     images = args.images or (2 if quick else 8)
     budget = AttackBudget(
@@ -798,7 +799,8 @@ def run_matrix(
             writer.writeheader()
             writer.writerows(trained)
     print("\n" + table)
-    write_figures(matrix_rows(audits, columns, training), columns, args.output_dir, suffix, source, at_round)
+    stage = figure_stage(batch, args.audit_round)
+    write_figures(matrix_rows(audits, columns, training), columns, args.output_dir, suffix, source, stage)
     return {}
 
 
@@ -835,6 +837,11 @@ def matrix_suffix(batch_size: int, audit_round: int, quick: bool) -> str:
     )
 
 
+def figure_stage(batch_size: int, audit_round: int) -> str:
+    """What a run audited, for its heatmap's title."""
+    return f"FedSGD round {audit_round}, {batch_size} image(s) per client"
+
+
 def write_figures(
     rows: list[MatrixRow], columns: list[str], output_dir: Path, suffix: str, source: str, stage: str = ""
 ) -> str:
@@ -851,13 +858,14 @@ def write_figures(
     return summary
 
 
-def replot(output_dir: Path, suffix: str) -> None:
-    """Redraw the heatmap and the summary from the CSVs a run wrote (no attack, no training)."""
+def replot(output_dir: Path, suffix: str, stage: str = "") -> None:
+    """Redraw the heatmap and the summary from the CSVs a run wrote (no attack, no training);
+    ``stage``: what was audited, for the title."""
     path = output_dir / f"matrix{suffix}.csv"
     if not path.is_file():
         raise SystemExit(f"--replot: no {path} (run the matrix first, or give --output-dir / --quick)")
     rows, columns, source = rows_from_csv(path, output_dir / f"matrix{suffix}_training.csv")
-    write_figures(rows, columns, output_dir, suffix, source)
+    write_figures(rows, columns, output_dir, suffix, source, stage)
 
 
 if __name__ == "__main__":
