@@ -757,7 +757,7 @@ def run_matrix(
     rows = rows_for(audits, columns, training)
     table = markdown_table(rows)
     preamble = (
-        f"LeNetZhu at initialisation, {at_round}, {len(indices)} clients x {batch} image(s) of {dataset_name} "
+        f"LeNetZhu{'' if args.audit_round else ' at initialisation'}, {at_round}, {len(indices)} clients x {batch} image(s) of {dataset_name} "
         f"(training indices {chosen}, drawn with seed {args.seed}); attacks: IG/GradInversion/adaptive Adam "
         f"{budget.ig_iterations} iterations, DLG/iDLG/adaptive L-BFGS {budget.lbfgs_iterations} (DLG/iDLG: "
         f"{budget.lbfgs_restarts} restart(s), adaptive L-BFGS: 4), Robbing the Fed {budget.rtf_bins} bins. Cells: mean PSNR (dB) over the images (fraction of "
