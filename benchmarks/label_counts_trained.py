@@ -82,7 +82,7 @@ def main() -> None:
                     row[f"iDLG SSIM, {which}"] = result.report.means["ssim"]
                     print(f"round {round_} client {client} iDLG with {which}: {time.perf_counter() - start:.0f} s")
             rows.append(row)
-    columns = sorted({key for row in rows for key in row}, key=lambda key: list(rows[-1]).index(key))
+    columns = list(rows[-1])  # the last round's rows carry the iDLG columns too
     rows = [{key: row.get(key, "-") for key in columns} for row in rows]
     preamble = (
         f"Undefended LeNetZhu, {len(indices)} clients x 8 images of {name} (training indices {indices}, seed "
