@@ -1,12 +1,14 @@
 """Batch label recovery on a trained model (issue 25, the trained-round matrix's weak point).
 
-:func:`~lightning_gp.attacks.label_counts` (Geng et al. 2021, Sec. 3.2) estimates the batch's mean
-softmax from uniformly random images; a trained model scores those unlike its data. For the
-batch-8 matrix's clients (``--images`` training images drawn by ``--seed``, 8 per client, the
-undefended setting), this script compares the recovered per-class counts with the true ones at
-each ``--rounds`` round (the setting trained that many FedSGD rounds first, as the matrix's
-``--audit-rounds`` does), and runs iDLG on each client at the last round twice: with the recovered
-labels and with the true ones (``labels_known``), to show what the labels cost the attack.
+:func:`~lightning_gp.attacks.label_counts` models the batch's mean softmax by per-class means. From
+uniformly random images (``softmax_from="dummy"``, Geng et al. 2021, Sec. 3.2) the means are one
+vector for every class, which fits the model at initialisation but not a trained model; from the
+server's labelled public images (``"public"``, the test split) they are the model's own per-class
+scores. For ``--images`` training images drawn by ``--seed`` (8 per client, the matrix's draw at 16,
+the undefended setting) this script compares both estimates with the true counts at each
+``--rounds`` round (the setting trained that many FedSGD rounds first, as the matrix's
+``--audit-rounds`` does), and runs iDLG on the first ``--attacked-clients`` clients at the last
+round three times: with the counts of each estimate and with the true labels (``labels_known``).
 
 Writes ``benchmarks/results/label_counts_trained.{csv,md}`` (``--output-dir`` to change).
 """
@@ -25,14 +27,17 @@ from matrix import choose_images
 from lightning_gp.attacks import IDLG, label_counts
 from lightning_gp.attacks.view import ServerView
 from lightning_gp.audit import attack_record, defense_catalog
-from lightning_gp.audit.rounds import tap_defended_round
+from lightning_gp.audit.rounds import public_examples, tap_defended_round
 from lightning_gp.models import LeNetZhu
+
+ESTIMATES = ("dummy", "public")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--images", type=int, default=16, help="attacked images, 8 per client (default 16)")
-    parser.add_argument("--rounds", type=int, nargs="+", default=[0, 50], help="rounds to tap (default 0 50)")
+    parser.add_argument("--images", type=int, default=64, help="training images, 8 per client (default 64)")
+    parser.add_argument("--rounds", type=int, nargs="+", default=[0, 50, 200], help="rounds to tap (default 0 50 200)")
+    parser.add_argument("--attacked-clients", type=int, default=2, help="clients iDLG attacks at the last round")
     parser.add_argument("--lbfgs-iterations", type=int, default=300, help="iDLG's cap on L-BFGS steps")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
@@ -47,24 +52,22 @@ def main() -> None:
     name = "fashion-mnist" if "fashion-mnist" in datamodule else "sample"
     dm = datamodule[name]
     indices = choose_images(dm, args.images, args.seed, batch_size=8)
+    public = public_examples(dm)
     setting = defense_catalog(["undefended"])[0].build(args.seed, 1)
     rows = []
     for round_ in args.rounds:
         L.seed_everything(args.seed, verbose=False)
         records, model, _ = tap_defended_round(setting, LeNetZhu(), dm, indices=indices, round=round_)
         for client, record in enumerate(records):
-            view = ServerView.from_tap(record, model, num_classes=10, mean=dm.mean, std=dm.std)
-            recovered = label_counts(view)
+            view = ServerView.from_tap(record, model, num_classes=10, mean=dm.mean, std=dm.std, public_data=public)
             true = torch.bincount(record.targets, minlength=10)
-            row = {
-                "round": round_,
-                "client": client,
-                "true counts": true.tolist(),
-                "recovered counts": recovered.tolist(),
-                "labels wrong": int((recovered - true).abs().sum()) // 2,
-            }
-            if round_ == args.rounds[-1]:
-                for known in (False, True):
+            row: dict[str, object] = {"round": round_, "client": client, "true counts": true.tolist()}
+            for estimate in ESTIMATES:
+                recovered = label_counts(view, softmax_from=estimate)
+                row[f"counts from {estimate}"] = recovered.tolist()
+                row[f"wrong, {estimate}"] = int((recovered - true).abs().sum()) // 2
+            if round_ == args.rounds[-1] and client < args.attacked_clients:
+                for labels in (*ESTIMATES, "true"):
                     L.seed_everything(args.seed, verbose=False)
                     start = time.perf_counter()
                     result = attack_record(
@@ -74,22 +77,24 @@ def main() -> None:
                         num_classes=10,
                         mean=dm.mean,
                         std=dm.std,
-                        labels_known=known,
+                        labels_known=labels == "true",
                         lpips=False,
+                        public_data=public if labels == "public" else None,
                     )
-                    which = "true labels" if known else "recovered labels"
-                    row[f"iDLG PSNR, {which}"] = result.report.means["psnr"]
-                    row[f"iDLG SSIM, {which}"] = result.report.means["ssim"]
-                    print(f"round {round_} client {client} iDLG with {which}: {time.perf_counter() - start:.0f} s")
+                    row[f"iDLG PSNR, {labels} labels"] = result.report.means["psnr"]
+                    row[f"iDLG SSIM, {labels} labels"] = result.report.means["ssim"]
+                    print(f"round {round_} client {client} iDLG, {labels} labels: {time.perf_counter() - start:.0f} s")
             rows.append(row)
-    columns = list(rows[-1])  # the last round's rows carry the iDLG columns too
+    columns = list(rows[-len(indices)])  # the last round's first rows carry the iDLG columns too
     rows = [{key: row.get(key, "-") for key in columns} for row in rows]
     preamble = (
         f"Undefended LeNetZhu, {len(indices)} clients x 8 images of {name} (training indices {indices}, seed "
         f"{args.seed}), tapped at FedSGD rounds {args.rounds} (each after that many rounds of training). "
-        "'labels wrong': images whose label the recovered counts get wrong (half the L1 distance of the "
-        f"counts). iDLG: {args.lbfgs_iterations} L-BFGS steps at most, 1 start, at round {args.rounds[-1]}; "
-        "mean over the client's 8 images, matched one-to-one."
+        "'counts from dummy': the per-class softmax from 256 uniformly random images (Geng et al. 2021); 'counts "
+        "from public': from the first 1000 test images, class by class. 'wrong': images whose label the counts "
+        f"get wrong (half the L1 distance to the true counts). iDLG: {args.lbfgs_iterations} L-BFGS steps at most, "
+        f"1 start, at round {args.rounds[-1]} on clients 0-{args.attacked_clients - 1}; mean over the client's 8 "
+        "images, matched one-to-one."
     )
     write_results("label_counts_trained", rows, preamble, args.output_dir)
 

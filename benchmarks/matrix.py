@@ -59,7 +59,7 @@ import lightning as L
 import torch
 from _common import RESULTS_DIR, fashion_mnist_datasets, markdown_table
 
-from lightning_gp.attacks import UnmodelledDefenseWarning
+from lightning_gp.attacks import LABEL_RECOVERY_REVISION, UnmodelledDefenseWarning
 from lightning_gp.audit import (
     AttackBudget,
     LeakRule,
@@ -824,6 +824,7 @@ def row_store(
         "lpips": not args.no_lpips,
         "seed": args.seed,
         "audit_round": args.audit_round,
+        "label_recovery": LABEL_RECOVERY_REVISION if args.batch_size > 1 else None,
     }
     return ResultStore(args.output_dir / f".matrix{suffix}_rows.jsonl", run_fingerprint(shared))
 

@@ -369,6 +369,94 @@ def test_label_counts_without_a_bias_use_the_weight_rows(data) -> None:
     assert label_counts(view).tolist() == torch.bincount(y, minlength=10).tolist()
 
 
+def prototype_classifier(data, first_of_class, scale: float) -> tuple[nn.Module, Tensor]:
+    """A linear classifier whose class-``k`` weights are ``scale`` times the first training image of
+    class ``k`` (a "trained" model: each prototype scores its own class highest), and the prototypes."""
+    prototypes = batch_of(data, [first_of_class[k] for k in range(10)])[0].double()
+    model = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 10)).double()
+    with torch.no_grad():
+        model[1].weight.copy_(scale * prototypes.flatten(1))
+        model[1].bias.zero_()
+    return model, prototypes
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_label_counts_from_public_images_are_exact_where_dummy_images_are_wrong(data, first_of_class, seed) -> None:
+    """On a trained-like model each class scores unlike the others and unlike noise, so one dummy
+    softmax for every class (Geng et al.) gets counts wrong. When every batch image scores exactly
+    like the public images of its class (here: the batch is made of the public prototypes), the
+    gradient is exactly ``M n / B`` with the class responses ``M`` measured on the public data, and
+    the least-squares counts must be the true ones: float64 rounding (~1e-15) is far below the half
+    image the rounding tolerates, as the smallest singular value of ``M`` on the plane ``sum n = B``
+    (checked) keeps the solve well conditioned."""
+    model, prototypes = prototype_classifier(data, first_of_class, scale=0.01)
+    y = torch.randint(0, 10, (16,), generator=torch.Generator().manual_seed(seed))
+    public = (prototypes.repeat(3, 1, 1, 1), torch.arange(10).repeat(3))
+    view = make_view(model, prototypes[y], y, data, public_data=public)
+    true = torch.bincount(y, minlength=10)
+    with torch.no_grad():
+        softmax = model(prototypes).softmax(-1)
+    response = softmax.t() - torch.eye(10, dtype=torch.float64)  # column k: q_k - e_k
+    plane = torch.linalg.qr(torch.cat([torch.ones(10, 1, dtype=torch.float64), torch.eye(10)[:, :9].double()], 1)).Q
+    assert float(torch.linalg.svdvals(response @ plane[:, 1:]).min()) > 1e-3, "precondition: a well-posed solve"
+    assert int((label_counts(view, softmax_from="dummy") - true).abs().sum()) >= 2, "precondition: dummy is wrong"
+    assert label_counts(view).tolist() == true.tolist()  # "auto" takes the public data the view holds
+    assert torch.equal(recover_labels(view), y.sort().values)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_label_counts_at_initialisation_are_the_same_from_public_and_dummy_images(data, seed: int) -> None:
+    """At PyTorch's default init the softmax is near uniform on any input, so the per-class means of
+    public images and the one mean of dummy images agree: both estimates give the true counts of a
+    batch of 16 (the public images are the test split's first 200, never a training image)."""
+    x, y = repeated_label_batch(data, seed)
+    data.setup("test")
+    public = batch_of_split(data.test_dataset, range(200))
+    view = make_view(seeded_lenet(seed, init="default").double(), x.double(), y, data, public_data=public)
+    true = torch.bincount(y, minlength=10).tolist()
+    assert label_counts(view, softmax_from="dummy").tolist() == true
+    assert label_counts(view, softmax_from="public").tolist() == true
+
+
+def batch_of_split(dataset, indices) -> tuple[Tensor, Tensor]:
+    samples = [dataset[i] for i in indices]
+    return torch.stack([s[0] for s in samples]).double(), torch.tensor([int(s[1]) for s in samples])
+
+
+def test_label_counts_refuse_an_unknown_source_and_public_without_data(single) -> None:
+    view, _, _ = single
+    with pytest.raises(ValueError, match="softmax_from must be 'auto', 'public' or 'dummy'"):
+        label_counts(view, softmax_from="test")
+    with pytest.raises(ValueError, match="softmax_from='public' needs labelled public images"):
+        label_counts(view, softmax_from="public")
+
+
+@pytest.mark.parametrize(
+    "public_data, error, message",
+    [
+        (torch.zeros(3, 1, 28, 28), TypeError, "a pair"),
+        ((torch.zeros(3, 1, 28, 28), [0, 1, 2]), TypeError, "two tensors"),
+        ((torch.zeros(3, 1, 28, 28), torch.tensor([0, 1])), ValueError, "N integer labels"),
+        ((torch.zeros(3, 1, 28, 28), torch.tensor([0.0, 1.0, 2.0])), ValueError, "N integer labels"),
+        ((torch.zeros(0, 1, 28, 28), torch.zeros(0, dtype=torch.int64)), ValueError, "N >= 1"),
+        ((torch.zeros(3, 1, 14, 14), torch.tensor([0, 1, 2])), ValueError, r"shape \[N, 1, 28, 28\]"),
+        ((torch.zeros(3, 1, 28, 28), torch.tensor([0, 1, 10])), ValueError, r"labels must lie in \[0, 10\)"),
+        ((torch.full((3, 1, 28, 28), float("nan")), torch.tensor([0, 1, 2])), ValueError, "NaN or inf"),
+    ],
+)
+def test_server_view_rejects_bad_public_data(single, public_data, error, message: str) -> None:
+    view, _, _ = single
+    with pytest.raises(error, match=message):
+        ServerView(
+            model=view.model,
+            gradients=view.gradients,
+            batch_size=1,
+            input_shape=SHAPE,
+            num_classes=10,
+            public_data=public_data,
+        )
+
+
 def test_label_recovery_needs_a_final_linear_with_num_classes_outputs(data) -> None:
     x, _ = batch_of(data, [0])
     torch.manual_seed(0)

@@ -279,6 +279,38 @@ def test_a_batch_with_more_images_than_classes_is_audited_with_the_true_labels_g
     assert small.results[0].labels_granted is None  # distinct labels are possible: recovered, not granted
 
 
+def test_a_trained_step_of_a_batch_is_audited_with_the_true_labels_unless_the_server_holds_public_data() -> None:
+    # Label counts from random inputs get labels wrong on a trained model (benchmarks/results/
+    # label_counts_trained.md): without public data the audit grants the labels, with it it recovers them
+    quiet = dict(adaptive=False, lpips=False, noise_ratio=False, save_images=False)
+    L.seed_everything(0)
+    audit = PrivacyAudit(rounds=1, attacks=tiny_attacks(), **quiet, **KNOWN)
+    with pytest.warns(UserWarning, match=r"at step 1 \(a trained model\) the label counts of a batch of 2"):
+        quiet_trainer(max_steps=2, callbacks=[audit]).fit(TinyModule(), loader(batch_size=2))
+    assert audit.results[0].labels_granted is not None
+    assert all(r.view.labels is not None for r in audit.results[0].attacks)
+    g = torch.Generator().manual_seed(1)
+    public = ((torch.rand(8, 1, 12, 12, generator=g) - 0.5) / 0.25, torch.arange(4).repeat(2))
+    L.seed_everything(0)
+    held = PrivacyAudit(rounds=1, attacks=tiny_attacks(), public_data=public, **quiet, **KNOWN)
+    quiet_trainer(max_steps=2, callbacks=[held]).fit(TinyModule(), loader(batch_size=2))
+    assert held.results[0].labels_granted is None
+    assert all(r.view.labels is None and r.view.public_data is not None for r in held.results[0].attacks)
+
+
+@pytest.mark.parametrize(
+    "public_data, message",
+    [
+        (torch.zeros(2, 1, 12, 12), "a pair"),
+        ((torch.zeros(2, 1, 12, 12), torch.tensor([0.0, 1.0])), "integer labels"),
+        ((torch.zeros(2, 1, 12, 12), torch.tensor([0, 4])), r"labels must lie in \[0, 4\)"),
+    ],
+)
+def test_privacy_audit_rejects_bad_public_data_at_construction(public_data, message: str) -> None:
+    with pytest.raises((TypeError, ValueError), match=message):
+        PrivacyAudit(public_data=public_data, **KNOWN)
+
+
 def test_a_batch_of_16_gives_a_bounded_figure_and_a_one_screen_summary_beside_it(tmp_path) -> None:
     g = torch.Generator().manual_seed(0)
     images = (torch.rand(16, 1, 12, 12, generator=g) - 0.5) / 0.25

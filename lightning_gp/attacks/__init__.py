@@ -33,7 +33,7 @@ from lightning_gp.attacks.gradient_matching import (
     squared_l2_distance,
     total_variation,
 )
-from lightning_gp.attacks.labels import classification_layer, label_counts, recover_labels
+from lightning_gp.attacks.labels import LABEL_RECOVERY_REVISION, classification_layer, label_counts, recover_labels
 from lightning_gp.attacks.learned import (
     InverterCache,
     InverterConfig,
@@ -74,6 +74,7 @@ __all__ = [
     "ATTACK_REVISION",
     "DLG",
     "IDLG",
+    "LABEL_RECOVERY_REVISION",
     "RGAP",
     "SGI",
     "ATSAwareInversion",

@@ -37,6 +37,10 @@ class ServerView:
         server_secrets: what an active server built into its model (e.g. an imprint block's
             layer names and bins); empty for passive attacks.
         meta: anything else the tap recorded about the round (algorithm, local steps, ...).
+        public_data: labelled images the server holds, never a client's: ``(inputs, labels)``
+            with inputs ``[N, *input_shape]`` normalised like the client's and labels ``[N]`` in
+            ``[0, num_classes)``. Batch label recovery measures the model's per-class softmax on
+            them (:func:`~lightning_gp.attacks.label_counts`); ``None``: it uses dummy inputs.
     """
 
     model: nn.Module
@@ -50,6 +54,7 @@ class ServerView:
     loss_fn: Callable[[Tensor, Tensor], Tensor] = field(default_factory=nn.CrossEntropyLoss)
     server_secrets: dict[str, Any] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+    public_data: tuple[Tensor, Tensor] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, nn.Module):
@@ -70,6 +75,7 @@ class ServerView:
         self.labels = None if self.labels is None else self.labels.detach().clone()
         self.check_gradients()
         self.check_input_shape()
+        self.public_data = checked_public_data(self.public_data, self.input_shape, self.num_classes)
 
     def check_gradients(self) -> None:
         """The shared gradient must name exactly the model's trainable parameters, with their shapes."""
@@ -121,6 +127,8 @@ class ServerView:
         view.model = copy.deepcopy(self.model).to(device)
         view.gradients = {n: g.to(device) for n, g in self.gradients.items()}
         view.labels = None if self.labels is None else self.labels.to(device)
+        if self.public_data is not None:
+            view.public_data = (self.public_data[0].to(device), self.public_data[1].to(device))
         return view
 
     def data_bounds(self) -> tuple[Tensor, Tensor]:
@@ -144,11 +152,13 @@ class ServerView:
         labels_known: bool = False,
         loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
         server_secrets: Mapping[str, Any] | None = None,
+        public_data: tuple[Tensor, Tensor] | None = None,
     ) -> ServerView:
         """Build the server's view of a tapped round; ``model`` gets the round's weights.
 
         The tapped batch gives only what the server knows anyway (its size and input shape) and,
-        with ``labels_known``, the labels; never the images.
+        with ``labels_known``, the labels; never the images. ``public_data``: the server's own
+        labelled images (see the class).
         """
         if record.inputs is None:
             raise ValueError(
@@ -167,4 +177,36 @@ class ServerView:
             loss_fn=loss_fn or nn.CrossEntropyLoss(),
             server_secrets=dict(server_secrets or {}),
             meta=dict(record.meta),
+            public_data=public_data,
         )
+
+
+def checked_public_data(
+    public_data: Any, input_shape: tuple[int, ...] | None = None, num_classes: int | None = None
+) -> tuple[Tensor, Tensor] | None:
+    """``public_data`` (:attr:`ServerView.public_data`) checked and detached: a pair ``(inputs,
+    labels)`` of N >= 1 finite inputs (of ``input_shape`` when given) and N integer labels (in
+    ``[0, num_classes)`` when given); ``None`` stays ``None``."""
+    if public_data is None:
+        return None
+    if not isinstance(public_data, (tuple, list)) or len(public_data) != 2:
+        raise TypeError(f"public_data must be a pair (inputs, labels), got {type(public_data).__name__}")
+    inputs, labels = public_data
+    if not isinstance(inputs, Tensor) or not isinstance(labels, Tensor):
+        raise TypeError("public_data must hold two tensors (inputs, labels)")
+    if labels.ndim != 1 or len(labels) != len(inputs) or not len(labels) or labels.is_floating_point():
+        raise ValueError(
+            f"public_data must be N >= 1 inputs and N integer labels, got inputs {tuple(inputs.shape)} and labels "
+            f"{labels.dtype} {tuple(labels.shape)}"
+        )
+    if input_shape is not None and tuple(inputs.shape[1:]) != tuple(input_shape):
+        raise ValueError(
+            f"public_data inputs must have shape [N, {', '.join(map(str, input_shape))}], got {tuple(inputs.shape)}"
+        )
+    if num_classes is not None and (bool((labels < 0).any()) or bool((labels >= num_classes).any())):
+        raise ValueError(
+            f"public_data labels must lie in [0, {num_classes}), got {int(labels.min())}..{int(labels.max())}"
+        )
+    if not bool(torch.isfinite(inputs).all()):
+        raise ValueError("public_data inputs hold NaN or inf")
+    return inputs.detach(), labels.detach()

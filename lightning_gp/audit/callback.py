@@ -64,6 +64,7 @@ from lightning_gp.attacks import (
     adaptive_attacks_of,
     has_adaptive_attack,
 )
+from lightning_gp.attacks.view import checked_public_data
 from lightning_gp.audit.bounds import FormalBound, defense_mechanism, prior_only_kappa
 from lightning_gp.audit.engine import AttackResult, attack_record
 from lightning_gp.audit.figure import save_audit_figure
@@ -175,6 +176,11 @@ class PrivacyAudit(SharedGradientObserver):
         labels_known: the threat model grants the server the client's labels. Without it, a batch of
             more images than classes (labels repeat; recovery from the gradient assumes distinct
             labels) is audited with the true labels granted, said in ``AuditResult.labels_granted``.
+        public_data: labelled images the server holds, never a client's: ``(inputs, labels)``, inputs
+            normalised like the training batches (e.g. :func:`~lightning_gp.audit.rounds.public_examples`
+            of the datamodule: its test split). Batch label recovery measures the model's per-class
+            softmax on them (:func:`~lightning_gp.attacks.label_counts`); without them it uses random
+            inputs, which on a trained model gets labels wrong and so errs in the defense's favour.
         loss_fn: the loss the client trains with, which the attacker matches with; ``None``: the
             LightningModule's (or its wrapped model's) ``loss_fn`` attribute, else cross-entropy with
             a warning at fit start (a guessed loss is a wrong attack: pass it when you train with another).
@@ -218,6 +224,7 @@ class PrivacyAudit(SharedGradientObserver):
         mean: Sequence[float] | None = None,
         std: Sequence[float] | None = None,
         labels_known: bool = False,
+        public_data: tuple[Tensor, Tensor] | None = None,
         loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
         lpips: bool = True,
         noise_ratio: bool = True,
@@ -246,6 +253,7 @@ class PrivacyAudit(SharedGradientObserver):
         self.mean = None if mean is None else tuple(float(v) for v in mean)
         self.std = None if std is None else tuple(float(v) for v in std)
         self.labels_known = check_bool(labels_known, "labels_known")
+        self.public_data = checked_public_data(public_data, num_classes=self.num_classes)
         self._warned_labels = False
         self.lpips = check_bool(lpips, "lpips")
         self.noise_ratio = check_bool(noise_ratio, "noise_ratio")
@@ -470,7 +478,7 @@ class PrivacyAudit(SharedGradientObserver):
             self._lpips_fn = LPIPS()
         skipped: dict[str, str] = {}
         gaps: list[str] = []
-        labels_granted = self._labels_granted(int(record.inputs.shape[0]), num_classes)
+        labels_granted = self._labels_granted(int(record.inputs.shape[0]), num_classes, record.round)
         if self._defended and not self.adaptive:
             gaps.append("the adaptive attacks were not run (adaptive=False)")
         results = self._attack_all(record, model, attacks, labels_granted, skipped, gaps)
@@ -527,6 +535,7 @@ class PrivacyAudit(SharedGradientObserver):
                     noise_ratio=self.noise_ratio,
                     lpips_fn=self._lpips_fn,
                     loss_fn=self._loss_fn,
+                    public_data=self.public_data,
                 )
             except AttackNotApplicable as err:
                 skipped[name] = f"n/a: {err}"
@@ -585,19 +594,30 @@ class PrivacyAudit(SharedGradientObserver):
             return bound
         return bound.at(prior_only_kappa(originals, None, labels=record.targets, rule=self.rule))
 
-    def _labels_granted(self, batch_size: int, num_classes: int) -> str | None:
+    def _labels_granted(self, batch_size: int, num_classes: int, step: int) -> str | None:
         """Why the attackers are given the client's true labels although ``labels_known=False``, or None.
 
         When the batch holds more images than there are classes its labels repeat, and what the
         gradient gives is an estimate of each class's count (:func:`~lightning_gp.attacks.label_counts`),
         which can be off by one; the audit then grants the true labels (a stronger attacker, so the
-        verdict can only err against the defense)."""
-        if self.labels_known or batch_size <= num_classes:
+        verdict can only err against the defense). So it does for any batch of several images past
+        step 0 without ``public_data``: on a trained model the counts from random inputs get labels
+        wrong (``benchmarks/results/label_counts_trained.md``)."""
+        if self.labels_known or batch_size == 1:
             return None
-        reason = (
-            f"the attackers were given the true labels: a batch of {batch_size} images of {num_classes} classes "
-            "repeats labels, whose counts the gradient gives only as an estimate (a stronger attacker)"
-        )
+        if batch_size > num_classes:
+            reason = (
+                f"the attackers were given the true labels: a batch of {batch_size} images of {num_classes} "
+                "classes repeats labels, whose counts the gradient gives only as an estimate (a stronger attacker)"
+            )
+        elif step > 0 and self.public_data is None:
+            reason = (
+                f"the attackers were given the true labels: at step {step} (a trained model) the label counts of "
+                f"a batch of {batch_size} need labelled public images (PrivacyAudit(public_data=...)), without "
+                "which they can be wrong (a stronger attacker)"
+            )
+        else:
+            return None
         if not self._warned_labels:
             self._warned_labels = True
             warnings.warn(f"PrivacyAudit: {reason}", stacklevel=3)

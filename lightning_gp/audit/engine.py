@@ -56,6 +56,7 @@ def attack_record(
     noise_ratio: bool = True,
     lpips_fn: nn.Module | None = None,
     loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
+    public_data: tuple[Tensor, Tensor] | None = None,
 ) -> AttackResult:
     """Attack one tapped gradient from the server's view and score it against the client's batch.
 
@@ -65,6 +66,9 @@ def attack_record(
     else ``model.loss_fn`` when the model has one (e.g. PRECODE's CE + beta KL; the server designed
     the training), else cross-entropy.
     ``lpips``/``noise_ratio``/``lpips_fn`` go to :func:`~lightning_gp.metrics.reconstruction_report`.
+    ``public_data``: labelled images the server holds (:attr:`ServerView.public_data
+    <lightning_gp.attacks.view.ServerView>`, e.g. :func:`~lightning_gp.audit.rounds.public_examples`);
+    batch label recovery needs them on a trained model.
     """
     view = ServerView.from_tap(
         record,
@@ -75,6 +79,7 @@ def attack_record(
         labels_known=labels_known,
         server_secrets=server_secrets,
         loss_fn=attacker_loss(model, loss_fn),
+        public_data=public_data,
     )
     if record.inputs is None:
         raise ValueError("the record holds no client batch to score against (tapped with record_data=False)")

@@ -33,7 +33,7 @@ from typing import Any, Literal
 import lightning as L
 import torch
 
-from lightning_gp.attacks import ATTACK_REVISION
+from lightning_gp.attacks import ATTACK_REVISION, LABEL_RECOVERY_REVISION
 from lightning_gp.audit.catalog import DefenseSetting
 from lightning_gp.audit.frontier_grid import FrontierConfig, PointSpec, build_spec, grid_points
 from lightning_gp.audit.learned import simulation_refusal
@@ -383,6 +383,7 @@ def audit_record(audit: SettingAudit) -> dict[str, Any]:
         "rero_eta": None if bound is None else bound.eta,
         "rero_kappa": None if bound is None else bound.kappa,
         "seconds": sum(c.seconds for c in audit.cells),
+        "label_recovery_revision": LABEL_RECOVERY_REVISION,
     }
 
 
@@ -487,14 +488,27 @@ def _runner_fields(setting: DefenseSetting) -> dict[str, Any]:
 def is_current(job: Job, record: dict[str, Any], config: FrontierConfig, channels: int) -> bool:
     """Whether the stored record of ``job`` still means what this version computes under
     ``config``: a training of an older :data:`TRAINING_REVISION` does not, nor an audit an older
-    version skipped, nor one that :func:`misses_learned_inverter`; their jobs run again."""
+    version skipped, nor one that :func:`misses_learned_inverter` or :func:`has_stale_labels`; their
+    jobs run again."""
     if record.get("skipped"):  # a trained round of DP-SGD, which older versions did not audit
         return False
     if record.get("kind") == "train":
         return record.get("revision", 1) >= TRAINING_REVISION
+    if has_stale_labels(job.key, record):
+        return False
     return not misses_learned_inverter(
         job.key, record, config.budget, lambda: simulation_refusal(job.point.setting(config, channels))
     )
+
+
+def has_stale_labels(key: str, record: dict[str, Any]) -> bool:
+    """Whether the audit ``record`` of job ``key`` recovered a batch's labels with an older
+    :data:`~lightning_gp.attacks.LABEL_RECOVERY_REVISION` (one image's label never changed) where
+    the labels could still change it: some image had not leaked to the passive server."""
+    _, _, batch_size, _ = key_parts(key)
+    if batch_size == 1 or record.get("label_recovery_revision", 1) >= LABEL_RECOVERY_REVISION:
+        return False
+    return record.get("threats", {}).get("passive", {}).get("leak_fraction") != 1.0
 
 
 def misses_learned_inverter(

@@ -47,7 +47,7 @@ from lightning_gp.attacks.learned import (
     RefinedLearnedInversion,
 )
 from lightning_gp.audit.catalog import DefenseSetting
-from lightning_gp.audit.rounds import public_batch
+from lightning_gp.audit.rounds import public_examples
 from lightning_gp.defenses.base import share_in_process
 from lightning_gp.defenses.clipping import dp_sgd_gradient
 from lightning_gp.federated.client_updates import client_gradients
@@ -196,12 +196,6 @@ def setting_simulator(
     return simulate
 
 
-def _public_labels(datamodule: Any, size: int) -> Tensor:
-    datamodule.setup("test")
-    dataset = datamodule.test_dataset
-    return torch.as_tensor([int(dataset[i][1]) for i in range(min(size, len(dataset)))])
-
-
 def learned_inversion_attacks(
     setting: DefenseSetting,
     datamodule: Any,
@@ -215,7 +209,7 @@ def learned_inversion_attacks(
     seed: int = 0,
 ) -> list[GradientAttack]:
     """The learned inverter of ``setting`` and its refined variant, trained on the public split
-    (:func:`~lightning_gp.audit.rounds.public_batch`: the test split, at most ``public_size``
+    (:func:`~lightning_gp.audit.rounds.public_examples`: the test split, at most ``public_size``
     images), never on a training image. The refinement matches with the first Inverting-Gradients
     attack of ``adaptive`` (the setting's defense-aware one), else the published one. ``[]`` when
     the server cannot replay the setting (:func:`simulation_refusal`)."""
@@ -226,8 +220,7 @@ def learned_inversion_attacks(
         resolve = getattr(callback, "resolve_root_set", None)
         if callable(resolve):
             resolve(datamodule)
-    images = public_batch(datamodule, public_size)
-    labels = _public_labels(datamodule, public_size)
+    images, labels = public_examples(datamodule, public_size)
     simulate = setting_simulator(setting, num_clients=num_clients)
     key = f"{setting.name}|{[repr(cb) for cb in setting.callbacks]}|architecture={setting.architecture is not None}"
     matching = next((a for a in adaptive or [] if isinstance(a, InvertingGradients)), None)

@@ -38,9 +38,17 @@ from lightning_gp.validation import as_int, check_int, check_positive_int
 
 def public_batch(datamodule: L.LightningDataModule, size: int = 1000) -> Tensor:
     """Images a server may hold (the test split, never the clients' training data)."""
+    return public_examples(datamodule, size)[0]
+
+
+def public_examples(datamodule: L.LightningDataModule, size: int = 1000) -> tuple[Tensor, Tensor]:
+    """The first ``size`` labelled images of the test split: what a server may hold, never a client's
+    training data. ``(inputs [N, C, H, W], labels [N])``."""
+    check_positive_int(size, "size")
     datamodule.setup("test")
     dataset = cast(Any, datamodule).test_dataset
-    return torch.stack([dataset[i][0] for i in range(min(size, len(dataset)))])
+    pairs = [dataset[i] for i in range(min(size, len(dataset)))]
+    return torch.stack([image for image, _ in pairs]), torch.as_tensor([int(label) for _, label in pairs])
 
 
 def malicious_server_model(

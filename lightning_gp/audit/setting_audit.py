@@ -55,7 +55,13 @@ from lightning_gp.audit.catalog import DefenseSetting
 from lightning_gp.audit.engine import AttackResult, attack_record, attacker_loss
 from lightning_gp.audit.learned import REFINE_ITERATIONS, learned_inversion_attacks, simulation_refusal
 from lightning_gp.audit.prior_control import with_prior_only_control
-from lightning_gp.audit.rounds import active_replay_blocker, aggregate_record, public_batch, tap_defended_round
+from lightning_gp.audit.rounds import (
+    active_replay_blocker,
+    aggregate_record,
+    public_batch,
+    public_examples,
+    tap_defended_round,
+)
 from lightning_gp.audit.verdict import BaselineScores, LeakRule, WorstCaseReport, trivial_baselines, worst_case_report
 from lightning_gp.federated import ClientLevelDP
 from lightning_gp.metrics import ReconstructionReport, concatenate_reports, reconstruction_report
@@ -298,12 +304,15 @@ def _run_attack(
     rule: LeakRule,
     reference: Tensor,
     skip: frozenset[int] = frozenset(),
+    *,
+    public_data: tuple[Tensor, Tensor],
 ) -> tuple[Cell, list[AttackResult]]:
     """One attack on every client but those in ``skip`` (positions whose images already leaked; they
-    score "not reconstructed" in this cell and leave the worst case to the attacks that leaked them)."""
+    score "not reconstructed" in this cell and leave the worst case to the attacks that leaked them).
+    ``public_data`` is what the server holds (:func:`~lightning_gp.audit.rounds.public_examples`)."""
     start = time.perf_counter()
     outcomes, errors, not_applicable = _attack_clients(
-        name, attacks, records, model, setting, datamodule, secrets, lpips_fn, log, skip
+        name, attacks, records, model, setting, datamodule, secrets, lpips_fn, log, skip, public_data
     )
     if len(not_applicable) == len(outcomes) - len(skip):  # n/a for every client: it does not apply here
         note = not_applicable[0].split(": n/a: ", 1)[1]
@@ -359,6 +368,7 @@ def _attack_clients(
     lpips_fn: nn.Module | None,
     log: Callable[[str], None],
     skip: frozenset[int],
+    public_data: tuple[Tensor, Tensor],
 ) -> tuple[list[AttackResult | TappedGradient], list[str], list[str]]:
     """Each client's attack result (its record where the attack failed, did not apply or was skipped),
     the errors and the n/a notes."""
@@ -381,6 +391,7 @@ def _attack_clients(
                     server_secrets=secrets,
                     lpips_fn=lpips_fn,
                     lpips=lpips_fn is not None,
+                    public_data=public_data,
                 )
             )
         except AttackNotApplicable as err:  # the attack's own check that it cannot apply (model, loss, batch)
@@ -528,6 +539,7 @@ def _open_campaign(
 ) -> _Campaign:
     """The public reference images and the passive round tapped: a campaign with no attack run yet."""
     reference = reference_pixels(datamodule)
+    public = public_examples(datamodule)
     passive_records, sent_model, _ = tap_defended_round(
         setting, model, datamodule, indices=indices, num_clients=num_clients, seed=seed, round=round
     )
@@ -543,6 +555,7 @@ def _open_campaign(
         rule,
         log,
         reference,
+        public,
         passive_records,
         sent_model,
     )
@@ -584,6 +597,7 @@ def _judged_audit(
             reference,
             client_dp,
             campaign.seed,
+            campaign.public,
         )
     return audit
 
@@ -604,6 +618,7 @@ class _Campaign:
     rule: LeakRule
     log: Callable[[str], None]
     reference: Tensor
+    public: tuple[Tensor, Tensor]  # labelled public images the server holds (label recovery on them)
     passive_records: list[TappedGradient]
     passive_model: nn.Module
     cells: list[Cell] = field(default_factory=list)
@@ -686,6 +701,7 @@ class _Campaign:
             self.rule,
             self.reference,
             leaked,
+            public_data=self.public,
         )
         cell.threat = threat
         self.cells.append(cell)
@@ -739,6 +755,7 @@ def _audit_aggregate(
     reference: Tensor,
     client_dp: ClientLevelDP | None,
     seed: int,
+    public_data: tuple[Tensor, Tensor],
 ) -> None:
     """Fill ``audit``'s aggregate view: the passive published attacks on the round's combined update."""
     combine = None
@@ -753,7 +770,19 @@ def _audit_aggregate(
             continue  # an active attack sends its own model: not the round tapped here
         log(f"   {spec.name} on the aggregate of {setting.name} ...")
         cell, out = _run_attack(
-            spec.name, spec.kind, [attack], [combined], model, setting, datamodule, {}, lpips_fn, log, rule, reference
+            spec.name,
+            spec.kind,
+            [attack],
+            [combined],
+            model,
+            setting,
+            datamodule,
+            {},
+            lpips_fn,
+            log,
+            rule,
+            reference,
+            public_data=public_data,
         )
         audit.aggregate_cells.append(cell)
         if out:

@@ -35,6 +35,7 @@ from lightning_gp.audit import (
     worst_case_report,
 )
 from lightning_gp.audit.catalog import DefenseSetting
+from lightning_gp.audit.rounds import public_examples
 from lightning_gp.audit.setting_audit import reference_pixels
 from lightning_gp.cli.help import short_help
 from lightning_gp.cli.shapes import data_built_first, instantiate
@@ -119,6 +120,7 @@ def run(config: Any) -> list[AttackResult]:
             positions=config.positions,
             seed=config.seed,
         )
+    public = public_examples(datamodule)  # the server's own labelled images (batch label recovery)
     results = []
     for record in records:
         print(f"attacking client {record.client_id}, round {record.round} with {type(attack).__name__}", flush=True)
@@ -133,6 +135,7 @@ def run(config: Any) -> list[AttackResult]:
                 server_secrets=secrets,
                 labels_known=config.labels_known,
                 lpips=config.lpips,
+                public_data=public,
             )
         )
     return results
