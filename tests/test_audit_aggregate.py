@@ -57,6 +57,9 @@ def test_the_aggregate_view_scores_every_image_of_every_client(datamodule):
         log=lambda line: None,
     )
     assert audit.aggregate is not None and audit.aggregate.batch_size == 6
+    # the server holds the test split: every attack's view has it for batch label recovery
+    views = [r.view for results in audit.results.values() for r in results]
+    assert views and all(v.public_data is not None and len(v.public_data[0]) == 1000 for v in views)
     assert [c.attack for c in audit.aggregate_cells] == ["IG"]
     assert audit.aggregate.threat_model == "aggregate"
     assert audit.verdict("aggregate") != "private"  # no adaptive attack models an aggregate

@@ -17,6 +17,7 @@ import lightning as L
 import pytest
 from helpers import frontier_point
 
+from lightning_gp.attacks import LABEL_RECOVERY_REVISION
 from lightning_gp.audit import (
     AttackBudget,
     DefenseSetting,
@@ -46,6 +47,7 @@ from lightning_gp.audit.frontier_run import (
     coverage_order,
     decisive_first,
     frontier_jobs,
+    has_stale_labels,
     job_estimates,
     misses_learned_inverter,
 )
@@ -359,6 +361,19 @@ def test_an_audit_without_the_inverter_reruns_once_the_server_can_replay_its_set
     assert not misses_learned_inverter(key, ran, budget, lambda: None)
     leaked = {**record, "threats": {"passive": {"leak_fraction": 1.0}}}
     assert not misses_learned_inverter(key, leaked, budget, lambda: None)
+
+
+def test_a_batch_audit_of_an_older_label_recovery_reruns_unless_every_image_had_leaked() -> None:
+    """Batch label recovery changed (LABEL_RECOVERY_REVISION): an audit at a batch of several images
+    stored without the revision, or under an older one, runs again where a label could still change it
+    (some image had not leaked); one image's label never changed, nor does a stamped record."""
+    record = {"kind": "audit", "cells": [], "threats": {"passive": {"leak_fraction": 0.25}}}
+    batch, single = "audit|TopKPruning(rate=0.9)|B=8|round=50", "audit|TopKPruning(rate=0.9)|B=1|round=50"
+    assert has_stale_labels(batch, record)
+    assert has_stale_labels(batch, {**record, "label_recovery_revision": LABEL_RECOVERY_REVISION - 1})
+    assert not has_stale_labels(batch, {**record, "label_recovery_revision": LABEL_RECOVERY_REVISION})
+    assert not has_stale_labels(single, record)
+    assert not has_stale_labels(batch, {**record, "threats": {"passive": {"leak_fraction": 1.0}}})
 
 
 class _Exploding(Defense):

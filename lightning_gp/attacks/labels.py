@@ -99,23 +99,27 @@ def label_counts(
 ) -> Tensor:
     """How many images of each class the batch holds, estimated from the last layer's gradient.
 
-    For the batch-mean cross-entropy the classifier's bias gradient is ``g_c = p_c - n_c / B`` (``p_c``
-    the batch's mean softmax probability of class ``c``; Geng et al., "Towards General Deep Leakage in
-    Federated Learning", 2021, Sec. 3.2). Without a bias the weight rows give the same weighted by
-    each image's feature sum ``O_i = sum_j h_ij``: ``sum_j dW_cj = mean_i O_i (p_ic - 1[y_i = c])``.
-    The server does not know ``p``; it models each image by the mean of its class, which makes the
-    gradient linear in the counts, ``g = M n / B`` with ``M[c, k] = E_k[O p_c] - E_k[O] 1[c = k]``
-    (``O = 1`` with a bias), and solves that system with ``sum_k n_k = B`` by least squares (the
-    linear system of Ma et al., "Instance-wise Batch Label Restoration via Gradients in Federated
-    Learning", ICLR 2023). The class means ``E_k`` come from ``softmax_from``:
+    For the batch-mean cross-entropy the classifier's gradient is ``dW_c = mean_i (p_ic - 1[y_i = c])
+    h_i`` and ``db_c = mean_i (p_ic - 1[y_i = c])`` (``p_i`` image ``i``'s softmax, ``h_i`` its
+    features): the bias gives ``n_c = B (p_c - db_c)`` with ``p`` the batch's mean softmax (Geng et
+    al., "Towards General Deep Leakage in Federated Learning", 2021, Sec. 3.2). The server does not
+    know ``p_i`` or ``h_i``; it models each image by the mean of its class, which makes the gradient
+    linear in the counts, ``g = M n / B`` with column ``k`` of ``M`` the mean gradient of one image
+    of class ``k``, and solves that system with ``sum_k n_k = B`` by least squares (the linear
+    system of Ma et al., "Instance-wise Batch Label Restoration via Gradients in Federated
+    Learning", ICLR 2023). The class means come from ``softmax_from``:
 
     - ``"public"``: the labelled public images the server holds (``view.public_data``), class by
-      class (a class with no public image takes the mean over all of them). Needed on a trained
-      model, which scores its classes unlike each other and unlike noise.
-    - ``"dummy"``: ``dummy_inputs`` images drawn uniformly in the data box (seeded by ``seed``), the
-      same for every class: Geng et al.'s estimate ``n_c = B (p_c - g_c)``. Exact at initialisation,
-      where the softmax is near uniform on any input; one label off per client batch of 8 on
-      LeNetZhu after 50 FedSGD rounds (``benchmarks/results/label_counts_trained.md``).
+      class (a class with no public image takes the mean over all of them); the equations are the
+      bias and the weight rows' sums ``sum_j dW_cj = mean_i (p_ic - 1[y_i = c]) sum_j h_ij``. Needed
+      on a trained model, which scores its classes unlike each other and unlike noise. (More
+      equations, the rows along the features' leading principal directions, changed at most 4 of 64
+      labels on LeNetZhu, so they are left out.)
+    - ``"dummy"``: ``dummy_inputs`` images drawn uniformly in the data box (seeded by ``seed``), one
+      mean for every class, and the bias alone (the weight rows' sums without a bias): Geng et al.'s
+      estimate. Right at initialisation, where the softmax is near uniform on any input; one label
+      off per client batch of 8 on LeNetZhu after 50 FedSGD rounds
+      (``benchmarks/results/label_counts_trained.md``).
     - ``"auto"``: ``"public"`` when the view holds public data, else ``"dummy"``.
 
     The least-squares solution is rounded to non-negative integers summing to ``B`` (the largest
@@ -141,20 +145,25 @@ def label_counts(
         generator = torch.Generator(device=view.device).manual_seed(seed)
         uniform = torch.rand((dummy_inputs, *view.input_shape), generator=generator, device=view.device)
         inputs = low + (high - low) * uniform
-    probabilities, weights = _softmax_and_feature_sums(view, weight_name, inputs, per_image_weight=bias_name is None)
-    response = _class_response(probabilities, weights, classes, view.num_classes)
+    probabilities, features = _softmax_and_features(view, weight_name, inputs)
+    # each equation: a gradient entry per class and what one image's error p_i - e_y multiplies there
+    per_image: list[Tensor] = []  # [N, 1] each
+    observed: list[Tensor] = []  # [K, 1] each
     if bias_name is not None:
-        observed = view.gradients[bias_name].detach()
-    else:
-        observed = view.gradients[weight_name].detach().sum(dim=1)
-    return _counts_fitting(response, observed.to("cpu", torch.float64), view.batch_size)
+        per_image.append(torch.ones(len(features), 1, dtype=torch.float64))
+        observed.append(view.gradients[bias_name].detach().to("cpu", torch.float64).unsqueeze(1))
+    if softmax_from == "public" or bias_name is None:  # dummy features are nothing like the data's
+        sums = features.sum(dim=1, keepdim=True)
+        if bias_name is None and float(sums.mean()) == 0.0:
+            raise AttackNotApplicable("label counts without a bias need features that do not sum to 0 on average")
+        per_image.append(sums)
+        observed.append(view.gradients[weight_name].detach().to("cpu", torch.float64).sum(dim=1, keepdim=True))
+    response = _class_response(probabilities, torch.cat(per_image, 1), classes, view.num_classes)
+    return _counts_fitting(response, torch.cat(observed, 1).flatten(), view.batch_size)
 
 
-def _softmax_and_feature_sums(
-    view: ServerView, weight_name: str, inputs: Tensor, per_image_weight: bool
-) -> tuple[Tensor, Tensor]:
-    """Each input's softmax ``[N, K]`` and its weight ``[N]`` in the class response: the sum of the
-    classification layer's input features with ``per_image_weight`` (no bias), else 1 (float64, CPU)."""
+def _softmax_and_features(view: ServerView, weight_name: str, inputs: Tensor) -> tuple[Tensor, Tensor]:
+    """Each input's softmax ``[N, K]`` and the classification layer's input features ``[N, F]`` (float64, CPU)."""
     import copy
 
     model = copy.deepcopy(view.model)  # a BatchNorm layer in training mode must not touch the view's statistics
@@ -166,31 +175,21 @@ def _softmax_and_feature_sums(
         logits = model(inputs.to(view.device, dtype))
     finally:
         handle.remove()
-    probabilities = logits.detach().to("cpu", torch.float64).softmax(dim=-1)
-    if not per_image_weight:
-        return probabilities, torch.ones(len(probabilities), dtype=torch.float64)
-    weights = features[-1].detach().to("cpu", torch.float64).sum(dim=1)
-    if float(weights.mean()) == 0.0:
-        raise AttackNotApplicable("label counts without a bias need features that do not sum to 0 on average")
-    return probabilities, weights
+    return logits.detach().to("cpu", torch.float64).softmax(dim=-1), features[-1].detach().to("cpu", torch.float64)
 
 
-def _class_response(probabilities: Tensor, weights: Tensor, classes: Tensor | None, num_classes: int) -> Tensor:
-    """``M[c, k] = E_k[w p_c] - E_k[w] 1[c = k]``: the last layer's gradient per image of class ``k``,
-    averaged over the images of class ``k`` (over all images where ``classes`` is ``None`` or has none
-    of class ``k``)."""
-    weighted = weights.unsqueeze(1) * probabilities
-    overall = weighted.mean(dim=0), weights.mean()
+def _class_response(probabilities: Tensor, per_image: Tensor, classes: Tensor | None, num_classes: int) -> Tensor:
+    """``M[(c, d), k] = E_k[(p_c - 1[c = k]) x_d]``, ``x = per_image`` ``[N, D]``: the gradient one
+    image of class ``k`` adds, averaged over the images of class ``k`` (over all images where
+    ``classes`` is ``None`` or has none of class ``k``), flattened to ``[K * D, K]``."""
     columns = []
     for k in range(num_classes):
-        mask = None if classes is None else classes.to("cpu") == k
-        if mask is None or not bool(mask.any()):
-            mean_weighted, mean_weight = overall
-        else:
-            mean_weighted, mean_weight = weighted[mask].mean(dim=0), weights[mask].mean()
-        column = mean_weighted.clone()
-        column[k] -= mean_weight
-        columns.append(column)
+        mask = torch.ones(len(probabilities), dtype=torch.bool) if classes is None else classes.to("cpu") == k
+        if not bool(mask.any()):
+            mask = torch.ones(len(probabilities), dtype=torch.bool)
+        error = probabilities[mask].clone()
+        error[:, k] -= 1.0
+        columns.append((error.t() @ per_image[mask] / int(mask.sum())).flatten())
     return torch.stack(columns, dim=1)
 
 
