@@ -32,6 +32,10 @@ SoftmaxSource = Literal["auto", "public", "dummy"]
 #: at batch sizes above 1 that an older revision computed are stale.
 LABEL_RECOVERY_REVISION = 2
 
+#: the largest ``|sum_c db_c| / sum_c |db_c|`` of a bias gradient :func:`label_counts` takes as untouched
+#: (float32 rounding of a batch mean is ~1e-7; Gaussian noise of 0.01 on 10 classes gives ~1e-2)
+BIAS_SUM_TOLERANCE = 1e-4
+
 #: dummy inputs the server feeds its model to estimate the batch's mean softmax (:func:`label_counts`)
 DUMMY_INPUTS = 256
 
@@ -111,7 +115,8 @@ def label_counts(
 
     - ``"public"``: the labelled public images the server holds (``view.public_data``), class by
       class (a class with no public image takes the mean over all of them); the equations are the
-      bias and the weight rows' sums ``sum_j dW_cj = mean_i (p_ic - 1[y_i = c]) sum_j h_ij``. Needed
+      bias and, where a defense touched the bias (it does not sum to 0, :data:`BIAS_SUM_TOLERANCE`),
+      the weight rows' sums ``sum_j dW_cj = mean_i (p_ic - 1[y_i = c]) sum_j h_ij`` too. Needed
       on a trained model, which scores its classes unlike each other and unlike noise. (More
       equations, the rows along the features' leading principal directions, changed at most 4 of 64
       labels on LeNetZhu, so they are left out.)
@@ -152,7 +157,7 @@ def label_counts(
     if bias_name is not None:
         per_image.append(torch.ones(len(features), 1, dtype=torch.float64))
         observed.append(view.gradients[bias_name].detach().to("cpu", torch.float64).unsqueeze(1))
-    if softmax_from == "public" or bias_name is None:  # dummy features are nothing like the data's
+    if bias_name is None or (softmax_from == "public" and not _untouched_bias(observed[0])):
         sums = features.sum(dim=1, keepdim=True)
         if bias_name is None and float(sums.mean()) == 0.0:
             raise AttackNotApplicable("label counts without a bias need features that do not sum to 0 on average")
@@ -160,6 +165,13 @@ def label_counts(
         observed.append(view.gradients[weight_name].detach().to("cpu", torch.float64).sum(dim=1, keepdim=True))
     response = _class_response(probabilities, torch.cat(per_image, 1), classes, view.num_classes)
     return _counts_fitting(response, torch.cat(observed, 1).flatten(), view.batch_size)
+
+
+def _untouched_bias(gradient: Tensor) -> bool:
+    """Whether a classifier's bias gradient ``[K, 1]`` sums to 0, as cross-entropy's always does
+    (``sum_c (p_c - 1[y = c]) = 0``) up to float rounding: then no defense pruned, noised or quantised
+    it, and it alone gives the counts (the weight rows add only the features' class-mean error)."""
+    return float(gradient.sum().abs()) <= BIAS_SUM_TOLERANCE * float(gradient.abs().sum())
 
 
 def _softmax_and_features(view: ServerView, weight_name: str, inputs: Tensor) -> tuple[Tensor, Tensor]:
@@ -208,9 +220,18 @@ def _counts_fitting(response: Tensor, observed: Tensor, total: int) -> Tensor:
     counts = _round_to_total(total * (start + basis @ solution), total)
     step = response / total  # column k: what one more image of class k adds to the gradient
     residual = step @ counts.to(step) - observed
+    gram = step.t() @ step  # [K, K], so a trial costs K^2 numbers, not K^2 times the equations
     while True:  # each move lowers the residual by a margin, so no set of counts repeats and the loop ends
-        # trial[b, a]: the squared residual after moving one image from class a to class b
-        trial = ((residual[:, None, None] + step[:, :, None] - step[:, None, :]) ** 2).sum(dim=0)
+        # trial[b, a] = |residual + step_b - step_a|^2: the squared residual after moving an image from a to b
+        along = step.t() @ residual
+        diagonal = gram.diagonal()
+        trial = (
+            (residual**2).sum()
+            + diagonal[:, None]
+            + diagonal[None, :]
+            - 2 * gram
+            + 2 * (along[:, None] - along[None, :])
+        )
         trial[:, counts == 0] = float("inf")
         best = int(trial.argmin())
         to_class, from_class = divmod(best, k)
