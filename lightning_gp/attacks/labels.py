@@ -221,7 +221,7 @@ def _counts_fitting(response: Tensor, observed: Tensor, total: int) -> Tensor:
     step = response / total  # column k: what one more image of class k adds to the gradient
     residual = step @ counts.to(step) - observed
     gram = step.t() @ step  # [K, K], so a trial costs K^2 numbers, not K^2 times the equations
-    while True:  # each move lowers the residual by a margin, so no set of counts repeats and the loop ends
+    while True:  # each move lowers the residual by more than rounding, so no counts repeat and the loop ends
         # trial[b, a] = |residual + step_b - step_a|^2: the squared residual after moving an image from a to b
         along = step.t() @ residual
         diagonal = gram.diagonal()
@@ -232,10 +232,13 @@ def _counts_fitting(response: Tensor, observed: Tensor, total: int) -> Tensor:
             - 2 * gram
             + 2 * (along[:, None] - along[None, :])
         )
+        trial.fill_diagonal_(float("inf"))  # a move within one class changes nothing
         trial[:, counts == 0] = float("inf")
         best = int(trial.argmin())
         to_class, from_class = divmod(best, k)
-        if not float(trial[to_class, from_class]) < float((residual**2).sum()) * (1 - 1e-12):
+        current = float((residual**2).sum())
+        # a move must gain more than the trial's rounding (relative to the terms it sums), so none repeats
+        if not float(trial[to_class, from_class]) < current - 1e-12 * (current + float(diagonal.max())):
             return counts
         counts[from_class] -= 1
         counts[to_class] += 1
