@@ -194,9 +194,10 @@ def _class_response(probabilities: Tensor, per_image: Tensor, classes: Tensor | 
     """``M[(c, d), k] = E_k[(p_c - 1[c = k]) x_d]``, ``x = per_image`` ``[N, D]``: the gradient one
     image of class ``k`` adds, averaged over the images of class ``k`` (over all images where
     ``classes`` is ``None`` or has none of class ``k``), flattened to ``[K * D, K]``."""
+    classes = None if classes is None else classes.to("cpu")
     columns = []
     for k in range(num_classes):
-        mask = torch.ones(len(probabilities), dtype=torch.bool) if classes is None else classes.to("cpu") == k
+        mask = torch.ones(len(probabilities), dtype=torch.bool) if classes is None else classes == k
         if not bool(mask.any()):
             mask = torch.ones(len(probabilities), dtype=torch.bool)
         error = probabilities[mask].clone()

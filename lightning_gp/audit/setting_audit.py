@@ -65,6 +65,7 @@ from lightning_gp.audit.rounds import (
 from lightning_gp.audit.verdict import BaselineScores, LeakRule, WorstCaseReport, trivial_baselines, worst_case_report
 from lightning_gp.federated import ClientLevelDP
 from lightning_gp.metrics import ReconstructionReport, concatenate_reports, reconstruction_report
+from lightning_gp.normalization import denormalize
 from lightning_gp.records import TappedGradient
 from lightning_gp.validation import check_bool, check_positive_int
 
@@ -405,14 +406,12 @@ def _attack_clients(
     return outcomes, errors, not_applicable
 
 
-def reference_pixels(datamodule: Any, size: int = 1000) -> Tensor:
-    """Public images the server holds (the test split, :func:`~lightning_gp.audit.rounds.public_batch`)
-    as pixels in [0, 1]: their mean image is the "dataset mean" guess."""
-    images = public_batch(datamodule, size).detach().float().cpu()
-    channels = images.shape[1]
-    mean = torch.as_tensor(datamodule.mean, dtype=images.dtype).reshape(-1, 1, 1).expand(channels, 1, 1)
-    std = torch.as_tensor(datamodule.std, dtype=images.dtype).reshape(-1, 1, 1).expand(channels, 1, 1)
-    return (images * std + mean).clamp(0, 1)
+def reference_pixels(datamodule: Any, size: int = 1000, images: Tensor | None = None) -> Tensor:
+    """Public images the server holds (the test split, :func:`~lightning_gp.audit.rounds.public_batch`;
+    ``images`` where the caller loaded them already) as pixels in [0, 1]: their mean image is the
+    "dataset mean" guess."""
+    images = public_batch(datamodule, size) if images is None else images
+    return denormalize(images.detach().float().cpu(), datamodule.mean, datamodule.std)
 
 
 def _guesses(report: ReconstructionReport, reference: Tensor) -> list[BaselineScores]:
@@ -538,8 +537,8 @@ def _open_campaign(
     log: Callable[[str], None],
 ) -> _Campaign:
     """The public reference images and the passive round tapped: a campaign with no attack run yet."""
-    reference = reference_pixels(datamodule)
     public = public_examples(datamodule)
+    reference = reference_pixels(datamodule, images=public[0])
     passive_records, sent_model, _ = tap_defended_round(
         setting, model, datamodule, indices=indices, num_clients=num_clients, seed=seed, round=round
     )
