@@ -376,6 +376,36 @@ def test_a_batch_audit_of_an_older_label_recovery_reruns_unless_every_image_had_
     assert not has_stale_labels(batch, {**record, "threats": {"passive": {"leak_fraction": 1.0}}})
 
 
+def test_a_stored_audit_that_leaked_everywhere_is_reported_until_its_rerun_replaces_it(tmp_path: Path) -> None:
+    """Two batch audits stored under an older label recovery run again. Until they do, the one that
+    leaked to both servers is reported as stored (its verdict cannot err in the defense's favour, and
+    the report says so), and the one that read private is not reported at all; the rerun replaces both
+    and the note goes."""
+    cfg = config(batch_sizes=[2], images=2, undefended=False)
+    whole = frontier(cfg, tmp_path, log=silent)
+    leaked_key, private_key = "audit|TopKPruning(rate=0.5)|B=2|round=0", "audit|TopKPruning(rate=0.99)|B=2|round=0"
+    results = tmp_path / RESULTS_FILE
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    for entry in lines:
+        if entry["key"] in (leaked_key, private_key):
+            verdict = "leaks" if entry["key"] == leaked_key else "private"
+            entry["record"].pop("label_recovery_revision")
+            for threat in entry["record"]["threats"].values():
+                threat.update(verdict=verdict, leak_fraction=0.5 if verdict == "leaks" else 0.0)
+    results.write_text("".join(json.dumps(entry) + "\n" for entry in lines))
+
+    look = frontier(cfg, tmp_path, log=silent, report_only=True)
+    assert {p.verdict for p in look.points if p.setting == "TopKPruning(rate=0.5)"} == {"leaks"}
+    assert all(p.leak_fraction == 0.5 for p in look.points if p.setting == "TopKPruning(rate=0.5)")
+    assert not [p for p in look.points if p.setting == "TopKPruning(rate=0.99)"]
+    assert "1 audits not rerun yet show their stored record" in (tmp_path / "frontier.md").read_text()
+
+    rerun = frontier(cfg, tmp_path, log=silent)
+    assert sorted(job.key for job in rerun.ran) == sorted([leaked_key, private_key])
+    assert comparable(rerun.points) == comparable(whole.points)
+    assert "not rerun yet" not in (tmp_path / "frontier.md").read_text()
+
+
 class _Exploding(Defense):
     """Raises on every gradient while ``armed``: a job that fails at run time, after the config checks."""
 
@@ -493,9 +523,11 @@ def test_the_first_jobs_of_a_stage_cover_every_grid_at_both_ends() -> None:
     ]
 
 
-def test_later_audits_of_settings_that_already_leak_to_both_servers_run_last_in_their_stage() -> None:
+def test_audits_of_settings_that_already_leak_to_both_servers_run_last() -> None:
     """At round 5, Top-k 0.99 (leaked to both servers at round 0) goes after Top-k 0.5 (private to the
-    passive server there) and the undefended run (not audited yet); round 0's jobs keep their order."""
+    passive server there) and the undefended run (not audited yet); round 0's jobs keep their order.
+    A job whose own stored record leaked to both servers (rerun by a stronger attack) goes last too,
+    after the later rounds' undecided jobs."""
     cfg = config(stages=[0, 5])
     jobs = frontier_jobs(cfg, 1)
 
@@ -514,6 +546,14 @@ def test_later_audits_of_settings_that_already_leak_to_both_servers_run_last_in_
     assert [job.key for job in ordered[len(first) :]] == [
         "audit|undefended|B=1|round=5",
         "audit|TopKPruning(rate=0.5)|B=1|round=5",
+        "audit|TopKPruning(rate=0.99)|B=1|round=5",
+    ]
+    # a stored round-0 record that leaked to both servers, to be rerun by a stronger attack: it goes
+    # after every job that can still change a verdict, round 5's included
+    carried = {**records, "audit|undefended|B=1|round=0": audit(("leaks", "leaks"))}
+    assert [job.key for job in decisive_first(todo, carried)[-3:]] == [
+        "audit|undefended|B=1|round=0",
+        "audit|undefended|B=1|round=5",
         "audit|TopKPruning(rate=0.99)|B=1|round=5",
     ]
 

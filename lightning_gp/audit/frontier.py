@@ -33,6 +33,7 @@ from lightning_gp.audit.frontier_run import (
     Job,
     Progress,
     ResultStore,
+    carried_records,
     decisive_first,
     execute,
     fingerprint,
@@ -124,6 +125,8 @@ def frontier(
             that failed: see :attr:`FrontierResult.failed`).
         report_only: run no job; report the jobs already in ``<name>_points.jsonl`` (a long run still
             going elsewhere, or cut short). A missing stage counts as not private (inconclusive).
+            A stored audit that runs again under a stronger attack is reported as stored until its
+            rerun finishes only where it leaked to every server (:func:`carried_records`).
     """
     check_positive_int(workers, "workers")
     check_bool(report_only, "report_only")
@@ -136,7 +139,10 @@ def frontier(
     store = ResultStore(None if directory is None else directory / results, fingerprint(config))
     stored = store.load()
     records = {j.key: stored[j.key] for j in jobs if j.key in stored and is_current(j, stored[j.key], config, channels)}
-    todo = decisive_first([job for job in jobs if job.key not in records], records)
+    todo = [job for job in jobs if job.key not in records]
+    carried = carried_records(todo, stored)
+    records.update(carried)  # reported until their reruns replace them
+    todo = decisive_first(todo, records)
     progress = _progress(jobs, todo, stored, store, workers, log, estimate=not report_only)
     ran: list[Job] = []
     failed: list[tuple[Job, str]] = []
@@ -160,6 +166,14 @@ def frontier(
         listed = "; ".join(f"{job.describe()}: {error}" for job, error in failed)
         context = (*context, f"{len(failed)} jobs failed and are missing here (a rerun tries them again): {listed}.")
         log(f"frontier: {len(failed)} jobs failed (not stored; the same command again retries them)")
+    if still_carried := [key for key in carried if records[key] is carried[key]]:
+        note = (
+            f"{len(still_carried)} audits not rerun yet show their stored record: each leaked to every server "
+            "under an attacker weaker than today's (an older label recovery, or no learned inverter), so its "
+            "verdict stands; its leak fraction and PSNR may still change."
+        )
+        context = (*context, note)
+        log(f"frontier: {len(still_carried)} stored audits that leaked everywhere are reported until rerun")
     points = frontier_points(jobs, records)
     result = FrontierResult(points, recommend(points), ran, failed=failed)
     if directory is not None:

@@ -102,23 +102,46 @@ def frontier_jobs(config: FrontierConfig, channels: int) -> list[Job]:
 
 
 def decisive_first(jobs: Sequence[Job], records: dict[str, dict[str, Any]]) -> list[Job]:
-    """``jobs`` with, within each stage, the audits that cannot change a verdict over every stage put
-    last: those of a setting (at its batch size) that already leaks to both the passive and the
-    active server at an earlier stage. A run cut short in a later stage then has audited the settings
-    still in the running for a recommendation; the order is otherwise kept."""
+    """``jobs`` with the audits that cannot change a verdict over every stage put last: those of a
+    setting (at its batch size) that already leaks to both the passive and the active server at an
+    earlier stage, or at the job's own stage in a stored record a stronger attack reruns (see
+    :func:`carried_records`). A run cut short then has audited the settings still in the running for
+    a recommendation; the order is otherwise kept (stage by stage, trainings first)."""
     first_leak: dict[tuple[str, int], int] = {}  # (setting, batch size) -> its first round leaking to both
     for key, record in records.items():
         kind, setting, batch_size, stage = key_parts(key)
-        threats = record.get("threats", {})
-        if kind == "audit" and all(threats.get(t, {}).get("verdict") == "leaks" for t in THREAT_MODELS):
+        if kind == "audit" and leaks_everywhere(record):
             first_leak[(setting, batch_size)] = min(stage, first_leak.get((setting, batch_size), stage))
 
     def settled(job: Job) -> bool:
-        return job.kind == "audit" and first_leak.get((job.setting, job.batch_size), job.stage) < job.stage
+        leaked = first_leak.get((job.setting, job.batch_size))
+        if job.kind != "audit" or leaked is None:
+            return False
+        return leaked < job.stage or (leaked == job.stage and job.key in records)  # its own record, carried
 
     # the stages' blocks keep their order (a training belongs to the first block, as in frontier_jobs)
     block = {stage: i for i, stage in enumerate(dict.fromkeys(j.stage for j in jobs if j.kind == "audit"))}
-    return sorted(jobs, key=lambda job: (block[job.stage] if job.kind == "audit" else 0, settled(job)))
+    return sorted(jobs, key=lambda job: (settled(job), block[job.stage] if job.kind == "audit" else 0))
+
+
+def leaks_everywhere(record: dict[str, Any]) -> bool:
+    """Whether the audit ``record`` leaks to every threat model."""
+    threats = record.get("threats", {})
+    return all(threats.get(t, {}).get("verdict") == "leaks" for t in THREAT_MODELS)
+
+
+def carried_records(jobs: Sequence[Job], stored: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The stored audit records of ``jobs`` (each to run again) that a report may show until their
+    rerun finishes: those that leaked to every server. A record runs again because its attacker was
+    weaker than today's (:func:`has_stale_labels`, :func:`misses_learned_inverter`) or because an
+    older version skipped it; an image a weaker attacker rebuilt leaked all the same, so the verdict
+    "leaks" stands and only the leak fraction and PSNR may change. Nothing else is carried: a record
+    that read private or inconclusive could err in the defense's favour."""
+    return {
+        job.key: stored[job.key]
+        for job in jobs
+        if job.kind == "audit" and job.key in stored and leaks_everywhere(stored[job.key])
+    }
 
 
 def key_parts(key: str) -> tuple[str, str, int, int]:
