@@ -33,9 +33,7 @@ from __future__ import annotations
 import argparse
 import csv
 import math
-import multiprocessing
 import warnings
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +50,7 @@ from lightning_gp.audit import (
     defense_catalog,
     published_attacks,
 )
+from lightning_gp.audit.workers import worker_pool
 from lightning_gp.defenses import Soteria, defended_layer, representation_scores
 from lightning_gp.models import CNN6, LeNetZhu
 
@@ -311,7 +310,7 @@ def main() -> None:
     jobs = [(e.name, dataset_name, indices, published_names, budget, rounds, args) for e in entries]
     with warnings.catch_warnings():
         if args.jobs > 1:
-            with ProcessPoolExecutor(max_workers=args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            with worker_pool(args.jobs) as pool:
                 done = list(pool.map(run_defense, jobs))
         else:
             done = [run_defense(job) for job in jobs]

@@ -43,14 +43,13 @@ import base64
 import csv
 import functools
 import math
-import multiprocessing
 import pickle
 import textwrap
 import time
 import traceback
 import warnings
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +72,7 @@ from lightning_gp.audit import (
 from lightning_gp.audit.figure import VERDICT_COLORS
 from lightning_gp.audit.frontier_run import ResultStore, run_fingerprint
 from lightning_gp.audit.summary import Candidate, choice_sentence, choose, combined_verdict, summary_markdown
+from lightning_gp.audit.workers import worker_pool
 from lightning_gp.metrics.lpips import LPIPS
 from lightning_gp.models import LeNetZhu
 
@@ -739,7 +739,7 @@ def run_matrix(
         store.append(name, {"pickle": base64.b64encode(pickle.dumps(row)).decode("ascii")})
 
     if args.jobs > 1 and len(jobs) > 1:
-        with ProcessPoolExecutor(max_workers=args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        with worker_pool(args.jobs) as pool:
             futures = {pool.submit(run_defense, job): job[0] for job in jobs}
             for future in as_completed(futures):
                 keep(futures[future], future.result)

@@ -20,11 +20,9 @@ Writes ``benchmarks/results/noise_aware.{csv,md}`` (``--output-dir`` to change).
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import sys
 import time
 import warnings
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +33,7 @@ from _common import RESULTS_DIR, fashion_mnist_datasets, write_results
 from lightning_gp.attacks import UnmodelledDefenseWarning
 from lightning_gp.audit import AttackBudget, audit_setting, defense_catalog, published_attacks, worst_case_report
 from lightning_gp.audit.setting_audit import reference_pixels
+from lightning_gp.audit.workers import worker_pool
 from lightning_gp.metrics import ReconstructionReport, concatenate_reports
 from lightning_gp.models import LeNetZhu
 
@@ -108,7 +107,7 @@ def main() -> None:
         f"noise_aware: {args.settings} x {args.images} images of {dataset_name} {[i[0] for i in indices]}", flush=True
     )
     start = time.perf_counter()
-    with ProcessPoolExecutor(max_workers=args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with worker_pool(args.jobs) as pool:
         done = list(pool.map(run_chunk, jobs))
     reference = reference_pixels(datamodule)
     rows = []

@@ -21,11 +21,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import multiprocessing
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -47,6 +46,7 @@ from lightning_gp.audit.setting_audit import (
 )
 from lightning_gp.audit.training import train_setting
 from lightning_gp.audit.verdict import LEAK_RULE_REVISION
+from lightning_gp.audit.workers import worker_pool
 
 #: Raised when a training job's record changes meaning; stored trainings of an older revision run
 #: again. 2: each training job also trains the undefended reference for the same rounds in the same
@@ -578,7 +578,7 @@ def execute(
 
 
 def _execute_processes(jobs: Sequence[Job], config: FrontierConfig, workers: int) -> Iterator[tuple[Job, dict]]:
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+    pool = worker_pool(workers)
     try:
         pending: dict[Future, Job] = {pool.submit(run_job, job, config): job for job in jobs}
         while pending:
