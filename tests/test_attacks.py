@@ -9,6 +9,7 @@ against a random guess, which the attacks beat by a wide margin long before conv
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -22,6 +23,7 @@ from lightning_gp.attacks import (
     InvertingGradients,
     ServerView,
     label_counts,
+    label_estimates_differ,
     parameter_gradients,
     recover_labels,
 )
@@ -402,6 +404,7 @@ def test_label_counts_from_public_images_are_exact_where_dummy_images_are_wrong(
     assert int((label_counts(view, softmax_from="dummy") - true).abs().sum()) >= 2, "precondition: dummy is wrong"
     assert label_counts(view).tolist() == true.tolist()  # "auto" takes the public data the view holds
     assert torch.equal(recover_labels(view), y.sort().values)
+    assert label_estimates_differ(view)  # the audit then runs each label-recovering attack under both
 
 
 def test_label_counts_rest_on_the_bias_where_a_defense_changed_only_the_weights(data, first_of_class) -> None:
@@ -430,6 +433,8 @@ def test_label_counts_at_initialisation_are_the_same_from_public_and_dummy_image
     true = torch.bincount(y, minlength=10).tolist()
     assert label_counts(view, softmax_from="dummy").tolist() == true
     assert label_counts(view, softmax_from="public").tolist() == true
+    assert not label_estimates_differ(view)
+    assert not label_estimates_differ(dataclasses.replace(view, public_data=None))
 
 
 def batch_of_split(dataset, indices) -> tuple[Tensor, Tensor]:

@@ -174,3 +174,36 @@ def test_the_attacker_who_knows_the_defense_goes_first_and_spares_the_published_
     for threat in ("passive", "active"):
         report = getattr(stopped, threat)
         assert (report.verdict, report.leak_fraction) == ("leaks", 1.0)
+
+
+@pytest.mark.parametrize("disagree", [True, False])
+def test_where_the_label_estimates_differ_each_passive_attack_also_runs_on_dummy_input_labels(
+    monkeypatch: pytest.MonkeyPatch, disagree: bool
+) -> None:
+    """The public-image label counts beat the dummy-input ones on average, not on every batch, so
+    where the two differ the audit keeps both attacks: each passive attack that recovers labels runs
+    again on the dummy-input counts, in its own cell the worst case takes; the active attack (its
+    own model, no label recovery) does not. Where they agree nothing runs twice. (Whether the two
+    estimates differ is label_estimates_differ's, tested on real views in test_attacks.)"""
+    import lightning_gp.audit.setting_audit as setting_audit
+
+    monkeypatch.setattr(setting_audit, "_label_estimates_differ", lambda record, campaign: disagree)
+    budget = AttackBudget(ig_iterations=2, lbfgs_iterations=2, rtf_bins=4)
+    data = FashionMNISTSampleDataModule(batch_size=500)
+    L.seed_everything(0, verbose=False)
+    result = audit_setting(
+        DefenseSetting("Gaussian noise", [GaussianNoise(scale=0.01, seed=0)]),
+        LeNetZhu(),
+        data,
+        indices=[[0, 1], [2, 3]],
+        published=published_attacks(budget, ["iDLG", "RtF"]),
+        budget=budget,
+        num_clients=2,
+        seed=0,
+        log=silent,
+        adaptive=False,
+    )
+    names = [cell.attack for cell in result.cells]
+    doubled = ["iDLG", f"iDLG{setting_audit.DUMMY_LABELS_SUFFIX}", "RtF"]
+    assert names == (doubled if disagree else ["iDLG", "RtF"])
+    assert (f"iDLG{setting_audit.DUMMY_LABELS_SUFFIX}" in result.results) == disagree

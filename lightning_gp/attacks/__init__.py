@@ -33,7 +33,13 @@ from lightning_gp.attacks.gradient_matching import (
     squared_l2_distance,
     total_variation,
 )
-from lightning_gp.attacks.labels import LABEL_RECOVERY_REVISION, classification_layer, label_counts, recover_labels
+from lightning_gp.attacks.labels import (
+    LABEL_RECOVERY_REVISION,
+    classification_layer,
+    label_counts,
+    label_estimates_differ,
+    recover_labels,
+)
 from lightning_gp.attacks.learned import (
     InverterCache,
     InverterConfig,
@@ -121,6 +127,7 @@ __all__ = [
     "graddefense_knowledge",
     "has_adaptive_attack",
     "label_counts",
+    "label_estimates_differ",
     "laplace_nll",
     "layer_noise_weights",
     "mark_fallback",

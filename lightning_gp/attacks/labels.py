@@ -28,9 +28,10 @@ LabelMethod = Literal["auto", "idlg", "bias", "yin", "counts"]
 SoftmaxSource = Literal["auto", "public", "dummy"]
 
 #: what batch label recovery computes: 1 Geng et al.'s dummy-input counts; 2 the counts of a least-squares
-#: fit of per-class softmax means (from the server's public images where it holds them). Stored results
-#: at batch sizes above 1 that an older revision computed are stale.
-LABEL_RECOVERY_REVISION = 2
+#: fit of per-class softmax means (from the server's public images where it holds them); 3 the audit runs
+#: each label-recovering attack under both estimates where they differ (:func:`label_estimates_differ`).
+#: Stored results at batch sizes above 1 that an older revision computed are stale.
+LABEL_RECOVERY_REVISION = 3
 
 #: the largest ``|sum_c db_c| / sum_c |db_c|`` of a bias gradient :func:`label_counts` takes as untouched
 #: (float32 rounding of a batch mean is ~1e-7; Gaussian noise of 0.01 on 10 classes gives ~1e-2)
@@ -95,6 +96,17 @@ def recover_labels(view: ServerView, method: LabelMethod = "auto") -> Tensor:
     else:
         raise ValueError(f"method must be one of 'auto', 'idlg', 'bias', 'yin', 'counts', got {method!r}")
     return scores.argsort()[:batch].sort().values.to(torch.int64)
+
+
+def label_estimates_differ(view: ServerView) -> bool:
+    """Whether the batch's label counts from the view's public images (:func:`label_counts`,
+    ``softmax_from="public"``) differ from those of dummy inputs (``"dummy"``, Geng et al.'s).
+    The public estimate is the better one on average, not on every batch, so where the two differ
+    an audit runs each label-recovering attack under both and judges the worst case. ``False`` for
+    one image (its label comes from the weight rows) or a view without public images."""
+    if view.batch_size == 1 or view.public_data is None:
+        return False
+    return not torch.equal(label_counts(view, softmax_from="public"), label_counts(view, softmax_from="dummy"))
 
 
 @torch.no_grad()

@@ -49,6 +49,7 @@ from lightning_gp.attacks import (
     Reconstruction,
     ServerView,
     attacks_by_name,
+    label_estimates_differ,
 )
 from lightning_gp.audit.bounds import FormalBound, prior_only_kappa, setting_bound
 from lightning_gp.audit.catalog import DefenseSetting
@@ -72,6 +73,8 @@ from lightning_gp.validation import check_bool, check_positive_int
 AttackKind = Literal["published", "adaptive"]
 CellStatus = Literal["ok", "n/a", "fallback", "error"]
 ThreatModel = Literal["passive", "active"]
+#: Appended to an attack's name where it ran again with the batch's labels counted from dummy inputs.
+DUMMY_LABELS_SUFFIX = " (dummy-input labels)"
 THREAT_MODELS: tuple[ThreatModel, ...] = ("passive", "active")
 
 
@@ -306,7 +309,7 @@ def _run_attack(
     reference: Tensor,
     skip: frozenset[int] = frozenset(),
     *,
-    public_data: tuple[Tensor, Tensor],
+    public_data: tuple[Tensor, Tensor] | None,
 ) -> tuple[Cell, list[AttackResult]]:
     """One attack on every client but those in ``skip`` (positions whose images already leaked; they
     score "not reconstructed" in this cell and leave the worst case to the attacks that leaked them).
@@ -369,7 +372,7 @@ def _attack_clients(
     lpips_fn: nn.Module | None,
     log: Callable[[str], None],
     skip: frozenset[int],
-    public_data: tuple[Tensor, Tensor],
+    public_data: tuple[Tensor, Tensor] | None,
 ) -> tuple[list[AttackResult | TappedGradient], list[str], list[str]]:
     """Each client's attack result (its record where the attack failed, did not apply or was skipped),
     the errors and the n/a notes."""
@@ -627,6 +630,7 @@ class _Campaign:
     stop_when_all_leak: bool = False
     skipped: list[str] = field(default_factory=list)
     partial: dict[str, int] = field(default_factory=dict)
+    _labels_disagree: bool | None = None
 
     def leaked_clients(self) -> frozenset[int]:
         """The positions of the clients every image of which leaks to some passive attack run so far."""
@@ -686,13 +690,37 @@ class _Campaign:
         else:
             records, active_model, secrets = self.passive_records, self.passive_model, {}
         self.log(f"   {name} on {setting.name} ...")
+        out = self._keep(name, kind, attacks, records, active_model, secrets, leaked, threat, self.public)
+        if threat == "passive" and any(r.reconstruction.labels is not None for r in out) and self.labels_disagree():
+            # the two label estimates differ: each is an attack of its own and the worst case takes both
+            # (the public estimate is better on average, not on every batch: it can lose a leak)
+            leaked = self.leaked_clients() if self.stop_when_all_leak else frozenset()
+            if len(leaked) < len(self.indices):
+                dummy = f"{name}{DUMMY_LABELS_SUFFIX}"
+                self.log(f"   {dummy} on {setting.name} ...")
+                self._keep(dummy, kind, attacks, records, active_model, secrets, leaked, threat, None)
+
+    def _keep(
+        self,
+        name: str,
+        kind: AttackKind,
+        attacks: list[GradientAttack],
+        records: list[TappedGradient],
+        model: nn.Module,
+        secrets: dict[str, Any],
+        leaked: frozenset[int],
+        threat: ThreatModel,
+        public: tuple[Tensor, Tensor] | None,
+    ) -> list[AttackResult]:
+        """Run one attack as :func:`_run_attack` does and keep its cell and results (``public``
+        ``None``: the server recovers a batch's labels from dummy inputs, not its public images)."""
         cell, out = _run_attack(
             name,
             kind,
             attacks,
             records,
-            active_model,
-            setting,
+            model,
+            self.setting,
             self.datamodule,
             secrets,
             self.lpips_fn,
@@ -700,12 +728,38 @@ class _Campaign:
             self.rule,
             self.reference,
             leaked,
-            public_data=self.public,
+            public_data=public,
         )
         cell.threat = threat
         self.cells.append(cell)
         if out:
             self.results[name] = out
+        return out
+
+    def labels_disagree(self) -> bool:
+        """Whether, on some client of several images, the batch's label counts from the public images
+        (:func:`~lightning_gp.attacks.label_counts`, ``softmax_from="public"``) differ from those of
+        dummy inputs (``"dummy"``, Geng et al.'s estimate). Computed once per audit."""
+        if self._labels_disagree is None:
+            self._labels_disagree = any(_label_estimates_differ(record, self) for record in self.passive_records)
+        return self._labels_disagree
+
+
+def _label_estimates_differ(record: TappedGradient, campaign: _Campaign) -> bool:
+    """:func:`~lightning_gp.attacks.label_estimates_differ` on the server's view of ``record``."""
+    view = ServerView.from_tap(
+        record,
+        copy.deepcopy(campaign.passive_model),
+        num_classes=campaign.datamodule.num_classes,
+        mean=tuple(campaign.datamodule.mean),
+        std=tuple(campaign.datamodule.std),
+        loss_fn=attacker_loss(campaign.passive_model),
+        public_data=campaign.public,
+    )
+    try:
+        return label_estimates_differ(view)
+    except AttackNotApplicable:  # no classification layer: no attack recovers labels from it either
+        return False
 
 
 def _run_adaptive(campaign: _Campaign, budget: AttackBudget) -> list[list[GradientAttack]]:
