@@ -298,6 +298,28 @@ def test_a_trained_step_of_a_batch_is_audited_with_the_true_labels_unless_the_se
     assert all(r.view.labels is None and r.view.public_data is not None for r in held.results[0].attacks)
 
 
+@pytest.mark.parametrize("disagree", [True, False])
+def test_where_the_label_estimates_differ_each_attack_also_runs_on_the_dummy_input_labels(
+    monkeypatch: pytest.MonkeyPatch, disagree: bool
+) -> None:
+    """As in audit_setting: two label estimates that differ are two attacks, and the worst case takes
+    both, so each label-recovering attack runs a second time without the public images (Geng et al.'s
+    dummy-input counts). Whether they differ is label_estimates_differ's, tested on real views in
+    test_attacks."""
+    import lightning_gp.audit.callback as callback
+
+    monkeypatch.setattr(callback, "label_estimates_differ", lambda view: disagree)
+    g = torch.Generator().manual_seed(1)
+    public = ((torch.rand(8, 1, 12, 12, generator=g) - 0.5) / 0.25, torch.arange(4).repeat(2))
+    quiet = dict(adaptive=False, lpips=False, noise_ratio=False, save_images=False)
+    L.seed_everything(0)
+    audit = PrivacyAudit(rounds=1, attacks=tiny_attacks(), public_data=public, **quiet, **KNOWN)
+    quiet_trainer(max_steps=2, callbacks=[audit]).fit(TinyModule(), loader(batch_size=2))
+    attacks = audit.results[0].attacks
+    with_public = [r.view.public_data is not None for r in attacks]
+    assert with_public == ([True, False] * len(tiny_attacks()) if disagree else [True] * len(tiny_attacks()))
+
+
 @pytest.mark.parametrize(
     "public_data, message",
     [

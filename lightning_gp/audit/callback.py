@@ -42,6 +42,7 @@ Import it as ``lightning_gp.audit.PrivacyAudit``.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import warnings
@@ -63,6 +64,7 @@ from lightning_gp.attacks import (
     Reconstruction,
     adaptive_attacks_of,
     has_adaptive_attack,
+    label_estimates_differ,
 )
 from lightning_gp.attacks.view import checked_public_data
 from lightning_gp.audit.bounds import FormalBound, defense_mechanism, prior_only_kappa
@@ -520,23 +522,25 @@ class PrivacyAudit(SharedGradientObserver):
         num_classes, mean, std = self._server
         adaptive = {id(a) for a in self._adaptive_attacks}
         results: list[AttackResult] = []
+        labels_known = self.labels_known or labels_granted is not None
         for attack in attacks:
             name = type(attack).__name__
+            run = functools.partial(
+                attack_record,
+                record,
+                model,
+                attack,
+                num_classes=num_classes,
+                mean=mean,
+                std=std,
+                labels_known=labels_known,
+                lpips=self.lpips,
+                noise_ratio=self.noise_ratio,
+                lpips_fn=self._lpips_fn,
+                loss_fn=self._loss_fn,
+            )
             try:
-                result = attack_record(
-                    record,
-                    model,
-                    attack,
-                    num_classes=num_classes,
-                    mean=mean,
-                    std=std,
-                    labels_known=self.labels_known or labels_granted is not None,
-                    lpips=self.lpips,
-                    noise_ratio=self.noise_ratio,
-                    lpips_fn=self._lpips_fn,
-                    loss_fn=self._loss_fn,
-                    public_data=self.public_data,
-                )
+                result = run(public_data=self.public_data)
             except AttackNotApplicable as err:
                 skipped[name] = f"n/a: {err}"
                 if id(attack) in adaptive:
@@ -556,6 +560,12 @@ class PrivacyAudit(SharedGradientObserver):
                     f"{name} fell back to the published attack ({result.reconstruction.meta.get('fallback_reason')})"
                 )
             results.append(result)
+            if not labels_known and result.reconstruction.labels is not None and label_estimates_differ(result.view):
+                # two label estimates, two attacks: the worst case takes both (as audit_setting does)
+                try:
+                    results.append(run(public_data=None))
+                except Exception as err:
+                    gaps.append(f"{name} on the dummy-input labels failed: {type(err).__name__}: {err}")
         return results
 
     def _nothing_reconstructed(
