@@ -336,7 +336,7 @@ class LearnedInversion(GradientAttack):
         self.defense_key = defense_key
         self.config = config
         self.cache = DEFAULT_CACHE if cache is None else cache
-        self._prior_only: dict[tuple[str, int], Tensor] = {}
+        self._prior_only: dict[tuple[str, int, bool], Tensor] = {}
         self._data_key = f"{tensor_fingerprint(self.public_images)}:{tensor_fingerprint(self.public_labels.float())}"
 
     def key(self, view: ServerView) -> InverterKey:
@@ -471,7 +471,9 @@ class LearnedInversion(GradientAttack):
         prior-only guesses, the control the audit scores its reconstructions against
         (:mod:`lightning_gp.audit.prior_control`). Computed once per model, batch size and count."""
         check_positive_int(count, "count")
-        key = (self.key(view).digest(), count)
+        # a guess refined on its batch's recovered labels recovers them as the attack does: from the
+        # public images where the view holds them, else from dummy inputs (two label estimates)
+        key = (self.key(view).digest(), count, view.public_data is None)
         if key not in self._prior_only:
             self._prior_only[key] = self._prior_only_guesses(view, count)
         return self._prior_only[key]
