@@ -99,6 +99,22 @@ def _progress(
     return progress
 
 
+def _carried_note(
+    carried: dict[str, dict[str, Any]], records: dict[str, dict[str, Any]], log: Callable[[str], None]
+) -> tuple[str, ...]:
+    """The report's line on the ``carried`` records no rerun has replaced in ``records`` (none: no line)."""
+    still = sum(records[key] is record for key, record in carried.items())
+    if not still:
+        return ()
+    log(f"frontier: {still} stored audits that leaked everywhere are reported until rerun")
+    note = (
+        f"{still} audits not rerun yet show their stored record: each leaked to every server under an "
+        "attacker weaker than today's (an older label recovery, or no learned inverter), so its verdict "
+        "stands; its leak fraction and PSNR may still change."
+    )
+    return (note,)
+
+
 def frontier(
     config: FrontierConfig,
     output_dir: str | Path | None = None,
@@ -166,14 +182,7 @@ def frontier(
         listed = "; ".join(f"{job.describe()}: {error}" for job, error in failed)
         context = (*context, f"{len(failed)} jobs failed and are missing here (a rerun tries them again): {listed}.")
         log(f"frontier: {len(failed)} jobs failed (not stored; the same command again retries them)")
-    if still_carried := [key for key in carried if records[key] is carried[key]]:
-        note = (
-            f"{len(still_carried)} audits not rerun yet show their stored record: each leaked to every server "
-            "under an attacker weaker than today's (an older label recovery, or no learned inverter), so its "
-            "verdict stands; its leak fraction and PSNR may still change."
-        )
-        context = (*context, note)
-        log(f"frontier: {len(still_carried)} stored audits that leaked everywhere are reported until rerun")
+    context = (*context, *_carried_note(carried, records, log))
     points = frontier_points(jobs, records)
     result = FrontierResult(points, recommend(points), ran, failed=failed)
     if directory is not None:
