@@ -424,19 +424,28 @@ def _guesses(report: ReconstructionReport, reference: Tensor) -> list[BaselineSc
     return trivial_baselines(report.original_pixels, reference_images=reference)
 
 
+def _server_view(
+    record: TappedGradient, model: nn.Module, datamodule: Any, public_data: tuple[Tensor, Tensor] | None = None
+) -> ServerView:
+    """The server's view of ``record`` on a copy of ``model`` (given the record's weights), matched
+    with the loss the client trains with, as :func:`~lightning_gp.audit.engine.attack_record` builds it."""
+    return ServerView.from_tap(
+        record,
+        copy.deepcopy(model),
+        num_classes=datamodule.num_classes,
+        mean=tuple(datamodule.mean),
+        std=tuple(datamodule.std),
+        loss_fn=attacker_loss(model),
+        public_data=public_data,
+    )
+
+
 def _failed_result(
     record: TappedGradient, model: nn.Module, name: str, datamodule: Any, lpips_fn: nn.Module | None
 ) -> AttackResult:
     """The result of an attack that raised on ``record``: every image "not reconstructed"."""
     assert record.inputs is not None
-    view = ServerView.from_tap(
-        record,
-        model,
-        num_classes=datamodule.num_classes,
-        mean=tuple(datamodule.mean),
-        std=tuple(datamodule.std),
-        loss_fn=attacker_loss(model),
-    )
+    view = _server_view(record, model, datamodule)
     reconstruction = _not_reconstructed(record, name)
     report = reconstruction_report(
         reconstruction, record.inputs, view, true_labels=record.targets, lpips=lpips_fn is not None, lpips_fn=lpips_fn
@@ -697,6 +706,8 @@ class _Campaign:
             leaked = self.leaked_clients() if self.stop_when_all_leak else frozenset()
             if len(leaked) < len(self.indices):
                 dummy = f"{name}{DUMMY_LABELS_SUFFIX}"
+                if leaked:
+                    self.partial[dummy] = len(leaked)
                 self.log(f"   {dummy} on {setting.name} ...")
                 self._keep(dummy, kind, attacks, records, active_model, secrets, leaked, threat, None)
 
@@ -747,15 +758,7 @@ class _Campaign:
 
 def _label_estimates_differ(record: TappedGradient, campaign: _Campaign) -> bool:
     """:func:`~lightning_gp.attacks.label_estimates_differ` on the server's view of ``record``."""
-    view = ServerView.from_tap(
-        record,
-        copy.deepcopy(campaign.passive_model),
-        num_classes=campaign.datamodule.num_classes,
-        mean=tuple(campaign.datamodule.mean),
-        std=tuple(campaign.datamodule.std),
-        loss_fn=attacker_loss(campaign.passive_model),
-        public_data=campaign.public,
-    )
+    view = _server_view(record, campaign.passive_model, campaign.datamodule, campaign.public)
     try:
         return label_estimates_differ(view)
     except AttackNotApplicable:  # no classification layer: no attack recovers labels from it either
