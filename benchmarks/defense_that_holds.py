@@ -81,13 +81,17 @@ def below_bar(values: dict[str, float | None]) -> bool | None:
 SHIPPED = "LocalGaussianMechanism(noise_multiplier=0.5)"
 
 
+#: The shipped row's verdict where the frontier holds no audit of the shipped point at a batch size.
+NOT_AUDITED = "not audited yet"
+
+
 def _beside_row(size: int, threat: str, family: str, point: str, c: Candidate) -> dict[str, str | int]:
     return {
         "batch size": size,
         "threat model": threat,
         "family": family,
         "point": point,
-        "verdict (every round)": c.verdict,
+        "verdict (every round)": f"{c.verdict} ({NOT_AUDITED})" if c.reason == NOT_AUDITED else c.verdict,
         "images leaked (worst round)": "-" if c.leak_fraction is None else f"{c.leak_fraction:.0%}",
         "worst PSNR (dB)": format_score(c.worst_psnr, ".1f"),
         "cost": c.cost or "-",
@@ -109,10 +113,12 @@ def beside_the_frontier(path: Path, shipped: str, name: str, output_dir: Path = 
     rows, marks = [], {}
     for size in sizes:
         for threat in THREAT_MODELS:
-            own = {c.name: c for c in setting_candidates(points, size, threat)}.get(shipped)
-            if own is None:
-                continue
             others = [b for b in bests if (b.batch_size, b.threat) == (size, threat) and b.candidate is not None]
+            own = {c.name: c for c in setting_candidates(points, size, threat)}.get(shipped)
+            if own is None and not others:
+                continue
+            if own is None:  # not audited at this batch size yet (or its records went stale): never private
+                own = Candidate(shipped, "inconclusive", reason=NOT_AUDITED)
             marks[size, threat] = (own, [(b.grid, b.candidate) for b in others])
             rows.append(_beside_row(size, threat, "shipped", f"**{shipped}**", own))
             rows += [_beside_row(size, threat, b.grid, b.label, b.candidate) for b in others]
