@@ -241,6 +241,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, nargs="+", default=[0, 50])
     parser.add_argument("--images", type=int, default=16)
     parser.add_argument("--aggregate", action="store_true", help="also the secure-aggregation view")
+    parser.add_argument(
+        "--refined-decoys",
+        type=int,
+        default=AttackBudget().refined_decoys,
+        help="the refined inverter's prior-only guesses (AttackBudget.refined_decoys; 255: a 1-in-256 control)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sample", action="store_true")
     parser.add_argument("--name", default="defense_that_holds")
@@ -259,11 +265,12 @@ def main() -> None:
         return
     torch.set_num_threads(1)
     datamodule = FashionMNISTSampleDataModule(batch_size=500) if args.sample else FashionMNISTDataModule(batch_size=500)
-    budget = AttackBudget(learned_inversion=True, learned_min_batch=1)
+    budget = AttackBudget(learned_inversion=True, learned_min_batch=1, refined_decoys=args.refined_decoys)
     if args.quick:
         budget = AttackBudget(
-            ig_iterations=2, lbfgs_iterations=2, rtf_bins=8, learned_inversion=True, learned_max_epochs=1
-        )
+            ig_iterations=2, lbfgs_iterations=2, rtf_bins=8, learned_inversion=True, learned_max_epochs=1,
+            refined_decoys=args.refined_decoys,
+        )  # fmt: skip
     build = setting_builder(args.setting)
     rows, image_rows, total = [], [], time.perf_counter()
     for batch_size in args.batch_sizes:
@@ -326,7 +333,9 @@ def main() -> None:
         f"{SEMANTIC_LINE:g}. Total {(time.perf_counter() - total) / 60:.0f} min, one torch thread.\n\n"
         f"Run: `python benchmarks/defense_that_holds.py --setting '{args.setting}' --batch-sizes "
         f"{' '.join(map(str, args.batch_sizes))} --rounds {' '.join(map(str, args.rounds))} --images {args.images}"
-        f"{' --aggregate' if args.aggregate else ''}`; per image: `{args.name}_images.csv`."
+        f"{' --aggregate' if args.aggregate else ''}"
+        f"{f' --refined-decoys {args.refined_decoys}' if args.refined_decoys != AttackBudget().refined_decoys else ''}"
+        f"`; per image: `{args.name}_images.csv`."
     )
     write_results(args.name, rows, preamble, args.output_dir)
 

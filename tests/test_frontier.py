@@ -595,3 +595,24 @@ def test_the_eta_counts_each_job_as_long_as_the_finished_jobs_say_it_takes() -> 
     now[0] = 4.0
     counting.update(todo[0], {"kind": "train", "test_acc": 0.5, "seconds": 2.0})
     assert lines[-1].endswith("ETA 0:00:04")  # 2 s per job, 2 jobs left: what a resumed run printed before
+
+
+def test_a_budget_field_added_later_leaves_the_fingerprint_as_it_was_at_the_value_results_ran_under(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``refined_decoys`` came after the published frontier's records: at 31, the value they ran under,
+    the fingerprint is the one computed without the field (the records stay current); at any other
+    value it differs (they run again)."""
+    from lightning_gp.audit import frontier_run
+
+    cfg = config(grids=[Grid("TopKPruning", "rate", [0.9])])
+    assert cfg.budget.refined_decoys == frontier_run.BUDGET_FIELDS_ADDED["refined_decoys"] == 31
+    with_field = frontier_run.fingerprint(cfg)
+    stricter = frontier_run.fingerprint(
+        dataclasses.replace(cfg, budget=dataclasses.replace(cfg.budget, refined_decoys=255))
+    )
+    full = frontier_run.asdict
+    monkeypatch.setattr(
+        frontier_run, "asdict", lambda obj: {k: v for k, v in full(obj).items() if k != "refined_decoys"}
+    )
+    assert frontier_run.fingerprint(cfg) == with_field != stricter

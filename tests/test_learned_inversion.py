@@ -114,6 +114,20 @@ def _marked_datamodule() -> ArrayDataModule:
     )
 
 
+def test_the_budget_s_refined_decoys_set_the_refined_inverter_s_control():
+    """``AttackBudget.refined_decoys`` reaches the refined inverter the audit builds (its prior-only
+    control's guesses), 31 by default; a count below 1 is refused by name."""
+    from lightning_gp.audit.setting_audit import _learned_attacks
+
+    setting = defense_catalog(["GaussianNoise"])[0].build(0, 1)
+    for budget, expected in ((AttackBudget(learned_inversion=True), 31), (AttackBudget(refined_decoys=255), 255)):
+        attacks = _learned_attacks(setting, _marked_datamodule(), budget, [], 0, print)
+        refined = [a for a in attacks if isinstance(a, RefinedLearnedInversion)]
+        assert [a.refined_decoys for a in refined] == [expected]
+    with pytest.raises(ValueError, match="refined_decoys"):
+        AttackBudget(refined_decoys=0)
+
+
 def test_the_inverter_never_trains_on_a_training_image(one_thread):
     """The audit's learned inverter trains on the public (test) split only: every image the server's
     simulation sees lacks the white corner every training image has."""

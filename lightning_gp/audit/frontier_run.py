@@ -175,12 +175,22 @@ def run_fingerprint(shared: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(stamped, sort_keys=True, default=repr).encode()).hexdigest()[:16]
 
 
+#: Budget fields added after frontier results were stored, with the value those results ran under: at
+#: that value a field is left out of :func:`fingerprint`, so adding it left the stored records current.
+BUDGET_FIELDS_ADDED = {"refined_decoys": 31}
+
+
 def fingerprint(config: FrontierConfig) -> str:
     """A hash of what every job's result depends on besides its own setting, batch size and stage.
     The budget's ``learned_min_batch`` is left out: each audit records the one it ran under, and
     :func:`is_current` runs again those it kept from the learned inverter that this config reaches
-    (lowering it reruns the smaller batches' audits, not the whole frontier)."""
-    budget = {k: v for k, v in asdict(config.budget).items() if k != "learned_min_batch"}
+    (lowering it reruns the smaller batches' audits, not the whole frontier). So is a field of
+    :data:`BUDGET_FIELDS_ADDED` at the value it was added with."""
+    budget = {
+        k: v
+        for k, v in asdict(config.budget).items()
+        if k != "learned_min_batch" and BUDGET_FIELDS_ADDED.get(k, object()) != v
+    }
     return run_fingerprint(
         {
             "model": config.model,

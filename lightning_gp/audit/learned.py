@@ -205,14 +205,16 @@ def learned_inversion_attacks(
     num_clients: int = 10,
     config: InverterConfig | None = None,
     refine_iterations: int = REFINE_ITERATIONS,
+    refined_decoys: int = 31,
     cache: InverterCache | None = None,
     seed: int = 0,
 ) -> list[GradientAttack]:
     """The learned inverter of ``setting`` and its refined variant, trained on the public split
     (:func:`~lightning_gp.audit.rounds.public_examples`: the test split, at most ``public_size``
     images), never on a training image. The refinement matches with the first Inverting-Gradients
-    attack of ``adaptive`` (the setting's defense-aware one), else the published one. ``[]`` when
-    the server cannot replay the setting (:func:`simulation_refusal`)."""
+    attack of ``adaptive`` (the setting's defense-aware one), else the published one;
+    ``refined_decoys`` sets the refined variant's prior-only control (:class:`RefinedLearnedInversion`).
+    ``[]`` when the server cannot replay the setting (:func:`simulation_refusal`)."""
     if simulation_refusal(setting) is not None:
         return []
     check_positive_int(public_size, "public_size")
@@ -228,6 +230,12 @@ def learned_inversion_attacks(
     return [
         LearnedInversion(simulate, images, labels, **common),
         RefinedLearnedInversion(
-            simulate, images, labels, matching=matching, refine_iterations=refine_iterations, **common
+            simulate,
+            images,
+            labels,
+            matching=matching,
+            refine_iterations=refine_iterations,
+            refined_decoys=refined_decoys,
+            **common,
         ),
     ]

@@ -116,6 +116,12 @@ class AttackBudget:
             whole budget, after the attack that knows the pruning has leaked every image).
             :attr:`SettingAudit.skipped` lists the attacks not run, :attr:`SettingAudit.partial`
             those run on fewer clients. Off by default; the frontier turns it on.
+        refined_decoys: with ``learned_inversion``, the public batches the refined inverter attacks end
+            to end for its prior-only control (:mod:`~lightning_gp.audit.prior_control`): its batch
+            mean must beat every one, a test at the ``1 / (K + 1)`` level per metric and client batch.
+            31 (1 in 32) keeps the refinement's cost; 255 is the unrefined inverter's 1 in 256, at
+            8 times the control's cost. More guesses mean fewer chance leaks and less power: a weak
+            label signal that 31 credits, 255 may not (README, "A defense that holds?").
     """
 
     ig_iterations: int = 1000
@@ -127,10 +133,11 @@ class AttackBudget:
     lbfgs_restarts: int = 1
     stop_when_all_leak: bool = False
     learned_min_batch: int = 1
+    refined_decoys: int = 31
 
     def __post_init__(self) -> None:
         names = ("ig_iterations", "lbfgs_iterations", "adaptive_restarts", "rtf_bins", "learned_max_epochs")
-        for name in (*names, "lbfgs_restarts", "learned_min_batch"):
+        for name in (*names, "lbfgs_restarts", "learned_min_batch", "refined_decoys"):
             check_positive_int(getattr(self, name), name)
         check_bool(self.learned_inversion, "learned_inversion")
         check_bool(self.stop_when_all_leak, "stop_when_all_leak")
@@ -905,7 +912,13 @@ def _learned_attacks(
     # the refinement is Adam gradient matching: never more steps than the budget's Adam attacks get
     refine = min(REFINE_ITERATIONS, budget.ig_iterations)
     return learned_inversion_attacks(
-        setting, datamodule, adaptive=adaptive, config=config, refine_iterations=refine, seed=seed
+        setting,
+        datamodule,
+        adaptive=adaptive,
+        config=config,
+        refine_iterations=refine,
+        refined_decoys=budget.refined_decoys,
+        seed=seed,
     )
 
 
