@@ -253,6 +253,10 @@ SCALE_PAIRS = 256
 #: the cache every :class:`LearnedInversion` uses unless given its own
 DEFAULT_CACHE = InverterCache()
 
+#: public batches :class:`RefinedLearnedInversion` attacks end to end for its prior-only control
+#: (a 1-in-32 test per metric; refining each is costly)
+REFINED_DECOYS = 31
+
 
 # ----------------------------------------------------------------------------------------- attack
 @dataclass(frozen=True)
@@ -565,7 +569,7 @@ class RefinedLearnedInversion(LearnedInversion):
         matching: InvertingGradients | None = None,
         refine_iterations: int = 200,
         lr: float = 0.01,
-        refined_decoys: int = 31,
+        refined_decoys: int = REFINED_DECOYS,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -642,6 +646,7 @@ def _normalize(pixels: Tensor, view: ServerView) -> Tensor:
 
 __all__ = [
     "DEFAULT_CACHE",
+    "REFINED_DECOYS",
     "DefenseSimulator",
     "GradientSketch",
     "InverterCache",

@@ -523,6 +523,7 @@ class PrivacyAudit(SharedGradientObserver):
         adaptive = {id(a) for a in self._adaptive_attacks}
         results: list[AttackResult] = []
         labels_known = self.labels_known or labels_granted is not None
+        labels_disagree: bool | None = None  # one gradient, one answer: checked once, where an attack first needs it
         for attack in attacks:
             name = type(attack).__name__
             run = functools.partial(
@@ -560,8 +561,11 @@ class PrivacyAudit(SharedGradientObserver):
                     f"{name} fell back to the published attack ({result.reconstruction.meta.get('fallback_reason')})"
                 )
             results.append(result)
-            if not labels_known and result.reconstruction.labels is not None and label_estimates_differ(result.view):
-                # two label estimates, two attacks: the worst case takes both (as audit_setting does)
+            if labels_known or result.reconstruction.labels is None:
+                continue
+            if labels_disagree is None:
+                labels_disagree = label_estimates_differ(result.view)
+            if labels_disagree:  # two label estimates, two attacks: the worst case takes both (as audit_setting does)
                 try:
                     results.append(run(public_data=None))
                 except Exception as err:

@@ -40,6 +40,7 @@ from torch import Tensor, nn
 
 from lightning_gp.attacks import GradientAttack, InvertingGradients
 from lightning_gp.attacks.learned import (
+    REFINED_DECOYS,
     DefenseSimulator,
     InverterCache,
     InverterConfig,
@@ -205,7 +206,7 @@ def learned_inversion_attacks(
     num_clients: int = 10,
     config: InverterConfig | None = None,
     refine_iterations: int = REFINE_ITERATIONS,
-    refined_decoys: int = 31,
+    refined_decoys: int = REFINED_DECOYS,
     cache: InverterCache | None = None,
     seed: int = 0,
 ) -> list[GradientAttack]:

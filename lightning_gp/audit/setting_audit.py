@@ -51,6 +51,7 @@ from lightning_gp.attacks import (
     attacks_by_name,
     label_estimates_differ,
 )
+from lightning_gp.attacks.learned import REFINED_DECOYS
 from lightning_gp.audit.bounds import FormalBound, prior_only_kappa, setting_bound
 from lightning_gp.audit.catalog import DefenseSetting
 from lightning_gp.audit.engine import AttackResult, attack_record, attacker_loss
@@ -133,7 +134,7 @@ class AttackBudget:
     lbfgs_restarts: int = 1
     stop_when_all_leak: bool = False
     learned_min_batch: int = 1
-    refined_decoys: int = 31
+    refined_decoys: int = REFINED_DECOYS
 
     def __post_init__(self) -> None:
         names = ("ig_iterations", "lbfgs_iterations", "adaptive_restarts", "rtf_bins", "learned_max_epochs")
