@@ -205,12 +205,15 @@ def blank_report(originals: torch.Tensor, *, lpips_fn=None) -> object:
 def test_an_incomplete_audit_is_inconclusive_never_private() -> None:
     originals = torch.rand(2, 1, 16, 16, generator=torch.Generator().manual_seed(1)) * 0.5 + 0.5
     report = blank_report(originals)
-    lenient = LeakRule({"psnr": 20.0, "ssim": 0.5})  # pixel rule only: no semantic test needed
-    complete = worst_case_report([report], leak_thresholds=lenient.thresholds, thresholds={"psnr": 15.0})
+    lenient = LeakRule({"psnr": 20.0, "ssim": 0.5}, noise_ratio_line=None)  # pixel rule only: no semantic test needed
+    complete = worst_case_report(
+        [report], leak_thresholds=lenient.thresholds, noise_ratio_line=None, thresholds={"psnr": 15.0}
+    )
     assert complete.verdict == "private"
     gap = worst_case_report(
         [report],
         leak_thresholds=lenient.thresholds,
+        noise_ratio_line=None,
         thresholds={"psnr": 15.0},
         incomplete=["adaptive:X fell back to the published attack"],
     )

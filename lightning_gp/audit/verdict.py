@@ -19,12 +19,18 @@ one image leaks when
   similarity: a blank or dataset-mean image is clean too (noise ratio 0.0003 and 0.10), so it only
   counts on an image that a blank or mean guess cannot be.
 
-An attack with a data prior (the learned inverter) returns plausible images from any gradient;
-matched one-to-one to a batch, such guesses beat a blank or mean image by chance. For such an
-attack every criterion also needs its metrics to pass the attack's **prior-only control**: on each
-metric, the attack's batch mean must beat those of its reconstructions of public batches that carry
-no information about the attacked one, and the image must beat its median such guess
-(:mod:`lightning_gp.audit.prior_control`).
+**Per original, any reconstruction.** An original leaks to an attack when **any** of the attack's
+outputs meets the rule on it (:meth:`LeakRule.image_criteria`), not only the output a one-to-one
+matching assigned to it: the matching minimises a total over the batch and hands an exact copy of one
+original to another whenever a failed output sits closer to the first. The matched rows still give
+the reported scores and means.
+
+An attack with a data prior (the learned inverter) returns plausible images from any gradient, and
+such guesses beat a blank or mean image by chance. For such an attack every criterion also needs its
+metrics to pass the attack's **prior-only control**, image by image: the reconstruction must beat,
+on each of the criterion's metrics, the best score that any of the attack's reconstructions of
+public batches (which carry no information about the attacked one) reached on that original
+(:mod:`lightning_gp.audit.prior_control`, which also states the control's false-alarm level).
 
 **The verdict** (:func:`judge`): ``"leaks"`` when more than ``max_leak_fraction`` of the images leak
 (default: one image is a leak) or a worst-case mean is on the leaking side of
@@ -77,8 +83,10 @@ VERDICT_THRESHOLDS: dict[str, float] = {m: t for m, t in PRIVACY_THRESHOLDS.item
 NOISE_RATIO_LINE = 0.4
 #: Raised whenever a change of the leak rule or its baselines can change a stored verdict (stored
 #: results, e.g. a frontier's, are keyed by it). 2: the prior-only control for attacks with a data prior;
-#: 3: the refined learned inverter's control made of its own refinements only.
-LEAK_RULE_REVISION = 3
+#: 3: the refined learned inverter's control made of its own refinements only; 4: an original leaks when any
+#: output of an attack meets the rule on it (not only the matched one), the prior-only control is per image
+#: (the best uninformed score on that original), and a rule metric that was not computed is a gap.
+LEAK_RULE_REVISION = 4
 
 Verdict = Literal["private", "leaks", "inconclusive"]
 
@@ -164,15 +172,30 @@ class LeakRule:
             parts.append(f"noise ratio < {self.noise_ratio_line:g} on an image closer than every trivial guess")
         return or_list(parts)
 
+    def image_criteria(
+        self, report: ReconstructionReport, i: int, floor: Mapping[str, float] | None = None
+    ) -> list[str]:
+        """The criteria by which original ``i`` of ``report`` (one attack) leaks: those of its matched
+        reconstruction, else those of the first other reconstruction of the attack that meets one
+        (:attr:`~lightning_gp.metrics.report.ReconstructionReport.candidates`; the matching minimises a
+        total over the batch and can hand a copy of this original to another one). Empty: no
+        reconstruction of the attack leaks it."""
+        control = prior_control(report, i)
+        matched = self.criteria(row_values(report.rows[i], report), floor, control)
+        if matched or report.candidates is None:
+            return matched
+        for j, values in enumerate(candidate_values(report, i)):
+            if j != report.rows[i].matched_index and (met := self.criteria(values, floor, control)):
+                return [f"{c} (by output {j}, matched to another original)" for c in met]
+        return []
+
     def leaked(self, report: ReconstructionReport, baselines: Sequence[BaselineScores] = ()) -> list[bool]:
-        """Per image of ``report`` (one attack alone), whether it leaks. ``baselines``: more trivial
-        guesses' scores on the same originals (e.g. the dataset mean; blank guesses are always in)."""
+        """Per image of ``report`` (one attack alone), whether any of its reconstructions leaks it
+        (:meth:`image_criteria`). ``baselines``: more trivial guesses' scores on the same originals
+        (e.g. the dataset mean; blank guesses are always in)."""
         floors = guess_floors(report.original_pixels, baselines)
         return [
-            bool(
-                self.criteria(row_values(row, report), None if floors is None else floors[i], prior_control(report, i))
-            )
-            for i, row in enumerate(report.rows)
+            bool(self.image_criteria(report, i, None if floors is None else floors[i])) for i in range(len(report.rows))
         ]
 
     def leak_fraction(self, report: ReconstructionReport, baselines: Sequence[BaselineScores] = ()) -> float:
@@ -212,6 +235,20 @@ def prior_control(report: ReconstructionReport, i: int) -> dict[str, float] | No
 def row_values(row: Any, report: ReconstructionReport) -> dict[str, float | None]:
     """One image's scores in ``report`` (``None`` for a metric the report could not compute)."""
     return {m: None if m in report.unavailable else getattr(row, m) for m in METRICS}
+
+
+def candidate_values(report: ReconstructionReport, i: int) -> list[dict[str, float | None]]:
+    """Every reconstruction of ``report``'s attack scored against original ``i`` (one dict per output,
+    in the attack's order; ``None`` for a metric not computed); the matched row alone when the report
+    kept no candidates."""
+    if report.candidates is None:
+        return [row_values(report.rows[i], report)]
+    scores = report.candidates[i]
+    count = len(next(iter(scores.values()))) if scores else 0
+    return [
+        {m: None if m in report.unavailable or m not in scores else float(scores[m][j]) for m in METRICS}
+        for j in range(count)
+    ]
 
 
 def guess_floors(originals: Tensor | None, baselines: Sequence[BaselineScores] = ()) -> list[dict[str, float]] | None:
@@ -292,6 +329,10 @@ class WorstCaseReport:
         verdict_reasons: why the verdict is what it is: the leaks, or what made the audit incomplete.
         rule: the leak rule in words; ``noise_ratio_line``: its paired noise-ratio line (``None``: off).
         threat_model: "passive" or "active" when the report judges one threat model (``None``: not said).
+        control_false_alarm: the stated family-wise level of the prior-only controls in the worst case:
+            the union bound, over every controlled attack (each label estimate one) and client, of the
+            chance that an attack that learned nothing is credited with a leak
+            (:mod:`lightning_gp.audit.prior_control`); ``None`` when no attack ran a control.
         baselines: the trivial guesses' scores ("blank", "dataset mean" when known).
         below_trivial_baseline: the worst-case mean PSNR is below a baseline's mean PSNR.
         best_psnr_pixels: per image, the reconstruction (pixels) of the attack with the best
@@ -315,6 +356,7 @@ class WorstCaseReport:
     rule: str = ""
     noise_ratio_line: float | None = NOISE_RATIO_LINE
     threat_model: str | None = None
+    control_false_alarm: float | None = None
     original_pixels: Tensor | None = field(default=None, repr=False, compare=False)
     best_psnr_pixels: Tensor | None = field(default=None, repr=False, compare=False)
 
@@ -361,6 +403,7 @@ class WorstCaseReport:
             "rule": self.rule,
             "noise_ratio_line": self.noise_ratio_line,
             "threat_model": self.threat_model,
+            "control_false_alarm": self.control_false_alarm,
             "below_trivial_baseline": self.below_trivial_baseline,
             "baselines": [
                 {"name": b.name, "kind": b.kind, "means": dict(b.means), "per_image": dict(b.per_image)}
@@ -408,6 +451,12 @@ class WorstCaseReport:
             ),
             f"Verdict: **{self.verdict}**" + (f": {'; '.join(self.verdict_reasons)}." if self.verdict_reasons else "."),
         ]
+        if self.control_false_alarm is not None:
+            lines.append(
+                "Prior-only control: an attack that learned nothing from the gradient is credited with a leak "
+                f"here with probability at most about {self.control_false_alarm:.3g} (family-wise over images, "
+                "metrics, label estimates and clients)."
+            )
         if self.below_trivial_baseline:
             lines.append(
                 "The worst-case PSNR is below a trivial baseline: no attack beat a guess without the gradient."
@@ -588,9 +637,16 @@ def worst_case_report(
         rule=rule.describe(),
         noise_ratio_line=rule.noise_ratio_line,
         threat_model=threat_model,
+        control_false_alarm=_control_false_alarm(reports),
         original_pixels=originals,
         best_psnr_pixels=best_pixels,
     )
+
+
+def _control_false_alarm(reports: Sequence[ReconstructionReport]) -> float | None:
+    """The union bound of the reports' prior-only control levels (``None`` when none ran a control)."""
+    levels = [r.prior_only_false_alarm for r in reports if r.prior_only_false_alarm is not None]
+    return min(1.0, sum(levels)) if levels else None
 
 
 def _checked_reports(reports: Sequence[ReconstructionReport]) -> list[ReconstructionReport]:
@@ -643,9 +699,7 @@ def _worst_image(
     sources: dict[str, str | None] = {}
     for metric in METRICS:
         values[metric], sources[metric] = _attackers_best(metric, scored)
-    leaked_by = [
-        name for (name, row), report in zip(scored, reports) if rule.criteria(row, floor, prior_control(report, i))
-    ]
+    leaked_by = [name for name, report in zip(names, reports) if rule.image_criteria(report, i, floor)]
     return WorstImage(i, values, sources, bool(leaked_by), leaked_by)
 
 
@@ -746,6 +800,22 @@ def judge(
             reason = next((rep.unavailable[metric] for rep in reports if metric in rep.unavailable), "not computed")
             what = " (the recognisable-image test)" if metric == "semantic" else ""
             gaps.append(f"{metric}{what} did not run: {reason}")
+    if rule.noise_ratio_line is not None:
+        # the paired clean-image test is part of the rule: switched off or not computable, it is a gap,
+        # never a criterion silently dropped (LeakRule(noise_ratio_line=None) states a rule without it)
+        missing = [r.index for r in rows if r.values["noise_ratio"] is None]
+        if missing:
+            why = next(
+                (rep.unavailable["noise_ratio"] for rep in reports if "noise_ratio" in rep.unavailable),
+                "not computed (scored with noise_ratio=False?)",
+            )
+            gaps.append(
+                f"the noise ratio (the leak rule's paired clean-image test) did not run for images {missing}: {why}"
+            )
+        if any(rep.original_pixels is None for rep in reports):
+            gaps.append(
+                "the noise-ratio test needs the originals' pixels to place the trivial guesses; a report has none"
+            )
     return ("inconclusive", gaps) if gaps else ("private", [])
 
 

@@ -42,6 +42,18 @@ def _entropy(p: Tensor) -> Tensor:
     return -(p * torch.where(p > 0, p.log(), torch.zeros_like(p))).sum(dim=-1)
 
 
+def _code_entropy(codes: Tensor) -> Tensor:
+    """``[B]`` entropy of the empirical distribution of each row of ``codes`` ``[B, N]`` (integers): the
+    rows sorted, each run of equal values one outcome with its count."""
+    ordered = codes.sort(dim=1).values
+    starts = torch.ones_like(ordered, dtype=torch.bool)
+    starts[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+    run = starts.long().cumsum(dim=1) - 1
+    counts = torch.zeros(ordered.shape, dtype=torch.float64, device=codes.device)
+    counts.scatter_add_(1, run, torch.ones_like(counts))
+    return _entropy(counts / codes.shape[1])
+
+
 def nmi(x: Tensor, y: Tensor, levels: int = 256, average: str = "arithmetic") -> Tensor:
     """PriPrune's NMI per image pair: ``[B, C, H, W]`` pixel images in [0, 1] -> ``[B]`` in [0, 1].
 
@@ -55,21 +67,14 @@ def nmi(x: Tensor, y: Tensor, levels: int = 256, average: str = "arithmetic") ->
     check_pixel_range(y, "y")
     check_int(levels, "levels", low=2)
     check_choice(average, "average", _AVERAGES)
-    batch = x.shape[0]
     # clamp: values within the rounding slack of check_pixel_range fall into the end levels.
     qx = (x.detach().double().clamp(0, 1) * (levels - 1)).round().long().flatten(1)
     qy = (y.detach().double().clamp(0, 1) * (levels - 1)).round().long().flatten(1)
-    offsets = torch.arange(batch, device=x.device).unsqueeze(1) * levels * levels
-    joint = torch.bincount((offsets + qx * levels + qy).flatten(), minlength=batch * levels * levels)
-    counts = joint.view(batch, levels, levels).double()
-    n = float(qx.shape[1])
-    # Marginals from the integer counts (exact), so a constant image has entropy exactly 0.
-    joint, pu, pv = counts / n, counts.sum(dim=2) / n, counts.sum(dim=1) / n
-    h_u, h_v = _entropy(pu), _entropy(pv)
-    outer = pu.unsqueeze(2) * pv.unsqueeze(1)
-    ratio = torch.where(joint > 0, joint / outer.clamp_min(1e-300), torch.ones_like(joint))
+    # MI = H(U) + H(V) - H(U, V), each entropy from the counts of the values that occur (exact integer
+    # counts: a constant image has entropy exactly 0; no levels x levels table per pair)
+    h_u, h_v, h_uv = _code_entropy(qx), _code_entropy(qy), _code_entropy(qx * levels + qy)
     # 0 <= MI <= min(H(U), H(V)); clamping removes rounding residue (e.g. against a constant image).
-    mi = torch.minimum((joint * ratio.log()).sum(dim=(1, 2)).clamp_min(0), torch.minimum(h_u, h_v))
+    mi = torch.minimum((h_u + h_v - h_uv).clamp_min(0), torch.minimum(h_u, h_v))
     if average == "arithmetic":
         norm = (h_u + h_v) / 2
     elif average == "geometric":

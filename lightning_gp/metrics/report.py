@@ -23,8 +23,7 @@ from torch import Tensor
 
 from lightning_gp.attacks.base import Reconstruction
 from lightning_gp.attacks.view import ServerView
-from lightning_gp.metrics.image_quality import mse, psnr, ssim
-from lightning_gp.metrics.matching import MATCH_METRICS, match_reconstructions
+from lightning_gp.metrics.matching import MATCH_METRICS, match_reconstructions, pairwise_scores
 from lightning_gp.metrics.nmi import nmi
 from lightning_gp.normalization import denormalize, per_channel
 
@@ -86,9 +85,19 @@ class ReconstructionReport:
             help the attacker, and the other images keep their scores); the means leave them out.
         original_pixels, reconstructed_pixels: the aligned images in [0, 1] (for figures; not
             part of ``to_dict``).
-        prior_only: per original, the best score the same attack reached with guesses that carry
-            no information about the batch (the audit's prior-only control for attacks with a data
-            prior, :mod:`lightning_gp.audit.prior_control`); ``None``: no control was run.
+        prior_only: per original, the bar each controlled metric must beat: the best score the same
+            attack reached on that original with guesses that carry no information about the batch
+            (the audit's prior-only control for attacks with a data prior,
+            :mod:`lightning_gp.audit.prior_control`); ``None``: no control was run.
+        prior_only_false_alarm: the control's stated family-wise false-alarm level over this report's
+            images and metrics (the chance that an attack that learned nothing from the gradient
+            gets a leak credited); ``None`` without a control.
+        candidates: per original, every reconstruction of the attack scored against it, metric ->
+            ``[R]`` values over the attack's ``R`` outputs (NaN for one that is not finite; a metric
+            not computed is absent). The leak rule judges an original by **any** of them
+            (:class:`~lightning_gp.audit.verdict.LeakRule`): the one-to-one matching behind ``rows``
+            minimises a total and can hand an exact copy to another original, which must never hide
+            the leak. ``None``: only the matched row is known.
     """
 
     attack: str
@@ -104,6 +113,8 @@ class ReconstructionReport:
     reconstructed_pixels: Tensor | None = field(default=None, repr=False, compare=False)
     unavailable: dict[str, str] = field(default_factory=dict)
     prior_only: list[dict[str, float]] | None = field(default=None, compare=False)
+    prior_only_false_alarm: float | None = field(default=None, compare=False)
+    candidates: list[dict[str, Tensor]] | None = field(default=None, repr=False, compare=False)
 
     @property
     def batch_size(self) -> int:
@@ -308,11 +319,10 @@ def reconstruction_report(
         perm = match_reconstructions(rec_px, orig_px, match_metric, lpips_fn if lpips else None, unusable=failed).cpu()
         matched = rec_px[perm]
         not_reconstructed = failed[perm]
-        scores, unavailable = _matched_scores(
-            matched, orig_px, lpips_fn if lpips else None, noise_ratio, evaluator, semantic, true_labels
+        pairs, unavailable = _pair_scores(
+            rec_px, orig_px, failed, lpips_fn if lpips else None, noise_ratio, evaluator, semantic, true_labels
         )
-        for name in scores:
-            scores[name] = scores[name].double().masked_fill(not_reconstructed, math.nan)
+        scores = {name: values[torch.arange(batch), perm] for name, values in pairs.items()}
 
     true, predicted = _true_and_matched_labels(reconstruction, true_labels, perm)
     rows = _image_rows(scores, perm, true, predicted, not_reconstructed, batch)
@@ -331,6 +341,7 @@ def reconstruction_report(
         original_pixels=orig_px,
         reconstructed_pixels=matched,
         unavailable=unavailable,
+        candidates=[{name: values[i].clone() for name, values in pairs.items()} for i in range(batch)],
     )
 
 
@@ -368,39 +379,46 @@ def _pixels_and_failures(
     return orig_px, rec_px, failed
 
 
-def _matched_scores(
-    matched: Tensor,
+def _pair_scores(
+    rec_px: Tensor,
     orig_px: Tensor,
+    failed: Tensor,
     lpips_fn: torch.nn.Module | None,
     noise_ratio: bool,
     evaluator: torch.nn.Module | None,
     semantic: bool,
     true_labels: Tensor | None,
 ) -> tuple[dict[str, Tensor], dict[str, str]]:
-    """Per-image scores of the matched reconstructions (LPIPS with ``lpips_fn``, the noise ratio and
-    the semantic test when asked), and why an asked-for score is not available."""
-    scores: dict[str, Tensor] = {
-        "mse": mse(matched, orig_px),
-        "psnr": psnr(matched, orig_px),
-        "ssim": ssim(matched, orig_px),
-        "nmi": nmi(matched, orig_px),
-    }
+    """Every reconstruction scored against every original, metric -> ``[B_orig, B_rec]`` float64 (NaN in
+    the columns of ``failed`` reconstructions); LPIPS with ``lpips_fn``, the noise ratio (the
+    reconstruction's own score, the same in every row) and the semantic test when asked; and why an
+    asked-for score is not available."""
+    pairs: dict[str, Tensor] = {m: pairwise_scores(rec_px, orig_px, m) for m in ("mse", "psnr", "ssim")}
+    pairs["nmi"] = _pairwise_nmi(rec_px, orig_px)
     if lpips_fn is not None:
-        scores["lpips"] = lpips_fn(matched, orig_px)
+        pairs["lpips"] = pairwise_scores(rec_px, orig_px, "lpips", lpips_fn)
     unavailable: dict[str, str] = {}
     if noise_ratio:
-        ratio = _noise_ratio_or_reason(matched, evaluator)
+        ratio = _noise_ratio_or_reason(rec_px, evaluator)
         if isinstance(ratio, str):
             unavailable["noise_ratio"] = ratio
         else:
-            scores["noise_ratio"] = ratio
+            pairs["noise_ratio"] = ratio.detach().cpu()[None, :].expand(orig_px.shape[0], -1)
     if semantic:
-        lift = _semantic_or_reason(matched, true_labels)
+        lift = _semantic_or_reason(rec_px, true_labels)
         if isinstance(lift, str):
             unavailable["semantic"] = lift
         else:
-            scores["semantic"] = lift
-    return scores, unavailable
+            pairs["semantic"] = lift
+    return {m: v.double().masked_fill(failed[None, :], math.nan) for m, v in pairs.items()}, unavailable
+
+
+def _pairwise_nmi(rec_px: Tensor, orig_px: Tensor, chunk: int = 1024) -> Tensor:
+    """``[B_orig, B_rec]`` NMI of every pair (in chunks of pairs, bounding memory)."""
+    rows = torch.arange(orig_px.shape[0]).repeat_interleave(rec_px.shape[0])
+    cols = torch.arange(rec_px.shape[0]).repeat(orig_px.shape[0])
+    values = [nmi(rec_px[cols[k : k + chunk]], orig_px[rows[k : k + chunk]]) for k in range(0, rows.numel(), chunk)]
+    return torch.cat(values).view(orig_px.shape[0], rec_px.shape[0])
 
 
 def _true_and_matched_labels(
@@ -456,8 +474,9 @@ def _image_rows(
 
 
 def _semantic_or_reason(pixels: Tensor, true_labels: Tensor | None) -> Tensor | str:
-    """The semantic test's scores ``[B]`` of the matched reconstructions, or why it cannot run."""
-    from lightning_gp.metrics.semantic import IMAGE_SHAPE, NUM_CLASSES, semantic_scores
+    """The semantic test's scores ``[B_orig, B_rec]`` of every reconstruction for every original's label,
+    or why it cannot run."""
+    from lightning_gp.metrics.semantic import IMAGE_SHAPE, NUM_CLASSES, semantic_score_matrix
 
     if true_labels is None:
         return "needs the originals' true labels"
@@ -469,7 +488,7 @@ def _semantic_or_reason(pixels: Tensor, true_labels: Tensor | None) -> Tensor | 
     labels = true_labels.detach().cpu().long()
     if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= NUM_CLASSES):
         return f"the public classifier knows {NUM_CLASSES} classes, the labels reach {int(labels.max())}"
-    return semantic_scores(pixels, labels)
+    return semantic_score_matrix(pixels, labels)
 
 
 def _noise_ratio_or_reason(pixels: Tensor, evaluator: torch.nn.Module | None) -> Tensor | str:
@@ -514,9 +533,14 @@ def concatenate_reports(reports: Sequence[ReconstructionReport]) -> Reconstructi
         parts = [getattr(r, attribute) for r in reports]
         return None if any(p is None for p in parts) else torch.cat(parts)
 
-    unavailable: dict[str, str] = {}
-    for report in reports:
-        unavailable.update(report.unavailable)
+    # a metric one client could not compute stays None on that client's rows only (a gap the verdict
+    # names); it is blanked for the whole report only where no client computed it
+    unavailable = {
+        metric: reason
+        for metric, reason in first.unavailable.items()
+        if all(metric in report.unavailable for report in reports)
+    }
+    false_alarms = [r.prior_only_false_alarm for r in reports]
     return ReconstructionReport(
         attack=first.attack,
         match_metric=first.match_metric,
@@ -533,4 +557,11 @@ def concatenate_reports(reports: Sequence[ReconstructionReport]) -> Reconstructi
         prior_only=None
         if any(r.prior_only is None for r in reports)
         else [c for r in reports for c in r.prior_only or []],
+        # family-wise over the clients: the union bound of each client's level
+        prior_only_false_alarm=None
+        if any(a is None for a in false_alarms)
+        else min(1.0, sum(a for a in false_alarms if a is not None)),
+        candidates=None
+        if any(r.candidates is None for r in reports)
+        else [c for r in reports for c in r.candidates or []],
     )

@@ -394,11 +394,26 @@ def semantic_scores(
     labels = torch.as_tensor(labels).long().cpu().reshape(-1)
     if len(labels) != len(reconstructions):
         raise ValueError(f"{len(reconstructions)} reconstructions but {len(labels)} labels")
+    return semantic_score_matrix(reconstructions, labels, classifier=classifier, baselines=baselines).diagonal()
+
+
+def semantic_score_matrix(
+    reconstructions: Tensor,
+    labels: Tensor,
+    *,
+    classifier: nn.Module | None = None,
+    baselines: Tensor | None = None,
+) -> Tensor:
+    """:func:`semantic_scores` of every reconstruction for every original's label: ``[len(labels),
+    len(reconstructions)]``, entry ``[i, j]`` = ``p(labels[i] | reconstructions[j]) - max over baselines of
+    p(labels[i] | baseline)`` (the leak rule judges an original by any reconstruction of it, not only by
+    the one a matching assigned to it)."""
+    labels = torch.as_tensor(labels).long().cpu().reshape(-1)
     probs = class_probabilities(reconstructions, classifier)
     if labels.numel() and (labels.min() < 0 or labels.max() >= probs.shape[1]):
         raise ValueError(f"labels must lie in [0, {probs.shape[1]}), got {labels.tolist()}")
     base = class_probabilities(trivial_guesses() if baselines is None else baselines, classifier).amax(dim=0)
-    return probs.gather(1, labels[:, None])[:, 0] - base[labels]
+    return probs.t()[labels] - base[labels, None]
 
 
 def recognisable(scores: Tensor, line: float = SEMANTIC_LINE) -> Tensor:

@@ -1,0 +1,333 @@
+"""Canaries for the audit itself: a known leak planted through every path the audit has must read
+"leaks", and an attack or metric that was asked for and is missing must read "inconclusive", never
+"private".
+
+DP auditing plants canaries in the data; these plant them in the attacks' output. The planted leak is
+an exact copy, or a blurred copy (Gaussian, sigma 0.7: SSIM above 0.65 on every image of the sample), of
+one original, at every position of the attack's output, with the other outputs junk (zeros, grey, noise,
+public images, NaN). The verdict path is exercised directly (every batch size, position and junk) and end
+to end through :func:`~lightning_gp.audit.audit_setting` for each attack kind: published, adaptive
+(declared by the defense), prior-carrying (judged with its prior-only control) and active, for each client
+and threat model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import lightning as L
+import pytest
+import torch
+from torch import Tensor, nn
+
+from lightning_gp.attacks import GradientAttack, Reconstruction, ServerView, parameter_gradients
+from lightning_gp.attacks.registry import _DECLARATIONS, register_adaptive_attack
+from lightning_gp.audit import AttackBudget, AttackSpec, DefenseSetting, audit_setting
+from lightning_gp.audit.prior_control import prior_only_control
+from lightning_gp.audit.rounds import public_batch
+from lightning_gp.audit.verdict import worst_case_report
+from lightning_gp.callbacks import GradientDefense
+from lightning_gp.data import FashionMNISTSampleDataModule
+from lightning_gp.defenses import Defense
+from lightning_gp.metrics import concatenate_reports, reconstruction_report
+from lightning_gp.models import LeNetZhu
+from lightning_gp.normalization import denormalize, normalize
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+JUNK = ("zeros", "grey", "noise", "public", "nan")
+BLUR_SIGMA = 0.7
+
+
+@pytest.fixture(scope="module")
+def sample():
+    data = FashionMNISTSampleDataModule(batch_size=500)
+    data.setup("fit")
+    data.setup("test")
+    return data
+
+
+def _train(data, picks: list[int]) -> tuple[Tensor, Tensor]:
+    images = torch.stack([data.train_dataset[i][0] for i in picks])
+    return images, torch.as_tensor([int(data.train_dataset[i][1]) for i in picks])
+
+
+def _blur(pixels: Tensor, sigma: float = BLUR_SIGMA) -> Tensor:
+    taps = torch.arange(-3, 4, dtype=pixels.dtype)
+    kernel = torch.exp(-(taps**2) / (2 * sigma**2))
+    kernel = kernel / kernel.sum()
+    rows = nn.functional.conv2d(pixels, kernel.view(1, 1, 1, 7), padding=(0, 3))
+    return nn.functional.conv2d(rows, kernel.view(1, 1, 7, 1), padding=(3, 0)).clamp(0, 1)
+
+
+def _planted(original: Tensor, plant: str, data) -> Tensor:
+    """One original (normalised ``[C, H, W]``) as the planted leak: itself or its blurred copy."""
+    if plant == "copy":
+        return original.clone()
+    return normalize(_blur(denormalize(original[None], data.mean, data.std)), data.mean, data.std)[0]
+
+
+def _junk(kind: str, count: int, data, public: Tensor, seed: int) -> Tensor:
+    """``count`` normalised outputs that carry nothing of the batch (``nan``: public images, one of them NaN)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (count, 1, 28, 28)
+    if kind == "zeros":
+        pixels = torch.zeros(shape)
+    elif kind == "grey":
+        pixels = torch.full(shape, 0.5)
+    elif kind == "noise":
+        pixels = torch.rand(shape, generator=g)
+    else:
+        picks = torch.randperm(public.shape[0], generator=g)[:count]
+        return public[picks].clone()
+    return normalize(pixels, data.mean, data.std)
+
+
+def _output(originals: Tensor, target: int, position: int, plant: str, junk: str, data, public: Tensor) -> Tensor:
+    out = _junk(junk, originals.shape[0], data, public, seed=target * 31 + position)
+    out[position] = _planted(originals[target], plant, data)
+    if junk == "nan" and originals.shape[0] > 1:
+        out[(position + 1) % originals.shape[0]] = math.nan
+    return out
+
+
+def _view(originals: Tensor, labels: Tensor, data) -> ServerView:
+    model = LeNetZhu()
+    gradients = parameter_gradients(model, nn.CrossEntropyLoss(), originals, labels, create_graph=False)
+    return ServerView(model, gradients, originals.shape[0], (1, 28, 28), 10, mean=tuple(data.mean), std=tuple(data.std))
+
+
+@pytest.mark.parametrize("batch", [1, 4, 8])
+@pytest.mark.parametrize("plant", ["copy", "blur"])
+def test_a_planted_leak_at_any_output_position_leaks_whatever_the_other_outputs(sample, batch, plant) -> None:
+    """The copy of original ``t`` sits at output ``p``; ``t`` runs over the batch as ``p`` does, so the
+    planted image is often not where a one-to-one matching would put it (an exact copy handed to the
+    wrong original read "private" before the rule judged every output)."""
+    originals, labels = _train(sample, [37 * k + batch for k in range(batch)])
+    public = public_batch(sample, 200)
+    view = _view(originals, labels, sample)
+    reference = denormalize(public, sample.mean, sample.std)
+    for junk in JUNK:
+        for position in range(batch):
+            target = (3 * position + 1) % batch
+            output = _output(originals, target, position, plant, junk, sample, public)
+            report = reconstruction_report(
+                Reconstruction(output, None), originals, view, true_labels=labels, lpips=False
+            )
+            worst = worst_case_report([report], reference_images=reference)
+            assert worst.rows[target].leaks, (junk, position, target, report.permutation)
+            assert worst.verdict == "leaks"
+
+
+@pytest.mark.parametrize("plant", ["copy", "blur"])
+def test_a_planted_leak_passes_the_prior_only_control_of_a_prior_carrying_attack(sample, plant) -> None:
+    """A prior-carrying attack is judged against its own uninformed outputs (here: public batches); the
+    planted image is credited at every position of a batch of 8, among public-image junk, on each client
+    of a two-client report."""
+    public = public_batch(sample, 8 * 25)
+    decoys = public[8:].reshape(24, 8, 1, 28, 28)
+    reference = denormalize(public, sample.mean, sample.std)
+    clients = [_train(sample, [37 * k + c for k in range(8)]) for c in range(2)]
+
+    def controlled(c: int, output: Tensor):
+        originals, labels = clients[c]
+        view = _view(originals, labels, sample)
+        report = reconstruction_report(
+            Reconstruction(output, None, attack="prior"), originals, view, true_labels=labels, lpips=False
+        )
+        control = prior_only_control(report, decoys, originals, view, labels, reference=reference)
+        return dataclasses.replace(report, prior_only=control.bars, prior_only_false_alarm=control.false_alarm)
+
+    junk = [controlled(c, _junk("public", 8, sample, public[:8], seed=c)) for c in range(2)]
+    for position in (0, 3, 7):
+        for leaking in range(2):
+            output = _junk("public", 8, sample, public[:8], seed=leaking)
+            output[position] = _planted(clients[leaking][0][(position + 3) % 8], plant, sample)
+            reports = [controlled(c, output) if c == leaking else junk[c] for c in range(2)]
+            worst = worst_case_report([concatenate_reports(reports)], reference_images=reference)
+            target = 8 * leaking + (position + 3) % 8
+            assert worst.rows[target].leaks, (plant, position, leaking)
+            assert worst.verdict == "leaks" and worst.control_false_alarm is not None
+
+
+def test_one_client_without_a_metric_blanks_it_for_that_client_only_and_the_verdict_is_inconclusive(sample) -> None:
+    """``concatenate_reports`` used to merge ``unavailable`` across clients: one client whose semantic
+    test could not run blanked it for all. Now the other clients keep their scores, and the missing ones
+    are a gap."""
+    public = public_batch(sample, 16)
+    reference = denormalize(public, sample.mean, sample.std)
+    reports = []
+    for c in range(2):
+        originals, labels = _train(sample, [37 * k + c for k in range(4)])
+        view = _view(originals, labels, sample)
+        report = reconstruction_report(
+            Reconstruction(_junk("grey", 4, sample, public, 0), None, attack="grey"),
+            originals,
+            view,
+            true_labels=labels if c == 0 else None,  # client 1: no labels, no semantic test
+            lpips=False,
+        )
+        reports.append(report)
+    merged = concatenate_reports(reports)
+    assert "semantic" not in merged.unavailable
+    assert all(row.semantic is not None for row in merged.rows[:4]) and all(
+        row.semantic is None for row in merged.rows[4:]
+    )
+    worst = worst_case_report([merged], reference_images=reference)
+    assert worst.verdict == "inconclusive" and any("semantic" in r for r in worst.verdict_reasons)
+
+
+def test_a_rule_metric_that_was_not_computed_is_a_gap_never_private(sample) -> None:
+    """The noise ratio is part of the default rule (its paired clean-image test): a report scored with
+    ``noise_ratio=False`` cannot say "private"; the same grey guess with it scored can."""
+    originals, labels = _train(sample, [37 * k for k in range(4)])
+    view = _view(originals, labels, sample)
+    public = public_batch(sample, 16)
+    reference = denormalize(public, sample.mean, sample.std)
+    grey = Reconstruction(_junk("grey", 4, sample, public, 0), None, attack="grey")
+    scored = reconstruction_report(grey, originals, view, true_labels=labels, lpips=False)
+    assert worst_case_report([scored], reference_images=reference).verdict == "private"
+    unscored = reconstruction_report(grey, originals, view, true_labels=labels, lpips=False, noise_ratio=False)
+    worst = worst_case_report([unscored], reference_images=reference)
+    assert worst.verdict == "inconclusive" and any("noise ratio" in r for r in worst.verdict_reasons)
+    # a rule stated without the paired test needs no noise ratio
+    stated = worst_case_report([unscored], reference_images=reference, noise_ratio_line=None)
+    assert stated.verdict == "private"
+
+
+# ------------------------------------------------------------------------------ end to end, audit_setting
+class PlantedLeak(GradientAttack):
+    """A canary attack: it knows every client's batch (``clients``), finds which one sent the gradient
+    it is given (the nearest gradient on the model it sees), and returns public-image junk with a
+    copy of that client's image ``target`` at output ``position``; other clients get junk only. It
+    returns the true labels, as a label-recovering attack would."""
+
+    def __init__(self, clients: list[tuple[Tensor, Tensor]], leaking: int, target: int, position: int, public: Tensor):
+        super().__init__(seed=0)
+        self.clients, self.leaking, self.target, self.position, self.public = clients, leaking, target, position, public
+
+    def reconstruct(self, view: ServerView) -> Reconstruction:
+        client = self._sender(view)
+        images, labels = self.clients[client]
+        output = self.public[torch.arange(images.shape[0]) + 8 * client].clone()
+        if client == self.leaking:
+            output[self.position] = images[self.target]
+        return Reconstruction(output, labels.clone(), attack=type(self).__name__)
+
+    def _sender(self, view: ServerView) -> int:
+        flat = torch.cat([g.flatten() for g in view.gradients.values()])
+        distances = []
+        for images, labels in self.clients:
+            gradients = parameter_gradients(view.model, view.loss_fn, images, labels, create_graph=False)
+            own = torch.cat([gradients[n].flatten() for n in view.gradients])
+            distances.append(float((own - flat).norm()))
+        return min(range(len(distances)), key=distances.__getitem__)
+
+
+class PlantedLeakWithPrior(PlantedLeak):
+    """The canary as a prior-carrying attack: its prior-only guesses are public batches."""
+
+    def prior_only_guesses(self, view: ServerView, count: int) -> Tensor:
+        return self.public[16 : 16 + 8 * 12].reshape(12, 8, 1, 28, 28)[:count, : view.batch_size]
+
+
+class PlantedLeakActive(PlantedLeak):
+    """The canary as an active attack: the server sends the model unchanged (its threat model is active)."""
+
+    def modify_model(self, model: nn.Module, input_shape, mean=(0.0,), std=(1.0,), *, public_data=None):
+        return model, {}
+
+
+class PassThrough(Defense):
+    """A defense whose declared adaptive attack is the canary (the adaptive path of the audit)."""
+
+    def transform(self, gradients, state, call):
+        return dict(gradients), state
+
+
+def _campaign(sample, batch: int, leaking: int, position: int, kind: str):
+    indices = [[37 * k + c for k in range(batch)] for c in range(2)]
+    clients = [_train(sample, picks) for picks in indices]
+    public = public_batch(sample, 16 + 8 * 12)
+    target = (position + 1) % batch
+
+    def build(seed: int, model: nn.Module) -> GradientAttack:
+        cls = {"published": PlantedLeak, "prior": PlantedLeakWithPrior, "active": PlantedLeakActive}.get(
+            kind, PlantedLeak
+        )
+        return cls(clients, leaking, target, position, public)
+
+    published = [] if kind == "adaptive" else [AttackSpec(f"canary-{kind}", "published", build)]
+    setting = DefenseSetting("pass-through", [GradientDefense(PassThrough(seed=0))])
+    if kind == "adaptive":
+        register_adaptive_attack(PassThrough, lambda defense, kwargs: [build(0, None)])  # type: ignore[arg-type]
+    L.seed_everything(0, verbose=False)
+    try:
+        audit = audit_setting(
+            setting,
+            LeNetZhu(),
+            sample,
+            indices=indices,
+            published=published,
+            budget=AttackBudget(ig_iterations=2, lbfgs_iterations=2),
+            adaptive=kind == "adaptive",
+            num_clients=2,
+            log=lambda line: None,
+        )
+    finally:
+        _DECLARATIONS.pop(PassThrough, None)
+    return audit, batch * leaking + target
+
+
+@pytest.mark.parametrize(
+    "kind, batch, leaking, position",
+    [
+        ("published", 1, 0, 0),
+        ("published", 4, 1, 2),
+        ("adaptive", 4, 0, 3),
+        ("prior", 8, 1, 5),
+        ("active", 4, 1, 0),
+    ],
+)
+def test_a_planted_leak_reads_leaks_end_to_end_for_every_attack_kind(sample, kind, batch, leaking, position) -> None:
+    audit, image = _campaign(sample, batch, leaking, position, kind)
+    threats = ("active",) if kind == "active" else ("passive", "active")
+    for threat in threats:
+        worst = getattr(audit, threat)
+        assert worst is not None and worst.rows[image].leaks, (threat, [c.note for c in audit.cells])
+        assert worst.verdict == "leaks"
+    if kind == "active":  # the passive server never saw the active attack: it has no cell there
+        assert audit.passive is None or not audit.passive.rows[image].leaks
+
+
+class FailingAttack(PlantedLeak):
+    def reconstruct(self, view: ServerView) -> Reconstruction:
+        raise RuntimeError("the canary attack broke")
+
+
+class NonFiniteAttack(PlantedLeak):
+    def reconstruct(self, view: ServerView) -> Reconstruction:
+        images, _ = self.clients[self._sender(view)]
+        return Reconstruction(torch.full_like(images, math.nan), None, attack="NonFinite")
+
+
+@pytest.mark.parametrize("broken", [FailingAttack, NonFiniteAttack])
+def test_an_attack_that_errs_or_returns_nan_leaves_the_audit_inconclusive(sample, broken) -> None:
+    indices = [[37 * k + c for k in range(4)] for c in range(2)]
+    clients = [_train(sample, picks) for picks in indices]
+    public = public_batch(sample, 16)
+    L.seed_everything(0, verbose=False)
+    audit = audit_setting(
+        DefenseSetting("pass-through", [GradientDefense(PassThrough(seed=0))]),
+        LeNetZhu(),
+        sample,
+        indices=indices,
+        published=[AttackSpec("broken", "published", lambda seed, model: broken(clients, 0, 0, 0, public))],
+        budget=AttackBudget(ig_iterations=2, lbfgs_iterations=2),
+        adaptive=False,
+        num_clients=2,
+        log=lambda line: None,
+    )
+    for threat in ("passive", "active"):
+        assert audit.verdict(threat) == "inconclusive", (threat, [c.note for c in audit.cells])
