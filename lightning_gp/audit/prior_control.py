@@ -13,13 +13,20 @@ scored against the attacked originals exactly as its reconstruction of the attac
 (every output against every original, as the leak rule reads them).
 
 **The test, per image and metric.** A criterion of the leak rule counts for a reconstruction of
-original ``i`` only where, on each of the criterion's metrics, it beats the **best** score any of
-the ``K`` uninformed batches reached on ``i`` with any of its outputs (the bar,
-:attr:`~lightning_gp.metrics.report.ReconstructionReport.prior_only`, read by
-:class:`~lightning_gp.audit.verdict.LeakRule`). Without information the attack's outputs and the
-``K`` guess batches are exchangeable, so one (image, metric) test passes by chance with probability
-at most ``1 / (K + 1)``. One informed image in a batch of otherwise uninformed outputs is tested on
-its own, so it is credited (a batch mean, the earlier test, hid it).
+original ``i`` only where, on each of the criterion's metrics, it beats that original's bar
+(:attr:`~lightning_gp.metrics.report.ReconstructionReport.prior_only`, read by
+:class:`~lightning_gp.audit.verdict.LeakRule`). The bar is the **best** score any of the ``K``
+uninformed batches reached on ``i`` with any of its outputs: without information the attack's
+outputs and the ``K`` guess batches are exchangeable, so one (image, metric) test passes by chance
+with probability at most ``1 / (K + 1)``. One informed image in a batch of otherwise uninformed
+outputs is tested on its own, so it is credited.
+
+Where the attack is informed on the whole batch (its batch mean of the metric, matched one-to-one,
+beats the batch mean of every guess batch: by chance ``1 / (K + 1)`` per metric) the bar is lower:
+the median guess's score on ``i``, so images the attack recovers only somewhat better than its
+luckiest guess still count (the batch-mean route, leak rule revision 3). The median never exceeds
+the best, so the two routes together credit everything either one credits, and a leak found under
+revision 3 stays a leak.
 
 **The false-alarm level, stated.** Over a batch the tests are many (images x metrics), and over an
 audit more (x label estimates x clients); their union bound ``tests / (K + 1)`` is loose because a
@@ -69,8 +76,8 @@ class PriorOnlyControl:
     """One client batch's control: per original, metric -> the bar to beat; and the stated level.
 
     Attributes:
-        bars: per original, metric -> the best score of any uninformed guess on it (NaN: no guess
-            could be scored, which hides nothing).
+        bars: per original, metric -> the bar a reconstruction of it must beat (module docstring; NaN:
+            no guess could be scored, which hides nothing).
         false_alarm: ``(c + 1) / (K + 1)``, ``c`` the guess batches credited with a leak against the
             others' bars (module docstring).
         guesses: ``K``, the guess batches scored.
@@ -114,14 +121,31 @@ def prior_only_control(
         for guess in guesses
     ]
     metrics = [m for m in CONTROLLED_METRICS if m not in report.unavailable]
-    # best[m]: [K, B] each guess batch's best score (sign-flipped: higher leaks more) on each original
-    best = {m: torch.stack([_best_per_original(s, m) for s in scored]) for m in metrics}
-    bars = _bars(best, exclude=None, batch=len(report.rows))
+    # per metric, sign-flipped (higher leaks more), [K, B]: each guess batch's matched score and its best
+    # score over its outputs on each original
+    null = {
+        m: _Null(
+            torch.stack([_signed_rows(s, m) for s in scored]), torch.stack([_best_per_original(s, m) for s in scored])
+        )
+        for m in metrics
+    }
+    attack_means = {m: float(_signed_rows(report, m).nanmean()) for m in metrics}
+    bars = _bars(null, attack_means, exclude=None, batch=len(report.rows))
     floors = guess_floors(scored[0].original_pixels, _baselines(scored[0], reference))
-    credited = sum(
-        _credited(rule, s, _bars(best, exclude=k, batch=len(report.rows)), floors) for k, s in enumerate(scored)
-    )
+    credited = 0
+    for k, guess in enumerate(scored):  # each guess batch plays the attack against the others
+        means = {m: float(null[m].matched[k].nanmean()) for m in metrics}
+        credited += _credited(rule, guess, _bars(null, means, exclude=k, batch=len(report.rows)), floors)
     return PriorOnlyControl(bars, (credited + 1) / (len(scored) + 1), len(scored))
+
+
+@dataclass(frozen=True)
+class _Null:
+    """One metric's scores of the uninformed guess batches, sign-flipped, ``[K, B]``: matched one-to-one,
+    and the best of each batch's outputs on each original."""
+
+    matched: Tensor
+    best: Tensor
 
 
 def _sign(metric: str) -> float:
@@ -146,18 +170,33 @@ def _best_per_original(report: ReconstructionReport, metric: str) -> Tensor:
     return torch.as_tensor(rows, dtype=torch.float64)
 
 
-def _bars(best: dict[str, Tensor], exclude: int | None, batch: int) -> list[dict[str, float]]:
-    """Per original, metric -> the best score over the guess batches (all but ``exclude``), unsigned."""
+def _signed_rows(report: ReconstructionReport, metric: str) -> Tensor:
+    """``[B]`` the report's matched ``metric`` per original, sign-flipped (NaN where not scored)."""
+    values = [getattr(row, metric) for row in report.rows]
+    return _sign(metric) * torch.as_tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float64)
+
+
+def _bars(
+    null: dict[str, _Null], attack_means: dict[str, float], exclude: int | None, batch: int
+) -> list[dict[str, float]]:
+    """Per original, metric -> its bar (unsigned), from the guess batches but ``exclude``: the median
+    guess's matched score on the original where the attack's batch mean beats every guess batch's mean
+    (the batch-mean route, leak rule revision 3), else the best score any guess output reached on it
+    (the per-image route). The median never exceeds the best, so the two routes together credit
+    everything either credits."""
     bars: list[dict[str, float]] = [{} for _ in range(batch)]
-    for metric, table in best.items():
-        if exclude is not None:
-            table = torch.cat([table[:exclude], table[exclude + 1 :]])
-        if table.shape[0] == 0:
+    for metric, scores in null.items():
+        keep = [k for k in range(scores.best.shape[0]) if k != exclude]
+        if not keep or scores.best[keep].isnan().all():
             continue
-        top = table.nan_to_num(nan=-math.inf).max(dim=0).values
+        matched, best = scores.matched[keep], scores.best[keep]
+        null_means = matched.nanmean(dim=1)
+        null_means = null_means[~null_means.isnan()]  # a guess batch with no finite score competes with nothing
+        informed = bool((attack_means[metric] > null_means).all())
+        top = matched.nanmedian(dim=0).values if informed else best.nan_to_num(nan=-math.inf).max(dim=0).values
         for i in range(batch):
             value = float(top[i])
-            bars[i][metric] = math.nan if value == -math.inf else _sign(metric) * value
+            bars[i][metric] = math.nan if math.isnan(value) or value == -math.inf else _sign(metric) * value
     return bars
 
 
