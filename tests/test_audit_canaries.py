@@ -331,3 +331,24 @@ def test_an_attack_that_errs_or_returns_nan_leaves_the_audit_inconclusive(sample
     )
     for threat in ("passive", "active"):
         assert audit.verdict(threat) == "inconclusive", (threat, [c.note for c in audit.cells])
+
+
+def test_an_exact_copy_beside_a_blank_output_leaks_on_every_pair_the_matching_swaps(sample) -> None:
+    """The issue's case: the output [copy of A, all-zero image] on the batch {A, B}. The matching minimises
+    the total MSE and hands the copy to B whenever mse(0, B) - mse(0, A) > mse(A, B); A then scored 12 dB
+    and the verdict read "private". Every such pair of 120 drawn from the sample must leak A."""
+    g = torch.Generator().manual_seed(0)
+    public = public_batch(sample, 16)
+    reference = denormalize(public, sample.mean, sample.std)
+    zero = normalize(torch.zeros(1, 1, 28, 28), sample.mean, sample.std)[0]
+    swapped = 0
+    for _ in range(120):
+        picks = torch.randperm(len(sample.train_dataset), generator=g)[:2].tolist()
+        originals, labels = _train(sample, picks)
+        view = _view(originals, labels, sample)
+        output = torch.stack([originals[0].clone(), zero])
+        report = reconstruction_report(Reconstruction(output, None), originals, view, true_labels=labels, lpips=False)
+        swapped += report.permutation != [0, 1]
+        worst = worst_case_report([report], reference_images=reference)
+        assert worst.rows[0].leaks and worst.verdict == "leaks", (picks, report.permutation)
+    assert swapped > 0  # the premise: the matching does swap some pairs

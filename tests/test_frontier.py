@@ -48,8 +48,10 @@ from lightning_gp.audit.frontier_run import (
     decisive_first,
     frontier_jobs,
     has_stale_labels,
+    has_stale_leak_rule,
     job_estimates,
     misses_learned_inverter,
+    without_stale_bound,
 )
 from lightning_gp.callbacks import GaussianNoise, GradientDefense, TopKPruning
 from lightning_gp.data import FashionMNISTSampleDataModule
@@ -595,6 +597,23 @@ def test_the_eta_counts_each_job_as_long_as_the_finished_jobs_say_it_takes() -> 
     now[0] = 4.0
     counting.update(todo[0], {"kind": "train", "test_acc": 0.5, "seconds": 2.0})
     assert lines[-1].endswith("ETA 0:00:04")  # 2 s per job, 2 jobs left: what a resumed run printed before
+
+
+def test_an_audit_of_an_older_leak_rule_reruns_unless_it_leaked_everywhere_and_then_shows_no_bound() -> None:
+    """Leak rule revision 4 only adds leaks and gaps (any output of an attack, the per-image control beside
+    the batch-mean one, missing metrics as gaps), and changes the bound (kappa under the full rule, earlier
+    rounds composed). A stored audit without the revision reruns unless it leaked to every server; one that
+    did keeps its verdict, not its bound (it could be too small); a stamped record keeps both."""
+    from lightning_gp.audit.verdict import LEAK_RULE_REVISION
+
+    leaky = {"verdict": "leaks", "leak_fraction": 0.5}
+    record = {"kind": "audit", "threats": {"passive": leaky, "active": leaky}, "rero_eta": 0.8, "rero_kappa": 0.7}
+    assert not has_stale_leak_rule(record)
+    assert without_stale_bound(record)["rero_eta"] is None and without_stale_bound(record)["rero_kappa"] is None
+    private = {**record, "threats": {"passive": {"verdict": "private"}, "active": leaky}}
+    assert has_stale_leak_rule(private)
+    stamped = {**private, "leak_rule_revision": LEAK_RULE_REVISION}
+    assert not has_stale_leak_rule(stamped) and without_stale_bound(stamped)["rero_eta"] == 0.8
 
 
 def test_a_budget_field_added_later_leaves_the_fingerprint_as_it_was_at_the_value_results_ran_under(

@@ -27,7 +27,7 @@ from lightning_gp.attacks import (
     InvertingGradients,
     UnmodelledDefenseWarning,
 )
-from lightning_gp.audit import PrivacyAudit
+from lightning_gp.audit import PrivacyAudit, defense_mechanism
 from lightning_gp.callbacks import GaussianNoise, MagnitudePruning, TopKPruning
 from lightning_gp.federated import FederatedSimulation
 from lightning_gp.pipeline import StageCall
@@ -376,3 +376,23 @@ def test_the_audit_logs_the_rero_bound_of_a_clipped_gaussian_mechanism_and_none_
     )
     fit_local([TopKPruning(rate=0.5, seed=0), pruned], steps=1)
     assert not any("rero" in key for key in pruned.results[0].metrics)
+
+
+def test_the_rero_bound_at_step_s_composes_the_releases_of_steps_0_to_s() -> None:
+    # pixel lines only: on one 12x12 image the semantic test's class share alone would put kappa at 1
+    audit = PrivacyAudit(
+        rounds=[2],
+        attacks=[InvertingGradients(iterations=2)],
+        adaptive=False,
+        save_images=False,
+        leak_thresholds={"psnr": 20.0, "ssim": 0.5},
+        **KNOWN,
+    )
+    defense = GaussianNoise(scale=1.0, clip=1e-3, seed=0)
+    fit_local([defense, audit], steps=3)
+    (result,) = audit.results
+    eta, kappa = result.metrics["privacy_audit/client0/rero_eta"], result.metrics["privacy_audit/client0/rero_kappa"]
+    size = sum(p.numel() for p in TinyModule().parameters())
+    three = defense_mechanism(defense.defense, size, releases=3)
+    assert kappa < 1 and three.steps == 3 and eta == pytest.approx(three.eta(kappa))
+    assert eta > defense_mechanism(defense.defense, size).eta(kappa)  # one release: the old, smaller bound

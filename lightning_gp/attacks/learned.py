@@ -43,6 +43,7 @@ import dataclasses
 import hashlib
 import math
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -100,7 +101,9 @@ class GradientSketch(nn.Module):
     def __init__(self, shapes: Mapping[str, torch.Size], dim: int, seed: int) -> None:
         super().__init__()
         self.names = list(shapes)
+        self.shapes = {n: tuple(int(d) for d in shapes[n]) for n in self.names}
         self.sizes = [math.prod(shapes[n]) for n in self.names]
+        self.seed = int(seed)
         total = sum(self.sizes)
         self.dim = min(check_positive_int(dim, "dim"), total)
         generator = seeded_generator(seed, 0x5CE7C4)
@@ -137,6 +140,7 @@ class InverterNetwork(nn.Module):
 
     def __init__(self, dim: int, hidden: int, batch_size: int, input_shape: tuple[int, ...]) -> None:
         super().__init__()
+        self.dim, self.hidden = int(dim), int(hidden)
         self.out_shape = (batch_size, *input_shape)
         self.register_buffer("feature_mean", torch.zeros(dim))
         self.register_buffer("feature_std", torch.ones(dim))
@@ -201,10 +205,22 @@ class InverterKey:
         return hashlib.sha256(repr(self).encode()).hexdigest()[:24]
 
 
+#: The layout of an inverter file of :class:`InverterCache`; a file of another layout is retrained.
+CACHE_FORMAT = "lightning-gp inverter cache 1"
+
+
 class InverterCache:
     """Trained inverters by :class:`InverterKey`, in memory and, with ``directory``, on disk
     (``<directory>/<key digest>.pt``; a later process with the same key loads it instead of
-    training). ``trainings`` counts the inverters this cache trained."""
+    training). ``trainings`` counts the inverters this cache trained.
+
+    A file holds tensors and plain data only: the sketch's and the network's state dicts, their
+    constructor arguments, the training cost as a dict and the key's ``repr``. It is read with
+    ``torch.load(..., weights_only=True)``, which unpickles no object of any other kind, and the
+    objects are rebuilt from those fields: whoever can write into ``directory`` can at worst make the
+    audit retrain, never run code in it. A file that does not match (another key, a missing or
+    malformed field, an older version's pickled inverter, anything ``weights_only`` refuses) is
+    ignored with a warning and overwritten by the inverter trained instead."""
 
     def __init__(self, directory: str | Path | None = None) -> None:
         self.directory = None if directory is None else Path(directory)
@@ -237,14 +253,74 @@ class InverterCache:
     def _save(self, key: InverterKey, inverter: TrainedInverter) -> None:
         assert self.directory is not None
         self.directory.mkdir(parents=True, exist_ok=True)
-        torch.save({"key": repr(key), "inverter": inverter, "cost": asdict(inverter.cost)}, self._path(key))
+        torch.save(_inverter_payload(key, inverter), self._path(key))
 
     def _load(self, key: InverterKey) -> TrainedInverter | None:
         path = self._path(key)
         if not path.exists():
             return None
-        saved = torch.load(path, weights_only=False)
-        return saved["inverter"] if saved.get("key") == repr(key) else None
+        try:
+            payload = torch.load(path, map_location="cpu", weights_only=True)
+            return _inverter_from_payload(payload, key)
+        except Exception as err:  # a pickled object, another key or layout, a truncated file: never run, retrain
+            first = str(err).splitlines()[0] if str(err) else ""
+            warnings.warn(
+                f"InverterCache: ignoring {path} ({type(err).__name__}: {first}); the inverter is trained again "
+                "and the file overwritten",
+                stacklevel=3,
+            )
+            return None
+
+
+def _inverter_payload(key: InverterKey, inverter: TrainedInverter) -> dict[str, Any]:
+    """What :class:`InverterCache` writes of ``inverter``: tensors, numbers, strings and containers."""
+    sketch, network = inverter.sketch, inverter.network
+    return {
+        "format": CACHE_FORMAT,
+        "key": repr(key),
+        "sketch": {
+            "shapes": [[name, list(sketch.shapes[name])] for name in sketch.names],
+            "dim": int(sketch.dim),
+            "seed": int(sketch.seed),
+            "state": {n: t.detach().cpu() for n, t in sketch.state_dict().items()},
+        },
+        "network": {
+            "dim": int(network.dim),
+            "hidden": int(network.hidden),
+            "batch_size": int(network.out_shape[0]),
+            "input_shape": [int(d) for d in network.out_shape[1:]],
+            "state": {n: t.detach().cpu() for n, t in network.state_dict().items()},
+        },
+        "cost": asdict(inverter.cost),
+    }
+
+
+def _inverter_from_payload(payload: Any, key: InverterKey) -> TrainedInverter:
+    """The inverter :func:`_inverter_payload` wrote for ``key``, rebuilt (``ValueError`` on any mismatch)."""
+    if not isinstance(payload, dict) or payload.get("format") != CACHE_FORMAT:
+        raise ValueError(f"not an inverter file of this version (no {CACHE_FORMAT!r} header)")
+    if payload.get("key") != repr(key):
+        raise ValueError("the file was written for another inverter key")
+    sketch_fields, network_fields = payload["sketch"], payload["network"]
+    shapes = {str(name): torch.Size(int(d) for d in shape) for name, shape in sketch_fields["shapes"]}
+    sketch = GradientSketch(shapes, int(sketch_fields["dim"]), int(sketch_fields["seed"]))
+    sketch.load_state_dict(_tensors(sketch_fields["state"]))
+    input_shape = tuple(int(d) for d in network_fields["input_shape"])
+    network = InverterNetwork(
+        int(network_fields["dim"]), int(network_fields["hidden"]), int(network_fields["batch_size"]), input_shape
+    )
+    network.load_state_dict(_tensors(network_fields["state"]))
+    network.eval()
+    cost = payload["cost"]
+    if not isinstance(cost, dict) or set(cost) != {f.name for f in dataclasses.fields(TrainingCost)}:
+        raise ValueError(f"the training cost's fields are {sorted(cost) if isinstance(cost, dict) else cost!r}")
+    return TrainedInverter(sketch, network, TrainingCost(**cost))
+
+
+def _tensors(state: Any) -> dict[str, Tensor]:
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in state.items()):
+        raise ValueError("a state dict of the file is not a mapping of names to tensors")
+    return state
 
 
 #: training pairs drawn (a stream of their own) to set the sketch's per-layer scales

@@ -4,22 +4,29 @@ An audit measures what today's attacks rebuild; a ReRo bound (:mod:`lightning_gp
 what no informed adversary can exceed. Only a mechanism with a formal guarantee has one:
 
 - :class:`~lightning_gp.callbacks.DPSGD`: per-example clipping at ``C``, noise ``sigma C``, its
-  Poisson rate and the steps it took (before training: the audit's one tapped step on a fixed batch,
-  ``q = 1``); add/remove neighbouring (sensitivity ``C``), the relation of the informed adversary.
+  Poisson rate and the steps it took (before training: the audit's tapped step on a fixed batch and
+  the steps of the simulation before it, ``q = 1``); add/remove neighbouring (sensitivity ``C``),
+  the relation of the informed adversary.
 - :class:`~lightning_gp.defenses.GaussianNoise` with ``clip``: it clips the client's batch gradient
   *coordinate-wise* to ``[-c, c]``, not per example, so one image of the batch can move the clipped
   gradient across the whole box: the L2 sensitivity is its diameter ``2 c sqrt(d)`` for ``d``
-  parameters (replace-one with clipping norm ``c sqrt(d)``), noise ``scale``, one round.
+  parameters (replace-one with clipping norm ``c sqrt(d)``), noise ``scale``, one release per round.
 - :class:`~lightning_gp.defenses.LocalGaussianMechanism`: the client clips its whole update to L2 norm
   ``C`` and adds ``N(0, (z C)^2 I)``; replacing one image (or the whole client batch) moves the clipped
-  update by at most ``2 C`` (replace-one, clipping norm ``C``), one round.
+  update by at most ``2 C`` (replace-one, clipping norm ``C``), one release per round.
 - everything else (pruning, quantisation, Soteria, PRECODE, Refiner, ATS, Laplace or Gaussian noise
   without clipping, compositions): no formal bound, with the reason; never a number.
 
-**kappa** (the success of a guess that sees only the prior) is measured on the audited images with
-the audit's own leak rule (:func:`prior_only_kappa`); eta grows with kappa, so kappa is taken from
-above (the best of many prior-only guesses, then its Clopper-Pearson upper limit), never in the
-defense's favour.
+**Rounds.** A client audited at round ``r`` has taken part in rounds ``0 .. r`` of the audit's
+simulation, and the earlier releases shaped the attacked model: the bound composes all ``r + 1``
+releases, each charged in full (``q = 1``), and its description says how many rounds it covers
+(:func:`setting_bound`'s ``round``, :func:`defense_mechanism`'s ``releases``).
+
+**kappa** (ReRo's baseline: the success of the best guess that sees only the prior) is measured on
+the audited images with the audit's own leak rule, every fixed guess judged by
+:meth:`~lightning_gp.audit.verdict.LeakRule.criteria` as the verdict judges a reconstruction
+(:func:`prior_only_kappa`); eta grows with kappa, so kappa is taken from above (the best of many
+prior-only guesses, then its Clopper-Pearson upper limit), never in the defense's favour.
 """
 
 from __future__ import annotations
@@ -32,11 +39,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_gp.audit.verdict import LeakRule
+from lightning_gp.audit.verdict import BaselineScores, LeakRule, guess_floors, trivial_baselines
 from lightning_gp.callbacks import DPSGD, GradientDefense
 from lightning_gp.defenses import GaussianNoise, LocalGaussianMechanism
-from lightning_gp.metrics.image_quality import psnr, ssim
+from lightning_gp.metrics.image_quality import check_pixel_range
+from lightning_gp.metrics.report import METRICS, pair_scores
 from lightning_gp.privacy import GaussianMechanism, clopper_pearson
+from lightning_gp.validation import check_int, check_positive_int
 
 #: How many public (reference) images are tried as fixed prior-only guesses when measuring kappa.
 KAPPA_GUESSES = 256
@@ -72,15 +81,22 @@ class FormalBound:
         )
 
 
-def defense_mechanism(defense: Any, num_parameters: int | None = None) -> GaussianMechanism:
+def defense_mechanism(defense: Any, num_parameters: int | None = None, *, releases: int = 1) -> GaussianMechanism:
     """The Gaussian mechanism of one defense object (a :class:`DPSGD` callback, a ``GaussianNoise`` or
     ``LocalGaussianMechanism`` defense or its callback); a ``ValueError`` naming ``defense`` for one that has no formal bound.
-    ``num_parameters``: the model's trainable parameter count (``GaussianNoise``'s sensitivity)."""
+    ``num_parameters``: the model's trainable parameter count (``GaussianNoise``'s sensitivity).
+
+    ``releases``: how many releases of the client's update the bound composes: the audited one and
+    every earlier one of the same client, each charged in full (``q = 1``: the target may be in each),
+    e.g. ``r + 1`` for round ``r`` of a simulation whose clients take part in every round. A
+    :class:`DPSGD` that has accounted steps (its ``privacy_history``) is charged what it accounted;
+    more ``releases`` on top of such a history cannot be composed at one rate (a ``ValueError``)."""
+    releases = check_positive_int(releases, "releases")
     if isinstance(defense, DPSGD):
-        return _dp_sgd_mechanism(defense)
+        return _dp_sgd_mechanism(defense, releases)
     inner = defense.defense if isinstance(defense, GradientDefense) else defense
     if isinstance(inner, LocalGaussianMechanism):
-        return _local_gaussian_mechanism(inner)
+        return _local_gaussian_mechanism(inner, releases)
     if isinstance(inner, GaussianNoise):
         if inner.clip is None:
             raise ValueError(f"defense: {type(inner).__name__} without clip has unbounded sensitivity: no formal bound")
@@ -91,48 +107,71 @@ def defense_mechanism(defense: Any, num_parameters: int | None = None) -> Gaussi
         return GaussianMechanism(
             noise_std=inner.scale,
             clip_norm=inner.clip * math.sqrt(num_parameters),
+            steps=releases,
             neighbouring="replace_one",
             description=(
-                f"GaussianNoise: one round, coordinate clip {inner.clip:g} of {num_parameters} parameters, any image "
-                f"of the batch moves the gradient by <= 2 c sqrt(d) = {2 * inner.clip * math.sqrt(num_parameters):.3g}, "
-                f"noise std {inner.scale:g}"
+                f"GaussianNoise: {_rounds_phrase(releases)}, coordinate clip {inner.clip:g} of {num_parameters} "
+                f"parameters, any image of the batch moves the gradient by <= 2 c sqrt(d) = "
+                f"{2 * inner.clip * math.sqrt(num_parameters):.3g}, noise std {inner.scale:g}"
             ),
         )
     name = type(inner).__name__
     raise ValueError(f"defense: {name} has no formal mechanism (clipping-bounded Gaussian noise): no formal bound")
 
 
-def _local_gaussian_mechanism(local: LocalGaussianMechanism) -> GaussianMechanism:
-    """One upload of :class:`~lightning_gp.defenses.LocalGaussianMechanism`: the Gaussian mechanism
-    (Dwork & Roth 2014, Thm. A.1) on the update clipped to ``C`` (McMahan et al. 2018), noise ``z C``;
-    replace-one, sensitivity ``2 C`` (one image or the whole client batch replaced)."""
+def _rounds_phrase(releases: int) -> str:
+    """``"one round"`` or ``"6 rounds composed (...)"``: what a bound of ``releases`` releases covers."""
+    if releases == 1:
+        return "one round"
+    return (
+        f"{releases} rounds composed (the audited round and the {releases - 1} before it, the client in every one, "
+        "each charged in full, q = 1)"
+    )
+
+
+def _local_gaussian_mechanism(local: LocalGaussianMechanism, releases: int = 1) -> GaussianMechanism:
+    """``releases`` uploads of :class:`~lightning_gp.defenses.LocalGaussianMechanism`: the Gaussian
+    mechanism (Dwork & Roth 2014, Thm. A.1) on the update clipped to ``C`` (McMahan et al. 2018), noise
+    ``z C``, composed over the uploads; replace-one, sensitivity ``2 C`` (one image or the whole client
+    batch replaced)."""
     C, z = local.max_update_norm, local.noise_multiplier
     return GaussianMechanism(
         noise_std=local.noise_std,
         clip_norm=C,
+        steps=releases,
         neighbouring="replace_one",
         description=(
-            f"LocalGaussianMechanism: one round, the client's whole update clipped to C = {C:g}, any image (or the "
-            f"whole batch) replaced moves it by <= 2 C, noise std z C = {z:g} x {C:g}"
+            f"LocalGaussianMechanism: {_rounds_phrase(releases)}, the client's whole update clipped to C = {C:g}, "
+            f"any image (or the whole batch) replaced moves it by <= 2 C, noise std z C = {z:g} x {C:g}"
         ),
     )
 
 
-def _dp_sgd_mechanism(dp: DPSGD) -> GaussianMechanism:
+def _dp_sgd_mechanism(dp: DPSGD, releases: int = 1) -> GaussianMechanism:
     history = [(float(s), float(q), int(n)) for s, q, n in dp.privacy_history]
     if history:
         settings = {(s, q) for s, q, _ in history}
         if len(settings) > 1:
             raise ValueError(f"defense: DPSGD ran with several (noise multiplier, rate) settings {sorted(settings)}")
         (sigma, rate), steps = settings.pop(), sum(n for _, _, n in history)
+        if releases > 1:
+            raise ValueError(
+                f"defense: DPSGD accounted {steps} step(s) of its own at q = {rate:.4g} (privacy_history); "
+                f"{releases - 1} earlier round(s) on top of them cannot be composed at one rate"
+            )
         counted = f"{steps} step(s) at Poisson rate q = {rate:.4g}"
     else:
         if dp.noise_multiplier is None:
             raise ValueError(
                 "defense: DPSGD(target_epsilon=...) picks its noise at fit start; no bound before training"
             )
-        sigma, rate, steps = dp.noise_multiplier, 1.0, 1
-        counted = "the audited step on a fixed batch (q = 1)"
+        sigma, rate, steps = dp.noise_multiplier, 1.0, releases
+        counted = (
+            "the audited step on a fixed batch (q = 1)"
+            if releases == 1
+            else f"{releases} steps composed (the audited step on a fixed batch and the {releases - 1} training "
+            "steps before it, each charged in full, q = 1)"
+        )
     return GaussianMechanism(
         noise_std=sigma * dp.max_grad_norm,
         clip_norm=dp.max_grad_norm,
@@ -143,9 +182,16 @@ def _dp_sgd_mechanism(dp: DPSGD) -> GaussianMechanism:
     )
 
 
-def setting_bound(setting: Any, model: nn.Module | None = None) -> FormalBound:
+def setting_bound(setting: Any, model: nn.Module | None = None, *, round: int = 0) -> FormalBound:
     """The formal bound of a :class:`~lightning_gp.audit.catalog.DefenseSetting` (no kappa yet): the
-    mechanism of its one defense, or none. A composition is not analysed: no formal bound."""
+    mechanism of its one defense, or none. A composition is not analysed: no formal bound.
+
+    ``round``: the audited round. The audit's simulation
+    (:func:`~lightning_gp.audit.rounds.tap_defended_round`) has every client take part in every round
+    (on the plain-Trainer runner, every image may be in every step), so the client audited at round
+    ``r`` has released ``r + 1`` updates that shaped or are the attacked one: the bound composes all
+    ``r + 1``, each charged in full (``q = 1``)."""
+    round = check_int(round, "round", low=0)
     if setting.undefended:
         return FormalBound(None, "undefended")
     if setting.wrap is not None or setting.architecture is not None:
@@ -155,9 +201,161 @@ def setting_bound(setting: Any, model: nn.Module | None = None) -> FormalBound:
         return FormalBound(None, f"{setting.name} composes {len(defenses)} defenses; compositions are not analysed")
     size = None if model is None else sum(p.numel() for p in model.parameters() if p.requires_grad)
     try:
-        return FormalBound(defense_mechanism(defenses[0], size))
+        return FormalBound(defense_mechanism(defenses[0], size, releases=round + 1))
     except ValueError as err:
         return FormalBound(None, str(err).removeprefix("defense: "))
+
+
+def lpips_for_rule(rule: LeakRule, lpips_fn: nn.Module | None = None) -> nn.Module | None:
+    """The LPIPS module :func:`prior_only_kappa` needs under ``rule``: ``lpips_fn``, a new
+    :class:`~lightning_gp.metrics.lpips.LPIPS` where the rule has an LPIPS line and none is given
+    (an audit run with LPIPS off still owes its bound the rule's every line), else ``None``."""
+    if "lpips" not in rule.thresholds or lpips_fn is not None:
+        return lpips_fn
+    from lightning_gp.metrics.lpips import LPIPS
+
+    return LPIPS()
+
+
+def prior_only_guesses(
+    originals: Tensor, reference: Tensor | None = None, dataset_mean: Sequence[float] | None = None
+) -> Tensor:
+    """The fixed prior-only guesses :func:`prior_only_kappa` tries, ``[G, C, H, W]`` pixels in [0, 1]:
+    an all-zero and a mid-grey 0.5 image, the mean image of ``reference`` (public images, pixels in
+    [0, 1]) and its first :data:`KAPPA_GUESSES` images, and a constant image of ``dataset_mean`` (one
+    value or one per channel) where it is given. ``originals`` give the image shape."""
+    like = originals.detach().float().cpu()[:1]
+    guesses = [torch.zeros_like(like), torch.full_like(like, 0.5)]
+    if reference is not None:
+        reference = reference.detach().float().cpu()
+        if reference.ndim != 4 or reference.shape[0] == 0 or reference.shape[1:] != like.shape[1:]:
+            raise ValueError(
+                f"reference {tuple(reference.shape)} must hold public images of the originals' shape "
+                f"{tuple(like.shape[1:])}"
+            )
+        guesses += [reference.mean(0, keepdim=True).clamp(0, 1), reference[:KAPPA_GUESSES]]
+    if dataset_mean is not None:
+        values = [float(dataset_mean)] if isinstance(dataset_mean, (int, float)) else [float(v) for v in dataset_mean]
+        values = values * like.shape[1] if len(values) == 1 else values
+        if len(values) != like.shape[1]:
+            raise ValueError(f"dataset_mean needs 1 or {like.shape[1]} per-channel values, got {len(values)}")
+        guesses.append(torch.tensor(values).view(1, -1, 1, 1).expand_as(like).clamp(0, 1))
+    return torch.cat(guesses)
+
+
+def prior_only_leaks(
+    originals: Tensor,
+    reference: Tensor | None,
+    *,
+    labels: Sequence[int] | Tensor | None = None,
+    rule: LeakRule | None = None,
+    lpips_fn: nn.Module | None = None,
+    dataset_mean: Sequence[float] | None = None,
+    baselines: Sequence[BaselineScores] | None = None,
+) -> Tensor:
+    """Which originals each fixed prior-only guess leaks under ``rule``: ``[B, G]`` bool, column ``j``
+    the guess ``prior_only_guesses(originals, reference, dataset_mean)[j]``.
+
+    Each guess is the same for every original ("a guess repeated B times": no matching), scored
+    against each original by the reports' own scoring code (what
+    :func:`~lightning_gp.metrics.report.reconstruction_report` computes for every output and
+    original: PSNR, SSIM, MSE, NMI, LPIPS with ``lpips_fn`` where the rule has an LPIPS line, the
+    noise ratio of the guess, the semantic score of the guess for the original's label), and judged
+    by the rule itself, :meth:`LeakRule.criteria` with no prior-only control and the trivial-guess
+    floors of the paired noise-ratio test built as :func:`~lightning_gp.audit.verdict.worst_case_report`
+    builds them: ``baselines``, by default ``trivial_baselines(originals, reference_images=reference,
+    dataset_mean=dataset_mean)`` (pass the verdict's own where it was judged with other trivial
+    guesses).
+
+    A score the reports cannot compute on these images (the noise ratio for a channel count no
+    evaluation network takes, the semantic test for images or labels its classifier was not built
+    for) cannot fire in the verdict either and is left out; a score the rule needs from the caller is
+    an error naming the argument: ``labels`` for the semantic test, ``lpips_fn`` for an LPIPS line.
+    """
+    rule = rule if rule is not None else LeakRule()
+    if not isinstance(originals, Tensor) or originals.ndim != 4 or originals.shape[0] == 0:
+        raise ValueError(
+            f"originals must be a [B, C, H, W] batch of pixel images, got {getattr(originals, 'shape', originals)}"
+        )
+    originals = originals.detach().float().cpu()
+    check_pixel_range(originals, "originals")
+    if "lpips" in rule.thresholds and lpips_fn is None:
+        raise ValueError("lpips_fn: the rule has an LPIPS line; pass the LPIPS module the reports score with")
+    classes = _class_labels(labels, originals.shape[0]) if labels is not None else None
+    if "semantic" in rule.thresholds and classes is None:
+        raise ValueError("labels: the rule has the semantic test, which scores a guess for each original's label")
+    guesses = prior_only_guesses(originals, reference, dataset_mean)
+    if baselines is None:
+        baselines = trivial_baselines(originals, reference_images=reference, dataset_mean=dataset_mean)
+    floors = guess_floors(originals, baselines)
+    assert floors is not None
+    scores = _guess_scores(guesses, originals, rule, classes, lpips_fn)
+    leaks = torch.zeros(originals.shape[0], guesses.shape[0], dtype=torch.bool)
+    for i in range(originals.shape[0]):
+        for j in range(guesses.shape[0]):
+            values = {m: None if m not in scores else float(scores[m][i, j]) for m in METRICS}
+            leaks[i, j] = bool(rule.criteria(values, floors[i], None))
+    return leaks
+
+
+def _class_labels(labels: Sequence[int] | Tensor, count: int) -> Tensor:
+    """``labels`` as ``[count]`` class indices (one-hot or soft labels: their argmax)."""
+    classes = torch.as_tensor(labels)
+    classes = classes.argmax(-1) if classes.is_floating_point() and classes.ndim > 1 else classes
+    classes = classes.detach().cpu().long().reshape(-1)
+    if classes.numel() != count:
+        raise ValueError(f"labels: {classes.numel()} labels for {count} originals")
+    return classes
+
+
+def _guess_scores(
+    guesses: Tensor, originals: Tensor, rule: LeakRule, classes: Tensor | None, lpips_fn: nn.Module | None
+) -> dict[str, Tensor]:
+    """Every guess scored against every original by the reports' own scoring
+    (:func:`~lightning_gp.metrics.report.reconstruction_report` scores every output against every
+    original the same way): metric -> ``[B, G]``; a metric the reports cannot compute here is absent."""
+    with torch.no_grad():
+        scores, _ = pair_scores(
+            guesses,
+            originals,
+            torch.zeros(guesses.shape[0], dtype=torch.bool),
+            lpips_fn if "lpips" in rule.thresholds else None,
+            rule.noise_ratio_line is not None,
+            None,
+            "semantic" in rule.thresholds,
+            classes,
+        )
+    return scores
+
+
+def prior_only_successes(
+    originals: Tensor,
+    reference: Tensor | None,
+    *,
+    labels: Sequence[int] | Tensor | None = None,
+    rule: LeakRule | None = None,
+    lpips_fn: nn.Module | None = None,
+    dataset_mean: Sequence[float] | None = None,
+    baselines: Sequence[BaselineScores] | None = None,
+) -> int:
+    """How many of the originals the best prior-only guess succeeds on, under ``rule``: the most any
+    fixed guess of :func:`prior_only_leaks` leaks, and, where the rule has the semantic test, at
+    least the count of the most common class (a typical image of that class would be named on every
+    original of it). The count behind :func:`prior_only_kappa`; arguments as there."""
+    rule = rule if rule is not None else LeakRule()
+    leaks = prior_only_leaks(
+        originals,
+        reference,
+        labels=labels,
+        rule=rule,
+        lpips_fn=lpips_fn,
+        dataset_mean=dataset_mean,
+        baselines=baselines,
+    )
+    best = int(leaks.sum(0).max())
+    if "semantic" in rule.thresholds and labels is not None:
+        best = max(best, int(torch.bincount(_class_labels(labels, originals.shape[0])).max()))
+    return best
 
 
 def prior_only_kappa(
@@ -166,39 +364,40 @@ def prior_only_kappa(
     *,
     labels: Sequence[int] | Tensor | None = None,
     rule: LeakRule | None = None,
+    lpips_fn: nn.Module | None = None,
+    dataset_mean: Sequence[float] | None = None,
+    baselines: Sequence[BaselineScores] | None = None,
     confidence: float = 0.95,
 ) -> float:
-    """The success rate of the best guess that sees only the prior, under the leak rule, taken from above.
+    """ReRo's kappa on ``originals`` (pixels in [0, 1]) under the audit's leak rule, taken from above.
 
-    Fixed guesses, each the same for every target: a blank (0 and 0.5) image, the mean of
-    ``reference`` (public images, pixels in [0, 1]) and each of its first :data:`KAPPA_GUESSES`
-    images (``None``: no public images, only the blank guesses: a smaller, less safe kappa). A guess succeeds on an original when it meets one of the rule's pixel lines (PSNR, SSIM,
-    MSE); when the rule has the semantic test and ``labels`` are given, a typical image of the most
-    common class is counted as succeeding on every original of that class. The best guess's count
-    over the ``n`` originals is raised to its Clopper-Pearson upper limit at ``confidence``.
+    In ReRo (Balle, Cherubin & Hayes 2022; Hayes, Mahloujifar & Balle, NeurIPS 2023) kappa is the
+    success probability of the best guess that sees only the prior, a fixed image tried on every
+    target, under the same success criterion as the attack's; the bound ``eta = 1 - f(kappa)`` grows
+    with it, so it is measured here from above:
+
+    - the guesses (:func:`prior_only_guesses`): all-zero and mid-grey images, the mean image of
+      ``reference`` (public images, pixels in [0, 1]) and its first :data:`KAPPA_GUESSES` images, a
+      constant image of ``dataset_mean`` where given (``reference=None``: only the constant guesses,
+      a smaller, less safe kappa);
+    - a guess succeeds on an original when the leak rule, :meth:`LeakRule.criteria` as the verdict
+      applies it, calls it a leak of that original (:func:`prior_only_leaks`): every line of
+      ``rule.thresholds`` (PSNR, SSIM, the semantic test for the original's ``labels``, LPIPS with
+      ``lpips_fn``, NMI, MSE) and the paired noise-ratio test against the floors of the trivial
+      guesses (``baselines``; by default those ``worst_case_report`` scores with the same
+      ``reference``/``dataset_mean``);
+    - with the semantic test, a typical image of the most common class counts as succeeding on
+      every original of that class;
+    - the best count over the ``B`` originals (:func:`prior_only_successes`) is raised to its
+      Clopper-Pearson upper limit at ``confidence``.
     """
-    rule = rule if rule is not None else LeakRule()
-    originals = originals.detach().float().cpu()
-    n = originals.shape[0]
-    guesses = [torch.zeros_like(originals[:1]), torch.full_like(originals[:1], 0.5)]
-    if reference is not None:
-        reference = reference.detach().float().cpu()
-        guesses += [reference.mean(0, keepdim=True), *reference[:KAPPA_GUESSES].split(1)]
-    best = 0
-    for guess in guesses:
-        met = torch.zeros(n, dtype=torch.bool)
-        shaped = guess.expand_as(originals)
-        for metric, line in rule.thresholds.items():
-            if metric == "psnr":
-                met |= psnr(shaped, originals) > line
-            elif metric == "ssim" and min(originals.shape[-2:]) >= 11:
-                met |= ssim(shaped, originals) > line
-            elif metric == "mse":
-                met |= (shaped - originals).pow(2).flatten(1).mean(1) < line
-        best = max(best, int(met.sum()))
-    if "semantic" in rule.thresholds and labels is not None:
-        classes = torch.as_tensor(labels)
-        classes = classes.argmax(-1) if classes.is_floating_point() and classes.ndim > 1 else classes
-        counts = torch.bincount(classes.flatten().long())
-        best = max(best, int(counts.max()))
-    return clopper_pearson(best, n, confidence)[1]
+    count = prior_only_successes(
+        originals,
+        reference,
+        labels=labels,
+        rule=rule,
+        lpips_fn=lpips_fn,
+        dataset_mean=dataset_mean,
+        baselines=baselines,
+    )
+    return clopper_pearson(count, int(originals.shape[0]), confidence)[1]

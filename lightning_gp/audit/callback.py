@@ -67,7 +67,7 @@ from lightning_gp.attacks import (
     label_estimates_differ,
 )
 from lightning_gp.attacks.view import checked_public_data
-from lightning_gp.audit.bounds import FormalBound, defense_mechanism, prior_only_kappa
+from lightning_gp.audit.bounds import FormalBound, defense_mechanism, lpips_for_rule, prior_only_kappa
 from lightning_gp.audit.engine import AttackResult, attack_record
 from lightning_gp.audit.figure import save_audit_figure
 from lightning_gp.audit.summary import Candidate, combined_verdict, summary_markdown
@@ -80,6 +80,7 @@ from lightning_gp.audit.verdict import (
     check_verdict_thresholds,
     worst_case_report,
 )
+from lightning_gp.callbacks import DPSGD
 from lightning_gp.callbacks.base import SharedGradientObserver
 from lightning_gp.callbacks.tap import StepBatches, tapped_record
 from lightning_gp.metrics import ReconstructionReport, reconstruction_report
@@ -592,21 +593,36 @@ class PrivacyAudit(SharedGradientObserver):
     def _formal_bound(
         self, model: nn.Module, reports: Sequence[ReconstructionReport], record: TappedGradient
     ) -> FormalBound:
-        """The run's ReRo bound so far (its one formal mechanism, e.g. DPSGD's steps until now) at the
-        kappa of the leak rule on this batch, the blank and dataset-mean guesses with the class shares
-        (:func:`~lightning_gp.audit.bounds.prior_only_kappa`); "no formal bound" otherwise."""
+        """The run's ReRo bound so far at the kappa of the leak rule on this batch
+        (:func:`~lightning_gp.audit.bounds.prior_only_kappa`: the blank, dataset-mean and class-share
+        guesses, judged as the verdict judges); "no formal bound" otherwise. Its one formal mechanism
+        composes every release up to the audited step ``s``: DPSGD's steps as its accountant counted
+        them, else the ``s + 1`` releases of steps ``0 .. s``, each charged in full (``q = 1``)."""
         if len(self._defenses) != 1:
             reason = "undefended" if not self._defenses else "a composition of defenses is not analysed"
             return FormalBound(None, reason)
+        defense = self._defenses[0]
         size = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        # DPSGD's accountant counts every step it took, the audited one among them: nothing to add
+        accounted = isinstance(defense, DPSGD) and bool(defense.privacy_history)
         try:
-            bound = FormalBound(defense_mechanism(self._defenses[0], size))
+            bound = FormalBound(defense_mechanism(defense, size, releases=1 if accounted else record.round + 1))
         except ValueError as err:
             return FormalBound(None, str(err).removeprefix("defense: "))
         originals = next((r.original_pixels for r in reports if r.original_pixels is not None), None)
-        if originals is None:
+        if originals is None or self._server is None:
             return bound
-        return bound.at(prior_only_kappa(originals, None, labels=record.targets, rule=self.rule))
+        mean = self._server[1]
+        kappa = prior_only_kappa(
+            originals,
+            None,
+            labels=record.targets,
+            rule=self.rule,
+            lpips_fn=lpips_for_rule(self.rule, self._lpips_fn),
+            # the worst case's "dataset mean" guess (audit): the normalisation mean, where it is a pixel mean
+            dataset_mean=mean if all(0.0 <= v <= 1.0 for v in mean) else None,
+        )
+        return bound.at(kappa)
 
     def _labels_granted(self, batch_size: int, num_classes: int, step: int) -> str | None:
         """Why the attackers are given the client's true labels although ``labels_known=False``, or None.

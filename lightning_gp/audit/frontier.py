@@ -34,12 +34,12 @@ from lightning_gp.audit.frontier_run import (
     Progress,
     ResultStore,
     carried_records,
+    current_records,
     decisive_first,
     execute,
     fingerprint,
     frontier_jobs,
     hours_minutes_seconds,
-    is_current,
     job_estimates,
 )
 from lightning_gp.validation import check_bool, check_choice, check_positive_int
@@ -154,7 +154,7 @@ def frontier(
     results = f"{name}_points.jsonl"
     store = ResultStore(None if directory is None else directory / results, fingerprint(config))
     stored = store.load()
-    records = {j.key: stored[j.key] for j in jobs if j.key in stored and is_current(j, stored[j.key], config, channels)}
+    records = current_records(jobs, stored, config, channels)
     todo = [job for job in jobs if job.key not in records]
     carried = carried_records(todo, stored)
     records.update(carried)  # reported until their reruns replace them

@@ -38,6 +38,7 @@ from lightning_gp.audit.frontier_grid import FrontierConfig, PointSpec, build_sp
 from lightning_gp.audit.learned import simulation_refusal
 from lightning_gp.audit.quiet import library_noise_silenced
 from lightning_gp.audit.setting_audit import (
+    LEARNED_NOT_RUN,
     THREAT_MODELS,
     AttackBudget,
     SettingAudit,
@@ -45,7 +46,7 @@ from lightning_gp.audit.setting_audit import (
     published_attacks,
 )
 from lightning_gp.audit.training import train_setting
-from lightning_gp.audit.verdict import LEAK_RULE_REVISION
+from lightning_gp.audit.verdict import LEAK_RULE_MONOTONE_SINCE, LEAK_RULE_REVISION
 from lightning_gp.audit.workers import worker_pool
 
 #: Raised when a training job's record changes meaning; stored trainings of an older revision run
@@ -138,7 +139,7 @@ def carried_records(jobs: Sequence[Job], stored: dict[str, dict[str, Any]]) -> d
     "leaks" stands and only the leak fraction and PSNR may change. Nothing else is carried: a record
     that read private or inconclusive could err in the defense's favour."""
     return {
-        job.key: stored[job.key]
+        job.key: without_stale_bound(stored[job.key])
         for job in jobs
         if job.kind == "audit" and job.key in stored and leaks_everywhere(stored[job.key])
     }
@@ -168,10 +169,12 @@ def coverage_order(n: int) -> list[int]:
     return order
 
 
-def run_fingerprint(shared: dict[str, Any]) -> str:
+def run_fingerprint(shared: dict[str, Any], leak_rule_revision: int = LEAK_RULE_REVISION) -> str:
     """A hash of ``shared`` (what a run's results depend on, JSON-able or ``repr``-able) and of the
-    leak rule's and the attacks' revisions: results stored under another fingerprint are stale."""
-    stamped = {**shared, "leak_rule_revision": LEAK_RULE_REVISION, "attack_revision": ATTACK_REVISION}
+    leak rule's and the attacks' revisions: results stored under another fingerprint are stale. A store
+    that checks each record's own ``leak_rule_revision`` (the frontier's: :func:`has_stale_leak_rule`)
+    passes :data:`~lightning_gp.audit.verdict.LEAK_RULE_MONOTONE_SINCE`."""
+    stamped = {**shared, "leak_rule_revision": leak_rule_revision, "attack_revision": ATTACK_REVISION}
     return hashlib.sha256(json.dumps(stamped, sort_keys=True, default=repr).encode()).hexdigest()[:16]
 
 
@@ -202,7 +205,10 @@ def fingerprint(config: FrontierConfig) -> str:
             "budget": budget,
             "lpips": config.lpips,
             "seed": config.seed,
-        }
+        },
+        # each audit record says its own revision (has_stale_leak_rule): a newer rule reruns only the
+        # audits whose verdict it can change, not the whole frontier
+        leak_rule_revision=LEAK_RULE_MONOTONE_SINCE,
     )
 
 
@@ -417,6 +423,7 @@ def audit_record(audit: SettingAudit) -> dict[str, Any]:
         "rero_kappa": None if bound is None else bound.kappa,
         "seconds": sum(c.seconds for c in audit.cells),
         "label_recovery_revision": LABEL_RECOVERY_REVISION,
+        "leak_rule_revision": LEAK_RULE_REVISION,
     }
 
 
@@ -527,11 +534,22 @@ def is_current(job: Job, record: dict[str, Any], config: FrontierConfig, channel
         return False
     if record.get("kind") == "train":
         return record.get("revision", 1) >= TRAINING_REVISION
-    if has_stale_labels(job.key, record):
+    if has_stale_labels(job.key, record) or has_stale_leak_rule(record):
         return False
     return not misses_learned_inverter(
         job.key, record, config.budget, lambda: simulation_refusal(job.point.setting(config, channels))
     )
+
+
+def has_stale_leak_rule(record: dict[str, Any]) -> bool:
+    """Whether the audit ``record`` was judged by an older leak rule
+    (:data:`~lightning_gp.audit.verdict.LEAK_RULE_REVISION`; records before revision 4 say none) and the
+    newer one could change its verdict: it did not leak to every server. Revisions after
+    :data:`~lightning_gp.audit.verdict.LEAK_RULE_MONOTONE_SINCE` only add leaks and gaps, so a record that
+    leaked everywhere keeps its verdict (its bound is dropped: :func:`as_reported`)."""
+    if record.get("leak_rule_revision", LEAK_RULE_MONOTONE_SINCE) >= LEAK_RULE_REVISION:
+        return False
+    return not leaks_everywhere(record)
 
 
 def has_stale_labels(key: str, record: dict[str, Any]) -> bool:
@@ -560,6 +578,76 @@ def misses_learned_inverter(
     if record.get("threats", {}).get("passive", {}).get("leak_fraction") == 1.0:
         return False
     return refusal() is None
+
+
+def learned_inverter_gap(
+    key: str, record: dict[str, Any], budget: AttackBudget, refusal: Callable[[], str | None]
+) -> str | None:
+    """The gap (:data:`~lightning_gp.audit.setting_audit.LEARNED_NOT_RUN`) the audit ``record`` of job
+    ``key`` must name: ``budget`` asks for the learned inverter, the record has no cell of it, and
+    no rerun gives it one: the clients are below ``learned_min_batch``, or the server cannot replay the
+    setting (``refusal()``). ``None`` where the inverter ran, was not asked for, or a rerun runs it
+    (:func:`misses_learned_inverter`). Today's audits name this gap themselves; records stored before
+    they did read "private" without it."""
+    if record.get("kind") != "audit" or not budget.learned_inversion:
+        return None
+    if any(cell["attack"].endswith("LearnedInversion") for cell in record.get("cells", [])):
+        return None
+    _, _, batch_size, _ = key_parts(key)
+    if batch_size < budget.learned_min_batch:
+        return LEARNED_NOT_RUN.format(
+            f"a client holds {batch_size} image(s), below learned_min_batch={budget.learned_min_batch}"
+        )
+    why = refusal()
+    return None if why is None else LEARNED_NOT_RUN.format(why)
+
+
+def with_gap(record: dict[str, Any], gap: str) -> dict[str, Any]:
+    """``record`` (an audit's) with ``gap`` named by every threat model that does not leak: a
+    "private" verdict becomes "inconclusive" (a gap never reads as privacy). A verdict that names
+    a gap of this kind already is kept as it is."""
+    prefix = gap.split(":", 1)[0]
+    threats = {}
+    for threat, scores in record.get("threats", {}).items():
+        reasons = list(scores.get("reasons", []))
+        if scores.get("verdict") != "leaks" and not any(r.startswith(prefix) for r in reasons):
+            scores = {**scores, "verdict": "inconclusive", "reasons": [*reasons, gap]}
+        threats[threat] = scores
+    return {**record, "threats": threats}
+
+
+def current_records(
+    jobs: Sequence[Job], stored: dict[str, dict[str, Any]], config: FrontierConfig, channels: int
+) -> dict[str, dict[str, Any]]:
+    """The ``stored`` records of ``jobs`` this version does not run again (:func:`is_current`), each as
+    the report shows it (:func:`as_reported`)."""
+    return {
+        job.key: as_reported(job, stored[job.key], config, channels)
+        for job in jobs
+        if job.key in stored and is_current(job, stored[job.key], config, channels)
+    }
+
+
+def as_reported(job: Job, record: dict[str, Any], config: FrontierConfig, channels: int) -> dict[str, Any]:
+    """The stored ``record`` of ``job`` (current: :func:`is_current`) as the report shows it: with the
+    gap of a learned inverter ``config`` asks for and the record lacks (:func:`learned_inverter_gap`),
+    and without the ReRo bound of a record judged under an older leak rule."""
+    gap = learned_inverter_gap(
+        job.key, record, config.budget, lambda: simulation_refusal(job.point.setting(config, channels))
+    )
+    return without_stale_bound(record if gap is None else with_gap(record, gap))
+
+
+def without_stale_bound(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` without its ReRo bound where an older leak rule judged it: its verdict may stand
+    (:func:`has_stale_leak_rule`), but its bound predates kappa under the full rule and the composition
+    of the earlier rounds, and could be too small; it is not shown until a rerun."""
+    if (
+        record.get("kind") != "audit"
+        or record.get("leak_rule_revision", LEAK_RULE_MONOTONE_SINCE) >= LEAK_RULE_REVISION
+    ):
+        return record
+    return {**record, "rero_eta": None, "rero_kappa": None}
 
 
 def _silent(line: str) -> None:

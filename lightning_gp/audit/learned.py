@@ -55,7 +55,7 @@ from lightning_gp.federated.client_updates import client_gradients
 from lightning_gp.functional import trainable_parameters, updates_running_stats
 from lightning_gp.pipeline import ClientSetup, ClientStepRunner, DefenseStage, SharedGradientPipeline, StageCall
 from lightning_gp.seeding import seeded_generator
-from lightning_gp.validation import check_positive_int
+from lightning_gp.validation import check_int, check_positive_int
 
 
 class _ServerSimulatedClients(ClientStepRunner):
@@ -160,12 +160,15 @@ def setting_simulator(
 ) -> DefenseSimulator:
     """``simulate(model, images [N, B, ...], labels [N, B], seed)``: what ``N`` fresh clients of
     ``setting`` holding those batches share in round ``round`` (groups of ``num_clients`` clients
-    per simulated round). Raises ``ValueError`` when the server cannot replay the setting
-    (:func:`simulation_refusal`)."""
+    per simulated round; every stage is told ``round``). Fresh: no state carried from earlier
+    rounds (an error-feedback residual, Outpost's step counter start empty; the server holds no
+    client's). DP-SGD's replay keeps nothing across rounds, so its round changes nothing. Raises
+    ``ValueError`` when the server cannot replay the setting (:func:`simulation_refusal`)."""
     refusal = simulation_refusal(setting)
     if refusal is not None:
         raise ValueError(f"setting: {refusal}")
     check_positive_int(num_clients, "num_clients")
+    check_int(round, "round", low=0)
     loss = nn.CrossEntropyLoss() if loss_fn is None else loss_fn
     if setting.runner == "trainer":
         return _dp_sgd_simulator(setting, num_clients, loss)
@@ -209,23 +212,41 @@ def learned_inversion_attacks(
     refined_decoys: int = REFINED_DECOYS,
     cache: InverterCache | None = None,
     seed: int = 0,
+    round: int = 0,
 ) -> list[GradientAttack]:
     """The learned inverter of ``setting`` and its refined variant, trained on the public split
     (:func:`~lightning_gp.audit.rounds.public_examples`: the test split, at most ``public_size``
     images), never on a training image. The refinement matches with the first Inverting-Gradients
     attack of ``adaptive`` (the setting's defense-aware one), else the published one;
     ``refined_decoys`` sets the refined variant's prior-only control (:class:`RefinedLearnedInversion`).
-    ``[]`` when the server cannot replay the setting (:func:`simulation_refusal`)."""
+    ``[]`` when the server cannot replay the setting (:func:`simulation_refusal`).
+
+    ``round``: the round attacked. The server simulates that round (:func:`setting_simulator` with
+    ``round``: the round index every stage is told, e.g. what seeds a data-dependent defense's
+    statistic or which client provides ADGP's mask) at the weights of the attacked view (the
+    inverter's cache key holds them, :meth:`~lightning_gp.attacks.learned.LearnedInversion.key`, and
+    the round and ``num_clients`` are part of its defense key, so an inverter of round 0 is never
+    reused for another round). Its clients are fresh, as the server can simulate them: a defense that
+    carries per-client state from round to round (error feedback of Top-k and DGP, Outpost's step
+    counter; :func:`~lightning_gp.audit.rounds.active_replay_blocker` lists them) starts from an empty
+    state in the simulation, while the attacked client at a trained round carries ``round`` rounds of
+    it. The inverter then learns the defense as a fresh client applies it, which is not what that
+    client shares: an attack that still runs (its leaks are real leaks), but weaker there than one
+    trained on the client's own state, which the server does not hold."""
     if simulation_refusal(setting) is not None:
         return []
     check_positive_int(public_size, "public_size")
+    check_int(round, "round", low=0)
     for callback in setting.callbacks:  # a defense built on public data (GradDefense's root set) takes it here
         resolve = getattr(callback, "resolve_root_set", None)
         if callable(resolve):
             resolve(datamodule)
     images, labels = public_examples(datamodule, public_size)
-    simulate = setting_simulator(setting, num_clients=num_clients)
-    key = f"{setting.name}|{[repr(cb) for cb in setting.callbacks]}|architecture={setting.architecture is not None}"
+    simulate = setting_simulator(setting, num_clients=num_clients, round=round)
+    key = (
+        f"{setting.name}|{[repr(cb) for cb in setting.callbacks]}|architecture={setting.architecture is not None}"
+        f"|round={round}|num_clients={num_clients}"
+    )
     matching = next((a for a in adaptive or [] if isinstance(a, InvertingGradients)), None)
     common: dict[str, Any] = {"defense_key": key, "config": config, "cache": cache, "seed": seed}
     return [

@@ -24,8 +24,9 @@ BatchNorm prior without BatchNorm), with the reason; ``fallback`` when an adapti
 published one because it does not model the defense; ``error`` for any other exception, printed
 whole. Fallback cells are real attacks: they enter the worst case. A clients' images that an
 attack failed on score "not reconstructed" and the others keep their scores. A verdict is never
-"private" with an error cell, a fallback or an adaptive attack that could not apply: it is
-"inconclusive", with the reasons.
+"private" with an error cell, a fallback, an adaptive attack that could not apply or an attack the
+budget asked for that did not run (the learned inverter on a setting the server cannot replay, or
+below ``AttackBudget.learned_min_batch``): it is "inconclusive", with the reasons.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from lightning_gp.attacks import (
     label_estimates_differ,
 )
 from lightning_gp.attacks.learned import REFINED_DECOYS
-from lightning_gp.audit.bounds import FormalBound, prior_only_kappa, setting_bound
+from lightning_gp.audit.bounds import FormalBound, lpips_for_rule, prior_only_kappa, setting_bound
 from lightning_gp.audit.catalog import DefenseSetting
 from lightning_gp.audit.engine import AttackResult, attack_record, attacker_loss
 from lightning_gp.audit.learned import REFINE_ITERATIONS, learned_inversion_attacks, simulation_refusal
@@ -77,6 +78,9 @@ ThreatModel = Literal["passive", "active"]
 #: Appended to an attack's name where it ran again with the batch's labels counted from dummy inputs.
 DUMMY_LABELS_SUFFIX = " (dummy-input labels)"
 THREAT_MODELS: tuple[ThreatModel, ...] = ("passive", "active")
+#: The gap both threat models name where ``AttackBudget(learned_inversion=True)`` asked for the learned
+#: inverter and it did not run (``{}``: why).
+LEARNED_NOT_RUN = "the learned inverter was asked for (learned_inversion=True) but not run: {}"
 
 
 @dataclass(frozen=True)
@@ -95,12 +99,16 @@ class AttackBudget:
         learned_inversion: also run the learned inverter and its refined variant
             (:func:`~lightning_gp.audit.learned.learned_inversion_attacks`) on every setting the
             server can replay, the undefended one included; off by default (it trains a network
-            per setting, minutes on a CPU).
+            per setting, minutes on a CPU). Where it was asked for and does not run (the server
+            cannot replay the setting, :func:`~lightning_gp.audit.learned.simulation_refusal`; a
+            client below ``learned_min_batch``; ``audit_setting(adaptive=False)``), both verdicts
+            name that gap (:data:`LEARNED_NOT_RUN`) and are never "private".
         learned_max_epochs: cap on the learned inverter's epochs (it stops earlier on convergence).
         learned_min_batch: with ``learned_inversion``, run the learned inverter only on clients of at
             least this many images. Raising it above 1 saves minutes per setting (at batch 1 the
-            inverter trains on nine times the pairs of batch 8) but can err in the defense's
-            favour: gradient matching beat the inverter at batch 1 on the catalogue
+            inverter trains on nine times the pairs of batch 8), and a setting audited on smaller
+            clients then reads "inconclusive" at best (the inverter not run is a gap): gradient
+            matching beat the inverter at batch 1 on the catalogue
             (``benchmarks/results/learned_inversion.md``), yet after 50 rounds the inverter alone
             leaked 7 of 16 batch-1 images of the Gaussian mechanism at z = 0.03 (README, "Less
             noise, fewer clients"). At batch 8 it is the strongest passive attack on Top-k and DGP
@@ -227,11 +235,12 @@ class SettingAudit:
         active: over every attack, the malicious server's modified models included. Either is
             ``None`` when no attack of it produced a report.
         bound: the setting's formal ReRo bound ``eta`` at the kappa of the leak rule on the audited
-            images (:mod:`~lightning_gp.audit.bounds`), or "no formal bound" with the reason.
+            images (:mod:`~lightning_gp.audit.bounds`), composed over the audited client's releases in
+            rounds ``0 .. round``, or "no formal bound" with the reason.
         aggregate: the worst case of the secure-aggregation view (``audit_setting(aggregate=True)``),
             over ``aggregate_cells``; ``None`` when not audited. ``aggregate_bound``: its ReRo bound
-            (DP-FedAvg's round with ``client_dp``; else the setting's own, which holds for the aggregate
-            by post-processing).
+            (DP-FedAvg's rounds ``0 .. round`` with ``client_dp``; else the setting's own, which holds for
+            the aggregate by post-processing).
         skipped: the attacks not run because every image had leaked to an earlier passive attack
             (``AttackBudget(stop_when_all_leak=True)``); the worst-case PSNR is then a lower bound.
             ``partial``: attack -> how many clients it skipped (their images had leaked).
@@ -337,7 +346,7 @@ def _run_attack(
         r if isinstance(r, AttackResult) else _failed_result(r, model, attack_name, datamodule, lpips_fn)
         for r in outcomes
     ]
-    results, control_errors = with_prior_only_control(attacks, results)
+    results, control_errors = with_prior_only_control(attacks, results, rule=rule, reference=reference)
     errors += control_errors
     fallbacks = sorted(
         {
@@ -514,7 +523,8 @@ def audit_setting(
     ``aggregate=True`` adds the secure-aggregation view (module docstring): the published passive
     attacks on the round's mean of the clients' defended updates, every image of every client scored;
     with ``client_dp`` that mean is DP-FedAvg's (each update clipped, the sum noised, divided by the
-    number of clients) and its bound is DP-FedAvg's round.
+    number of clients) and its bound is DP-FedAvg's over rounds ``0 .. round`` (that of a deployment
+    running DP-FedAvg in every round: the simulation's earlier rounds train without it).
 
 
     ``round = r > 0`` attacks round ``r`` after ``r`` rounds of training under the setting, with
@@ -523,7 +533,10 @@ def audit_setting(
     server turning malicious then: it sends its modified model built on the round's weights (round 0
     of a simulation from those weights), where no client defense carries state across rounds
     (:func:`~lightning_gp.audit.rounds.active_replay_blocker`); otherwise it is not run and the
-    active verdict names that gap and is never "private"."""
+    active verdict names that gap and is never "private". The learned inverter
+    (``budget.learned_inversion``) is trained on the server's simulation of round ``r`` at the
+    round's weights (:func:`~lightning_gp.audit.learned.learned_inversion_attacks`); where it does not
+    run, both verdicts name that gap (:data:`LEARNED_NOT_RUN`)."""
     rule = rule if rule is not None else LeakRule()
     campaign = _open_campaign(setting, model, datamodule, indices, num_clients, seed, round, lpips_fn, rule, log)
     campaign.stop_when_all_leak = budget.stop_when_all_leak
@@ -539,8 +552,8 @@ def audit_setting(
         per_client = _run_adaptive(campaign, budget)
     elif not adaptive and not setting.undefended:
         campaign.gaps.append("the adaptive attacks were not run (adaptive=False)")
-    if adaptive and budget.learned_inversion and min(map(len, indices)) >= budget.learned_min_batch:
-        _run_learned(campaign, budget, per_client[0] if per_client else [])
+    if budget.learned_inversion:
+        _run_learned(campaign, budget, per_client[0] if per_client else [], adaptive=adaptive)
     return _judged_audit(campaign, published, aggregate or client_dp is not None, client_dp)
 
 
@@ -591,7 +604,9 @@ def _judged_audit(
         threat: _judge(threat, cells, results, rule, campaign.threat_gaps(threat), reference)
         for threat in THREAT_MODELS
     }
-    bound = _formal_bound(setting, campaign.model, records, results, reference, rule)
+    bound = _formal_bound(
+        setting, campaign.model, results, reference, rule, round=campaign.round, lpips_fn=campaign.lpips_fn
+    )
     audit = SettingAudit(
         setting.name,
         cells,
@@ -617,6 +632,7 @@ def _judged_audit(
             client_dp,
             campaign.seed,
             campaign.public,
+            round=campaign.round,
         )
     return audit
 
@@ -794,11 +810,34 @@ def _run_adaptive(campaign: _Campaign, budget: AttackBudget) -> list[list[Gradie
     return per_client
 
 
-def _run_learned(campaign: _Campaign, budget: AttackBudget, adaptive: list[GradientAttack]) -> None:
-    """Run the learned inverter and its refined variant (one object for every client) and log what
-    training each cost."""
+def _run_learned(
+    campaign: _Campaign, budget: AttackBudget, adaptive_attacks: list[GradientAttack], *, adaptive: bool
+) -> None:
+    """Run the learned inverter and its refined variant (one object for every client), trained on the
+    audited round's behaviour, and log what training each cost; where they cannot run, name the gap
+    (:data:`LEARNED_NOT_RUN`) that keeps both verdicts from "private"."""
     setting = campaign.setting
-    for attack in _learned_attacks(setting, campaign.datamodule, budget, adaptive, campaign.seed, campaign.log):
+    why = _learned_not_run(campaign, budget, adaptive)
+    attacks = (
+        []
+        if why is not None
+        else _learned_attacks(
+            setting,
+            campaign.datamodule,
+            budget,
+            adaptive_attacks,
+            campaign.seed,
+            campaign.log,
+            round=campaign.round,
+            num_clients=max(campaign.num_clients, len(campaign.indices)),
+        )
+    )
+    if not attacks:
+        why = why or "no learned attack was built"
+        campaign.log(f"   LearnedInversion not run on {setting.name}: {why}")
+        campaign.gaps.append(LEARNED_NOT_RUN.format(why))
+        return
+    for attack in attacks:
         campaign.run(f"adaptive:{type(attack).__name__}", "adaptive", [attack] * len(campaign.indices))
     for name in ("adaptive:LearnedInversion", "adaptive:RefinedLearnedInversion"):
         if name in campaign.results:
@@ -820,8 +859,12 @@ def _audit_aggregate(
     client_dp: ClientLevelDP | None,
     seed: int,
     public_data: tuple[Tensor, Tensor],
+    *,
+    round: int = 0,
 ) -> None:
-    """Fill ``audit``'s aggregate view: the passive published attacks on the round's combined update."""
+    """Fill ``audit``'s aggregate view: the passive published attacks on the round's combined update.
+    Its bound (DP-FedAvg's with ``client_dp``, else the setting's) composes rounds ``0 .. round``: every
+    client of the audit's simulation takes part in every round (``q = 1``)."""
     combine = None
     if client_dp is not None:
         round_idx, count = records[0].round, len(records)
@@ -866,33 +909,46 @@ def _audit_aggregate(
         if reports
         else None
     )
-    bound = FormalBound(client_dp.mechanism(1, 1.0)) if client_dp is not None else setting_bound(setting, model)
+    bound = (
+        FormalBound(client_dp.mechanism(round + 1, 1.0))
+        if client_dp is not None
+        else setting_bound(setting, model, round=round)
+    )
     scored = next(iter(results.values()), None)
     originals = None if not scored else concatenate_reports([r.report for r in scored]).original_pixels
     if bound.mechanism is not None and originals is not None:
         labels = combined.targets
-        bound = bound.at(prior_only_kappa(originals, reference, labels=labels, rule=rule))
+        kappa = prior_only_kappa(
+            originals, reference, labels=labels, rule=rule, lpips_fn=lpips_for_rule(rule, lpips_fn)
+        )
+        bound = bound.at(kappa)
     audit.aggregate_bound = bound
 
 
 def _formal_bound(
     setting: DefenseSetting,
     model: nn.Module,
-    records: Sequence[TappedGradient],
     results: dict[str, list[AttackResult]],
     reference: Tensor,
     rule: LeakRule,
+    *,
+    round: int = 0,
+    lpips_fn: nn.Module | None = None,
 ) -> FormalBound:
-    """The setting's ReRo bound at the kappa of ``rule`` on the audited images (none without a mechanism)."""
-    bound = setting_bound(setting, model)
+    """The setting's ReRo bound over rounds ``0 .. round`` at the kappa of ``rule`` on the audited
+    images (none without a mechanism)."""
+    bound = setting_bound(setting, model, round=round)
     scored = next(iter(results.values()), None)
     if bound.mechanism is None or not scored:
         return bound
     originals = concatenate_reports([r.report for r in scored]).original_pixels
     if originals is None:
         return bound
-    labels = torch.cat([r.targets.reshape(-1) for r in records if r.targets is not None])
-    return bound.at(prior_only_kappa(originals, reference, labels=labels, rule=rule))
+    # the labels of the images scored (an attack spared on clients whose images had leaked scored fewer)
+    labels = torch.cat([r.record.targets.reshape(-1) for r in scored if r.record.targets is not None])
+    return bound.at(
+        prior_only_kappa(originals, reference, labels=labels, rule=rule, lpips_fn=lpips_for_rule(rule, lpips_fn))
+    )
 
 
 def _learned_attacks(
@@ -902,9 +958,14 @@ def _learned_attacks(
     adaptive: list[GradientAttack],
     seed: int,
     log: Callable[[str], None],
+    *,
+    round: int = 0,
+    num_clients: int = 10,
 ) -> list[GradientAttack]:
     """The learned inverter and its refined variant of ``setting`` (one object each for every
-    client: the inverter is trained once, with the audit's seed), or none with the reason logged."""
+    client: the inverter is trained once, with the audit's seed), trained on the clients' behaviour
+    at round ``round`` in rounds of ``num_clients`` clients; none, with the reason logged, where
+    the server cannot replay the setting."""
     refusal = simulation_refusal(setting)
     if refusal is not None:
         log(f"   LearnedInversion not run on {setting.name}: {refusal}")
@@ -916,11 +977,26 @@ def _learned_attacks(
         setting,
         datamodule,
         adaptive=adaptive,
+        num_clients=num_clients,
         config=config,
         refine_iterations=refine,
         refined_decoys=budget.refined_decoys,
         seed=seed,
+        round=round,
     )
+
+
+def _learned_not_run(campaign: _Campaign, budget: AttackBudget, adaptive: bool) -> str | None:
+    """Why the learned inverter the budget asks for cannot run in ``campaign`` (``None``: it can)."""
+    if not adaptive:
+        return "adaptive=False (the learned inverter is an adaptive attack)"
+    smallest = min(map(len, campaign.indices))
+    if smallest < budget.learned_min_batch:
+        return (
+            f"a client holds {smallest} image(s), below learned_min_batch={budget.learned_min_batch} "
+            "(lower it to run the inverter on these clients)"
+        )
+    return simulation_refusal(campaign.setting)
 
 
 def _training_summary(cost: dict[str, Any]) -> str:

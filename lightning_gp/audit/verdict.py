@@ -87,6 +87,10 @@ NOISE_RATIO_LINE = 0.4
 #: output of an attack meets the rule on it (not only the matched one), the prior-only control is per image
 #: (the best uninformed score on that original), and a rule metric that was not computed is a gap.
 LEAK_RULE_REVISION = 4
+#: The newest revision that could turn a stored "leaks" into another verdict. Later revisions only add
+#: leaks, gaps and composed rounds to the bound: a result stored under one of them that leaked to every
+#: server keeps its verdict (the frontier reruns the others and drops the stale bound of the kept ones).
+LEAK_RULE_MONOTONE_SINCE = 3
 
 Verdict = Literal["private", "leaks", "inconclusive"]
 

@@ -32,6 +32,7 @@ from lightning_gp.audit import (
     prior_only_kappa,
     setting_bound,
     tap_fedsgd_round,
+    trivial_baselines,
     worst_case_report,
 )
 from lightning_gp.audit.catalog import DefenseSetting
@@ -267,12 +268,23 @@ def formal_bound(config: Any, results: list[AttackResult]) -> FormalBound:
     Tap files name their defenses but do not carry the objects: no bound is derived from them."""
     if config.tap_files:
         return FormalBound(None, "tap files name their defenses, not the mechanism objects a bound needs")
-    bound = setting_bound(DefenseSetting("configured", list(config.defenses)), config.model)
+    # every client of tap_fedsgd_round takes part in every round: rounds 0 .. round are composed
+    bound = setting_bound(DefenseSetting("configured", list(config.defenses)), config.model, round=config.round)
     if bound.mechanism is None:
         return bound
     originals = torch.cat([r.pixels()[0] for r in results])
     labels = torch.cat([r.record.targets.reshape(-1) for r in results if r.record.targets is not None])
-    return bound.at(prior_only_kappa(originals, reference_pixels(config.data), labels=labels, rule=LeakRule()))
+    pixel_mean = _pixel_mean(results)
+    kappa = prior_only_kappa(
+        originals,
+        reference_pixels(config.data),
+        labels=labels,
+        rule=LeakRule(),
+        dataset_mean=pixel_mean,
+        # the trivial guesses write_outputs' verdict is judged against
+        baselines=trivial_baselines(originals, dataset_mean=pixel_mean),
+    )
+    return bound.at(kappa)
 
 
 def _bound_json(bound: FormalBound | None) -> dict[str, Any]:

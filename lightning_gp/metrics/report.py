@@ -319,7 +319,7 @@ def reconstruction_report(
         perm = match_reconstructions(rec_px, orig_px, match_metric, lpips_fn if lpips else None, unusable=failed).cpu()
         matched = rec_px[perm]
         not_reconstructed = failed[perm]
-        pairs, unavailable = _pair_scores(
+        pairs, unavailable = pair_scores(
             rec_px, orig_px, failed, lpips_fn if lpips else None, noise_ratio, evaluator, semantic, true_labels
         )
         scores = {name: values[torch.arange(batch), perm] for name, values in pairs.items()}
@@ -379,7 +379,7 @@ def _pixels_and_failures(
     return orig_px, rec_px, failed
 
 
-def _pair_scores(
+def pair_scores(
     rec_px: Tensor,
     orig_px: Tensor,
     failed: Tensor,
@@ -389,10 +389,15 @@ def _pair_scores(
     semantic: bool,
     true_labels: Tensor | None,
 ) -> tuple[dict[str, Tensor], dict[str, str]]:
-    """Every reconstruction scored against every original, metric -> ``[B_orig, B_rec]`` float64 (NaN in
-    the columns of ``failed`` reconstructions); LPIPS with ``lpips_fn``, the noise ratio (the
-    reconstruction's own score, the same in every row) and the semantic test when asked; and why an
-    asked-for score is not available."""
+    """Every reconstruction scored against every original: the scoring of :func:`reconstruction_report`
+    (and of anything that must judge as the audit judges, e.g. the fixed guesses of ReRo's kappa).
+
+    ``rec_px`` ``[B_rec, C, H, W]`` and ``orig_px`` ``[B_orig, C, H, W]`` are pixels in [0, 1];
+    ``failed`` ``[B_rec]`` marks reconstructions that are not finite. Returns metric -> ``[B_orig,
+    B_rec]`` float64 (NaN in the columns of ``failed``): MSE, PSNR, SSIM, NMI, LPIPS with
+    ``lpips_fn``, the noise ratio (the reconstruction's own score, the same in every row) with
+    ``noise_ratio``, the semantic test for each original's label in ``true_labels`` with
+    ``semantic``; and why an asked-for score is not available."""
     pairs: dict[str, Tensor] = {m: pairwise_scores(rec_px, orig_px, m) for m in ("mse", "psnr", "ssim")}
     pairs["nmi"] = _pairwise_nmi(rec_px, orig_px)
     if lpips_fn is not None:
