@@ -54,7 +54,7 @@ from torch import Tensor
 from lightning_gp.attacks import Reconstruction, ServerView
 from lightning_gp.audit.engine import AttackResult
 from lightning_gp.audit.verdict import LeakRule, candidate_values, guess_floors, trivial_baselines
-from lightning_gp.metrics import ReconstructionReport, reconstruction_report
+from lightning_gp.metrics import ReconstructionReport, reconstruction_reports
 from lightning_gp.metrics.report import HIGHER_IS_PRIVATE
 
 #: Public batches each attacked batch's control is scored over: one (image, metric) test passes by
@@ -109,17 +109,14 @@ def prior_only_control(
             f"with K >= 1, got {tuple(guesses.shape)}"
         )
     rule = rule if rule is not None else LeakRule()
-    scored = [
-        reconstruction_report(
-            Reconstruction(images=guess.to(originals.device), labels=None),
-            originals,
-            view,
-            true_labels=true_labels,
-            lpips=False,
-            noise_ratio=rule.noise_ratio_line is not None,
-        )
-        for guess in guesses
-    ]
+    scored = reconstruction_reports(
+        [Reconstruction(images=guess.to(originals.device), labels=None) for guess in guesses],
+        originals,
+        view,
+        true_labels=true_labels,
+        lpips=False,
+        noise_ratio=rule.noise_ratio_line is not None,
+    )
     metrics = [m for m in CONTROLLED_METRICS if m not in report.unavailable]
     # per metric, sign-flipped (higher leaks more), [K, B]: each guess batch's matched score and its best
     # score over its outputs on each original

@@ -48,6 +48,7 @@ from lightning_gp.metrics.report import (
     concatenate_reports,
     privacy_flags,
     reconstruction_report,
+    reconstruction_reports,
 )
 
 __all__ = [
@@ -78,6 +79,7 @@ __all__ = [
     "privacy_flags",
     "psnr",
     "reconstruction_report",
+    "reconstruction_reports",
     "save_comparison_grid",
     "save_flagged_grid",
     "save_reconstruction_grid",

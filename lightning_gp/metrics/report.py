@@ -302,30 +302,99 @@ def reconstruction_report(
             original's class than trivial guesses do); "n/a" with the reason without ``true_labels``
             or for images the classifier was not built for.
     """
-    _check_report_inputs(reconstruction, originals, match_metric, lpips)
+    return reconstruction_reports(
+        [reconstruction],
+        originals,
+        view_or_mean_std,
+        true_labels=true_labels,
+        lpips=lpips,
+        thresholds=thresholds,
+        match_metric=match_metric,
+        lpips_fn=lpips_fn,
+        noise_ratio=noise_ratio,
+        evaluator=evaluator,
+        semantic=semantic,
+    )[0]
+
+
+def reconstruction_reports(
+    reconstructions: Sequence[Reconstruction],
+    originals: Tensor,
+    view_or_mean_std: ServerView | tuple[Sequence[float], Sequence[float]],
+    true_labels: Tensor | None = None,
+    lpips: bool = True,
+    thresholds: Mapping[str, float] = PRIVACY_THRESHOLDS,
+    match_metric: str = "mse",
+    lpips_fn: torch.nn.Module | None = None,
+    noise_ratio: bool = True,
+    evaluator: torch.nn.Module | None = None,
+    semantic: bool = True,
+) -> list[ReconstructionReport]:
+    """:func:`reconstruction_report` of each of several reconstructions of the same ``originals`` (e.g.
+    an attack's outputs on many public batches, the prior-only control), scored in one pass over all
+    their outputs; each report is the one :func:`reconstruction_report` gives (arguments as there)."""
+    if isinstance(reconstructions, Reconstruction) or not reconstructions:
+        raise ValueError("reconstructions must be a non-empty sequence of Reconstruction")
+    for reconstruction in reconstructions:
+        _check_report_inputs(reconstruction, originals, match_metric, lpips)
     thresholds = _check_thresholds(thresholds)
     batch = originals.shape[0]
     if true_labels is not None and tuple(true_labels.shape) != (batch,):
         raise ValueError(f"true_labels must have shape ({batch},), got {tuple(true_labels.shape)}")
-
-    images = reconstruction.images
     denormalize = _denormalizer(view_or_mean_std, originals.shape[1])
     with torch.no_grad():
-        orig_px, rec_px, failed = _pixels_and_failures(images, originals, denormalize)
+        parts = [_pixels_and_failures(r.images, originals, denormalize) for r in reconstructions]
+        orig_px = parts[0][0]
         if lpips and lpips_fn is None:
             from lightning_gp.metrics.lpips import LPIPS
 
             lpips_fn = LPIPS()
-        perm = match_reconstructions(rec_px, orig_px, match_metric, lpips_fn if lpips else None, unusable=failed).cpu()
-        matched = rec_px[perm]
-        not_reconstructed = failed[perm]
-        pairs, unavailable = pair_scores(
-            rec_px, orig_px, failed, lpips_fn if lpips else None, noise_ratio, evaluator, semantic, true_labels
+        every_pair, unavailable = pair_scores(
+            torch.cat([p[1] for p in parts]),
+            orig_px,
+            torch.cat([p[2] for p in parts]),
+            lpips_fn if lpips else None,
+            noise_ratio,
+            evaluator,
+            semantic,
+            true_labels,
         )
-        scores = {name: values[torch.arange(batch), perm] for name, values in pairs.items()}
+        reports, start = [], 0
+        for reconstruction, (_, rec_px, failed) in zip(reconstructions, parts):
+            pairs = {name: values[:, start : start + rec_px.shape[0]] for name, values in every_pair.items()}
+            start += rec_px.shape[0]
+            perm = match_reconstructions(
+                rec_px, orig_px, match_metric, lpips_fn if lpips else None, unusable=failed
+            ).cpu()
+            scored = _Scored(orig_px, rec_px, failed, perm, pairs, dict(unavailable))
+            reports.append(_assembled_report(reconstruction, scored, true_labels, thresholds, match_metric))
+    return reports
 
+
+@dataclass
+class _Scored:
+    """One reconstruction's pixels, failures, matching and scores of every output on every original."""
+
+    orig_px: Tensor
+    rec_px: Tensor
+    failed: Tensor
+    perm: Tensor
+    pairs: dict[str, Tensor]
+    unavailable: dict[str, str]
+
+
+def _assembled_report(
+    reconstruction: Reconstruction,
+    scored: _Scored,
+    true_labels: Tensor | None,
+    thresholds: dict[str, float],
+    match_metric: str,
+) -> ReconstructionReport:
+    """The report of ``reconstruction`` from its scores: the matched rows, their means and the candidates."""
+    batch, perm = scored.orig_px.shape[0], scored.perm
+    scores = {name: values[torch.arange(batch), perm] for name, values in scored.pairs.items()}
     true, predicted = _true_and_matched_labels(reconstruction, true_labels, perm)
-    rows = _image_rows(scores, perm, true, predicted, not_reconstructed, batch)
+    rows = _image_rows(scores, perm, true, predicted, scored.failed[perm], batch)
     means = {name: batch_mean([getattr(row, name) for row in rows]) for name in METRICS}
     label_accuracy, matched_accuracy = _label_accuracies(true, predicted)
     return ReconstructionReport(
@@ -338,10 +407,10 @@ def reconstruction_report(
         thresholds=thresholds,
         private=privacy_flags(means, thresholds),
         permutation=[int(v) for v in perm.tolist()],
-        original_pixels=orig_px,
-        reconstructed_pixels=matched,
-        unavailable=unavailable,
-        candidates=[{name: values[i].clone() for name, values in pairs.items()} for i in range(batch)],
+        original_pixels=scored.orig_px,
+        reconstructed_pixels=scored.rec_px[perm],
+        unavailable=scored.unavailable,
+        candidates=[{name: values[i].clone() for name, values in scored.pairs.items()} for i in range(batch)],
     )
 
 
