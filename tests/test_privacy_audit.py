@@ -396,3 +396,32 @@ def test_the_rero_bound_at_step_s_composes_the_releases_of_steps_0_to_s() -> Non
     three = defense_mechanism(defense.defense, size, releases=3)
     assert kappa < 1 and three.steps == 3 and eta == pytest.approx(three.eta(kappa))
     assert eta > defense_mechanism(defense.defense, size).eta(kappa)  # one release: the old, smaller bound
+
+
+def test_privacy_audit_without_the_noise_ratio_is_inconclusive_unless_its_rule_drops_the_paired_test() -> None:
+    """The noise ratio is part of the default leak rule (paired with "closer than every trivial guess"):
+    ``noise_ratio=False`` used to drop it from the rule silently. Under heavy noise no attack leaks, and
+    the verdict names the noise ratio as a gap; stated without the paired test, it does not."""
+    pixel_rule = {"psnr": 20.0, "ssim": 0.5}  # 12x12 images: no semantic test
+    verdicts = {}
+    for line in (0.4, None):
+        audit = PrivacyAudit(
+            rounds=[0],
+            attacks=tiny_attacks(),
+            adaptive=False,
+            lpips=False,
+            noise_ratio=False,
+            save_images=False,
+            leak_thresholds=pixel_rule,
+            noise_ratio_line=line,
+            thresholds={"psnr": 15.0},
+            **KNOWN,
+        )
+        fit_local([GaussianNoise(scale=100.0, seed=0), audit], steps=1)
+        (result,) = audit.results
+        verdicts[line] = (result.worst.verdict, result.worst.verdict_reasons)
+    # adaptive=False is a gap of its own in both; the noise ratio is one only where the rule has it
+    verdict, reasons = verdicts[0.4]
+    assert verdict == "inconclusive" and any("noise ratio" in r for r in reasons), reasons
+    verdict, reasons = verdicts[None]
+    assert verdict == "inconclusive" and reasons == ["the adaptive attacks were not run (adaptive=False)"], reasons

@@ -189,6 +189,9 @@ class PrivacyAudit(SharedGradientObserver):
             a warning at fit start (a guessed loss is a wrong attack: pass it when you train with another).
         lpips: score LPIPS (needs the pretrained weights, see :mod:`lightning_gp.metrics.lpips`).
         noise_ratio: score Refiner's noise ratio (n/a for channel counts without a shipped network).
+            It is part of the leak rule (its paired clean-image test): off or n/a, no verdict reads
+            "private" ("inconclusive", naming it) unless the rule is stated without it,
+            ``noise_ratio_line=None``.
         thresholds, leak_thresholds, noise_ratio_line, max_leak_fraction: the verdict's mean
             thresholds and leak rule (see :func:`~lightning_gp.audit.worst_case_report` and
             :class:`~lightning_gp.audit.LeakRule`).
