@@ -225,6 +225,17 @@ class PlantedLeak(GradientAttack):
         return min(range(len(distances)), key=distances.__getitem__)
 
 
+class PlantedLeakOnDummyLabels(PlantedLeak):
+    """The canary on the second label estimate: it leaks only when the server counts the batch's labels
+    from dummy inputs (no public images in its view), the run the audit adds where the estimates differ."""
+
+    def reconstruct(self, view: ServerView) -> Reconstruction:
+        if view.public_data is not None:  # nothing: flat images at the data's mean
+            images, labels = self.clients[self._sender(view)]
+            return Reconstruction(torch.zeros_like(images), labels.clone(), attack=type(self).__name__)
+        return super().reconstruct(view)
+
+
 class PlantedLeakWithPrior(PlantedLeak):
     """The canary as a prior-carrying attack: its prior-only guesses are public batches."""
 
@@ -246,16 +257,19 @@ class PassThrough(Defense):
         return dict(gradients), state
 
 
-def _campaign(sample, batch: int, leaking: int, position: int, kind: str):
-    indices = [[37 * k + c for k in range(batch)] for c in range(2)]
+def _campaign(sample, batch: int, leaking: int, position: int, kind: str, first: int = 0):
+    indices = [[37 * k + c for k in range(batch)] for c in range(first, first + 2)]
     clients = [_train(sample, picks) for picks in indices]
     public = public_batch(sample, 16 + 8 * 12)
     target = (position + 1) % batch
 
     def build(seed: int, model: nn.Module) -> GradientAttack:
-        cls = {"published": PlantedLeak, "prior": PlantedLeakWithPrior, "active": PlantedLeakActive}.get(
-            kind, PlantedLeak
-        )
+        cls = {
+            "published": PlantedLeak,
+            "prior": PlantedLeakWithPrior,
+            "active": PlantedLeakActive,
+            "dummy labels": PlantedLeakOnDummyLabels,
+        }.get(kind, PlantedLeak)
         return cls(clients, leaking, target, position, public)
 
     published = [] if kind == "adaptive" else [AttackSpec(f"canary-{kind}", "published", build)]
@@ -281,17 +295,24 @@ def _campaign(sample, batch: int, leaking: int, position: int, kind: str):
 
 
 @pytest.mark.parametrize(
-    "kind, batch, leaking, position",
+    "kind, batch, leaking, position, first",
     [
-        ("published", 1, 0, 0),
-        ("published", 4, 1, 2),
-        ("adaptive", 4, 0, 3),
-        ("prior", 8, 1, 5),
-        ("active", 4, 1, 0),
+        ("published", 1, 0, 0, 0),
+        ("published", 4, 1, 2, 0),
+        ("adaptive", 4, 0, 3, 0),
+        ("prior", 8, 1, 5, 0),
+        ("active", 4, 1, 0, 0),
+        # clients 9 and 10 of the sample at batch 8: their public-image and dummy-input label counts differ
+        ("dummy labels", 8, 1, 6, 9),
     ],
 )
-def test_a_planted_leak_reads_leaks_end_to_end_for_every_attack_kind(sample, kind, batch, leaking, position) -> None:
-    audit, image = _campaign(sample, batch, leaking, position, kind)
+def test_a_planted_leak_reads_leaks_end_to_end_for_every_attack_kind(
+    sample, kind, batch, leaking, position, first
+) -> None:
+    audit, image = _campaign(sample, batch, leaking, position, kind, first)
+    if kind == "dummy labels":  # the premise: the audit ran the second label estimate, and only it leaks
+        assert [c.attack for c in audit.cells] == ["canary-dummy labels", "canary-dummy labels (dummy-input labels)"]
+        assert audit.passive is not None and audit.passive.rows[image].leaked_by == [audit.passive.attacks[1]]
     threats = ("active",) if kind == "active" else ("passive", "active")
     for threat in threats:
         worst = getattr(audit, threat)
