@@ -398,6 +398,7 @@ def audit_record(audit: SettingAudit) -> dict[str, Any]:
             "lpips": report.means.get("lpips"),
             "reasons": list(report.verdict_reasons),
             "strongest": sorted({a for row in report.rows for a in row.leaked_by}),
+            "control_false_alarm": report.control_false_alarm,
         }
     bound = audit.bound
     return {
