@@ -29,7 +29,8 @@ An attack with a data prior (the learned inverter) returns plausible images from
 such guesses beat a blank or mean image by chance. For such an attack every criterion also needs its
 metrics to pass the attack's **prior-only control**, image by image: the reconstruction must beat,
 on each of the criterion's metrics, the best score that any of the attack's reconstructions of
-public batches (which carry no information about the attacked one) reached on that original
+public batches (which carry no information about the attacked one) reached on that original, or,
+where the attack's batch mean beats every such batch's, the median one
 (:mod:`lightning_gp.audit.prior_control`, which also states the control's false-alarm level).
 
 **The verdict** (:func:`judge`): ``"leaks"`` when more than ``max_leak_fraction`` of the images leak
@@ -84,8 +85,9 @@ NOISE_RATIO_LINE = 0.4
 #: Raised whenever a change of the leak rule or its baselines can change a stored verdict (stored
 #: results, e.g. a frontier's, are keyed by it). 2: the prior-only control for attacks with a data prior;
 #: 3: the refined learned inverter's control made of its own refinements only; 4: an original leaks when any
-#: output of an attack meets the rule on it (not only the matched one), the prior-only control is per image
-#: (the best uninformed score on that original), and a rule metric that was not computed is a gap.
+#: output of an attack meets the rule on it (not only the matched one), the prior-only control also credits
+#: an image that beats the best uninformed score on it, a rule metric that was not computed is a gap, and
+#: the bound's kappa is measured under the full rule (earlier rounds composed).
 LEAK_RULE_REVISION = 4
 #: The newest revision that could turn a stored "leaks" into another verdict. Later revisions only add
 #: leaks, gaps and composed rounds to the bound: a result stored under one of them that leaked to every
