@@ -399,6 +399,8 @@ def audit_record(audit: SettingAudit) -> dict[str, Any]:
             "reasons": list(report.verdict_reasons),
             "strongest": sorted({a for row in report.rows for a in row.leaked_by}),
             "control_false_alarm": report.control_false_alarm,
+            # why each leaked image leaks: attack -> the criteria of the rule it met
+            "criteria": {str(row.index): row.criteria for row in report.rows if row.criteria},
         }
     bound = audit.bound
     return {

@@ -293,6 +293,7 @@ class WorstImage:
         leaks: whether any attack crossed a leak threshold on this image.
         leaked_by: the attacks that did.
         below_trivial_baseline: the best PSNR is below the best baseline's PSNR on this image.
+        criteria: attack -> the criteria of the rule its reconstruction met on this image (why it leaks).
     """
 
     index: int
@@ -301,6 +302,7 @@ class WorstImage:
     leaks: bool
     leaked_by: list[str]
     below_trivial_baseline: bool | None = None
+    criteria: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -422,6 +424,7 @@ class WorstCaseReport:
                     "attacks": dict(r.attacks),
                     "leaks": r.leaks,
                     "leaked_by": list(r.leaked_by),
+                    "criteria": {a: list(c) for a, c in r.criteria.items()},
                     "below_trivial_baseline": r.below_trivial_baseline,
                 }
                 for r in self.rows
@@ -472,9 +475,14 @@ class WorstCaseReport:
             lines.append(
                 f"| {r.index} | {_fmt(r.values.get('psnr'))} ({r.attacks.get('psnr') or '-'}) | "
                 f"{_fmt(r.values.get('ssim'))} ({r.attacks.get('ssim') or '-'}) | {'yes' if r.leaks else 'no'} | "
-                f"{', '.join(r.leaked_by) or '-'} |"
+                f"{_criteria_text(r) or '-'} |"
             )
         return "\n".join(lines) + "\n"
+
+
+def _criteria_text(image: WorstImage) -> str:
+    """``"IDLG (psnr > 20); LearnedInversion (ssim > 0.5)"``: each attack that leaks the image and why."""
+    return "; ".join(f"{attack} ({', '.join(met)})" for attack, met in image.criteria.items())
 
 
 def _unique_names(names: Sequence[str]) -> list[str]:
@@ -705,8 +713,9 @@ def _worst_image(
     sources: dict[str, str | None] = {}
     for metric in METRICS:
         values[metric], sources[metric] = _attackers_best(metric, scored)
-    leaked_by = [name for name, report in zip(names, reports) if rule.image_criteria(report, i, floor)]
-    return WorstImage(i, values, sources, bool(leaked_by), leaked_by)
+    met = {name: rule.image_criteria(report, i, floor) for name, report in zip(names, reports)}
+    criteria = {name: found for name, found in met.items() if found}
+    return WorstImage(i, values, sources, bool(criteria), list(criteria), criteria=criteria)
 
 
 def _mark_below_baselines(
