@@ -192,6 +192,17 @@ def test_lpips_between_different_real_images_is_in_a_sensible_range(sample, lpip
     torch.testing.assert_close(lpips_metric(x.repeat(1, 3, 1, 1), y.repeat(1, 3, 1, 1)), d)
 
 
+def test_pairwise_lpips_is_lpips_of_every_pair(sample, lpips_metric):
+    """``LPIPS.pairwise`` (each image through AlexNet once) equals the pair-by-pair distance."""
+    rec, orig = sample["pixels"][:5], sample["pixels"][5:8]
+    table = lpips_metric.pairwise(rec, orig)
+    assert table.shape == (3, 5)
+    for i in range(3):
+        torch.testing.assert_close(table[i], lpips_metric(rec, orig[i : i + 1].expand(5, -1, -1, -1)))
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        lpips_metric.pairwise(sample["images"][:2], orig)
+
+
 def test_lpips_rejects_normalised_inputs(sample, lpips_metric):
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         lpips_metric(sample["images"][:2], sample["pixels"][:2])

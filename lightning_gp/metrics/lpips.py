@@ -222,14 +222,22 @@ class LPIPSNetwork(nn.Module):
             outs.append(x)
         return outs
 
+    def unit_features(self, x: Tensor) -> list[Tensor]:
+        """The five feature maps of ``x`` (images in [-1, 1]), each unit-normalised over its channels."""
+        feats = self.features((x - self.shift) / self.scale)
+        return [f / (f.pow(2).sum(dim=1, keepdim=True).sqrt() + 1e-10) for f in feats]
+
+    def distance(self, fx: list[Tensor], fy: list[Tensor]) -> Tensor:
+        """LPIPS of each pair of :meth:`unit_features` ``fx[l][k]``, ``fy[l][k]``: ``[K]``."""
+        total = fx[0].new_zeros(fx[0].shape[0])
+        for a, b, lin in zip(fx, fy, self.lins):
+            total = total + lin((a - b).pow(2)).mean(dim=(1, 2, 3))
+        return total
+
     def forward(self, x: Tensor, y: Tensor) -> Tensor:
         batch = x.shape[0]
-        both = (torch.cat([x, y]) - self.shift) / self.scale  # one pass through AlexNet for both
-        total = x.new_zeros(batch)
-        for feats, lin in zip(self.features(both), self.lins):
-            feats = feats / (feats.pow(2).sum(dim=1, keepdim=True).sqrt() + 1e-10)
-            total = total + lin((feats[:batch] - feats[batch:]).pow(2)).mean(dim=(1, 2, 3))
-        return total
+        both = self.unit_features(torch.cat([x, y]))  # one pass through AlexNet for both
+        return self.distance([f[:batch] for f in both], [f[batch:] for f in both])
 
 
 @functools.lru_cache(maxsize=16)
@@ -281,6 +289,28 @@ class LPIPS(nn.Module):
         check_image_pair(x, y)
         return lpips_with_network(self.network(x.device), x, y, self.min_size)
 
+    def pairwise(self, reconstructed: Tensor, original: Tensor, chunk: int = 256) -> Tensor:
+        """``[B_orig, B_rec]`` LPIPS of every pair (what ``forward`` gives pair by pair), each image
+        through AlexNet once: the pairs cost only their feature differences."""
+        if reconstructed.ndim != 4 or original.ndim != 4 or reconstructed.shape[1:] != original.shape[1:]:
+            raise ValueError(
+                "reconstructed and original must be [B, C, H, W] batches of one image shape, got "
+                f"{tuple(reconstructed.shape)} and {tuple(original.shape)}"
+            )
+        network = self.network(original.device)
+        both = _network_input(torch.cat([reconstructed, original]), self.min_size, "images")
+        with torch.no_grad():
+            feats = network.unit_features(both)
+        n_rec = reconstructed.shape[0]
+        rows = torch.arange(original.shape[0]).repeat_interleave(n_rec)
+        cols = torch.arange(n_rec).repeat(original.shape[0])
+        values = []
+        for start in range(0, rows.numel(), chunk):
+            r, c = rows[start : start + chunk], cols[start : start + chunk]
+            with torch.no_grad():
+                values.append(network.distance([f[c] for f in feats], [f[n_rec + r] for f in feats]))
+        return torch.cat(values).view(original.shape[0], n_rec)
+
 
 def lpips_with_network(
     network: LPIPSNetwork, x: Tensor, y: Tensor, min_size: int = 32, *, names: tuple[str, str] = ("x", "y")
@@ -293,20 +323,24 @@ def lpips_with_network(
     """
     check_int(min_size, "min_size", low=31)
     check_image_pair(x, y, names=names)
-    check_pixel_range(x, names[0])
-    check_pixel_range(y, names[1])
+    return network(_network_input(x, min_size, names[0]), _network_input(y, min_size, names[1]))
+
+
+def _network_input(x: Tensor, min_size: int, name: str) -> Tensor:
+    """Pixel images in [0, 1] (checked, 1 or 3 channels) as the network takes them: RGB, upsampled
+    (bilinear) to at least ``min_size`` a side, scaled to [-1, 1]."""
+    check_pixel_range(x, name)
     if x.shape[1] not in (1, 3):
         raise ValueError(f"LPIPS takes 1- or 3-channel images, got {x.shape[1]} channels")
-    x, y = x.float(), y.float()
+    x = x.float()
     if x.shape[1] == 1:
-        x, y = x.expand(-1, 3, -1, -1), y.expand(-1, 3, -1, -1)
+        x = x.expand(-1, 3, -1, -1)
     height, width = x.shape[-2:]
     if min(height, width) < min_size:
         factor = min_size / min(height, width)
         size = (max(min_size, round(height * factor)), max(min_size, round(width * factor)))
         x = F.interpolate(x, size=size, mode="bilinear", align_corners=False)
-        y = F.interpolate(y, size=size, mode="bilinear", align_corners=False)
-    return network(x * 2 - 1, y * 2 - 1)
+    return x * 2 - 1
 
 
 def lpips_distance(x: Tensor, y: Tensor, **kwargs) -> Tensor:

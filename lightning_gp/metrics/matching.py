@@ -51,6 +51,10 @@ def pairwise_scores(
             from lightning_gp.metrics.lpips import LPIPS
 
             lpips_fn = LPIPS()
+        pairwise = getattr(lpips_fn, "pairwise", None)
+        if callable(pairwise):  # LPIPS: each image through the network once, not once per pair
+            with torch.no_grad():
+                return pairwise(reconstructed, original).detach().float().cpu()
         fn = lpips_fn
     else:
         fn = {"mse": mse, "psnr": psnr, "ssim": ssim}[metric]
