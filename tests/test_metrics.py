@@ -192,6 +192,21 @@ def test_lpips_between_different_real_images_is_in_a_sensible_range(sample, lpip
     torch.testing.assert_close(lpips_metric(x.repeat(1, 3, 1, 1), y.repeat(1, 3, 1, 1)), d)
 
 
+def test_pairwise_ssim_is_ssim_of_every_pair(sample):
+    """``ssim_pairwise`` (each image filtered once, each pair only its cross moment) equals ``ssim``."""
+    from lightning_gp.metrics.image_quality import ssim, ssim_pairwise
+
+    rec, orig = sample["pixels"][:6], sample["pixels"][5:8]
+    table = ssim_pairwise(rec, orig)
+    assert table.shape == (3, 6) and float(table[0, 5]) == pytest.approx(1.0)
+    for i in range(3):
+        torch.testing.assert_close(table[i], ssim(rec, orig[i : i + 1].expand(6, -1, -1, -1)), rtol=1e-5, atol=1e-6)
+    rgb = torch.rand(4, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(ssim_pairwise(rgb, rgb).diagonal(), torch.ones(4))
+    with pytest.raises(ValueError, match="11x11"):
+        ssim_pairwise(rgb[..., :8, :8], rgb[..., :8, :8])
+
+
 def test_pairwise_lpips_is_lpips_of_every_pair(sample, lpips_metric):
     """``LPIPS.pairwise`` (each image through AlexNet once) equals the pair-by-pair distance."""
     rec, orig = sample["pixels"][:5], sample["pixels"][5:8]

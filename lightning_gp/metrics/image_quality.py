@@ -110,3 +110,50 @@ def ssim(x: Tensor, y: Tensor, data_range: float = 1.0) -> Tensor:
     values = structural_similarity_index_measure(x, y, data_range=data_range, reduction="none")
     assert isinstance(values, Tensor)  # a tuple only with return_full_image / return_contrast_sensitivity
     return values.reshape(x.shape[0])
+
+
+def ssim_pairwise(reconstructed: Tensor, original: Tensor, chunk: int = 512) -> Tensor:
+    """``[B_orig, B_rec]``: :func:`ssim` of every reconstruction against every original (pixels in [0, 1]).
+
+    The same computation as torchmetrics' (reflect padding, the 11x11 Gaussian window of sigma 1.5,
+    K1 0.01, K2 0.03, the mean of the SSIM map), arranged for pairs: each image's local means and
+    second moments are filtered once, and each pair only its cross moment (one convolution a pair,
+    not five). Equal to :func:`ssim` pair by pair up to float rounding.
+    """
+    from torchmetrics.functional.image.utils import _gaussian_kernel_2d
+
+    if reconstructed.ndim != 4 or original.ndim != 4 or reconstructed.shape[1:] != original.shape[1:]:
+        raise ValueError(
+            "reconstructed and original must be [B, C, H, W] batches of one image shape, got "
+            f"{tuple(reconstructed.shape)} and {tuple(original.shape)}"
+        )
+    check_pixel_range(reconstructed, "reconstructed")
+    check_pixel_range(original, "original")
+    if min(original.shape[-2:]) < 11:
+        raise ValueError(f"ssim needs images of at least 11x11 (its Gaussian window), got {tuple(original.shape[-2:])}")
+    channels, dtype = original.shape[1], original.dtype
+    size = int(3.5 * 1.5 + 0.5) * 2 + 1
+    pad = (size - 1) // 2
+    kernel = _gaussian_kernel_2d(channels, [size, size], [1.5, 1.5], dtype, original.device)
+    c1, c2 = 0.01**2, 0.03**2
+
+    def filtered(images: Tensor) -> Tensor:
+        return torch.nn.functional.conv2d(images, kernel, groups=channels)
+
+    x = torch.nn.functional.pad(reconstructed.to(dtype), (pad, pad, pad, pad), mode="reflect")
+    y = torch.nn.functional.pad(original, (pad, pad, pad, pad), mode="reflect")
+    mu_x, xx = filtered(x), filtered(x * x)
+    mu_y, yy = filtered(y), filtered(y * y)
+    sigma_x = torch.clamp(xx - mu_x.pow(2), min=0.0)
+    sigma_y = torch.clamp(yy - mu_y.pow(2), min=0.0)
+    rows = torch.arange(original.shape[0]).repeat_interleave(reconstructed.shape[0])
+    cols = torch.arange(reconstructed.shape[0]).repeat(original.shape[0])
+    values = []
+    for start in range(0, rows.numel(), chunk):
+        r, c = rows[start : start + chunk], cols[start : start + chunk]
+        mu_xy = mu_x[c] * mu_y[r]
+        upper = 2 * (filtered(x[c] * y[r]) - mu_xy) + c2
+        lower = sigma_x[c] + sigma_y[r] + c2
+        full = ((2 * mu_xy + c1) * upper) / ((mu_x[c].pow(2) + mu_y[r].pow(2) + c1) * lower)
+        values.append(full.reshape(full.shape[0], -1).mean(-1))
+    return torch.cat(values).view(original.shape[0], reconstructed.shape[0])
