@@ -1,5 +1,7 @@
 """Secure aggregation as a threat model: the audit's aggregate view of a round."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -86,3 +88,23 @@ def test_dp_fedavg_behind_secure_aggregation_reports_its_round_bound(datamodule)
     assert bound is not None and bound.mechanism == dp.mechanism(1, 1.0)
     assert bound.kappa is not None and bound.eta == pytest.approx(dp.eta(1, 1.0, bound.kappa))
     assert audit.aggregate is not None and audit.aggregate.batch_size == 6
+
+
+def test_a_requested_learned_inverter_is_a_gap_of_the_aggregate_view_too(datamodule):
+    """The learned inverter does not attack the aggregate: with ``learned_inversion=True`` the aggregate
+    view names it, as the per-client views do where it did not run (here: clients below its batch)."""
+    torch.manual_seed(0)
+    budget = dataclasses.replace(TINY, learned_inversion=True, learned_min_batch=99)
+    audit = audit_setting(
+        DefenseSetting("undefended"),
+        LeNetZhu(),
+        datamodule,
+        indices=INDICES,
+        published=published_attacks(budget, ["IG"]),
+        budget=budget,
+        aggregate=True,
+        log=lambda line: None,
+    )
+    assert audit.aggregate is not None
+    assert audit.verdict("aggregate") == "inconclusive"  # IG at 5 iterations rebuilds nothing of the mean
+    assert any("learned inverter" in r and "aggregate" in r for r in audit.aggregate.verdict_reasons)

@@ -554,7 +554,9 @@ def audit_setting(
         campaign.gaps.append("the adaptive attacks were not run (adaptive=False)")
     if budget.learned_inversion:
         _run_learned(campaign, budget, per_client[0] if per_client else [], adaptive=adaptive)
-    return _judged_audit(campaign, published, aggregate or client_dp is not None, client_dp)
+    return _judged_audit(
+        campaign, published, aggregate or client_dp is not None, client_dp, learned=budget.learned_inversion
+    )
 
 
 def _open_campaign(
@@ -594,10 +596,16 @@ def _open_campaign(
 
 
 def _judged_audit(
-    campaign: _Campaign, published: Sequence[AttackSpec], aggregate: bool, client_dp: ClientLevelDP | None
+    campaign: _Campaign,
+    published: Sequence[AttackSpec],
+    aggregate: bool,
+    client_dp: ClientLevelDP | None,
+    *,
+    learned: bool = False,
 ) -> SettingAudit:
     """The audit of the attacks run: the worst case per threat model, the formal bound and, with
-    ``aggregate``, the secure-aggregation view."""
+    ``aggregate``, the secure-aggregation view (``learned``: the budget asked for the learned
+    inverter, which does not attack the aggregate: a gap there)."""
     setting, cells, results = campaign.setting, campaign.cells, campaign.results
     rule, reference, records = campaign.rule, campaign.reference, campaign.passive_records
     judged = {
@@ -633,6 +641,7 @@ def _judged_audit(
             campaign.seed,
             campaign.public,
             round=campaign.round,
+            learned=learned,
         )
     return audit
 
@@ -861,8 +870,10 @@ def _audit_aggregate(
     public_data: tuple[Tensor, Tensor],
     *,
     round: int = 0,
+    learned: bool = False,
 ) -> None:
-    """Fill ``audit``'s aggregate view: the passive published attacks on the round's combined update.
+    """Fill ``audit``'s aggregate view: the passive published attacks on the round's combined update
+    (``learned``: the learned inverter was asked for; it does not attack the aggregate, a named gap).
     Its bound (DP-FedAvg's with ``client_dp``, else the setting's) composes rounds ``0 .. round``: every
     client of the audit's simulation takes part in every round (``q = 1``)."""
     combine = None
@@ -895,6 +906,8 @@ def _audit_aggregate(
         if out:
             results[spec.name] = out
     gaps = [] if setting.undefended and client_dp is None else ["no adaptive attack models the aggregate"]
+    if learned:
+        gaps.append(LEARNED_NOT_RUN.format("it does not attack the secure aggregate"))
     reports = [concatenate_reports([r.report for r in out]) for out in results.values()]
     incomplete = [*gaps, *(g for c in audit.aggregate_cells if (g := c.gap()) is not None)]
     audit.aggregate = (
