@@ -282,9 +282,11 @@ def reconstruction_report(
     Both batches are denormalised to [0, 1] pixels (``ServerView.denormalize`` or the given
     ``(mean, std)``), the reconstructions are matched to the originals
     (:func:`~lightning_gp.metrics.matching.match_reconstructions` on ``match_metric``), and every
-    matched pair is scored with MSE, PSNR, SSIM, LPIPS-AlexNet (unless ``lpips=False``) and
-    PriPrune's NMI; each reconstruction gets Refiner's noise ratio (unless ``noise_ratio=False``;
-    "n/a" with the reason in ``unavailable`` when no evaluation network takes its channel count).
+    reconstruction is scored against every original (:func:`pair_scores`: MSE, PSNR, SSIM,
+    LPIPS-AlexNet unless ``lpips=False``, PriPrune's NMI, Refiner's noise ratio unless
+    ``noise_ratio=False``, "n/a" with the reason in ``unavailable`` when no evaluation network takes its
+    channel count, and the semantic test): the matched pairs give the rows and means, all of them the
+    ``candidates`` the leak rule judges each original by.
 
     Args:
         reconstruction: the attack's output (``images`` normalised, in the attack's order).
