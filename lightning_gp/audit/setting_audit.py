@@ -927,15 +927,26 @@ def _audit_aggregate(
         if client_dp is not None
         else setting_bound(setting, model, round=round)
     )
+    audit.aggregate_bound = _aggregate_bound_at_kappa(bound, results, combined, reference, rule, lpips_fn)
+
+
+def _aggregate_bound_at_kappa(
+    bound: FormalBound,
+    results: dict[str, list[AttackResult]],
+    combined: TappedGradient,
+    reference: Tensor,
+    rule: LeakRule,
+    lpips_fn: nn.Module | None,
+) -> FormalBound:
+    """The aggregate view's ``bound`` at the kappa of ``rule`` on every image of the aggregate."""
     scored = next(iter(results.values()), None)
     originals = None if not scored else concatenate_reports([r.report for r in scored]).original_pixels
-    if bound.mechanism is not None and originals is not None:
-        labels = combined.targets
-        kappa = prior_only_kappa(
-            originals, reference, labels=labels, rule=rule, lpips_fn=lpips_for_rule(rule, lpips_fn)
-        )
-        bound = bound.at(kappa)
-    audit.aggregate_bound = bound
+    if bound.mechanism is None or originals is None:
+        return bound
+    kappa = prior_only_kappa(
+        originals, reference, labels=combined.targets, rule=rule, lpips_fn=lpips_for_rule(rule, lpips_fn)
+    )
+    return bound.at(kappa)
 
 
 def _formal_bound(
