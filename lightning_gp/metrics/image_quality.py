@@ -112,6 +112,24 @@ def ssim(x: Tensor, y: Tensor, data_range: float = 1.0) -> Tensor:
     return values.reshape(x.shape[0])
 
 
+def check_pair_batches(reconstructed: Tensor, original: Tensor) -> None:
+    """``reconstructed`` and ``original`` are ``[B, C, H, W]`` batches of one image shape (their sizes may
+    differ): what every all-pairs score takes."""
+    if reconstructed.ndim != 4 or original.ndim != 4 or reconstructed.shape[1:] != original.shape[1:]:
+        raise ValueError(
+            "reconstructed and original must be [B, C, H, W] batches of one image shape, got "
+            f"{tuple(reconstructed.shape)} and {tuple(original.shape)}"
+        )
+
+
+def pair_indices(n_orig: int, n_rec: int, device: torch.device | None = None) -> tuple[Tensor, Tensor]:
+    """``(rows, cols)``, each ``[n_orig * n_rec]``: every (original, reconstruction) pair, original-major, so
+    values computed pair by pair ``.view(n_orig, n_rec)`` into an all-pairs table."""
+    rows = torch.arange(n_orig, device=device).repeat_interleave(n_rec)
+    cols = torch.arange(n_rec, device=device).repeat(n_orig)
+    return rows, cols
+
+
 def ssim_pairwise(reconstructed: Tensor, original: Tensor, chunk: int = 512) -> Tensor:
     """``[B_orig, B_rec]``: :func:`ssim` of every reconstruction against every original (pixels in [0, 1]).
 
@@ -122,11 +140,7 @@ def ssim_pairwise(reconstructed: Tensor, original: Tensor, chunk: int = 512) -> 
     """
     from torchmetrics.functional.image.utils import _gaussian_kernel_2d
 
-    if reconstructed.ndim != 4 or original.ndim != 4 or reconstructed.shape[1:] != original.shape[1:]:
-        raise ValueError(
-            "reconstructed and original must be [B, C, H, W] batches of one image shape, got "
-            f"{tuple(reconstructed.shape)} and {tuple(original.shape)}"
-        )
+    check_pair_batches(reconstructed, original)
     check_pixel_range(reconstructed, "reconstructed")
     check_pixel_range(original, "original")
     if min(original.shape[-2:]) < 11:
@@ -146,8 +160,7 @@ def ssim_pairwise(reconstructed: Tensor, original: Tensor, chunk: int = 512) -> 
     mu_y, yy = filtered(y), filtered(y * y)
     sigma_x = torch.clamp(xx - mu_x.pow(2), min=0.0)
     sigma_y = torch.clamp(yy - mu_y.pow(2), min=0.0)
-    rows = torch.arange(original.shape[0]).repeat_interleave(reconstructed.shape[0])
-    cols = torch.arange(reconstructed.shape[0]).repeat(original.shape[0])
+    rows, cols = pair_indices(original.shape[0], reconstructed.shape[0])
     values = []
     for start in range(0, rows.numel(), chunk):
         r, c = rows[start : start + chunk], cols[start : start + chunk]

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_gp.metrics.image_quality import check_image_pair, check_pixel_range
+from lightning_gp.metrics.image_quality import check_image_pair, check_pair_batches, check_pixel_range, pair_indices
 from lightning_gp.validation import check_int
 
 TORCHVISION_ALEXNET_FILE = "alexnet-owt-7be5be79.pth"
@@ -292,18 +292,13 @@ class LPIPS(nn.Module):
     def pairwise(self, reconstructed: Tensor, original: Tensor, chunk: int = 256) -> Tensor:
         """``[B_orig, B_rec]`` LPIPS of every pair (what ``forward`` gives pair by pair), each image
         through AlexNet once: the pairs cost only their feature differences."""
-        if reconstructed.ndim != 4 or original.ndim != 4 or reconstructed.shape[1:] != original.shape[1:]:
-            raise ValueError(
-                "reconstructed and original must be [B, C, H, W] batches of one image shape, got "
-                f"{tuple(reconstructed.shape)} and {tuple(original.shape)}"
-            )
+        check_pair_batches(reconstructed, original)
         network = self.network(original.device)
         both = _network_input(torch.cat([reconstructed, original]), self.min_size, "images")
         with torch.no_grad():
             feats = network.unit_features(both)
         n_rec = reconstructed.shape[0]
-        rows = torch.arange(original.shape[0]).repeat_interleave(n_rec)
-        cols = torch.arange(n_rec).repeat(original.shape[0])
+        rows, cols = pair_indices(original.shape[0], n_rec)
         values = []
         for start in range(0, rows.numel(), chunk):
             r, c = rows[start : start + chunk], cols[start : start + chunk]

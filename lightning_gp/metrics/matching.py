@@ -15,7 +15,15 @@ import torch
 from scipy.optimize import linear_sum_assignment
 from torch import Tensor
 
-from lightning_gp.metrics.image_quality import check_image_pair, check_pixel_range, mse, psnr, ssim_pairwise
+from lightning_gp.metrics.image_quality import (
+    check_image_pair,
+    check_pair_batches,
+    check_pixel_range,
+    mse,
+    pair_indices,
+    psnr,
+    ssim_pairwise,
+)
 
 MATCH_METRICS = ("mse", "psnr", "ssim", "lpips")
 # Pairs scored per call when filling the B x B matrix (bounds memory for LPIPS).
@@ -38,11 +46,7 @@ def pairwise_scores(
     """
     if metric not in MATCH_METRICS:
         raise ValueError(f"metric must be one of {MATCH_METRICS}, got {metric!r}")
-    if reconstructed.ndim != 4 or original.ndim != 4 or reconstructed.shape[1:] != original.shape[1:]:
-        raise ValueError(
-            "reconstructed and original must be [B, C, H, W] batches of one image shape, got "
-            f"{tuple(reconstructed.shape)} and {tuple(original.shape)}"
-        )
+    check_pair_batches(reconstructed, original)
     check_pixel_range(reconstructed, "reconstructed")
     check_pixel_range(original, "original")
     fn: Callable[[Tensor, Tensor], Tensor]
@@ -62,8 +66,7 @@ def pairwise_scores(
     else:
         fn = {"mse": mse, "psnr": psnr}[metric]
     n_orig, n_rec = original.shape[0], reconstructed.shape[0]
-    rows = torch.arange(n_orig, device=original.device).repeat_interleave(n_rec)
-    cols = torch.arange(n_rec, device=original.device).repeat(n_orig)
+    rows, cols = pair_indices(n_orig, n_rec, original.device)
     values = []
     with torch.no_grad():
         for start in range(0, rows.numel(), _CHUNK):

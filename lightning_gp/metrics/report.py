@@ -23,6 +23,7 @@ from torch import Tensor
 
 from lightning_gp.attacks.base import Reconstruction
 from lightning_gp.attacks.view import ServerView
+from lightning_gp.metrics.image_quality import pair_indices
 from lightning_gp.metrics.matching import MATCH_METRICS, match_reconstructions, pairwise_scores
 from lightning_gp.metrics.nmi import nmi
 from lightning_gp.normalization import denormalize, per_channel
@@ -491,8 +492,7 @@ def pair_scores(
 
 def _pairwise_nmi(rec_px: Tensor, orig_px: Tensor, chunk: int = 1024) -> Tensor:
     """``[B_orig, B_rec]`` NMI of every pair (in chunks of pairs, bounding memory)."""
-    rows = torch.arange(orig_px.shape[0]).repeat_interleave(rec_px.shape[0])
-    cols = torch.arange(rec_px.shape[0]).repeat(orig_px.shape[0])
+    rows, cols = pair_indices(orig_px.shape[0], rec_px.shape[0])
     values = [nmi(rec_px[cols[k : k + chunk]], orig_px[rows[k : k + chunk]]) for k in range(0, rows.numel(), chunk)]
     return torch.cat(values).view(orig_px.shape[0], rec_px.shape[0])
 
