@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import runpy
+import signal
 import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -40,10 +47,89 @@ def frontier_point(
 def run_benchmark(
     script: str, *args: str, cwd: Path = BENCHMARKS, timeout: float = 600
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``benchmarks/<script>`` with ``args`` in a fresh interpreter, output captured."""
-    return subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=timeout, cwd=cwd
-    )
+    """Run ``benchmarks/<script>`` with ``args`` (:func:`run_script`), output captured."""
+    return run_script(BENCHMARKS / script, *args, cwd=cwd, timeout=timeout)
+
+
+def run_script(
+    path: Path, *args: str, cwd: Path | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess[str]:
+    """Run the Python script ``path`` with ``args`` as ``__main__`` in a process of its own, output
+    captured, as ``subprocess.run([sys.executable, path, *args], capture_output=True, text=True)``.
+
+    The process is forked from the test's, so it starts with torch and Lightning imported (a fresh
+    interpreter spends several seconds on that, which made the benchmark and DDP tests the suite's
+    slowest); it runs the script from its first line, in ``cwd``, with its own argv, output and exit
+    status, and the processes it launches (a DDP rank, a worker) are fresh interpreters. Where
+    ``os.fork`` is missing, a fresh interpreter runs it."""
+    command = [sys.executable, str(path), *args]
+    if not hasattr(os, "fork"):
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    with tempfile.TemporaryDirectory() as scratch:
+        out, err = Path(scratch, "stdout"), Path(scratch, "stderr")
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        pid = os.fork()
+        if pid == 0:  # the child never returns into pytest
+            code = 1
+            try:
+                code = _run_script(command[1:], Path.cwd() if cwd is None else cwd, out, err)
+            finally:
+                os._exit(code)
+        status = _wait(pid, timeout, command)
+        return subprocess.CompletedProcess(command, os.waitstatus_to_exitcode(status), out.read_text(), err.read_text())
+
+
+def _run_script(argv: Sequence[str], cwd: Path, out: Path, err: Path) -> int:
+    """In the forked child: point fds 1 and 2 (and every Python-level stream and logging handler on
+    them) at ``out``/``err``, then run ``argv[0]`` as ``__main__`` as ``python argv...`` would."""
+    old_streams = (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
+    for fd, path in ((1, out), (2, err)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdout = sys.__stdout__ = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    loggers = [
+        logging.getLogger(),
+        *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger)),
+    ]
+    for handler in (h for logger in loggers for h in logger.handlers if isinstance(h, logging.StreamHandler)):
+        if handler.stream in old_streams:  # a handler made before the fork writes where this run's output goes
+            handler.setStream(sys.stderr if handler.stream in old_streams[1::2] else sys.stdout)
+    os.chdir(cwd)
+    sys.argv = list(argv)
+    sys.path.insert(0, str(Path(argv[0]).parent))
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+        if exit_.code is not None and not isinstance(exit_.code, int):
+            print(exit_.code, file=sys.stderr)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    return code
+
+
+def _wait(pid: int, timeout: float, command: list[str]) -> int:
+    """The wait status of child ``pid``; past ``timeout`` seconds it is killed and the call raises
+    :class:`subprocess.TimeoutExpired`, as ``subprocess.run`` would."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise subprocess.TimeoutExpired(command, timeout)
+        time.sleep(0.02)
 
 
 class LabelledTensorDataset(TensorDataset):

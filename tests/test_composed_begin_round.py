@@ -9,8 +9,6 @@ hook's held path (one gloo rank).
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,7 +16,7 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import CountingDefense, RandomImages, quiet_trainer, small_cnn
+from helpers import CountingDefense, RandomImages, quiet_trainer, run_script, small_cnn
 from test_local_path import TinyClassifier, loader, raw_gradient
 from torch import nn
 
@@ -207,7 +205,7 @@ def test_ddp_held_path_prepares_the_second_stage_from_the_rank_s_noised_gradient
 @pytest.mark.multiprocess
 def test_two_ranks_share_the_mask_of_the_provider_s_noised_gradient_and_agree_on_failure_first(tmp_path):
     script = Path(__file__).parent / "scripts" / "composed_round_check.py"
-    result = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=240)
+    result = run_script(script, str(tmp_path), timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     provider = ranks[0]["provider"]

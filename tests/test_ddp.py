@@ -2,11 +2,11 @@
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_script
 from scripts.ddp_worker import BranchyNet, TinyNet
 
 from lightning_gp.callbacks import OptimalGradientPruning
@@ -28,9 +28,7 @@ def raw_gradient(tapped: dict) -> dict[str, torch.Tensor]:
 
 @pytest.mark.multiprocess
 def test_two_process_gloo_aggregate_is_the_mean_of_defended_rank_gradients(tmp_path):
-    result = subprocess.run(
-        [sys.executable, str(WORKER), str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=tmp_path
-    )
+    result = run_script(WORKER, str(tmp_path), timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert not torch.equal(ranks[0]["tapped"]["batch"][0], ranks[1]["tapped"]["batch"][0])
@@ -51,9 +49,7 @@ def test_two_process_gloo_aggregate_is_the_mean_of_defended_rank_gradients(tmp_p
 
 @pytest.mark.multiprocess
 def test_two_process_adgp_prunes_every_rank_with_one_broadcast_mask(tmp_path):
-    result = subprocess.run(
-        [sys.executable, str(WORKER), str(tmp_path), "adgp"], capture_output=True, text=True, timeout=300, cwd=tmp_path
-    )
+    result = run_script(WORKER, str(tmp_path), "adgp", timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert ranks[0]["provider"] == ranks[1]["provider"] in (0, 1)
@@ -82,13 +78,7 @@ def test_two_process_adgp_prunes_every_rank_with_one_broadcast_mask(tmp_path):
 @pytest.mark.multiprocess
 def test_two_process_optimal_pruning_uses_each_rank_own_batch_sensitivity(tmp_path):
     # the sensitivity is estimated at batch start on each rank; the comm hook only defends
-    result = subprocess.run(
-        [sys.executable, str(WORKER), str(tmp_path), "optimal"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
+    result = run_script(WORKER, str(tmp_path), "optimal", timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     probe_seeds = OptimalGradientPruning(rate=0.6, probes=4, seed=5, loss_fn=torch.nn.functional.cross_entropy)
@@ -114,13 +104,7 @@ def test_two_process_optimal_pruning_uses_each_rank_own_batch_sensitivity(tmp_pa
 
 @pytest.mark.multiprocess
 def test_two_process_soteria_prunes_each_rank_by_its_own_batch_feature_scores(tmp_path):
-    result = subprocess.run(
-        [sys.executable, str(WORKER), str(tmp_path), "soteria"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
+    result = run_script(WORKER, str(tmp_path), "soteria", timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     pruned_columns = []
@@ -146,7 +130,7 @@ def test_two_process_soteria_prunes_each_rank_by_its_own_batch_feature_scores(tm
 @pytest.mark.multiprocess
 def test_ranks_agree_on_the_round_and_on_failure_before_sharing(tmp_path):
     script = Path(__file__).parent / "scripts" / "round_check.py"
-    result = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=120)
+    result = run_script(script, str(tmp_path), timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for case in ("same_round", "no_rank_fails"):
@@ -160,13 +144,7 @@ def test_ranks_agree_on_the_round_and_on_failure_before_sharing(tmp_path):
 
 
 def run_worker(tmp_path: Path, scenario: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(WORKER), str(tmp_path), scenario],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
+    return run_script(WORKER, str(tmp_path), scenario, timeout=300, cwd=tmp_path)
 
 
 @pytest.mark.multiprocess

@@ -2,14 +2,13 @@
 backward pass) and gives bit for bit what holding every bucket and defending the whole gradient gives."""
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import run_script
 from torch import nn
 
 from lightning_gp import defenses
@@ -105,9 +104,7 @@ def test_the_pipeline_is_layerwise_only_when_every_defense_is():
 
 @pytest.mark.multiprocess
 def test_two_process_bucketwise_aggregates_are_bit_identical_to_holding_every_bucket(tmp_path):
-    result = subprocess.run(
-        [sys.executable, str(WORKER), str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=tmp_path
-    )
+    result = run_script(WORKER, str(tmp_path), timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     settings = sorted({setting for setting, _ in ranks[0]})

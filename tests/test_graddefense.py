@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import itertools
 import math
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
+from helpers import run_script
 from torch import nn
 
 from lightning_gp.attacks import (
@@ -314,9 +313,7 @@ def test_under_ddp_each_rank_shares_its_gradient_through_graddefense_then_outpos
     from lightning_gp.defenses import Outpost
 
     worker = Path(__file__).parent / "scripts" / "baselines_ddp_worker.py"
-    result = subprocess.run(
-        [sys.executable, str(worker), str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=tmp_path
-    )
+    result = run_script(worker, str(tmp_path), timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for rank in range(2):
         saved = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)

@@ -8,13 +8,12 @@ The mechanics tests use a small seeded evaluation network (the App. D architectu
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
+from helpers import run_script
 from scripts.refiner_ddp_worker import tiny_evaluator, tiny_model
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -353,7 +352,7 @@ def test_defense_callbacks_rewrite_refiners_upload() -> None:
 
 
 def test_two_process_ddp_each_rank_shares_its_own_projected_upload(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, str(WORKER), str(tmp_path)], capture_output=True, text=True, timeout=180)
+    result = run_script(WORKER, str(tmp_path), timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for r in ranks:
