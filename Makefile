@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # one thread (tests/conftest.py). `make test TEST_WORKERS=0` runs in one process.
 TEST_WORKERS ?= 2
 
-.PHONY: install test lint format demo bench flower-example clean
+.PHONY: install test lint format demo docs bench flower-example clean
 
 install: $(STAMP)
 
@@ -44,6 +44,17 @@ format: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m lightning_gp.cli.demo --output-dir demo_output
+
+# The documentation site from docs/ (user guide, results, API reference from the docstrings), warnings
+# as errors, into docs/_build/html.
+DOCS_STAMP := $(VENV)/.lightning-gp-docs-installed
+
+$(DOCS_STAMP): $(STAMP) setup.cfg
+	$(PY) -m pip install --quiet -c $(VENV)/constraints.txt "torch==$(TORCH_VERSION)" -e ".[docs]"
+	@touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(VENV)/bin/sphinx-build -W --keep-going -q -b html docs docs/_build/html
 
 # The Flower example (examples/flower) from a checkout: installs the optional Flower extra into
 # .venv (torch pinned as above), then runs the apps on Flower's simulation engine and fails loudly.

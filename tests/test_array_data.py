@@ -1,6 +1,6 @@
 """Bring your own data: ArrayDataModule from arrays, tensors and .npz files, its checks, and where it runs.
 
-Also: a 0-image idx file is a clear error at setup, and the README's "Bring your own data"
+Also: a 0-image idx file is a clear error at setup, and the docs' "Bring your own data"
 example runs exactly as written.
 """
 
@@ -20,7 +20,7 @@ from lightning_gp.federated import FederatedSimulation
 from lightning_gp.models import LeNetZhu
 
 ROOT = Path(__file__).resolve().parents[1]
-README_MARKER = "<!-- README example: bring your own data"
+README_MARKER = "<!-- docs example: bring your own data"
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -286,8 +286,8 @@ def test_an_idx_file_with_zero_images_is_a_clear_error_at_setup(tmp_path, empty)
 
 
 def readme_example() -> str:
-    text = (ROOT / "README.md").read_text()
-    assert README_MARKER in text, "the README lost its bring-your-own-data example marker"
+    text = (ROOT / "docs" / "guide" / "data-and-models.md").read_text()
+    assert README_MARKER in text, "the data page lost its bring-your-own-data example marker"
     match = re.search(r"```python\n(.*?)```", text[text.index(README_MARKER) :], re.DOTALL)
     assert match is not None
     return match.group(1)

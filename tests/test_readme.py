@@ -1,9 +1,10 @@
-"""Every code block of the README runs as written, so the README cannot drift from the API.
+"""Every code block of the README and of the documentation pages (``docs/``) runs as written, so
+neither can drift from the API.
 
-``python`` blocks are executed in README order in one shared namespace (later sections use the
-names earlier ones imported or built: ``L``, ``LeNetZhu``, ``FashionMNISTSampleDataModule``, ``dm``),
-in a temporary working directory so the files they write land there. They run exactly as written;
-only their size is capped, from outside, so the suite stays CI-sized:
+``python`` blocks are executed page by page, each page's blocks in order in one namespace of its own
+(a later block uses the names an earlier one on the same page imported or built), in a temporary
+working directory so the files they write land there. They run exactly as written; only their size
+is capped, from outside, so the suite stays CI-sized:
 
 - ``lightning.Trainer`` (``lightning.pytorch.Trainer``, the same class) is a subclass whose
   ``__init__`` caps ``max_steps`` at 2 (2 when not given), ``max_epochs`` at 1 when given, runs
@@ -12,18 +13,19 @@ only their size is capped, from outside, so the suite stays CI-sized:
 - ``FederatedSimulation`` is not capped: its blocks run their clients and local steps as written
   (the PriPrune block's 2 rounds of 10 clients x 3 local steps of LeNetZhu take well under a second);
 - ``lightning_gp.attacks.InvertingGradients`` is a subclass whose ``iterations`` is at most 5
-  (the README's attack budgets are 2500; the blocks' other attacks are built, not run).
+  (the pages' attack budgets are 2500; the blocks' other attacks are built, not run);
+- ``PrivacyAudit``'s default budget of the attacker who knows the defense is 5 Adam and 2 L-BFGS
+  iterations (``DEFAULT_ADAPTIVE_BUDGET``; 200 and 30 in a real run, about half a minute a gradient).
 
 ``bash`` blocks are not run (they are long trainings, attacks and benchmarks): every file a command
 line names must exist, every ``--flag`` given to a benchmark script must be one it parses, every
-``make`` target must be in the Makefile, and every ``lightning-gp fit|attack --config ...`` line must
-parse with ``--print_config`` (in process, nothing trained).
+``make`` target must be in the Makefile, and every ``lightning-gp fit|attack|frontier --config ...``
+line must parse with ``--print_config`` (in process, nothing trained).
 
-The one block that may not run is the Flower example, where the optional ``flwr`` extra is not
-installed: every other block still runs, then the test is reported skipped with that reason.
-
-The block counts are asserted: a block added to the README fails here until it is run (or,
-for a ``bash`` block, checked).
+A page whose block needs the optional ``flwr`` extra runs every other block, then the test is
+reported skipped with that reason. Every repository file a page names in backticks
+(``benchmarks/results/matrix.md``, ``configs/frontier.yaml``, a results file by its bare name) and
+every relative link must exist.
 """
 
 import importlib.util
@@ -38,26 +40,26 @@ import pytest
 
 import lightning_gp.attacks
 from lightning_gp.attacks import registry
+from lightning_gp.audit import callback as audit_callback
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-
-PYTHON_BLOCKS = 16
-BASH_BLOCKS = 8
+DOCS = ROOT / "docs"
+PAGES = [README, ROOT / "CHANGELOG.md", *sorted(p for p in DOCS.rglob("*.md") if "_build" not in p.parts)]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def code_blocks(text: str) -> list[tuple[str, str, str]]:
     """``(language, section, code)`` of every fenced block, in order; the section is the last
-    ``##``/``###`` heading above it."""
+    heading above it."""
     blocks = []
     section = ""
     lines = text.splitlines()
     i = 0
     while i < len(lines):
         line = lines[i]
-        if line.startswith(("## ", "### ")):
+        if re.match(r"#{1,4} ", line):
             section = line.lstrip("#").strip()
         if line.startswith("```"):
             language = line[3:].strip()
@@ -71,16 +73,32 @@ def code_blocks(text: str) -> list[tuple[str, str, str]]:
     return blocks
 
 
-BLOCKS = code_blocks(README.read_text())
+BLOCKS = {page: code_blocks(page.read_text()) for page in PAGES}
 
 
-def blocks_of(language: str) -> list[tuple[str, str]]:
-    return [(section, code) for lang, section, code in BLOCKS if lang == language]
+def blocks_of(language: str, page: Path | None = None) -> list[tuple[str, str]]:
+    pages = PAGES if page is None else [page]
+    return [(section, code) for p in pages for lang, section, code in BLOCKS[p] if lang == language]
 
 
-def test_the_readme_has_the_blocks_this_test_runs():
-    assert len(blocks_of("python")) == PYTHON_BLOCKS, "a python block was added or removed: run it here"
-    assert len(blocks_of("bash")) == BASH_BLOCKS, "a bash block was added or removed: check it here"
+def name(page: Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+def test_every_block_is_checked_here_and_the_readme_has_its_quick_starts():
+    """Python blocks run, bash lines are checked, YAML blocks parse, plain blocks are text; ``{...}`` is
+    a MyST directive (a toctree, an API page). A block of another kind fails until it is checked here."""
+    languages = {lang for blocks in BLOCKS.values() for lang, _, _ in blocks if not lang.startswith("{")}
+    assert languages <= {"python", "bash", "yaml", ""}, languages
+    assert len(blocks_of("python", README)) == 2 and len(blocks_of("bash", README)) == 2
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if blocks_of("yaml", p)], ids=name)
+def test_every_yaml_block_parses(page):
+    import yaml
+
+    for section, code in blocks_of("yaml", page):
+        assert yaml.safe_load(code) is not None, f"{name(page)}: an empty YAML block in {section}"
 
 
 class CappedTrainer(lightning.pytorch.Trainer):
@@ -106,26 +124,27 @@ class CappedInvertingGradients(lightning_gp.attacks.InvertingGradients):
         super().__init__(*args, iterations=min(iterations, 5), **kwargs)
 
 
-def test_every_python_block_runs_as_written(tmp_path, monkeypatch):
+@pytest.mark.parametrize("page", [p for p in PAGES if blocks_of("python", p)], ids=name)
+def test_every_python_block_runs_as_written(page, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(lightning, "Trainer", CappedTrainer)
     monkeypatch.setattr(lightning.pytorch, "Trainer", CappedTrainer)
     monkeypatch.setattr(lightning_gp.attacks, "InvertingGradients", CappedInvertingGradients)
     monkeypatch.setattr(registry, "_DECLARATIONS", dict(registry._DECLARATIONS))  # a block registers one
-    namespace: dict = {"__name__": "readme"}
+    monkeypatch.setattr(audit_callback, "DEFAULT_ADAPTIVE_BUDGET", {"iterations": 5, "lbfgs_iterations": 2})
+    namespace: dict = {"__name__": "docs"}
     not_run = []
-    for number, (section, code) in enumerate(blocks_of("python"), 1):
+    for number, (section, code) in enumerate(blocks_of("python", page), 1):
+        where = f"{name(page)} python block {number} ({section})"
         if "lightning_gp.flower" in code and importlib.util.find_spec("flwr") is None:
-            not_run.append(
-                f"block {number} ({section}) needs the optional Flower extra: pip install 'lightning-gp[flower]'"
-            )
+            not_run.append(f"{where} needs the optional Flower extra: pip install 'lightning-gp[flower]'")
             continue
         try:
-            exec(compile(code, f"README.md python block {number} ({section})", "exec"), namespace)
+            exec(compile(code, where, "exec"), namespace)
         except Exception as error:
-            raise AssertionError(f"README python block {number} ({section}) failed:\n{code}") from error
+            raise AssertionError(f"{where} failed:\n{code}") from error
     if not_run:
-        pytest.skip("every other README python block ran; " + "; ".join(not_run))
+        pytest.skip("every other python block of the page ran; " + "; ".join(not_run))
 
 
 # --------------------------------------------------------------------------------------------- bash
@@ -144,6 +163,7 @@ BASH_LINES = [words for _, code in blocks_of("bash") for words in command_lines(
 
 
 def test_every_bash_line_is_a_known_command():
+    assert BASH_LINES, "no bash block found"
     for words in BASH_LINES:
         assert words[0] in {"make", "lightning-gp", ".venv/bin/python"}, f"unchecked command: {words}"
 
@@ -198,3 +218,46 @@ def test_docs_point_only_to_files_in_the_repository():
         if "DESIGN.md" in line or "papers/" in line
     ]
     assert not offending, f"references to files outside the repository: {offending}"
+
+
+# ---------------------------------------------------------------------------------- named files
+
+# Where a page's bare file name (`matrix_batch8.md`) is looked up: the results, configs, benchmarks.
+LOOKUP = [ROOT, ROOT / "benchmarks" / "results", ROOT / "configs", ROOT / "benchmarks", DOCS]
+# Files a run writes into its own output directory (named so a reader finds them there), not the repository's.
+RUN_OUTPUTS = {"report.md", "summary.md", "reconstructions.png", "config.yaml", "metrics.csv"}
+FILE_NAME = re.compile(r"`([\w./{},-]+\.(?:md|csv|png|py|yaml|jsonl))`")
+LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
+
+
+def braces(token: str) -> list[str]:
+    """``a_{1,8}.md`` -> ``a_1.md``, ``a_8.md`` (one level, as the pages write them)."""
+    match = re.search(r"\{([^{}]*)\}", token)
+    if match is None:
+        return [token]
+    return [
+        w for part in match.group(1).split(",") for w in braces(token[: match.start()] + part + token[match.end() :])
+    ]
+
+
+def missing_files(page: Path) -> list[str]:
+    text = page.read_text()
+    missing = []
+    for token in FILE_NAME.findall(text):
+        for path in braces(token):
+            if path.startswith(("_", "...", "lightning_gp.", "demo_output/", "runs/", "logs/")):
+                continue  # a suffix (`_summary.md`), a module, or what a run writes into its own directory
+            if Path(path).name in RUN_OUTPUTS:
+                continue
+            bases = [page.parent, ROOT, ROOT / "lightning_gp"] if "/" in path else LOOKUP
+            if not any((base / path).exists() for base in bases):
+                missing.append(path)
+    for target in LINK.findall(text):
+        if "://" not in target and not (page.parent / target).exists():
+            missing.append(f"link {target}")
+    return missing
+
+
+@pytest.mark.parametrize("page", PAGES, ids=name)
+def test_every_file_and_link_a_page_names_exists(page):
+    assert not missing_files(page), f"{name(page)} names what the repository does not hold"

@@ -1,4 +1,4 @@
-"""benchmarks/speed.py: the script the README's performance table quotes runs and writes its table."""
+"""benchmarks/speed.py: the script the performance page (docs/results/performance.md) quotes runs and writes its table."""
 
 from __future__ import annotations
 

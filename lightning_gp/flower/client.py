@@ -65,8 +65,9 @@ class FederatedData:
 
     Args:
         datamodule: its ``train_dataset`` (after ``setup("fit")``, done lazily) is split.
-        num_clients, local_batch_size, local_steps, partition, dirichlet_alpha, shards_per_client,
-        seed: as in :class:`~lightning_gp.federated.FederatedSimulation`.
+        num_clients: as in :class:`~lightning_gp.federated.FederatedSimulation`, as are
+            ``local_batch_size``, ``local_steps``, ``partition``, ``dirichlet_alpha``,
+            ``shards_per_client`` and ``seed``.
     """
 
     def __init__(
