@@ -1,6 +1,6 @@
 """What the defenses and attacks cost, as ratios to the undefended step measured in one process (issue 15).
 
-The README's performance table quotes this script. Every ratio is a pair of times taken in the
+The performance page (docs/results/performance.md) quotes this script. Every ratio is a pair of times taken in the
 same run on the same thread count, so a shared, noisy machine moves both alike.
 
 1. ``optimal``: one defended FedSGD step of ConvNet at batch 16 (forward, backward, sensitivity,

@@ -110,7 +110,7 @@ class AttackBudget:
             clients then reads "inconclusive" at best (the inverter not run is a gap): gradient
             matching beat the inverter at batch 1 on the catalogue
             (``benchmarks/results/learned_inversion.md``), yet after 50 rounds the inverter alone
-            leaked 7 of 16 batch-1 images of the Gaussian mechanism at z = 0.03 (README, "Less
+            leaked 7 of 16 batch-1 images of the Gaussian mechanism at z = 0.03 (docs/results/defense-that-holds.md, "Less
             noise, fewer clients"). At batch 8 it is the strongest passive attack on Top-k and DGP
             (``benchmarks/results/matrix_batch8_pruning.md``).
         lbfgs_restarts: restarts of DLG and iDLG, the one with the lowest gradient distance kept (at
@@ -130,7 +130,7 @@ class AttackBudget:
             mean must beat every one, a test at the ``1 / (K + 1)`` level per metric and client batch.
             31 (1 in 32) keeps the refinement's cost; 255 is the unrefined inverter's 1 in 256, at
             8 times the control's cost. More guesses mean fewer chance leaks and less power: a weak
-            label signal that 31 credits, 255 may not (README, "A defense that holds?").
+            label signal that 31 credits, 255 may not (docs/results/defense-that-holds.md).
     """
 
     ig_iterations: int = 1000
