@@ -55,6 +55,7 @@ $(DOCS_STAMP): $(STAMP) setup.cfg
 
 docs: $(DOCS_STAMP)
 	$(VENV)/bin/sphinx-build -W --keep-going -q -b html docs docs/_build/html
+	$(PY) tools/check_site.py docs/_build/html
 
 # The Flower example (examples/flower) from a checkout: installs the optional Flower extra into
 # .venv (torch pinned as above), then runs the apps on Flower's simulation engine and fails loudly.
