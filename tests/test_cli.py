@@ -253,6 +253,53 @@ def test_top_level_help_is_short_and_lists_every_command(capsys):
         assert command in text
 
 
+def test_top_level_help_imports_neither_torch_nor_lightning():
+    # Before: `lightning-gp --help` imported LightningCLI first, 28 s on a loaded machine
+    script = (
+        "import sys\nfrom lightning_gp.cli import main\nmain(['--help'])\n"
+        "print(sorted(m for m in ('torch', 'lightning') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1] == "[]" and "commands:" in done.stdout
+
+
+def test_frontier_help_shows_plain_text_and_only_its_own_options(capsys):
+    # Before: `--budget` read "Path to a configuration file", docstrings showed raw :func: markup,
+    # and the last line suggested --attack.help, an option frontier does not have
+    from lightning_gp.cli.frontier import main as frontier_main
+
+    frontier_main(["--help"])
+    text = capsys.readouterr().out
+    assert ":func:" not in text and "``" not in text and "--attack.help" not in text
+    assert "--budget             the attacks' budget: a YAML file of all its fields" in text
+    assert "--grids.help C       the arguments of class C (a Grid)" in text
+    assert all(len(line) <= 100 for line in text.splitlines() if not line.startswith("  lightning-gp"))
+
+
+def test_a_config_names_a_model_class_from_a_module_in_the_working_directory(tmp_path, monkeypatch, capsys):
+    # Before: `class_path: mydata.MyCNN` failed with "No module named 'mydata'" until PYTHONPATH=.
+    (tmp_path / "lgp_user_models.py").write_text(
+        "from lightning_gp.models import ImageClassifier, LeNetZhu\n\n"
+        "class MyClassifier(ImageClassifier):\n"
+        "    def __init__(self, lr: float = 0.1):\n"
+        "        super().__init__(LeNetZhu(), lr=lr)\n"
+    )
+    config = tmp_path / "mine.yaml"
+    config.write_text(
+        "model:\n  class_path: lgp_user_models.MyClassifier\n  init_args: {lr: 0.05}\n"
+        "data:\n  class_path: lightning_gp.data.FashionMNISTSampleDataModule\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.setattr(sys, "argv", ["lightning-gp"])
+    with pytest.raises(SystemExit) as done:
+        cli_main(["fit", "--config", str(config), "--print_config"])
+    assert done.value.code in (0, None), capsys.readouterr().err[-3000:]
+    assert "lgp_user_models.MyClassifier" in capsys.readouterr().out
+    assert sys.path[-1] == str(tmp_path)  # appended: a local file never shadows an installed package
+
+
 def test_attack_help_is_short_and_the_full_one_is_one_flag_away(capsys):
     # Before: `lightning-gp attack --help` was 634 lines, most of them every torch.nn.Module subclass
     from lightning_gp.cli.attack import main as attack_main

@@ -15,55 +15,36 @@ federated configs have no top-level ``data`` section.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
-from jsonargparse import Namespace
-from lightning.pytorch.cli import LightningCLI
-from lightning.pytorch.utilities import rank_zero_info
-
-from lightning_gp.cli.shapes import data_built_first, instantiate
+# Nothing heavy at import: `lightning-gp --help` prints without importing torch or Lightning, and each
+# subcommand imports what it runs.
 
 
-class LightningGPCLI(LightningCLI):
-    """LightningCLI with subclass mode for models and data, and config saving that overwrites."""
+def __getattr__(name: str) -> Any:
+    if name == "LightningGPCLI":
+        from lightning_gp.cli.lightning_cli import LightningGPCLI
 
-    def __init__(self, args: Any = None, **kwargs: Any) -> None:
-        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
-        kwargs.setdefault("parser_kwargs", {"description": "lightning-gp: gradient-privacy defenses for Lightning"})
-        super().__init__(
-            model_class=None,
-            datamodule_class=None,
-            subclass_mode_model=True,
-            subclass_mode_data=True,
-            args=args,
-            **kwargs,
-        )
+        return LightningGPCLI
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-    def instantiate_classes(self) -> None:
-        """Build the datamodule first and give the model the data's shape arguments
-        (:mod:`lightning_gp.cli.shapes`), then build everything as LightningCLI does."""
-        config = self.config[self.subcommand] if self.subcommand else self.config
-        parser = self._parser(self.subcommand)
-        with data_built_first(config, lambda spec: instantiate(parser, Namespace(data=spec)).data) as note:
-            if note:
-                rank_zero_info(f"lightning-gp: {note}")
-            super().instantiate_classes()
 
-    def _dump_config(self) -> None:
-        # Lightning's hyperparameter instantiator for LightningDataModules reads the top-level
-        # `data` section and fails when it is null, which it is whenever a FederatedSimulation
-        # builds its own nested datamodule. Give it the nested section instead.
-        super()._dump_config()
-        if self.config_dump.get("data") is None:
-            model = self.config_dump.get("model") or {}
-            self.config_dump["data"] = (model.get("init_args") or {}).get("datamodule") or {}
+def importable_from_working_directory() -> None:
+    """Let a config name the user's own modules (``class_path: mydata.MyCNN`` for ``./mydata.py``) as
+    ``python -m`` would: a console script's ``sys.path`` holds its own bin directory, not the working
+    directory. Appended, so a local file never shadows an installed package."""
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.append(here)
 
 
 def main(args: Any = None) -> None:
     """Console entry point (``lightning-gp``): ``attack`` (an audit), ``frontier`` (the privacy-utility
     frontier), ``refiner`` (Refiner tools), else LightningCLI."""
     argv = sys.argv[1:] if args is None else args
+    importable_from_working_directory()
     if isinstance(argv, list) and argv in ([], ["-h"], ["--help"]):
         from lightning_gp.cli.help import TOP_HELP
 
@@ -89,6 +70,7 @@ def main(args: Any = None) -> None:
         refiner_main(argv[1:])
         return
     from lightning_gp.audit.quiet import library_noise_silenced
+    from lightning_gp.cli.lightning_cli import LightningGPCLI
 
     with library_noise_silenced():  # the suite's entry point: known library noise goes, the rest shows
         LightningGPCLI(args=args)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import textwrap
 from collections.abc import Sequence
 
 from jsonargparse import ArgumentParser
@@ -29,20 +31,53 @@ Every option of a command: lightning-gp fit --help, lightning-gp attack --help-f
 The configs in configs/ show every defense, attack and dataset; docs/architecture.md the design."""
 
 
+#: Width of the option column and of a help line.
+_OPTION_WIDTH, _LINE_WIDTH = 20, 100
+
+
+def plain(text: str) -> str:
+    """A docstring's help text as terminal text: Sphinx roles (``:func:`~a.b.c` `` -> ``c``) and
+    literal markup (````x```` -> ``x``) dropped, and its lines joined into one paragraph."""
+    text = re.sub(r":[\w:]+:`~([\w.]+)`", lambda m: m.group(1).rsplit(".", 1)[-1], text)
+    text = re.sub(r":[\w:]+:`([^`]+)`", r"\1", text)
+    return " ".join(text.replace("``", "").split())
+
+
+def _option_line(flag: str, text: str) -> list[str]:
+    """``flag`` and its help, wrapped, continuation lines indented under the help column."""
+    indent = " " * (_OPTION_WIDTH + 3)
+    lines = textwrap.wrap(plain(text), _LINE_WIDTH, initial_indent=indent, subsequent_indent=indent) or [indent]
+    head = f"  {flag:<{_OPTION_WIDTH}} "
+    if len(flag) > _OPTION_WIDTH:
+        return [head.rstrip(), *lines]
+    return [head + lines[0][len(indent) :], *lines[1:]]
+
+
 def short_help(parser: ArgumentParser, *, usage: str, examples: Sequence[str], full_flag: str) -> str:
-    """``usage``, then one line per option of ``parser`` (its help text, not the classes a typed
+    """``usage``, then one entry per option of ``parser`` (its help text, not the classes a typed
     option accepts), the examples, and the flag that prints jsonargparse's full help."""
     lines = [f"usage: {usage}", ""]
     if parser.description:
-        lines += [parser.description.strip().splitlines()[0], ""]
+        lines += [plain(parser.description.strip().splitlines()[0]), ""]
     lines.append("options:")
+    groups = getattr(parser, "groups", None) or {}
+    class_helps = []
     for action in parser._actions:  # jsonargparse keeps argparse's action list
         flags = [f for f in action.option_strings if f.startswith("--")]
-        if not flags or flags[0] in ("--help", "--print_config") or flags[0].endswith(".help"):
+        if not flags or flags[0] in ("--help", "--print_config"):
             continue
-        lines.append(f"  {flags[0]:<20} {action.help or ''}".rstrip())
-    if any(f.endswith(".help") for a in parser._actions for f in a.option_strings):
-        lines.append(f"  {'--<option>.help C':<20} the init_args of class C, e.g. --attack.help InvertingGradients")
+        if flags[0].endswith(".help"):
+            class_helps.append((flags[0], action.help or ""))
+            continue
+        text = action.help or ""
+        group = groups.get(flags[0][2:])
+        if group is not None:  # a dataclass option: its own help is the group's title; its fields follow
+            text = f"{group.title or ''}: a YAML file of all its fields, or each field as below"
+        lines += _option_line(flags[0], text)
+    for flag, text in class_helps:
+        named = re.search(r"help for (?:the given subclass of )?(\w+)", text)
+        target = f" (a {named.group(1)})" if named else ""
+        lines += _option_line(f"{flag} C", f"the arguments of class C{target}")
     lines += [
         "",
         "examples:",
