@@ -425,3 +425,29 @@ def test_privacy_audit_without_the_noise_ratio_is_inconclusive_unless_its_rule_d
     assert verdict == "inconclusive" and any("noise ratio" in r for r in reasons), reasons
     verdict, reasons = verdicts[None]
     assert verdict == "inconclusive" and reasons == ["the adaptive attacks were not run (adaptive=False)"], reasons
+
+
+class _SigtermAfterTheStep(L.Callback):
+    """What Lightning's SIGTERM handler does (``received_sigterm``) while the step's audit is pending."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        trainer._signal_connector.received_sigterm = True
+
+
+def test_a_sigterm_ends_the_audit_at_its_attacks_next_iteration_and_the_fit_with_lightnings_exception() -> None:
+    # Before: SIGTERM was caught ("Received SIGTERM") and the audit ran on until kill -9
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    audit = PrivacyAudit(rounds=[0], attacks=[IDLG(iterations=10_000)], save_images=False, **KNOWN)
+    with pytest.raises(SIGTERMException, match="SIGTERM received; the audit of step 0, client 0 was stopped"):
+        fit_local([_SigtermAfterTheStep(), audit], steps=1)
+    assert audit.results == []  # no verdict from an audit cut short
+
+
+def test_a_running_attack_prints_progress_and_progress_seconds_is_checked(capsys) -> None:
+    audit = PrivacyAudit(rounds=[0], attacks=tiny_attacks(), save_images=False, progress_seconds=1e-9, **KNOWN)
+    fit_local([audit], steps=1)
+    printed = capsys.readouterr().out
+    assert "[IDLG] iteration 1/2, objective" in printed and "[InvertingGradients] iteration 4/4" in printed
+    with pytest.raises(ValueError, match="progress_seconds"):
+        PrivacyAudit(progress_seconds=0)

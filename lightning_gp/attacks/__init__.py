@@ -46,6 +46,7 @@ from lightning_gp.attacks.learned import (
     LearnedInversion,
     RefinedLearnedInversion,
 )
+from lightning_gp.attacks.monitor import AttackInterrupted, monitored
 from lightning_gp.attacks.noise_aware import NoiseAwareMAP, noise_aware_attacks
 from lightning_gp.attacks.optimization import DLG, IDLG, GradInversion, InvertingGradients, optimize_images
 from lightning_gp.attacks.perturbation_aware import graddefense_knowledge, outpost_knowledge
@@ -86,6 +87,7 @@ __all__ = [
     "ATSAwareInversion",
     "ATSAwareRobbing",
     "AdaptiveDeclaration",
+    "AttackInterrupted",
     "AttackNotApplicable",
     "ComposedTransform",
     "DefenseAwareIDLG",
@@ -132,6 +134,7 @@ __all__ = [
     "layer_noise_weights",
     "mark_fallback",
     "modelled_defense",
+    "monitored",
     "noise_aware_attacks",
     "optimize_images",
     "outpost_knowledge",

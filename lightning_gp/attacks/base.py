@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_gp.attacks.monitor import tick
 from lightning_gp.attacks.view import ServerView
 
 #: Raised whenever a change of an attack can change what it recovers at a given budget (stored
@@ -84,5 +85,6 @@ class GradientAttack(ABC):
         return view, generator
 
     def _report(self, iteration: int, total: int, loss: float) -> None:
+        tick(type(self).__name__, iteration, total, loss)  # within monitored(): a heartbeat, or a requested stop
         if self.progress_every and (iteration % self.progress_every == 0 or iteration == total - 1):
             print(f"[{type(self).__name__}] iteration {iteration + 1}/{total} objective {loss:.6g}", flush=True)

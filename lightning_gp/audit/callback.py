@@ -54,6 +54,7 @@ from typing import Any
 import lightning.pytorch as pl
 import numpy as np
 import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor, nn
 
 from lightning_gp.attacks import (
@@ -66,6 +67,7 @@ from lightning_gp.attacks import (
     has_adaptive_attack,
     label_estimates_differ,
 )
+from lightning_gp.attacks.monitor import AttackInterrupted, monitored
 from lightning_gp.attacks.view import checked_public_data
 from lightning_gp.audit.bounds import FormalBound, defense_mechanism, lpips_for_rule, prior_only_kappa
 from lightning_gp.audit.engine import AttackResult, attack_record
@@ -86,7 +88,7 @@ from lightning_gp.callbacks.tap import StepBatches, tapped_record
 from lightning_gp.metrics import ReconstructionReport, reconstruction_report
 from lightning_gp.pipeline.stages import ClientSetup, DefenseStage, StageCall
 from lightning_gp.records import TappedGradient
-from lightning_gp.validation import check_bool, check_int, check_int_list
+from lightning_gp.validation import check_bool, check_int, check_int_list, check_number
 
 #: Metrics logged per attack and for the worst case (LPIPS and the noise ratio when computed).
 LOGGED_METRICS = ("psnr", "ssim", "lpips", "noise_ratio")
@@ -211,6 +213,10 @@ class PrivacyAudit(SharedGradientObserver):
         dirpath: where the figures and the summary go (default ``<logger.log_dir>/privacy_audit``, or
             the trainer's ``default_root_dir`` without a logger).
         prefix: the logged metrics' name prefix.
+        progress_seconds: while an attack runs, print a line (the attack, its iteration and objective)
+            at least this often; ``None``: silent. An audit stops at the attack's next iteration once
+            the Trainer received SIGTERM (Lightning's ``SIGTERMException`` ends the fit); Ctrl-C
+            (SIGINT) interrupts it at once.
 
     Logged per audited gradient (at the audited step), for each attack ``A`` and for ``passive``
     (the worst case over them): ``{prefix}/client{c}/{A}/{psnr,ssim,lpips,noise_ratio,leak_fraction}``,
@@ -244,8 +250,12 @@ class PrivacyAudit(SharedGradientObserver):
         save_summary: bool | None = None,
         dirpath: str | Path | None = None,
         prefix: str = "privacy_audit",
+        progress_seconds: float | None = 30.0,
     ) -> None:
         self.rounds = check_int_list(rounds, "rounds")
+        if progress_seconds is not None:
+            check_number(progress_seconds, "progress_seconds", low=0.0, low_open=True)
+        self.progress_seconds = progress_seconds
         self.clients = check_int_list(clients, "clients")
         if attacks is not None:
             attacks = list(attacks)
@@ -462,9 +472,19 @@ class PrivacyAudit(SharedGradientObserver):
         pending, self._pending = self._pending, []
         for record, model in pending:
             state = _RandomState()
+            stop = lambda: bool(getattr(trainer, "received_sigterm", False))  # noqa: E731
             try:
-                with torch.enable_grad(), torch.inference_mode(False):
+                with (
+                    monitored(heartbeat=self.progress_seconds, stop=stop),
+                    torch.enable_grad(),
+                    torch.inference_mode(False),
+                ):
                     result = self.audit(record, model)
+            except AttackInterrupted as stopped:
+                raise SIGTERMException(
+                    f"PrivacyAudit: SIGTERM received; the audit of step {record.round}, client {record.client_id} "
+                    f"was stopped ({stopped})"
+                ) from stopped
             finally:
                 state.restore()
             self.results.append(result)

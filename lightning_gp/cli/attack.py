@@ -21,7 +21,7 @@ from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-from lightning_gp.attacks import GradientAttack
+from lightning_gp.attacks import GradientAttack, monitored
 from lightning_gp.audit import (
     AttackResult,
     FormalBound,
@@ -125,8 +125,8 @@ def run(config: Any) -> list[AttackResult]:
     results = []
     for record in records:
         print(f"attacking client {record.client_id}, round {record.round} with {type(attack).__name__}", flush=True)
-        results.append(
-            attack_record(
+        with monitored(heartbeat=30.0):  # a line at least every 30 s while the attack runs
+            result = attack_record(
                 record,
                 model,
                 attack,
@@ -138,7 +138,7 @@ def run(config: Any) -> list[AttackResult]:
                 lpips=config.lpips,
                 public_data=public,
             )
-        )
+        results.append(result)
     return results
 
 

@@ -34,6 +34,7 @@ from typing import Any, cast
 import lightning as L
 import torch
 
+from lightning_gp.attacks import monitored
 from lightning_gp.audit import (
     VERDICT_THRESHOLDS,
     AttackBudget,
@@ -89,17 +90,18 @@ def audit(name: str, budget: AttackBudget, lpips_fn: Any, output_dir: Path, seed
         f"\n== attacking {setting.name}: iDLG, Inverting Gradients, Robbing the Fed and its adaptive attack", flush=True
     )
     L.seed_everything(seed, verbose=False)  # the same initial model for every defense
-    result = audit_setting(
-        setting,
-        LeNetZhu(),
-        FashionMNISTSampleDataModule(),
-        indices=attacked(images),
-        published=published_attacks(budget, ["iDLG", "IG", "RtF"]),
-        budget=budget,
-        seed=seed,
-        lpips_fn=lpips_fn,
-        log=lambda line: None,
-    )
+    with monitored(heartbeat=30.0):  # each attack as it starts, and a line at least every 30 s while it runs
+        result = audit_setting(
+            setting,
+            LeNetZhu(),
+            FashionMNISTSampleDataModule(),
+            indices=attacked(images),
+            published=published_attacks(budget, ["iDLG", "IG", "RtF"]),
+            budget=budget,
+            seed=seed,
+            lpips_fn=lpips_fn,
+            log=lambda line: print(f"   {line}", flush=True),
+        )
     for line in result.summary_lines():
         print(f"   {line}", flush=True)
     save_grid(result, output_dir / f"audit_{slug(setting.name)}.png")
