@@ -260,6 +260,7 @@ def main() -> None:
     parser.add_argument("--shipped", default=SHIPPED, help="the shipped setting's name in the frontier")
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args()
+    args.output_dir.mkdir(parents=True, exist_ok=True)  # before the audits, not after their hour of work
     if args.beside_frontier is not None:
         beside_the_frontier(args.beside_frontier, args.shipped, f"{args.name}_beside_frontier", args.output_dir)
         return
@@ -299,6 +300,7 @@ def main() -> None:
                             "setting": setting.name, "batch_size": batch_size, "round": round_, "threat": threat,
                             "image": row.index, **{m: row.values.get(m) for m in ("psnr", "ssim", "semantic")},
                             "leaks": row.leaks, "below_issue_bar": ok, "strongest": row.attacks.get("psnr"),
+                            "why it leaks": "; ".join(f"{a}: {', '.join(c)}" for a, c in row.criteria.items()),
                         }
                     )  # fmt: skip
                 worst_of = {
