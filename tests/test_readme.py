@@ -14,8 +14,10 @@ is capped, from outside, so the suite stays CI-sized:
   (the PriPrune block's 2 rounds of 10 clients x 3 local steps of LeNetZhu take well under a second);
 - ``lightning_gp.attacks.InvertingGradients`` is a subclass whose ``iterations`` is at most 5
   (the pages' attack budgets are 2500; the blocks' other attacks are built, not run);
-- ``PrivacyAudit``'s default budget of the attacker who knows the defense is 5 Adam and 2 L-BFGS
-  iterations (``DEFAULT_ADAPTIVE_BUDGET``; 200 and 30 in a real run, about half a minute a gradient).
+- ``PrivacyAudit``'s default attackers run 2 L-BFGS iterations of 3 steps (iDLG, one image) or 5
+  Adam iterations (Inverting Gradients), and the attacker who knows the defense 5 Adam and 2 L-BFGS
+  iterations with one restart (``default_attacks``, ``DEFAULT_ADAPTIVE_BUDGET``; 30, 200, 200 and
+  30 in a real run, about half a minute a gradient).
 
 ``bash`` blocks are not run (they are long trainings, attacks and benchmarks): every file a command
 line names must exist, every ``--flag`` given to a benchmark script must be one it parses, every
@@ -124,6 +126,12 @@ class CappedInvertingGradients(lightning_gp.attacks.InvertingGradients):
         super().__init__(*args, iterations=min(iterations, 5), **kwargs)
 
 
+def capped_default_attacks(batch_size: int) -> list:
+    if batch_size == 1:
+        return [lightning_gp.attacks.IDLG(iterations=2, max_iter=3)]
+    return [CappedInvertingGradients(iterations=5)]
+
+
 @pytest.mark.parametrize("page", [p for p in PAGES if blocks_of("python", p)], ids=name)
 def test_every_python_block_runs_as_written(page, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -131,7 +139,10 @@ def test_every_python_block_runs_as_written(page, tmp_path, monkeypatch):
     monkeypatch.setattr(lightning.pytorch, "Trainer", CappedTrainer)
     monkeypatch.setattr(lightning_gp.attacks, "InvertingGradients", CappedInvertingGradients)
     monkeypatch.setattr(registry, "_DECLARATIONS", dict(registry._DECLARATIONS))  # a block registers one
-    monkeypatch.setattr(audit_callback, "DEFAULT_ADAPTIVE_BUDGET", {"iterations": 5, "lbfgs_iterations": 2})
+    monkeypatch.setattr(
+        audit_callback, "DEFAULT_ADAPTIVE_BUDGET", {"iterations": 5, "lbfgs_iterations": 2, "restarts": 1}
+    )
+    monkeypatch.setattr(audit_callback, "default_attacks", capped_default_attacks)
     namespace: dict = {"__name__": "docs"}
     not_run = []
     for number, (section, code) in enumerate(blocks_of("python", page), 1):
