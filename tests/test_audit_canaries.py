@@ -373,3 +373,21 @@ def test_an_exact_copy_beside_a_blank_output_leaks_on_every_pair_the_matching_sw
         worst = worst_case_report([report], reference_images=reference)
         assert worst.rows[0].leaks and worst.verdict == "leaks", (picks, report.permutation)
     assert swapped > 0  # the premise: the matching does swap some pairs
+
+
+def test_a_verdict_resting_on_a_mean_line_alone_says_which_mean_crossed_which_line(sample) -> None:
+    """Before: "LEAKS: 0 of 4 images leak" when a worst-case mean crossed a mean line and no image met
+    the per-image rule. The headline names the mean, its value and the line instead."""
+    originals, labels = _train(sample, [3, 41, 77, 105])
+    view = _view(originals, labels, sample)
+    grey = normalize(torch.full((4, 1, 28, 28), 0.5), sample.mean, sample.std)  # far from every leak line
+    report = reconstruction_report(Reconstruction(grey, None), originals, view, true_labels=labels, lpips=False)
+    worst = worst_case_report([report], thresholds={"psnr": 1.0})  # a mean line any output crosses
+    assert worst.leaked == 0 and worst.verdict == "leaks"
+    mean = worst.means["psnr"]
+    assert worst.headline() == (
+        f"LEAKS by the worst-case mean over 4 images: PSNR {mean:.3g} dB crossed its line (PSNR > 1 dB); "
+        "no single image met the per-image rule"
+    )
+    judged = worst_case_report([report])  # the default mean lines: none crossed, and no image leaks
+    assert judged.headline() == f"{judged.verdict.upper()}: 0 of 4 images leak"

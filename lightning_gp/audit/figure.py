@@ -100,9 +100,7 @@ def figure_text(worst: WorstCaseReport, *, context: str = "", limit: int = FIGUR
             ]
         )
         flags.append(True if row.leaks else (False if scored else None))
-    title = f"{worst.verdict.upper()}: {worst.leaked} of {worst.batch_size} images leak" + (
-        f" ({context})" if context else ""
-    )
+    title = worst.headline() + (f" ({context})" if context else "")
     header = [
         (
             f"Worst case over {len(worst.attacks)} attack{'s' if len(worst.attacks) > 1 else ''} "

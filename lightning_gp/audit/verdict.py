@@ -380,6 +380,23 @@ class WorstCaseReport:
     def is_inconclusive(self) -> bool:
         return self.verdict == "inconclusive"
 
+    def headline(self) -> str:
+        """The verdict in one line that names what crossed which line: how many images leak, or, where
+        the verdict rests on a worst-case mean alone (no image met the per-image rule), which mean
+        crossed which of the verdict's mean lines (a "leaks: 0 of 4 images leak" read as a contradiction)."""
+        crossed = [m for m, flag in self.private.items() if flag is False and self.means.get(m) is not None]
+        if self.verdict == "leaks" and self.leaked == 0 and crossed:
+            parts = [
+                f"{METRIC_NAMES.get(m, m)} {self.means[m]:.3g}{' dB' if m == 'psnr' else ''} crossed its line "
+                f"({threshold_phrases({m: self.thresholds[m]})[0]})"
+                for m in crossed
+            ]
+            return (
+                f"LEAKS by the worst-case mean over {self.batch_size} images: {'; '.join(parts)}; no single image "
+                "met the per-image rule"
+            )
+        return f"{self.verdict.upper()}: {self.leaked} of {self.batch_size} images leak"
+
     def attack_leak_fraction(self, attack: str) -> float:
         """The fraction of images that ``attack`` alone leaks (by the report's leak rule)."""
         if attack not in self.attacks:
