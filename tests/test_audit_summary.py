@@ -159,3 +159,13 @@ def test_a_large_batch_is_sampled_evenly_over_the_ranking_with_the_worst_leak_ke
     assert shown_images(worst, limit=1) == [37]
     with pytest.raises(ValueError, match="limit"):
         shown_images(worst, limit=0)
+
+
+def test_a_single_run_is_judged_in_words_never_picked_or_called_closest() -> None:
+    # Before: one run read "None private. Closest: <the run>", or "Pick: <the run>" when private
+    candidates = [Candidate("my run", "leaks", 0.25, 21.0, accuracy=0.8, reason="2 of 8 images leak")]
+    assert choice_sentence(choose(candidates), "PMM") == (
+        "**Not private: leaks.** my run (2 of 8 images leak): 25% of the images leak, worst-case PSNR 21.0 dB, PMM 0.800."
+    )
+    private = [Candidate("my run", "private", 0.0, 9.0)]
+    assert choice_sentence(choose(private)) == "**Private.** my run: 0% of the images leak, worst-case PSNR 9.0 dB."

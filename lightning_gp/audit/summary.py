@@ -61,6 +61,7 @@ class Choice:
         private: every private candidate, best first.
         inconclusive: how many candidates were inconclusive (never counted as private).
         by_accuracy: whether the pick was made by accuracy (else by the lowest worst-case PSNR).
+        candidates: how many candidates there were (one: a single run, which is judged, not picked).
     """
 
     pick: Candidate | None
@@ -68,6 +69,7 @@ class Choice:
     private: tuple[Candidate, ...]
     inconclusive: int
     by_accuracy: bool
+    candidates: int = 0
 
 
 def _low(value: float | None) -> float:
@@ -108,6 +110,7 @@ def choose(candidates: Sequence[Candidate]) -> Choice:
         private=tuple(private),
         inconclusive=sum(c.verdict == "inconclusive" for c in candidates),
         by_accuracy=by_accuracy,
+        candidates=len(candidates),
     )
 
 
@@ -130,6 +133,16 @@ def choice_sentence(choice: Choice, accuracy_name: str = "accuracy", what: str =
         if choice.inconclusive
         else ""
     )
+    if choice.candidates == 1:  # one run or setting: a verdict, not a choice among several
+        c = choice.pick or choice.closest
+        assert c is not None
+        why = f" ({c.reason})" if c.reason and c.verdict != "private" else ""
+        accuracy = f", {accuracy_name} {format_score(c.accuracy, '.3f')}" if c.accuracy is not None else ""
+        verdict = {"private": "Private", "leaks": "Not private: leaks", "inconclusive": "Not private: inconclusive"}
+        return (
+            f"**{verdict[c.verdict]}.** {c.name}{why}: {_leaked(c)} of the images leak, worst-case PSNR "
+            f"{format_score(c.worst_psnr, '.1f')} dB{accuracy}."
+        )
     if choice.pick is not None:
         c = choice.pick
         among = f"of {len(choice.private)} private {what}s"
