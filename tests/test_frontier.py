@@ -635,3 +635,22 @@ def test_a_budget_field_added_later_leaves_the_fingerprint_as_it_was_at_the_valu
         frontier_run, "asdict", lambda obj: {k: v for k, v in full(obj).items() if k != "refined_decoys"}
     )
     assert frontier_run.fingerprint(cfg) == with_field != stricter
+
+
+def test_the_undefended_reference_is_called_the_reference_not_a_ratio_to_itself() -> None:
+    # Before: the undefended row read "PMM 1.00, time x0.26, upload 69%" (its time measured against itself
+    # in another process, its upload against the dense gradient), which read as errors
+    import dataclasses
+
+    from helpers import frontier_point
+
+    from lightning_gp.audit.frontier_report import setting_candidates
+
+    point = dataclasses.replace(
+        frontier_point("undefended", 0, "passive", "leaks", 1.0), cost_ratio=0.26, upload_ratio=0.69
+    )
+    (candidate,) = setting_candidates([point], 1, "passive")
+    assert candidate.cost == "the reference, upload 69% of dense (exact zeros go sparse)"
+    other = dataclasses.replace(frontier_point("TopKPruning(rate=0.9)", 0, "passive", "leaks", 0.9), upload_ratio=0.13)
+    (candidate,) = setting_candidates([other], 1, "passive")
+    assert candidate.cost == "PMM 0.90, time x1.00, upload 13%"

@@ -194,6 +194,9 @@ class Recommendation:
 
 def _cost(points: Sequence[FrontierPoint]) -> str:
     p = points[0]
+    if p.setting == "undefended":  # its PMM and time are 1 by definition; a measured ratio to itself reads as an error
+        dense = "" if p.upload_ratio is None else f", upload {p.upload_ratio:.0%} of dense (exact zeros go sparse)"
+        return f"the reference{dense}"
     parts = []
     if p.pmm is not None:
         parts.append(f"PMM {p.pmm:.2f}")
