@@ -50,6 +50,12 @@ def main(args: Any = None) -> None:
 
         print(TOP_HELP)
         return
+    if isinstance(argv, list) and len(argv) == 2 and argv[1] in ("-h", "--help"):
+        from lightning_gp.cli.help_texts import COMMAND_HELP
+
+        if argv[0] in COMMAND_HELP:  # stored: building a command's parser imports torch and Lightning
+            print(COMMAND_HELP[argv[0]])
+            return
     if isinstance(argv, list) and argv[:1] == ["attack"]:
         from lightning_gp.audit.quiet import library_noise_silenced
         from lightning_gp.cli.attack import main as attack_main

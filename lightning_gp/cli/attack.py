@@ -322,18 +322,21 @@ EXAMPLES = (
 )
 
 
+def help_text() -> str:
+    """What ``lightning-gp attack --help`` prints (stored in :mod:`lightning_gp.cli.help_texts`)."""
+    return short_help(
+        build_parser(),
+        usage="lightning-gp attack --config CONFIG [options]",
+        examples=EXAMPLES,
+        full_flag="lightning-gp attack --help-full",
+    )
+
+
 def main(argv: list[str] | None = None) -> list[AttackResult]:
     parser = build_parser()
     args = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in args):
-        print(
-            short_help(
-                parser,
-                usage="lightning-gp attack --config CONFIG [options]",
-                examples=EXAMPLES,
-                full_flag="lightning-gp attack --help-full",
-            )
-        )
+        print(help_text())
         return []
     if "--help-full" in args:
         argv = ["--help" if a == "--help-full" else a for a in args]

@@ -72,11 +72,16 @@ def config_from(namespace: Any) -> FrontierConfig:
     return FrontierConfig(**values)
 
 
+def help_text() -> str:
+    """What ``lightning-gp frontier --help`` prints (stored in :mod:`lightning_gp.cli.help_texts`)."""
+    return short_help(build_parser(), usage=USAGE, examples=EXAMPLES, full_flag="lightning-gp frontier --help-full")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     if argv in ([], ["-h"], ["--help"]):
-        print(short_help(parser, usage=USAGE, examples=EXAMPLES, full_flag="lightning-gp frontier --help-full"))
+        print(help_text())
         return
     if argv == ["--help-full"]:
         argv = ["--help"]

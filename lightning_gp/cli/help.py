@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import textwrap
 from collections.abc import Sequence
+from pathlib import Path
 
 from jsonargparse import ArgumentParser
 
@@ -86,3 +87,34 @@ def short_help(parser: ArgumentParser, *, usage: str, examples: Sequence[str], f
         f"All options and the classes they accept: {full_flag}",
     ]
     return "\n".join(lines)
+
+
+#: The commands whose ``--help`` prints the text stored in :mod:`lightning_gp.cli.help_texts`.
+STORED_HELP_COMMANDS = ("attack", "frontier")
+
+
+def live_help(command: str) -> str:
+    """``command``'s short help built from its parser now (imports the command: torch, Lightning)."""
+    from importlib import import_module
+
+    text: str = import_module(f"lightning_gp.cli.{command}").help_text()
+    return text
+
+
+def write_help_texts(path: Path | None = None) -> Path:
+    """Store every command's live help in ``lightning_gp/cli/help_texts.py``, which ``lightning-gp
+    <command> --help`` prints without importing torch (a test fails when it is stale)."""
+    path = Path(__file__).with_name("help_texts.py") if path is None else path
+    texts = {command: live_help(command) for command in STORED_HELP_COMMANDS}
+    body = "".join(f"    {command!r}: {text!r},\n" for command, text in texts.items())
+    path.write_text(
+        '"""The short help of each command, stored so that ``--help`` prints in a fraction of a second.\n\n'
+        "Generated from the parsers by ``python -m lightning_gp.cli.help``; ``tests/test_cli.py`` fails when\n"
+        'a parser changed and this file did not."""\n\n'
+        f"COMMAND_HELP: dict[str, str] = {{\n{body}}}\n"
+    )
+    return path
+
+
+if __name__ == "__main__":
+    print(f"written: {write_help_texts()}")
