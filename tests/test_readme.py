@@ -19,7 +19,8 @@ is capped, from outside, so the suite stays CI-sized:
   iterations with one restart (``default_attacks``, ``DEFAULT_ADAPTIVE_BUDGET``; 30, 200, 200 and
   30 in a real run, about half a minute a gradient).
 
-``bash`` blocks are not run (they are long trainings, attacks and benchmarks): every file a command
+``bash`` blocks are not run (they are long trainings, attacks and benchmarks), nor the commands the
+text gives as inline code: every file a command
 line names must exist, every ``--flag`` given to a benchmark script must be one it parses, every
 ``make`` target must be in the Makefile, and every ``lightning-gp fit|attack|frontier --config ...``
 line must parse with ``--print_config`` (in process, nothing trained).
@@ -272,3 +273,25 @@ def missing_files(page: Path) -> list[str]:
 @pytest.mark.parametrize("page", PAGES, ids=name)
 def test_every_file_and_link_a_page_names_exists(page):
     assert not missing_files(page), f"{name(page)} names what the repository does not hold"
+
+
+# In the text, as inline code: `python benchmarks/x.py --flag`, `lightning-gp frontier --config ...`.
+INLINE_COMMAND = re.compile(r"`((?:\.venv/bin/)?python (?:benchmarks|tools)/[^`]+|lightning-gp [^`]+)`")
+INLINE = sorted({" ".join(c.split()) for page in PAGES for c in INLINE_COMMAND.findall(page.read_text())})
+COMMANDS = {"fit", "validate", "test", "predict", "attack", "frontier", "refiner", "--help", "<command>"}
+
+
+@pytest.mark.parametrize("command", INLINE, ids=str)
+def test_every_command_in_the_text_names_a_script_flag_or_config_that_exists(command):
+    words = shlex.split(command.replace("...", ""))
+    if words[0] == "lightning-gp":
+        assert words[1] in COMMANDS, f"no lightning-gp command {words[1]!r}"
+        if "--config" in words:
+            config = words[words.index("--config") + 1]
+            assert (ROOT / config).is_file(), f"{config} does not exist"
+        return
+    script = ROOT / words[1]
+    assert script.is_file(), f"{words[1]} does not exist"
+    source = script.read_text() + (ROOT / "benchmarks" / "_common.py").read_text()
+    for flag in (w for w in words[2:] if w.startswith("--")):
+        assert f'"{flag}"' in source, f"{words[1]} does not parse {flag}"
