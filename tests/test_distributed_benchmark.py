@@ -12,6 +12,9 @@ def run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return run_benchmark("distributed.py", *args, cwd=cwd, timeout=300)
 
 
+# 18 s: a benchmark's smoke run, left to the benchmarks (pytest -m slow); the DDP paths it times are
+# tested by tests/test_ddp.py
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_quick_run_reports_every_path_at_one_and_two_gloo_processes(tmp_path):
     result = run(

@@ -5,9 +5,12 @@ from __future__ import annotations
 import csv
 import math
 
+import pytest
 from helpers import run_benchmark
 
 
+# 19 s, the suite's second-longest: a benchmark's smoke run, left to the benchmarks (pytest -m slow)
+@pytest.mark.slow
 def test_speed_quick_measures_every_optimal_mode_with_its_estimator_error_every_pruning_and_the_client_step(tmp_path):
     result = run_benchmark(
         "speed.py",
