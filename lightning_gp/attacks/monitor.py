@@ -14,7 +14,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-__all__ = ["AttackInterrupted", "monitored", "tick"]
+__all__ = ["HEARTBEAT_SECONDS", "AttackInterrupted", "monitored", "tick"]
+
+#: The longest a person waits for a line from a running attack within :func:`monitored`, by default.
+HEARTBEAT_SECONDS = 30.0
 
 
 class AttackInterrupted(BaseException):
@@ -37,7 +40,7 @@ _active: list[_Monitor] = []
 @contextmanager
 def monitored(
     *,
-    heartbeat: float | None = 30.0,
+    heartbeat: float | None = HEARTBEAT_SECONDS,
     stop: Callable[[], bool] | None = None,
     write: Callable[[str], None] = lambda line: print(line, flush=True),
 ) -> Iterator[None]:

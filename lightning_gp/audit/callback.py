@@ -67,7 +67,7 @@ from lightning_gp.attacks import (
     has_adaptive_attack,
     label_estimates_differ,
 )
-from lightning_gp.attacks.monitor import AttackInterrupted, monitored
+from lightning_gp.attacks.monitor import HEARTBEAT_SECONDS, AttackInterrupted, monitored
 from lightning_gp.attacks.view import checked_public_data
 from lightning_gp.audit.bounds import FormalBound, defense_mechanism, lpips_for_rule, prior_only_kappa
 from lightning_gp.audit.engine import AttackResult, attack_record
@@ -250,7 +250,7 @@ class PrivacyAudit(SharedGradientObserver):
         save_summary: bool | None = None,
         dirpath: str | Path | None = None,
         prefix: str = "privacy_audit",
-        progress_seconds: float | None = 30.0,
+        progress_seconds: float | None = HEARTBEAT_SECONDS,
     ) -> None:
         self.rounds = check_int_list(rounds, "rounds")
         if progress_seconds is not None:
@@ -470,9 +470,12 @@ class PrivacyAudit(SharedGradientObserver):
 
     def _run_pending(self, trainer: pl.Trainer) -> None:
         pending, self._pending = self._pending, []
+
+        def stop() -> bool:  # Lightning's SIGTERM handler sets the flag; the attack checks it each iteration
+            return bool(getattr(trainer, "received_sigterm", False))
+
         for record, model in pending:
             state = _RandomState()
-            stop = lambda: bool(getattr(trainer, "received_sigterm", False))  # noqa: E731
             try:
                 with (
                     monitored(heartbeat=self.progress_seconds, stop=stop),

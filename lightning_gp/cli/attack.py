@@ -125,7 +125,7 @@ def run(config: Any) -> list[AttackResult]:
     results = []
     for record in records:
         print(f"attacking client {record.client_id}, round {record.round} with {type(attack).__name__}", flush=True)
-        with monitored(heartbeat=30.0):  # a line at least every 30 s while the attack runs
+        with monitored():  # a line at least every 30 s while the attack runs
             result = attack_record(
                 record,
                 model,
@@ -333,11 +333,11 @@ def help_text() -> str:
 
 
 def main(argv: list[str] | None = None) -> list[AttackResult]:
-    parser = build_parser()
     args = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in args):
         print(help_text())
         return []
+    parser = build_parser()
     if "--help-full" in args:
         argv = ["--help" if a == "--help-full" else a for a in args]
     parsed = parser.parse_args(argv)

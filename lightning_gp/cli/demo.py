@@ -90,7 +90,7 @@ def audit(name: str, budget: AttackBudget, lpips_fn: Any, output_dir: Path, seed
         f"\n== attacking {setting.name}: iDLG, Inverting Gradients, Robbing the Fed and its adaptive attack", flush=True
     )
     L.seed_everything(seed, verbose=False)  # the same initial model for every defense
-    with monitored(heartbeat=30.0):  # each attack as it starts, and a line at least every 30 s while it runs
+    with monitored():  # each attack as it starts, and a line at least every 30 s while it runs
         result = audit_setting(
             setting,
             LeNetZhu(),

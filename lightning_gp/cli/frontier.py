@@ -79,10 +79,10 @@ def help_text() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
     if argv in ([], ["-h"], ["--help"]):
         print(help_text())
         return
+    parser = build_parser()
     if argv == ["--help-full"]:
         argv = ["--help"]
     namespace = parser.instantiate(parser.parse_args(argv))
