@@ -380,14 +380,35 @@ def test_a_verdict_resting_on_a_mean_line_alone_says_which_mean_crossed_which_li
     the per-image rule. The headline names the mean, its value and the line instead."""
     originals, labels = _train(sample, [3, 41, 77, 105])
     view = _view(originals, labels, sample)
-    grey = normalize(torch.full((4, 1, 28, 28), 0.5), sample.mean, sample.std)  # far from every leak line
-    report = reconstruction_report(Reconstruction(grey, None), originals, view, true_labels=labels, lpips=False)
-    worst = worst_case_report([report], thresholds={"psnr": 1.0})  # a mean line any output crosses
-    assert worst.leaked == 0 and worst.verdict == "leaks"
+    pixels = denormalize(originals, sample.mean, sample.std)
+    faint = normalize(0.8 * torch.full((4, 1, 28, 28), 0.5) + 0.2 * pixels, sample.mean, sample.std)  # beats grey
+    report = reconstruction_report(Reconstruction(faint, None), originals, view, true_labels=labels, lpips=False)
+    # a mean line any output crosses, and a per-image rule nothing here meets
+    worst = worst_case_report([report], thresholds={"psnr": 1.0}, leak_thresholds={"psnr": 40.0}, noise_ratio_line=None)
+    assert worst.leaked == 0 and worst.verdict == "leaks" and worst.mean_lines_at_guess == []
     mean = worst.means["psnr"]
     assert worst.headline() == (
         f"LEAKS by the worst-case mean over 4 images: PSNR {mean:.3g} dB crossed its line (PSNR > 1 dB); "
         "no single image met the per-image rule"
     )
-    judged = worst_case_report([report])  # the default mean lines: none crossed, and no image leaks
+    judged = worst_case_report([report], leak_thresholds={"psnr": 40.0}, noise_ratio_line=None)  # no line crossed
     assert judged.headline() == f"{judged.verdict.upper()}: 0 of 4 images leak"
+
+
+def test_a_mean_line_a_trivial_guess_crosses_as_far_is_no_leak(sample) -> None:
+    """A worst-case mean over a verdict line counts only where it beats every trivial guess's mean: a
+    reconstruction that is the blank guess itself crosses a 1 dB PSNR line as far as the blank guess
+    does, which says something of the images, nothing of the defense. The report names the line."""
+    originals, labels = _train(sample, [3, 41, 77, 105])
+    view = _view(originals, labels, sample)
+    grey = normalize(torch.full((4, 1, 28, 28), 0.5), sample.mean, sample.std)  # the blank guess itself
+    report = reconstruction_report(Reconstruction(grey, None), originals, view, true_labels=labels, lpips=False)
+    worst = worst_case_report([report], thresholds={"psnr": 1.0})
+    assert worst.baseline("blank").kind == "grey 0.5" and worst.private["psnr"] is False
+    assert worst.leaked == 0 and worst.verdict == "private" and worst.mean_lines_at_guess == ["psnr"]
+    assert worst.headline() == "PRIVATE: 0 of 4 images leak"
+    assert "a trivial guess's mean does so as far" in worst.to_markdown()
+    assert worst.to_dict()["mean_lines_at_guess"] == ["psnr"]
+    # without the originals' pixels no guess is scored: every crossed line counts
+    blind = dataclasses.replace(report, original_pixels=None)
+    assert worst_case_report([blind], thresholds={"psnr": 1.0}).verdict == "leaks"

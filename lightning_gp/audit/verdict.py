@@ -35,7 +35,11 @@ where the attack's batch mean beats every such batch's, the median one
 
 **The verdict** (:func:`judge`): ``"leaks"`` when more than ``max_leak_fraction`` of the images leak
 (default: one image is a leak) or a worst-case mean is on the leaking side of
-:data:`VERDICT_THRESHOLDS` (Refiner's mean PSNR 15 dB, SSIM 0.5, LPIPS 0.05); else
+:data:`VERDICT_THRESHOLDS` (Refiner's mean PSNR 15 dB, SSIM 0.5, LPIPS 0.05) and beats every trivial
+guess's mean on that metric (a mean line that a blank or mean image crosses as far measures the data:
+on smooth images a blank guess alone scores 12-16 dB; such a line is reported in
+``mean_lines_at_guess`` and counts for nothing; without the originals' pixels no guess is scored and
+every crossed line counts); else
 ``"inconclusive"`` when the audit is incomplete (an attack errored, an adaptive attack fell back or
 could not apply, an attack produced non-finite images, the semantic test could not run;
 ``verdict_reasons`` says which); else ``"private"``. A leak found is a leak however
@@ -343,6 +347,8 @@ class WorstCaseReport:
             (:mod:`lightning_gp.audit.prior_control`); ``None`` when no attack ran a control.
         baselines: the trivial guesses' scores ("blank", "dataset mean" when known).
         below_trivial_baseline: the worst-case mean PSNR is below a baseline's mean PSNR.
+        mean_lines_at_guess: the verdict's mean lines that the worst-case mean crosses no further than
+            a trivial guess's mean does (:func:`mean_lines_at_guess`): reported, not counted as a leak.
         best_psnr_pixels: per image, the reconstruction (pixels) of the attack with the best
             PSNR (for figures; not in ``to_dict``); ``original_pixels``: the originals.
     """
@@ -365,6 +371,7 @@ class WorstCaseReport:
     noise_ratio_line: float | None = NOISE_RATIO_LINE
     threat_model: str | None = None
     control_false_alarm: float | None = None
+    mean_lines_at_guess: list[str] = field(default_factory=list)
     original_pixels: Tensor | None = field(default=None, repr=False, compare=False)
     best_psnr_pixels: Tensor | None = field(default=None, repr=False, compare=False)
 
@@ -384,7 +391,11 @@ class WorstCaseReport:
         """The verdict in one line that names what crossed which line: how many images leak, or, where
         the verdict rests on a worst-case mean alone (no image met the per-image rule), which mean
         crossed which of the verdict's mean lines (a "leaks: 0 of 4 images leak" read as a contradiction)."""
-        crossed = [m for m, flag in self.private.items() if flag is False and self.means.get(m) is not None]
+        crossed = [
+            m
+            for m, flag in self.private.items()
+            if flag is False and self.means.get(m) is not None and m not in self.mean_lines_at_guess
+        ]
         if self.verdict == "leaks" and self.leaked == 0 and crossed:
             parts = [
                 f"{METRIC_NAMES.get(m, m)} {self.means[m]:.3g}{' dB' if m == 'psnr' else ''} crossed its line "
@@ -421,6 +432,7 @@ class WorstCaseReport:
             "leak_thresholds": dict(self.leak_thresholds),
             "max_leak_fraction": self.max_leak_fraction,
             "private": dict(self.private),
+            "mean_lines_at_guess": list(self.mean_lines_at_guess),
             "leak_fraction": self.leak_fraction,
             "leaked": self.leaked,
             "verdict": self.verdict,
@@ -486,6 +498,11 @@ class WorstCaseReport:
         if self.below_trivial_baseline:
             lines.append(
                 "The worst-case PSNR is below a trivial baseline: no attack beat a guess without the gradient."
+            )
+        if self.mean_lines_at_guess:
+            lines.append(
+                f"The worst-case mean {', '.join(self.mean_lines_at_guess)} crosses its verdict line, but a trivial "
+                "guess's mean does so as far: on these images the line measures the data, so it is not counted."
             )
         lines += ["", "| # | best psnr (attack) | best ssim (attack) | leaks | leaked by |", "| --- " * 5 + "|"]
         for r in self.rows:
@@ -641,8 +658,15 @@ def worst_case_report(
     means = {metric: batch_mean([r.values[metric] for r in rows]) for metric in METRICS}
     leaked = sum(r.leaks for r in rows)
     private = privacy_flags(means, thresholds)
+    at_guess = mean_lines_at_guess(private, means, baselines)
     verdict, reasons = judge(
-        rows, reports, names, private, rule, max_leak_fraction=float(max_leak_fraction), incomplete=incomplete
+        rows,
+        reports,
+        names,
+        {m: flag for m, flag in private.items() if m not in at_guess},
+        rule,
+        max_leak_fraction=float(max_leak_fraction),
+        incomplete=incomplete,
     )
 
     below: bool | None = None
@@ -669,9 +693,32 @@ def worst_case_report(
         noise_ratio_line=rule.noise_ratio_line,
         threat_model=threat_model,
         control_false_alarm=_control_false_alarm(reports),
+        mean_lines_at_guess=at_guess,
         original_pixels=originals,
         best_psnr_pixels=best_pixels,
     )
+
+
+def mean_lines_at_guess(
+    private: Mapping[str, bool | None], means: Mapping[str, float | None], baselines: Sequence[BaselineScores]
+) -> list[str]:
+    """The crossed mean lines (``private[m] is False``) on which some trivial guess's batch mean is at
+    least as good for the attacker as the worst-case mean: the attacks did no better there than an
+    image that needs no gradient, so the line measures the data, not the defense. No baselines (no
+    originals' pixels to score a guess on): none, every crossed line counts."""
+    at_guess = []
+    for metric, flag in private.items():
+        value = means.get(metric)
+        if flag is not False or value is None:
+            continue
+        for baseline in baselines:
+            guess = baseline.means.get(metric)
+            if guess is None or math.isnan(guess):
+                continue
+            if (guess <= value) if HIGHER_IS_PRIVATE[metric] else (guess >= value):
+                at_guess.append(metric)
+                break
+    return at_guess
 
 
 def _control_false_alarm(reports: Sequence[ReconstructionReport]) -> float | None:
