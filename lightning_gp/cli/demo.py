@@ -15,6 +15,14 @@ On the built-in Fashion-MNIST sample, for undefended FedSGD, Top-k 20% and dual 
    audit is complete. The report says plainly when a defense that holds against the published
    attacks fails against its adaptive attack.
 
+Attacks stop once every attacked image has leaked (``AttackBudget(stop_when_all_leak=True)``: the
+adaptive attacks first, then only the clients whose image has not leaked yet): an attack run after
+that changes neither verdict nor leak fraction, and the report lists what was not run.
+``--every-attack`` runs them all. The settings are trained and audited in parallel worker processes
+(``--workers``, one torch thread each): the attacks' small double-backward passes gain nothing from
+a second thread, and a second process halves the wall time on two cores. About 3 minutes on 2 idle
+cores (10 before both changes), with the same verdicts.
+
 Writes ``demo_output/report.md`` (+ ``report.json``), one grid per defense (``audit_<defense>.png``:
 the originals, each attack's reconstructions, the worst case) and the tapped gradients of client 0,
 round 0 of each training run (``taps/``).
@@ -25,9 +33,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import time
-from collections.abc import Sized
+from collections.abc import Callable, Sized
 from pathlib import Path
 from typing import Any, cast
 
@@ -47,6 +56,7 @@ from lightning_gp.audit import (
     published_attacks,
     train_setting,
 )
+from lightning_gp.audit.workers import worker_pool
 from lightning_gp.callbacks import GradientTap
 from lightning_gp.data import FashionMNISTSampleDataModule
 from lightning_gp.metrics import save_comparison_grid
@@ -67,15 +77,22 @@ def _fmt(value: float | None, spec: str = ".3f") -> str:
     return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
-def train(name: str, rounds: int, output_dir: Path, seed: int) -> TrainingResult:
+Write = Callable[[str], None]
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+def train(name: str, rounds: int, output_dir: Path, seed: int, write: Write = say) -> TrainingResult:
     setting = defense_catalog([name])[0].build(seed, 1)
-    print(f"\n== training {setting.name}: FedSGD, 10 clients x 8 images per round, {rounds} rounds", flush=True)
+    write(f"== training {setting.name}: FedSGD, 10 clients x 8 images per round, {rounds} rounds")
     tap = GradientTap(clients=0, rounds=[0], dirpath=str(output_dir / "taps" / slug(setting.name)))
     L.seed_everything(seed, verbose=False)
     result = train_setting(
         setting, LeNetZhu(), FashionMNISTSampleDataModule(batch_size=500), rounds=rounds, seed=seed, callbacks=[tap]
     )
-    print(f"   test accuracy {result.test_acc:.4f} in {result.train_seconds:.0f} s", flush=True)
+    write(f"   test accuracy {result.test_acc:.4f} in {result.train_seconds:.0f} s")
     return result
 
 
@@ -84,13 +101,13 @@ def attacked(images: int) -> list[list[int]]:
     return [[i] for i in range(images)]
 
 
-def audit(name: str, budget: AttackBudget, lpips_fn: Any, output_dir: Path, seed: int, images: int) -> SettingAudit:
+def audit(
+    name: str, budget: AttackBudget, lpips_fn: Any, output_dir: Path, seed: int, images: int, write: Write = say
+) -> SettingAudit:
     setting = defense_catalog([name])[0].build(seed, 1)
-    print(
-        f"\n== attacking {setting.name}: iDLG, Inverting Gradients, Robbing the Fed and its adaptive attack", flush=True
-    )
+    write(f"== attacking {setting.name}: iDLG, Inverting Gradients, Robbing the Fed and its adaptive attack")
     L.seed_everything(seed, verbose=False)  # the same initial model for every defense
-    with monitored():  # each attack as it starts, and a line at least every 30 s while it runs
+    with monitored(write=write):  # each attack as it starts, and a line at least every 30 s while it runs
         result = audit_setting(
             setting,
             LeNetZhu(),
@@ -100,10 +117,10 @@ def audit(name: str, budget: AttackBudget, lpips_fn: Any, output_dir: Path, seed
             budget=budget,
             seed=seed,
             lpips_fn=lpips_fn,
-            log=lambda line: print(f"   {line}", flush=True),
+            log=lambda line: write(f"   {line}"),
         )
     for line in result.summary_lines():
-        print(f"   {line}", flush=True)
+        write(f"   {line}")
     save_grid(result, output_dir / f"audit_{slug(setting.name)}.png")
     return result
 
@@ -125,7 +142,13 @@ def save_grid(result: SettingAudit, path: Path) -> None:
 
 def verdict_sentence(result: SettingAudit) -> str:
     """What the audit says of one defense, in words: the passive server, then the active one."""
-    return f"- **{result.setting}**: " + " ".join(_threat_sentence(result, threat) for threat in ("passive", "active"))
+    sentences = [_threat_sentence(result, threat) for threat in ("passive", "active")]
+    if result.skipped:
+        sentences.append(
+            f"Not run, as every image had already leaked to an attack run before: {', '.join(result.skipped)} "
+            "(`--every-attack` runs them)."
+        )
+    return f"- **{result.setting}**: " + " ".join(sentences)
 
 
 def _threat_sentence(result: SettingAudit, threat: str) -> str:
@@ -134,7 +157,8 @@ def _threat_sentence(result: SettingAudit, threat: str) -> str:
     if report is None:
         return f"Against {who}: inconclusive (no attack ran)."
     psnr = report.means["psnr"]
-    leaked = f"{report.leaked} of {report.batch_size} images leak (worst-case PSNR {_fmt(psnr, '.1f')} dB)"
+    at_least = "at least " if result.skipped or result.partial else ""  # attacks stopped once images leaked
+    leaked = f"{report.leaked} of {report.batch_size} images leak (worst-case PSNR {at_least}{_fmt(psnr, '.1f')} dB)"
     if report.verdict == "private":
         return f"Against {who}: holds, no image leaks to any attack run here ({leaked})."
     if report.verdict == "inconclusive":
@@ -142,10 +166,14 @@ def _threat_sentence(result: SettingAudit, threat: str) -> str:
     cells = [c for c in result.cells if threat == "active" or c.threat == "passive"]
     published_leak = max((c.leak_fraction or 0.0 for c in cells if c.kind == "published"), default=0.0)
     adaptive_leak = max((c.leak_fraction or 0.0 for c in cells if c.kind == "adaptive"), default=0.0)
-    if result.setting != "undefended" and published_leak == 0.0 and adaptive_leak > 0:
+    # "the published attacks recover no image" only where each of them ran on every client
+    published_whole = not result.skipped and not any(
+        c.kind == "published" and c.attack in result.partial for c in cells
+    )
+    if result.setting != "undefended" and published_leak == 0.0 and adaptive_leak > 0 and published_whole:
         return (
-            f"Against {who}: FAILS against its adaptive attack: the published attacks recover no image, but the "
-            f"attacker who knows the defense does: {leaked}."
+            f"Against {who}: FAILS against its adaptive attack: the published attacks recover no image, but "
+            f"the attacker who knows the defense does: {leaked}."
         )
     strongest = ", ".join(sorted({a for r in report.rows for a in r.leaked_by})) or "the worst-case means"
     return f"Against {who}: leaks, {leaked}; strongest: {strongest}."
@@ -220,6 +248,12 @@ def _attack_section_intro(budget: AttackBudget, images: int) -> list[str]:
             "server that may also send a modified model (worst case over every attack)."
         ),
         "",
+        (
+            "Unless `--every-attack` is given, the adaptive attacks run first and an attack is not run on a client "
+            "whose image has already leaked, nor at all once every image has: it could change neither verdict nor "
+            "leak fraction, only raise the worst-case PSNR, which is then a lower bound. Such rows say so."
+        ),
+        "",
         "| defense | attack | kind | PSNR (dB) | SSIM | LPIPS | noise ratio | images leaked | s |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -228,15 +262,24 @@ def _attack_section_intro(budget: AttackBudget, images: int) -> list[str]:
 def _audit_rows(result: SettingAudit) -> list[str]:
     """One setting's rows of the attack table: each attack's cell, then the passive and active worst cases."""
     lines = []
+    batch = len(result.passive.rows) if result.passive is not None else None
     for cell in result.cells:
         if not cell.means:
             lines.append(f"| {result.setting} | {cell.attack} | {cell.kind} | {cell.status}: {cell.note} |||||")
             continue
         m = cell.means
+        attack = cell.attack
+        if cell.attack in result.partial and batch is not None:  # the other clients' images had leaked
+            attack += f" (on {batch - result.partial[cell.attack]} of {batch} clients)"
         lines.append(
-            f"| {result.setting} | {cell.attack} | {cell.kind}{' (fallback)' if cell.status == 'fallback' else ''} "
+            f"| {result.setting} | {attack} | {cell.kind}{' (fallback)' if cell.status == 'fallback' else ''} "
             f"| {_fmt(m['psnr'], '.2f')} | {_fmt(m['ssim'])} | {_fmt(m['lpips'])} | {_fmt(m['noise_ratio'])} "
             f"| {cell.leak_fraction:.0%} | {cell.seconds:.0f} |"
+        )
+    for name in result.skipped:
+        lines.append(
+            f"| {result.setting} | {name} | not run | every attacked image had already leaked to an attack run "
+            "before: it could change neither verdict nor leak fraction |||||"
         )
     for threat, w in (("passive", result.passive), ("active", result.active)):
         if w is None:
@@ -277,6 +320,8 @@ def _report_payload(training: list[TrainingResult], audits: list[SettingAudit], 
             for result in audits
         ],
         "budget": budget.__dict__,
+        "not_run": {result.setting: list(result.skipped) for result in audits},
+        "partial": {result.setting: dict(result.partial) for result in audits},
     }
 
 
@@ -301,9 +346,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"attacked clients, one image each (default {DEFAULT_IMAGES}; fewer hide leaks)",
     )
     parser.add_argument("--no-lpips", action="store_true", help="skip LPIPS")
+    parser.add_argument(
+        "--every-attack",
+        action="store_true",
+        help="run every attack on every client, also after every image has leaked (about 3 times as long)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="settings trained and audited at once, each in its own process (default: one per core, at most one "
+        "per setting; 1: in this process)",
+    )
     args = parser.parse_args(argv)
-    for flag in ("rounds", "ig_iterations", "idlg_iterations", "images"):
-        if getattr(args, flag) < 1:
+    for flag in ("rounds", "ig_iterations", "idlg_iterations", "images", "workers"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
     try:
         defense_catalog(args.defenses)
@@ -316,19 +373,57 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--images must be at most the sample's {available} training images")
     if args.defenses[0] != "undefended":
         args.defenses = ["undefended", *[d for d in args.defenses if d != "undefended"]]
+    if args.workers is None:
+        args.workers = max(1, min(os.cpu_count() or 1, len(args.defenses)))
     return args
+
+
+def demo_budget(args: argparse.Namespace) -> AttackBudget:
+    """The attacks' budget from the demo's arguments."""
+    return AttackBudget(
+        ig_iterations=args.ig_iterations,
+        lbfgs_iterations=args.idlg_iterations,
+        stop_when_all_leak=not args.every_attack,
+    )
+
+
+def run_setting(name: str, args: argparse.Namespace, threads: int | None) -> tuple[TrainingResult, SettingAudit]:
+    """Train, then audit, one setting (``threads``: torch threads of a worker process), its lines
+    prefixed with its name. The grid is saved here; the reconstructions are not sent back."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+
+    def write(line: str) -> None:
+        say(f"[{name}] {line}")
+
+    with library_noise_silenced():  # the suite's entry point: known library noise goes, the rest shows
+        training = train(name, args.rounds, args.output_dir, args.seed, write)
+        lpips_fn = None if args.no_lpips else LPIPS()
+        result = audit(name, demo_budget(args), lpips_fn, args.output_dir, args.seed, args.images, write)
+    result.results = {}
+    return training, result
+
+
+def run_settings(args: argparse.Namespace) -> list[tuple[TrainingResult, SettingAudit]]:
+    """Every setting of ``args.defenses``, in order: in this process, or on ``args.workers`` worker
+    processes of one torch thread each (more where there are more cores than workers)."""
+    workers = min(args.workers, len(args.defenses))
+    if workers == 1:
+        return [run_setting(name, args, None) for name in args.defenses]
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    say(f"{len(args.defenses)} settings on {workers} worker processes, {threads} torch thread(s) each")
+    with worker_pool(workers) as pool:
+        futures = [pool.submit(run_setting, name, args, threads) for name in args.defenses]
+        return [future.result() for future in futures]
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    with library_noise_silenced():  # the suite's entry point: known library noise goes, the rest shows
-        training = [train(name, args.rounds, args.output_dir, args.seed) for name in args.defenses]
-        budget = AttackBudget(ig_iterations=args.ig_iterations, lbfgs_iterations=args.idlg_iterations)
-        lpips_fn = None if args.no_lpips else LPIPS()
-        audits = [audit(name, budget, lpips_fn, args.output_dir, args.seed, args.images) for name in args.defenses]
-    report = write_report(training, audits, budget, args.output_dir, args.images)
+    outcomes = run_settings(args)
+    training, audits = [t for t, _ in outcomes], [a for _, a in outcomes]
+    report = write_report(training, audits, demo_budget(args), args.output_dir, args.images)
     print("\n" + report.read_text())
     print(f"report written to {report} and {report.with_suffix('.json')} in {time.perf_counter() - start:.0f} s")
 
