@@ -628,8 +628,7 @@ def worst_case_report(
     Args:
         reports: one :class:`ReconstructionReport` per attack, all on the same originals (each
             is already matched to them; see :func:`worst_case_of_reconstructions` to match here).
-        thresholds: mean thresholds of the verdict (default Refiner's PSNR/SSIM/LPIPS lines,
-            :data:`VERDICT_THRESHOLDS`); a worst-case mean on the leaking side is a leak.
+        thresholds: the verdict's mean lines (:data:`VERDICT_THRESHOLDS`), each counted where it beats every guess.
         leak_thresholds, noise_ratio_line: the per-image leak rule (:class:`LeakRule`).
         max_leak_fraction: the largest fraction of leaked images a "private" verdict allows.
         reference_images, dataset_mean: for the "dataset mean" baseline (see
@@ -659,14 +658,9 @@ def worst_case_report(
     leaked = sum(r.leaks for r in rows)
     private = privacy_flags(means, thresholds)
     at_guess = mean_lines_at_guess(private, means, baselines)
+    counted = {m: flag for m, flag in private.items() if m not in at_guess}
     verdict, reasons = judge(
-        rows,
-        reports,
-        names,
-        {m: flag for m, flag in private.items() if m not in at_guess},
-        rule,
-        max_leak_fraction=float(max_leak_fraction),
-        incomplete=incomplete,
+        rows, reports, names, counted, rule, max_leak_fraction=float(max_leak_fraction), incomplete=incomplete
     )
 
     below: bool | None = None
