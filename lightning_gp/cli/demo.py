@@ -184,7 +184,7 @@ def write_report(
 ) -> Path:
     lines = _training_section(training) + _attack_section_intro(budget, images)
     for result in audits:
-        lines += _audit_rows(result)
+        lines += _audit_rows(result, clients=images)
     lines += _blank_baseline_note(audits)
     lines += ["", "## Verdicts", "", *[verdict_sentence(r) for r in audits]]
     lines += [
@@ -259,18 +259,18 @@ def _attack_section_intro(budget: AttackBudget, images: int) -> list[str]:
     ]
 
 
-def _audit_rows(result: SettingAudit) -> list[str]:
-    """One setting's rows of the attack table: each attack's cell, then the passive and active worst cases."""
+def _audit_rows(result: SettingAudit, clients: int) -> list[str]:
+    """One setting's rows of the attack table (``clients`` attacked): each attack's cell, then the
+    passive and active worst cases."""
     lines = []
-    batch = len(result.passive.rows) if result.passive is not None else None
     for cell in result.cells:
         if not cell.means:
             lines.append(f"| {result.setting} | {cell.attack} | {cell.kind} | {cell.status}: {cell.note} |||||")
             continue
         m = cell.means
         attack = cell.attack
-        if cell.attack in result.partial and batch is not None:  # the other clients' images had leaked
-            attack += f" (on {batch - result.partial[cell.attack]} of {batch} clients)"
+        if cell.attack in result.partial:  # the other clients' images had leaked
+            attack += f" (on {clients - result.partial[cell.attack]} of {clients} clients)"
         lines.append(
             f"| {result.setting} | {attack} | {cell.kind}{' (fallback)' if cell.status == 'fallback' else ''} "
             f"| {_fmt(m['psnr'], '.2f')} | {_fmt(m['ssim'])} | {_fmt(m['lpips'])} | {_fmt(m['noise_ratio'])} "
