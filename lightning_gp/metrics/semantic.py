@@ -66,8 +66,14 @@ original's class (a dress, a sandal) to a classifier that never saw it; "not rec
 evidence of privacy (the classifier misses about one in five originals even when clean), which is
 why the test is added to the pixel rules, never in place of them. It is a test of the class, not
 of the identity: another image of the same class scores like a recognisable reconstruction.
-Calibrated on Fashion-MNIST only; for other image shapes :func:`semantic_scores` refuses (pass a
-classifier and baselines of your own, and calibrate a line for them with the benchmark).
+Calibrated on Fashion-MNIST only; for other image shapes :func:`semantic_scores` refuses.
+
+Other data. :class:`PublicClassifier`, :func:`train_public_classifier` and :func:`trivial_guesses`
+take any image shape ``[C, H, W]`` (at least 8x8) and class count; for 1x28x28 and 10 classes they are
+the shipped recipe, draw for draw. :func:`lightning_gp.metrics.semantic_test.fit_semantic_test`
+trains this recipe on a dataset's public split at audit time and sets the line by a split-conformal
+quantile at a stated false-alarm level (``benchmarks/semantic_any_data.py`` compares it with the
+shipped test on Fashion-MNIST).
 """
 
 from __future__ import annotations
@@ -112,12 +118,32 @@ _OUTLIER_WEIGHT = 0.5
 
 
 class PublicClassifier(nn.Module):
-    """Small CNN for 1x28x28 images in [0, 1] (pixels, not normalised); ``forward -> logits [B, 10]``."""
+    """Small CNN for ``in_channels x H x W`` images in [0, 1] (pixels, not normalised); ``forward -> logits
+    [B, classes]``.
 
-    def __init__(self, classes: int = NUM_CLASSES) -> None:
+    Two 3x3 convolutions, each followed by a 2x2 max-pool, then two linear layers: the flatten size is
+    ``64 * (H // 4) * (W // 4)``. The defaults (10 classes, 1x28x28) are the shipped classifier's layers
+    (same parameter names and shapes). ``image_size`` (``(H, W)`` or one int for square images) must be
+    at least 8 on each side.
+    """
+
+    def __init__(
+        self,
+        classes: int = NUM_CLASSES,
+        in_channels: int = IMAGE_SHAPE[0],
+        image_size: tuple[int, int] | int = (28, 28),
+    ) -> None:
         super().__init__()
+        height, width = (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
+        if min(height, width) < 8:
+            raise ValueError(
+                f"image_size must be at least 8x8 (two 2x2 max-pools need room), got {height}x{width}; "
+                "upsample smaller images first"
+            )
+        if classes < 1 or in_channels < 1:
+            raise ValueError(f"classes and in_channels must be positive, got {classes} and {in_channels}")
         self.net = nn.Sequential(
-            nn.Conv2d(1, 32, 3, padding=1),
+            nn.Conv2d(in_channels, 32, 3, padding=1),
             nn.ReLU(),
             nn.MaxPool2d(2),
             nn.Conv2d(32, 64, 3, padding=1),
@@ -125,7 +151,7 @@ class PublicClassifier(nn.Module):
             nn.MaxPool2d(2),
             nn.Flatten(),
             nn.Dropout(0.3),
-            nn.Linear(64 * 7 * 7, 128),
+            nn.Linear(64 * (height // 4) * (width // 4), 128),
             nn.ReLU(),
             nn.Dropout(0.3),
             nn.Linear(128, classes),
@@ -154,7 +180,7 @@ def low_resolution(x: Tensor, factor: int) -> Tensor:
 
 
 def _augment(x: Tensor, g: torch.Generator) -> Tensor:
-    """Shifts and flips for all; half the batch also gets one generic degradation."""
+    """Shifts and flips for all; half the batch also gets one generic degradation (any ``[N, C, H, W]``)."""
     n = x.shape[0]
     shifts = (int(torch.randint(-2, 3, (1,), generator=g)), int(torch.randint(-2, 3, (1,), generator=g)))
     x = torch.roll(x, shifts=shifts, dims=(2, 3))
@@ -176,13 +202,19 @@ def _augment(x: Tensor, g: torch.Generator) -> Tensor:
     return out
 
 
-def _outliers(n: int, g: torch.Generator) -> Tensor:
-    """Images of nothing: constants, uniform noise, Gaussian noise, smooth random fields."""
+def _outliers(n: int, g: torch.Generator, shape: tuple[int, ...] = IMAGE_SHAPE) -> Tensor:
+    """``n`` images of nothing, ``[n, *shape]``: constants, uniform noise, Gaussian noise, smooth random fields.
+
+    Constants and the Gaussian noise's level are drawn per channel (solid colours for RGB); for one
+    channel the draws are those of the shipped recipe.
+    """
+    channels = shape[0]
     kind = torch.randint(0, 4, (n, 1, 1, 1), generator=g)
-    constant = torch.rand(n, 1, 1, 1, generator=g).expand(n, *IMAGE_SHAPE)
-    uniform = torch.rand(n, *IMAGE_SHAPE, generator=g)
-    gaussian = (torch.rand(n, 1, 1, 1, generator=g) + 0.3 * torch.randn(n, *IMAGE_SHAPE, generator=g)).clamp(0, 1)
-    smooth = gaussian_blur(torch.rand(n, *IMAGE_SHAPE, generator=g), 2.0)
+    constant = torch.rand(n, channels, 1, 1, generator=g).expand(n, *shape)
+    uniform = torch.rand(n, *shape, generator=g)
+    level = torch.rand(n, channels, 1, 1, generator=g)
+    gaussian = (level + 0.3 * torch.randn(n, *shape, generator=g)).clamp(0, 1)
+    smooth = gaussian_blur(torch.rand(n, *shape, generator=g), 2.0)
     low, high = smooth.amin(dim=(2, 3), keepdim=True), smooth.amax(dim=(2, 3), keepdim=True)
     smooth = (smooth - low) / (high - low + 1e-6)
     out = torch.where(kind == 0, constant, uniform)
@@ -201,18 +233,24 @@ def load_public_split() -> tuple[Tensor, Tensor]:
 
 
 def train_public_classifier(
-    images: Tensor, labels: Tensor, epochs: int = _EPOCHS, seed: int = _TRAIN_SEED
+    images: Tensor, labels: Tensor, epochs: int = _EPOCHS, seed: int = _TRAIN_SEED, classes: int = NUM_CLASSES
 ) -> PublicClassifier:
     """Train :class:`PublicClassifier` on public ``images`` (pixels) with the recipe above (seeded).
 
+    ``images``: ``[N, C, H, W]`` pixels in [0, 1], any channel count and size (at least 8x8): the
+    network, the augmentation and the outlier images take their shape from it. ``labels``: ``[N]`` in
+    ``[0, classes)``. For 1x28x28 images and 10 classes this is the shipped recipe, draw for draw.
     Deterministic for a given torch build and thread count (up to float rounding across builds).
     The global RNG is left as it was.
     """
+    if images.ndim != 4:
+        raise ValueError(f"images must be [N, C, H, W] pixels in [0, 1], got shape {tuple(images.shape)}")
+    shape = tuple(images.shape[1:])
     g = torch.Generator().manual_seed(seed)
     # callers score under no_grad/inference mode (reconstruction_report): training needs autograd on
     with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad():
         torch.manual_seed(seed)
-        net = PublicClassifier()
+        net = PublicClassifier(classes, shape[0], (shape[1], shape[2]))
         steps = epochs * ((len(images) + _BATCH - 1) // _BATCH)
         opt = torch.optim.Adam(net.parameters(), lr=2e-3)
         sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps)
@@ -222,7 +260,7 @@ def train_public_classifier(
             for start in range(0, len(images), _BATCH):
                 idx = order[start : start + _BATCH]
                 loss = F.cross_entropy(net(_augment(images[idx], g)), labels[idx])
-                outlier_logits = net(_outliers(_OUTLIER_BATCH, g))
+                outlier_logits = net(_outliers(_OUTLIER_BATCH, g, shape))
                 loss = loss - _OUTLIER_WEIGHT * outlier_logits.log_softmax(dim=1).mean()
                 opt.zero_grad()
                 loss.backward()
@@ -339,24 +377,36 @@ def write_public_classifier(path: str | Path, threads: int = 1) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def trivial_guesses(mean_image: Tensor | None = None, seed: int = 1234) -> Tensor:
-    """Gradient-free guesses ``[5, 1, 28, 28]``: zeros, grey 0.5, the mean image, uniform and Gaussian noise.
+def trivial_guesses(mean_image: Tensor | None = None, seed: int = 1234, shape: tuple[int, ...] = IMAGE_SHAPE) -> Tensor:
+    """Gradient-free guesses ``[5, *shape]``: zeros, grey 0.5, the mean image, uniform and Gaussian noise.
 
-    ``mean_image``: the dataset-mean image ``[1, 28, 28]`` in [0, 1] (default: a constant image of
-    Fashion-MNIST's mean pixel). The noise images are drawn from ``seed``.
+    ``shape``: ``(C, H, W)`` (default the shipped ``(1, 28, 28)``). ``mean_image``: the dataset-mean
+    image of that shape in [0, 1]; optional only for the shipped shape (default: a constant image of
+    Fashion-MNIST's mean pixel), required for any other. The noise images are drawn from ``seed``.
     """
+    shape = tuple(int(s) for s in shape)
+    if len(shape) != 3:
+        raise ValueError(f"shape must be (C, H, W), got {shape}")
     g = torch.Generator().manual_seed(seed)
     if mean_image is None:
+        if shape != IMAGE_SHAPE:
+            raise ValueError(
+                f"mean_image is required for shape {shape} (the constant Fashion-MNIST mean is only the "
+                f"default for {IMAGE_SHAPE}): pass the public images' mean, e.g. images.mean(dim=0)"
+            )
         mean_image = torch.full(IMAGE_SHAPE, FASHION_MNIST_MEAN)
-    mean_image = mean_image.detach().float().cpu().reshape(IMAGE_SHAPE)
+    mean_image = mean_image.detach().float().cpu()
+    if mean_image.numel() != int(np.prod(shape)):
+        raise ValueError(f"mean_image must have shape {shape}, got {tuple(mean_image.shape)}")
+    mean_image = mean_image.reshape(shape)
     check_pixel_range(mean_image, "mean_image")
     return torch.stack(
         [
-            torch.zeros(IMAGE_SHAPE),
-            torch.full(IMAGE_SHAPE, 0.5),
+            torch.zeros(shape),
+            torch.full(shape, 0.5),
             mean_image,
-            torch.rand(IMAGE_SHAPE, generator=g),
-            (0.5 + 0.25 * torch.randn(IMAGE_SHAPE, generator=g)).clamp(0, 1),
+            torch.rand(shape, generator=g),
+            (0.5 + 0.25 * torch.randn(shape, generator=g)).clamp(0, 1),
         ]
     )
 
@@ -370,8 +420,20 @@ def class_probabilities(images: Tensor, classifier: nn.Module | None = None) -> 
             f"{tuple(images.shape)}; other data needs its own classifier and calibrated line"
         )
     check_pixel_range(images, "images")
-    net = public_classifier() if classifier is None else classifier
-    return net(images.detach().float().cpu()).softmax(dim=1)
+    return softmax_of(public_classifier() if classifier is None else classifier, images)
+
+
+@torch.no_grad()
+def softmax_of(classifier: nn.Module, images: Tensor) -> Tensor:
+    """``classifier``'s softmax on ``images`` (on the CPU, float32, no gradient); no shape or range check."""
+    return classifier(images.detach().float().cpu()).softmax(dim=1)
+
+
+def lift_matrix(probabilities: Tensor, baseline_probabilities: Tensor, labels: Tensor) -> Tensor:
+    """The semantic score ``[len(labels), B]`` from softmaxes ``[B, K]`` of the images and ``[k, K]`` of the
+    baselines: entry ``[i, j]`` = ``p(labels[i] | image j) - max over baselines of p(labels[i] | baseline)``."""
+    base = baseline_probabilities.amax(dim=0)
+    return probabilities.t()[labels] - base[labels, None]
 
 
 def semantic_scores(
@@ -412,8 +474,8 @@ def semantic_score_matrix(
     probs = class_probabilities(reconstructions, classifier)
     if labels.numel() and (labels.min() < 0 or labels.max() >= probs.shape[1]):
         raise ValueError(f"labels must lie in [0, {probs.shape[1]}), got {labels.tolist()}")
-    base = class_probabilities(trivial_guesses() if baselines is None else baselines, classifier).amax(dim=0)
-    return probs.t()[labels] - base[labels, None]
+    base = class_probabilities(trivial_guesses() if baselines is None else baselines, classifier)
+    return lift_matrix(probs, base, labels)
 
 
 def recognisable(scores: Tensor, line: float = SEMANTIC_LINE) -> Tensor:
