@@ -6,7 +6,11 @@ return one value per image (``[B]``); normalised or 8-bit images, NaN and inf ar
 checks Refiner's privacy thresholds (PSNR < 15, SSIM < 0.5, LPIPS > 0.05, noise ratio > 0.4 are
 "private"), reported per attack; the verdict over several attacks (worst case, leak rule, threat
 models) is the audit's: :mod:`lightning_gp.audit.verdict`. ``noise_ratio`` scores a reconstruction alone with Refiner's evaluation network
-(shipped for 1- and 3-channel images; higher is noisier, more private).
+(shipped for 1- and 3-channel images; higher is noisier, more private). ``fit_semantic_test`` trains and
+calibrates the semantic leak test (does a public-data classifier name the original's class?) on any
+dataset's public split; ``shipped_semantic_test`` is the shipped Fashion-MNIST one.
+``IdentificationTest`` asks whether a reconstruction picks its original out of public images of the
+same data (by SSIM or LPIPS), with a p-value per pair.
 
 ``ReconstructionPSNR``, ``ReconstructionSSIM``, ``ReconstructionLPIPS``, ``ReconstructionNMI`` and
 ``ReconstructionNoiseRatio`` are torchmetrics ``Metric`` classes over the same functions: they match each update's
@@ -26,6 +30,7 @@ from lightning_gp.metrics.classes import (
     ReconstructionSSIM,
 )
 from lightning_gp.metrics.figures import save_comparison_grid, save_flagged_grid, save_reconstruction_grid
+from lightning_gp.metrics.identification import IdentificationCalibrationError, IdentificationTest
 from lightning_gp.metrics.image_quality import mse, psnr, ssim
 from lightning_gp.metrics.lpips import (
     LPIPS,
@@ -50,12 +55,20 @@ from lightning_gp.metrics.report import (
     reconstruction_report,
     reconstruction_reports,
 )
+from lightning_gp.metrics.semantic_test import (
+    SemanticCalibrationError,
+    SemanticTest,
+    fit_semantic_test,
+    shipped_semantic_test,
+)
 
 __all__ = [
     "HIGHER_IS_PRIVATE",
     "LPIPS",
     "MATCH_METRICS",
     "PRIVACY_THRESHOLDS",
+    "IdentificationCalibrationError",
+    "IdentificationTest",
     "ImageScores",
     "LPIPSNetwork",
     "LPIPSWeights",
@@ -66,7 +79,10 @@ __all__ = [
     "ReconstructionPSNR",
     "ReconstructionReport",
     "ReconstructionSSIM",
+    "SemanticCalibrationError",
+    "SemanticTest",
     "concatenate_reports",
+    "fit_semantic_test",
     "load_lpips_weights",
     "lpips_distance",
     "lpips_network",
@@ -83,5 +99,6 @@ __all__ = [
     "save_comparison_grid",
     "save_flagged_grid",
     "save_reconstruction_grid",
+    "shipped_semantic_test",
     "ssim",
 ]
