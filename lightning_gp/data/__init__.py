@@ -1,4 +1,5 @@
-"""Image-classification datamodules (built-in Fashion-MNIST sample, idx, CIFAR, SVHN, image folders, your arrays).
+"""Image-classification datamodules (built-in Fashion-MNIST sample, idx, CIFAR, SVHN, image folders, your arrays,
+crops of scikit-image's bundled photographs).
 
 Every datamodule derives from :class:`ImageClassificationDataModule`; its datasets yield
 ``(image float32 [C, H, W], label int64)`` and carry a ``targets`` tensor for label-based partitioning.
@@ -13,6 +14,8 @@ from lightning_gp.data.download import DownloadError
 from lightning_gp.data.file_datamodule import FileDataModule
 from lightning_gp.data.image_folder import ImageFileDataset, ImageFolderDataModule
 from lightning_gp.data.mnist import FASHION_MNIST_CLASSES, FashionMNISTDataModule, MNISTDataModule
+from lightning_gp.data.photo_crops import PhotoCropsDataModule
+from lightning_gp.data.photos import PhotosNotFoundError
 from lightning_gp.data.svhn import SVHNDataModule
 
 __all__ = [
@@ -32,6 +35,8 @@ __all__ = [
     "ImageFolderDataModule",
     "ImageTensorDataset",
     "MNISTDataModule",
+    "PhotoCropsDataModule",
+    "PhotosNotFoundError",
     "SVHNDataModule",
     "TargetSubset",
 ]

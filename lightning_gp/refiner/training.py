@@ -27,7 +27,6 @@ split:
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import math
 import os
 import time
@@ -43,6 +42,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_gp.data.base import CorruptDatasetError, DatasetNotFoundError
+from lightning_gp.data.photos import HELDOUT_PHOTOS, TRAIN_PHOTOS, read_photo, scikit_image_data_dir
+from lightning_gp.data.photos import pyramid as _pyramid
 from lightning_gp.refiner.evaluator import CHECKPOINT_FORMAT, EvaluationNetwork
 from lightning_gp.validation import check_int, check_positive, check_positive_int
 
@@ -55,24 +57,6 @@ PHOTOS_SOURCE = "scikit-image-photos"
 SAMPLE_TEST_PER_CLASS = 100
 #: Images per class of the remaining test split held out for the MAE (the last ones, in file order).
 FASHION_HELDOUT_PER_CLASS = 100
-
-#: Photographs bundled in the scikit-image wheel (``skimage/data``), with their licences as
-#: scikit-image's ``skimage.data`` docstrings state them. Grey ones are repeated to 3 channels.
-TRAIN_PHOTOS: dict[str, str] = {
-    "astronaut.png": "Eileen Collins, NASA Great Images; public domain",
-    "rocket.jpg": "DSCOVR launch on Falcon 9, SpaceX; public domain",
-    "hubble_deep_field.jpg": "Hubble eXtreme Deep Field, NASA; public domain",
-    "retina.jpg": "human retina fundus photograph, Mikael Häggström, Wikimedia; CC0 1.0",
-    "camera.png": "cameraman, Lav Varshney; CC0 (grey)",
-    "brick.png": "brick wall, CC0Textures Bricks25; CC0 (grey)",
-    "grass.png": "grass, CC0Textures; CC0 (grey)",
-    "gravel.png": "gravel, CC0Textures Gravel04; CC0 (grey)",
-    "clock_motion.png": "clock, Stefan van der Walt; public domain (grey)",
-}
-HELDOUT_PHOTOS: dict[str, str] = {
-    "chelsea.png": "Chelsea the cat, Stefan van der Walt; CC0",
-    "coffee.png": "coffee cup, Rachel Michetti (Pikolo Espresso Bar); CC0",
-}
 
 
 class TrainingImagesError(FileNotFoundError):
@@ -111,7 +95,6 @@ def fashion_mnist_images(data_dir: str | None = None) -> EvaluatorImages:
     Images byte-identical to one of the 60000 training-split images are dropped.
     """
     from lightning_gp.data import FashionMNISTDataModule
-    from lightning_gp.data.base import DatasetNotFoundError
     from lightning_gp.data.builtin_sample import load_sample_arrays
 
     datamodule = FashionMNISTDataModule(data_dir=data_dir)
@@ -151,46 +134,14 @@ def fashion_mnist_images(data_dir: str | None = None) -> EvaluatorImages:
 
 def scikit_image_photo_dir() -> Path:
     """``skimage/data`` of the installed scikit-image (without importing it), or a clear error."""
-    spec = importlib.util.find_spec("skimage")
-    if spec is None or spec.origin is None:
+    folder = scikit_image_data_dir()
+    if folder is None:
         raise TrainingImagesError(
             "the 3-channel evaluation network is trained on the photographs bundled with scikit-image, which is "
             "not installed: pip install 'lightning-gp[refiner-train]' (or pass data_dir= a folder holding "
             f"{', '.join([*TRAIN_PHOTOS, *HELDOUT_PHOTOS])})"
         )
-    return Path(spec.origin).parent / "data"
-
-
-def read_photo(path: Path) -> np.ndarray:
-    """A photograph as uint8 ``[3, H, W]`` (grey repeated to 3 channels), or a clear error."""
-    from PIL import Image
-
-    if not path.is_file():
-        raise TrainingImagesError(f"training photograph {path} is missing")
-    try:
-        with Image.open(path) as image:
-            array = np.array(image.convert("RGB"), dtype=np.uint8)
-    except (OSError, ValueError) as err:
-        raise TrainingImagesError(f"training photograph {path} cannot be read ({err})") from err
-    return np.ascontiguousarray(array.transpose(2, 0, 1))
-
-
-def _pyramid(photo: np.ndarray, size: int) -> list[np.ndarray]:
-    """The photo downsampled (antialiased) so its shorter side is size * 2^(k/2), up to its own size."""
-    from PIL import Image
-
-    height, width = photo.shape[1:]
-    short = min(height, width)
-    image = Image.fromarray(photo.transpose(1, 2, 0))
-    levels = []
-    k = 0
-    while size * 2 ** (k / 2) < short:
-        side = size * 2 ** (k / 2)
-        new = (max(size, round(width * side / short)), max(size, round(height * side / short)))
-        levels.append(np.array(image.resize(new, Image.Resampling.LANCZOS), dtype=np.uint8).transpose(2, 0, 1))
-        k += 1
-    levels.append(photo)
-    return levels
+    return folder
 
 
 def smooth_images(n: int, channels: int, size: int, seed: int) -> Tensor:
@@ -238,8 +189,11 @@ def photo_images(
 ) -> EvaluatorImages:
     """Random multi-scale crops of the training photographs, and of the two held-out photographs."""
     folder = Path(data_dir) if data_dir is not None else scikit_image_photo_dir()
-    train = [read_photo(folder / name) for name in TRAIN_PHOTOS]
-    heldout = [read_photo(folder / name) for name in HELDOUT_PHOTOS]
+    try:
+        train = [read_photo(folder / name) for name in TRAIN_PHOTOS]
+        heldout = [read_photo(folder / name) for name in HELDOUT_PHOTOS]
+    except (DatasetNotFoundError, CorruptDatasetError) as err:
+        raise TrainingImagesError(f"training {err}") from err
     description = (
         f"{train_crops} random {crop_size}x{crop_size} crops (several scales, horizontal flips, a random colour "
         f"cast on grey photos, seed {seed}) of "
