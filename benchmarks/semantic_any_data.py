@@ -32,16 +32,11 @@ from typing import Any
 
 import torch
 from _common import RESULTS_DIR, write_results
-from scipy.stats import beta
 from semantic_calibration import NOT_RECOGNISABLE, RECOGNISABLE, groups, load_images
 
 from lightning_gp.metrics import SemanticTest, fit_semantic_test, shipped_semantic_test
 from lightning_gp.metrics.semantic import load_public_split
-
-
-def clopper_pearson_upper(hits: int, trials: int, level: float = 0.95) -> float:
-    """One-sided ``level`` upper confidence bound on a binomial rate from ``hits`` of ``trials``."""
-    return 1.0 if hits >= trials else float(beta.ppf(level, hits + 1, trials - hits))
+from lightning_gp.privacy import clopper_pearson  # its 90% two-sided upper limit: the one-sided 95% one
 
 
 def held_out(quick: bool, images: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
@@ -82,7 +77,7 @@ def measure(tests: dict[str, SemanticTest], x, labels, mean, seed: int) -> list[
             row[f"{which}_p99"] = float(torch.quantile(scores.double(), 0.99))
             row[f"{which}_called"] = hits / len(scores)
             if row["kind"] == "not recognisable":
-                row[f"{which}_called_ub95"] = clopper_pearson_upper(hits, len(scores))
+                row[f"{which}_called_ub95"] = clopper_pearson(hits, len(scores), 0.90)[1]
             else:
                 row[f"{which}_called_ub95"] = float("nan")
         rows.append(row)
