@@ -65,8 +65,8 @@ EXPECTED: dict[str, tuple[tuple[str, ...], str | None]] = {
     "PriPrune": (("SGI",), None),
 }
 
-#: the names ``published_attacks`` accepted before the registry, in its order
-PUBLISHED = ["DLG", "iDLG", "IG", "GradInversion", "R-GAP", "RtF"]
+#: the names ``published_attacks`` accepts, in its order: those accepted before the registry, then the attacks added since
+PUBLISHED = ["DLG", "iDLG", "IG", "GradInversion", "R-GAP", "RtF", "FedAvgInversion"]
 
 #: every class with a declared adaptive attack (the 16 qualified names the registry was keyed by, and those added since)
 DECLARED = sorted(
@@ -163,6 +163,7 @@ def test_the_published_attacks_are_the_names_accepted_before_in_the_same_order()
         "GradInversion": "GradInversion",
         "R-GAP": "RGAP",
         "RtF": "RobbingTheFed",
+        "FedAvgInversion": "FedAvgInversion",
     }
     assert (built["DLG"].iterations, built["iDLG"].iterations, built["IG"].iterations) == (3, 3, 7)
     assert (built["GradInversion"].iterations, built["GradInversion"].bn_weight) == (7, 0.0)  # LeNetZhu: no BN

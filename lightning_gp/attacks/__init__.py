@@ -25,6 +25,7 @@ from lightning_gp.attacks.adaptive import (
 )
 from lightning_gp.attacks.ats_aware import ATSAwareInversion, ATSAwareRobbing
 from lightning_gp.attacks.base import ATTACK_REVISION, AttackNotApplicable, GradientAttack, Reconstruction
+from lightning_gp.attacks.fedavg import FedAvgInversion, fedavg_client_view, local_sgd_update
 from lightning_gp.attacks.gradient_matching import (
     cosine_distance,
     gaussian_nll,
@@ -93,6 +94,7 @@ __all__ = [
     "DefenseAwareIDLG",
     "DefenseAwareInversion",
     "DefenseKnowledge",
+    "FedAvgInversion",
     "GradInversion",
     "GradientAttack",
     "ImprintBlock",
@@ -124,6 +126,7 @@ __all__ = [
     "defense_aware_attacks",
     "defense_aware_inversion",
     "defense_knowledge",
+    "fedavg_client_view",
     "find_precode",
     "gaussian_nll",
     "graddefense_knowledge",
@@ -132,6 +135,7 @@ __all__ = [
     "label_estimates_differ",
     "laplace_nll",
     "layer_noise_weights",
+    "local_sgd_update",
     "mark_fallback",
     "modelled_defense",
     "monitored",

@@ -14,7 +14,8 @@ moving a defense breaks an import instead of silently turning its attack into a 
   ``RefinerModule`` (:mod:`lightning_gp.refiner.module`), ``PrunedFedAvgModule``
   (:mod:`lightning_gp.priprune.module`, SGI);
 - the published attacks (:func:`register_attack`) in :mod:`~lightning_gp.attacks.optimization`,
-  :mod:`~lightning_gp.attacks.rgap` and :mod:`~lightning_gp.attacks.robbing_the_fed`.
+  :mod:`~lightning_gp.attacks.rgap`, :mod:`~lightning_gp.attacks.robbing_the_fed` and
+  :mod:`~lightning_gp.attacks.fedavg`.
 
 ``import lightning_gp.attacks`` imports every attack module, so the pure defenses' declarations
 are complete once the package is imported; a higher class is declared whenever its module is

@@ -30,9 +30,9 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor
-from torch.func import functional_call
 
 from lightning_gp.attacks.base import AttackNotApplicable, GradientAttack, Reconstruction
+from lightning_gp.attacks.fedavg import local_sgd_update
 from lightning_gp.attacks.gradient_matching import cosine_distance, parameter_gradients, total_variation
 from lightning_gp.attacks.labels import recover_labels
 from lightning_gp.attacks.optimization import best_of_restarts
@@ -152,15 +152,9 @@ class SGI(GradientAttack):
         steps, lr = self.local_training(view)
         if steps == 1:
             return parameter_gradients(view.model, view.loss_fn, images, targets)
-        params = {n: p for n, p in view.model.named_parameters() if p.requires_grad}
-        buffers = {n: b.clone() for n, b in view.model.named_buffers()}
-        trainable = {n: p.detach() != 0 for n, p in params.items()}
-        current: dict[str, Tensor] = dict(params)
-        for x, y in zip(images.chunk(steps), targets.chunk(steps)):
-            loss = view.loss_fn(functional_call(view.model, {**current, **buffers}, (x,)), y)
-            grads = torch.autograd.grad(loss, list(current.values()), create_graph=True)
-            current = {n: current[n] - lr * g * trainable[n] for n, g in zip(current, grads)}
-        return {n: params[n] - current[n] for n in params}
+        trainable = {n: p.detach() != 0 for n, p in view.model.named_parameters() if p.requires_grad}
+        batches = zip(images.chunk(steps), targets.chunk(steps))
+        return local_sgd_update(view.model, view.loss_fn, batches, lr, keep=trainable)
 
     def objective(
         self, view: ServerView, mask: Mapping[str, Tensor], fixed_labels: Tensor | None
