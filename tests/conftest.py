@@ -34,3 +34,12 @@ def data():
     datamodule = FashionMNISTSampleDataModule()
     datamodule.setup("fit")
     return datamodule
+
+
+@pytest.fixture(scope="session")
+def sample_tests(data):
+    """The audit's recognisable-image tests of the built-in sample (the shipped semantic test and the
+    identification test on its public split), as an audit of that data scores with them."""
+    from lightning_gp.audit.recognition import datamodule_recognition_tests
+
+    return datamodule_recognition_tests(data, log=lambda _: None)

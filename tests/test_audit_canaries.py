@@ -178,7 +178,7 @@ def test_one_client_without_a_metric_blanks_it_for_that_client_only_and_the_verd
     assert worst.verdict == "inconclusive" and any("semantic" in r for r in worst.verdict_reasons)
 
 
-def test_a_rule_metric_that_was_not_computed_is_a_gap_never_private(sample) -> None:
+def test_a_rule_metric_that_was_not_computed_is_a_gap_never_private(sample, sample_tests) -> None:
     """The noise ratio is part of the default rule (its paired clean-image test): a report scored with
     ``noise_ratio=False`` cannot say "private"; the same grey guess with it scored can."""
     originals, labels = _train(sample, [37 * k for k in range(4)])
@@ -186,9 +186,11 @@ def test_a_rule_metric_that_was_not_computed_is_a_gap_never_private(sample) -> N
     public = public_batch(sample, 16)
     reference = denormalize(public, sample.mean, sample.std)
     grey = Reconstruction(_junk("grey", 4, sample, public, 0), None, attack="grey")
-    scored = reconstruction_report(grey, originals, view, true_labels=labels, lpips=False)
+    scored = reconstruction_report(grey, originals, view, true_labels=labels, lpips=False, tests=sample_tests)
     assert worst_case_report([scored], reference_images=reference).verdict == "private"
-    unscored = reconstruction_report(grey, originals, view, true_labels=labels, lpips=False, noise_ratio=False)
+    unscored = reconstruction_report(
+        grey, originals, view, true_labels=labels, lpips=False, noise_ratio=False, tests=sample_tests
+    )
     worst = worst_case_report([unscored], reference_images=reference)
     assert worst.verdict == "inconclusive" and any("noise ratio" in r for r in worst.verdict_reasons)
     # a rule stated without the paired test needs no noise ratio
@@ -395,14 +397,16 @@ def test_a_verdict_resting_on_a_mean_line_alone_says_which_mean_crossed_which_li
     assert judged.headline() == f"{judged.verdict.upper()}: 0 of 4 images leak"
 
 
-def test_a_mean_line_a_trivial_guess_crosses_as_far_is_no_leak(sample) -> None:
+def test_a_mean_line_a_trivial_guess_crosses_as_far_is_no_leak(sample, sample_tests) -> None:
     """A worst-case mean over a verdict line counts only where it beats every trivial guess's mean: a
     reconstruction that is the blank guess itself crosses a 1 dB PSNR line as far as the blank guess
     does, which says something of the images, nothing of the defense. The report names the line."""
     originals, labels = _train(sample, [3, 41, 77, 105])
     view = _view(originals, labels, sample)
     grey = normalize(torch.full((4, 1, 28, 28), 0.5), sample.mean, sample.std)  # the blank guess itself
-    report = reconstruction_report(Reconstruction(grey, None), originals, view, true_labels=labels, lpips=False)
+    report = reconstruction_report(
+        Reconstruction(grey, None), originals, view, true_labels=labels, lpips=False, tests=sample_tests
+    )
     worst = worst_case_report([report], thresholds={"psnr": 1.0})
     assert worst.baseline("blank").kind == "grey 0.5" and worst.private["psnr"] is False
     assert worst.leaked == 0 and worst.verdict == "private" and worst.mean_lines_at_guess == ["psnr"]

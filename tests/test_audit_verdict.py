@@ -262,7 +262,7 @@ def lpips_fn():
         pytest.skip(f"LPIPS weights missing: {err}")
 
 
-def test_blank_and_dataset_mean_guesses_are_judged_private(datamodule, lpips_fn) -> None:
+def test_blank_and_dataset_mean_guesses_are_judged_private(datamodule, lpips_fn, sample_tests) -> None:
     originals = sample_pixels(datamodule, 8)
     mean_image = sample_pixels(datamodule, 200).mean(0, keepdim=True).expand_as(originals)
     for guess in (torch.zeros_like(originals), torch.full_like(originals, 0.5), mean_image):
@@ -272,6 +272,7 @@ def test_blank_and_dataset_mean_guesses_are_judged_private(datamodule, lpips_fn)
             IDENTITY,
             true_labels=sample_labels(datamodule, 8),
             lpips_fn=lpips_fn,
+            tests=sample_tests,
         )
         assert report.means["noise_ratio"] is not None and report.means["noise_ratio"] < 0.4  # clean-looking
         worst = worst_case_report([report], reference_images=sample_pixels(datamodule, 200))

@@ -599,15 +599,23 @@ def test_the_eta_counts_each_job_as_long_as_the_finished_jobs_say_it_takes() -> 
     assert lines[-1].endswith("ETA 0:00:04")  # 2 s per job, 2 jobs left: what a resumed run printed before
 
 
-def test_an_audit_of_an_older_leak_rule_reruns_unless_it_leaked_everywhere_and_then_shows_no_bound() -> None:
-    """Leak rule revision 4 only adds leaks and gaps (any output of an attack, the per-image control beside
-    the batch-mean one, missing metrics as gaps), and changes the bound (kappa under the full rule, earlier
-    rounds composed). A stored audit without the revision reruns unless it leaked to every server; one that
-    did keeps its verdict, not its bound (it could be too small); a stamped record keeps both."""
-    from lightning_gp.audit.verdict import LEAK_RULE_REVISION
+def test_an_audit_of_an_older_leak_rule_reruns_unless_it_leaked_everywhere_and_then_shows_no_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A revision after LEAK_RULE_MONOTONE_SINCE only adds leaks and gaps (revision 4: any output of an
+    attack, the per-image control, missing metrics as gaps) and changes the bound. A stored audit of such
+    a revision reruns unless it leaked to every server; one that did keeps its verdict, not its bound (it
+    could be too small); a stamped record keeps both. A record older than LEAK_RULE_MONOTONE_SINCE
+    (revision 5's identification gate can turn a leak into "private") always reruns."""
+    from lightning_gp.audit import frontier_run
+    from lightning_gp.audit.verdict import LEAK_RULE_MONOTONE_SINCE, LEAK_RULE_REVISION
 
     leaky = {"verdict": "leaks", "leak_fraction": 0.5}
     record = {"kind": "audit", "threats": {"passive": leaky, "active": leaky}, "rero_eta": 0.8, "rero_kappa": 0.7}
+    assert LEAK_RULE_MONOTONE_SINCE == LEAK_RULE_REVISION == 5
+    assert has_stale_leak_rule(record) and has_stale_leak_rule({**record, "leak_rule_revision": 4})
+    # as it reads where the revisions since a record's only add leaks
+    monkeypatch.setattr(frontier_run, "LEAK_RULE_MONOTONE_SINCE", 3)
     assert not has_stale_leak_rule(record)
     assert without_stale_bound(record)["rero_eta"] is None and without_stale_bound(record)["rero_kappa"] is None
     private = {**record, "threats": {"passive": {"verdict": "private"}, "active": leaky}}

@@ -74,6 +74,7 @@ def test_the_maximum_is_taken_per_image_not_per_attack_mean() -> None:
         "nmi": "a",
         "noise_ratio": None,
         "semantic": None,
+        "identification": None,
     }
     assert worst.rows[1].attacks["psnr"] == "b" and worst.rows[1].attacks["ssim"] == "b"
     expected = (a.rows[0].psnr + b.rows[1].psnr) / 2

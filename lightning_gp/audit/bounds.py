@@ -324,6 +324,7 @@ def _guess_scores(
             None,
             "semantic" in rule.thresholds,
             classes,
+            rule.tests,
         )
     return scores
 

@@ -72,6 +72,8 @@ from lightning_gp.attacks.view import checked_public_data
 from lightning_gp.audit.bounds import FormalBound, defense_mechanism, lpips_for_rule, prior_only_kappa
 from lightning_gp.audit.engine import AttackResult, attack_record
 from lightning_gp.audit.figure import save_audit_figure
+from lightning_gp.audit.recognition import recognition_tests, uses_shipped_semantic_test
+from lightning_gp.audit.rounds import NoPublicSplitError, public_examples
 from lightning_gp.audit.summary import Candidate, combined_verdict, summary_markdown
 from lightning_gp.audit.verdict import (
     LEAK_THRESHOLDS,
@@ -86,6 +88,7 @@ from lightning_gp.callbacks import DPSGD
 from lightning_gp.callbacks.base import SharedGradientObserver
 from lightning_gp.callbacks.tap import StepBatches, tapped_record
 from lightning_gp.metrics import ReconstructionReport, reconstruction_report
+from lightning_gp.metrics.recognition import RecognitionTests
 from lightning_gp.pipeline.stages import ClientSetup, DefenseStage, StageCall
 from lightning_gp.records import TappedGradient
 from lightning_gp.validation import check_bool, check_int, check_int_list, check_number
@@ -197,6 +200,11 @@ class PrivacyAudit(SharedGradientObserver):
         thresholds, leak_thresholds, noise_ratio_line, max_leak_fraction: the verdict's mean
             thresholds and leak rule (see :func:`~lightning_gp.audit.worst_case_report` and
             :class:`~lightning_gp.audit.LeakRule`).
+        tests: the recognisable-image tests of the data (semantic and identification,
+            :func:`~lightning_gp.audit.recognition.recognition_tests`); ``None``: calibrated at fit start
+            on ``public_data``, else on the datamodule's test split (the shipped semantic test for
+            Fashion-MNIST, one fitted on the public images otherwise). Without public images both are
+            missing and no verdict reads "private".
         adaptive: also run the adaptive attack of the run's defenses, all of them together in the
             order the client applies them (:func:`~lightning_gp.attacks.adaptive_attacks_of` of a
             defending module such as ``RefinerModule``, then each defense callback and DP-SGD), so the
@@ -244,6 +252,7 @@ class PrivacyAudit(SharedGradientObserver):
         leak_thresholds: Mapping[str, float] = LEAK_THRESHOLDS,
         noise_ratio_line: float | None = NOISE_RATIO_LINE,
         max_leak_fraction: float = 0.0,
+        tests: RecognitionTests | None = None,
         adaptive: bool = True,
         adaptive_budget: Mapping[str, int] | None = None,
         save_images: bool = True,
@@ -278,11 +287,10 @@ class PrivacyAudit(SharedGradientObserver):
         self.loss_fn = loss_fn
         self._loss_fn: Callable[[Tensor, Tensor], Tensor] | None = loss_fn
         self.thresholds = check_verdict_thresholds(thresholds)
-        self.rule = LeakRule(leak_thresholds, noise_ratio_line)
+        rule = LeakRule(leak_thresholds, noise_ratio_line)
+        self.rule = rule if tests is None else rule.calibrated(tests)
         self.leak_thresholds = dict(self.rule.thresholds)
-        if isinstance(max_leak_fraction, bool) or not 0.0 <= float(max_leak_fraction) <= 1.0:
-            raise ValueError(f"max_leak_fraction must be in [0, 1], got {max_leak_fraction!r}")
-        self.max_leak_fraction = float(max_leak_fraction)
+        self.max_leak_fraction = float(check_number(max_leak_fraction, "max_leak_fraction", low=0.0, high=1.0))
         self.adaptive = check_bool(adaptive, "adaptive")
         self.adaptive_budget = dict(DEFAULT_ADAPTIVE_BUDGET if adaptive_budget is None else adaptive_budget)
         unknown = sorted(set(self.adaptive_budget) - {"iterations", "lbfgs_iterations", "restarts"})
@@ -355,6 +363,39 @@ class PrivacyAudit(SharedGradientObserver):
                 self._lpips_fn = LPIPS()
             finally:
                 state.restore()
+        if self.rule.tests is None:
+            self.rule = self.rule.calibrated(self._recognition_tests(trainer, pl_module))
+            self.leak_thresholds = dict(self.rule.thresholds)
+
+    def _recognition_tests(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> RecognitionTests:
+        """The recognisable-image tests calibrated on ``public_data``, else on the datamodule's public
+        (test) split; without either, both tests are missing and said why (no verdict reads "private")."""
+        assert self._server is not None
+        datamodule = getattr(trainer, "datamodule", None) or getattr(pl_module, "source_datamodule", None)
+        why = (
+            "PrivacyAudit has no public images to calibrate it on: pass public_data=(inputs, labels), tests=..., "
+            "or use a datamodule with a test split"
+        )
+        state = _RandomState()  # fitting a semantic test draws from the global generator
+        try:
+            public = (
+                self.public_data if self.public_data is not None or datamodule is None else public_examples(datamodule)
+            )
+            if public is not None:
+                _, mean, std = self._server  # the normalisation the server knows, as the attacks use it
+                return recognition_tests(
+                    public,
+                    mean,
+                    std,
+                    shipped_semantic=datamodule is not None and uses_shipped_semantic_test(datamodule),
+                    lpips_fn=self._lpips_fn,
+                    name="public_data" if self.public_data is not None else "mean, std (of the datamodule)",
+                )
+        except NoPublicSplitError as err:
+            why = f"{err}; pass PrivacyAudit(public_data=(inputs, labels)) or tests=..."
+        finally:
+            state.restore()
+        return RecognitionTests(None, None, {"semantic": why, "identification": why}, source="none")
 
     def _client_loss(self, pl_module: pl.LightningModule) -> Callable[[Tensor, Tensor], Tensor] | None:
         """The loss the client trains with: given, else the module's (or its wrapped model's) ``loss_fn``;
@@ -566,6 +607,7 @@ class PrivacyAudit(SharedGradientObserver):
                 noise_ratio=self.noise_ratio,
                 lpips_fn=self._lpips_fn,
                 loss_fn=self._loss_fn,
+                tests=self.rule.tests,
             )
             try:
                 result = run(public_data=self.public_data)
@@ -613,7 +655,13 @@ class PrivacyAudit(SharedGradientObserver):
         gaps.append(f"no attack could run ({'; '.join(f'{n}: {why}' for n, why in skipped.items())})")
         nothing = Reconstruction(torch.full_like(record.inputs, math.nan), None, attack="no attack ran")
         return reconstruction_report(
-            nothing, record.inputs, (mean, std), true_labels=record.targets, lpips=False, noise_ratio=False
+            nothing,
+            record.inputs,
+            (mean, std),
+            true_labels=record.targets,
+            lpips=False,
+            noise_ratio=False,
+            tests=self.rule.tests,
         )
 
     def _formal_bound(

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from lightning_gp.attacks import GradientAttack, Reconstruction, ServerView
 from lightning_gp.metrics import ReconstructionReport, reconstruction_report
+from lightning_gp.metrics.recognition import RecognitionTests
 from lightning_gp.metrics.report import METRICS, batch_mean
 from lightning_gp.records import TappedGradient
 
@@ -57,6 +58,7 @@ def attack_record(
     lpips_fn: nn.Module | None = None,
     loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
     public_data: tuple[Tensor, Tensor] | None = None,
+    tests: RecognitionTests | None = None,
 ) -> AttackResult:
     """Attack one tapped gradient from the server's view and score it against the client's batch.
 
@@ -68,7 +70,8 @@ def attack_record(
     ``lpips``/``noise_ratio``/``lpips_fn`` go to :func:`~lightning_gp.metrics.reconstruction_report`.
     ``public_data``: labelled images the server holds (:attr:`ServerView.public_data
     <lightning_gp.attacks.view.ServerView>`, e.g. :func:`~lightning_gp.audit.rounds.public_examples`);
-    batch label recovery needs them on a trained model.
+    batch label recovery needs them on a trained model. ``tests``: the recognisable-image tests the
+    report is scored with (:func:`~lightning_gp.audit.recognition.recognition_tests`).
     """
     view = ServerView.from_tap(
         record,
@@ -94,6 +97,7 @@ def attack_record(
         lpips=lpips,
         lpips_fn=lpips_fn,
         noise_ratio=noise_ratio,
+        tests=tests,
     )
     return AttackResult(record, view, reconstruction, report, seconds)
 

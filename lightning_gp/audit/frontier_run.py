@@ -173,10 +173,14 @@ def run_fingerprint(shared: dict[str, Any], leak_rule_revision: int = LEAK_RULE_
     """A hash of ``shared`` (what a run's results depend on, JSON-able or ``repr``-able) and of the
     leak rule's and the attacks' revisions: results stored under another fingerprint are stale. A store
     that checks each record's own ``leak_rule_revision`` (the frontier's: :func:`has_stale_leak_rule`)
-    passes :data:`~lightning_gp.audit.verdict.LEAK_RULE_MONOTONE_SINCE`."""
+    passes :data:`UNSTAMPED_LEAK_RULE`."""
     stamped = {**shared, "leak_rule_revision": leak_rule_revision, "attack_revision": ATTACK_REVISION}
     return hashlib.sha256(json.dumps(stamped, sort_keys=True, default=repr).encode()).hexdigest()[:16]
 
+
+#: The leak rule revision of an audit record that names none (records stored before revision 4), and the
+#: one the frontier's fingerprint is stamped with (each record's own revision decides its staleness).
+UNSTAMPED_LEAK_RULE = 3
 
 #: Budget fields added after frontier results were stored, with the value those results ran under: at
 #: that value a field is left out of :func:`fingerprint`, so adding it left the stored records current.
@@ -207,8 +211,8 @@ def fingerprint(config: FrontierConfig) -> str:
             "seed": config.seed,
         },
         # each audit record says its own revision (has_stale_leak_rule): a newer rule reruns only the
-        # audits whose verdict it can change, not the whole frontier
-        leak_rule_revision=LEAK_RULE_MONOTONE_SINCE,
+        # audits whose verdict it can change, not the whole frontier (nor its trainings)
+        leak_rule_revision=UNSTAMPED_LEAK_RULE,
     )
 
 
@@ -547,12 +551,14 @@ def is_current(job: Job, record: dict[str, Any], config: FrontierConfig, channel
 def has_stale_leak_rule(record: dict[str, Any]) -> bool:
     """Whether the audit ``record`` was judged by an older leak rule
     (:data:`~lightning_gp.audit.verdict.LEAK_RULE_REVISION`; records before revision 4 say none) and the
-    newer one could change its verdict: it did not leak to every server. Revisions after
-    :data:`~lightning_gp.audit.verdict.LEAK_RULE_MONOTONE_SINCE` only add leaks and gaps, so a record that
-    leaked everywhere keeps its verdict (its bound is dropped: :func:`as_reported`)."""
-    if record.get("leak_rule_revision", LEAK_RULE_MONOTONE_SINCE) >= LEAK_RULE_REVISION:
+    newer one could change its verdict. A record older than
+    :data:`~lightning_gp.audit.verdict.LEAK_RULE_MONOTONE_SINCE` always could (that revision can turn a
+    leak into another verdict); later revisions only add leaks and gaps, so a record from one of them that
+    leaked to every server keeps its verdict (its bound is dropped: :func:`as_reported`)."""
+    revision = record.get("leak_rule_revision", UNSTAMPED_LEAK_RULE)
+    if revision >= LEAK_RULE_REVISION:
         return False
-    return not leaks_everywhere(record)
+    return revision < LEAK_RULE_MONOTONE_SINCE or not leaks_everywhere(record)
 
 
 def has_stale_labels(key: str, record: dict[str, Any]) -> bool:
@@ -645,10 +651,7 @@ def without_stale_bound(record: dict[str, Any]) -> dict[str, Any]:
     """``record`` without its ReRo bound where an older leak rule judged it: its verdict may stand
     (:func:`has_stale_leak_rule`), but its bound predates kappa under the full rule and the composition
     of the earlier rounds, and could be too small; it is not shown until a rerun."""
-    if (
-        record.get("kind") != "audit"
-        or record.get("leak_rule_revision", LEAK_RULE_MONOTONE_SINCE) >= LEAK_RULE_REVISION
-    ):
+    if record.get("kind") != "audit" or record.get("leak_rule_revision", UNSTAMPED_LEAK_RULE) >= LEAK_RULE_REVISION:
         return record
     return {**record, "rero_eta": None, "rero_kappa": None}
 

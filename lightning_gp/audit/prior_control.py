@@ -61,7 +61,7 @@ from lightning_gp.metrics.report import HIGHER_IS_PRIVATE
 #: chance with probability at most 1/256.
 PRIOR_ONLY_BATCHES = 255
 #: The metrics a criterion of the leak rule reads (the noise ratio is the guess's own, not a similarity).
-CONTROLLED_METRICS = ("psnr", "ssim", "mse", "nmi", "lpips", "semantic")
+CONTROLLED_METRICS = ("psnr", "ssim", "mse", "nmi", "lpips", "semantic", "identification")
 
 
 @runtime_checkable
@@ -116,6 +116,7 @@ def prior_only_control(
         true_labels=true_labels,
         lpips=False,
         noise_ratio=rule.noise_ratio_line is not None,
+        tests=rule.tests,
     )
     metrics = [m for m in CONTROLLED_METRICS if m not in report.unavailable]
     # per metric, sign-flipped (higher leaks more), [K, B]: each guess batch's matched score and its best

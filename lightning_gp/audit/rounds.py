@@ -36,6 +36,10 @@ from lightning_gp.records import TappedGradient
 from lightning_gp.validation import as_int, check_int, check_positive_int
 
 
+class NoPublicSplitError(ValueError):
+    """The datamodule has no (or an empty) test split to serve as the server's public images."""
+
+
 def public_batch(datamodule: L.LightningDataModule, size: int = 1000) -> Tensor:
     """Images a server may hold (the test split, never the clients' training data)."""
     return public_examples(datamodule, size)[0]
@@ -46,9 +50,18 @@ def public_examples(datamodule: L.LightningDataModule, size: int = 1000) -> tupl
     training data. ``(inputs [N, C, H, W], labels [N])``."""
     check_positive_int(size, "size")
     datamodule.setup("test")
-    dataset = cast(Any, datamodule).test_dataset
+    dataset = getattr(datamodule, "test_dataset", None)
+    if dataset is None or len(dataset) == 0:
+        raise NoPublicSplitError(
+            f"datamodule: {type(datamodule).__name__} has {'an empty' if dataset is not None else 'no'} test split "
+            "(test_dataset): the audit holds it as the server's public split, calibrates its recognisable-image "
+            "tests on it and keeps it apart from the attacked training images"
+        )
     pairs = [dataset[i] for i in range(min(size, len(dataset)))]
-    return torch.stack([image for image, _ in pairs]), torch.as_tensor([int(label) for _, label in pairs])
+    images = torch.stack([image for image, _ in pairs])
+    if not torch.isfinite(images).all():
+        raise ValueError(f"datamodule: {type(datamodule).__name__}'s public (test-split) images hold NaN or inf")
+    return images, torch.as_tensor([int(label) for _, label in pairs])
 
 
 def malicious_server_model(

@@ -58,6 +58,7 @@ from lightning_gp.audit.catalog import DefenseSetting
 from lightning_gp.audit.engine import AttackResult, attack_record, attacker_loss
 from lightning_gp.audit.learned import REFINE_ITERATIONS, learned_inversion_attacks, simulation_refusal
 from lightning_gp.audit.prior_control import with_prior_only_control
+from lightning_gp.audit.recognition import datamodule_recognition_tests
 from lightning_gp.audit.rounds import (
     active_replay_blocker,
     aggregate_record,
@@ -68,6 +69,7 @@ from lightning_gp.audit.rounds import (
 from lightning_gp.audit.verdict import BaselineScores, LeakRule, WorstCaseReport, trivial_baselines, worst_case_report
 from lightning_gp.federated import ClientLevelDP
 from lightning_gp.metrics import ReconstructionReport, concatenate_reports, reconstruction_report
+from lightning_gp.metrics.recognition import RecognitionTests
 from lightning_gp.normalization import denormalize
 from lightning_gp.records import TappedGradient
 from lightning_gp.validation import check_bool, check_positive_int
@@ -333,7 +335,7 @@ def _run_attack(
     ``public_data`` is what the server holds (:func:`~lightning_gp.audit.rounds.public_examples`)."""
     start = time.perf_counter()
     outcomes, errors, not_applicable = _attack_clients(
-        name, attacks, records, model, setting, datamodule, secrets, lpips_fn, log, skip, public_data
+        name, attacks, records, model, setting, datamodule, secrets, lpips_fn, log, skip, public_data, rule.tests
     )
     if len(not_applicable) == len(outcomes) - len(skip):  # n/a for every client: it does not apply here
         note = not_applicable[0].split(": n/a: ", 1)[1]
@@ -343,7 +345,7 @@ def _run_attack(
     # the failed clients' placeholders carry the attack's own name, so its reports concatenate
     attack_name = next((r.report.attack for r in outcomes if isinstance(r, AttackResult)), type(attacks[0]).__name__)
     results = [
-        r if isinstance(r, AttackResult) else _failed_result(r, model, attack_name, datamodule, lpips_fn)
+        r if isinstance(r, AttackResult) else _failed_result(r, model, attack_name, datamodule, lpips_fn, rule.tests)
         for r in outcomes
     ]
     results, control_errors = with_prior_only_control(attacks, results, rule=rule, reference=reference)
@@ -371,7 +373,7 @@ def _run_attack(
     )
     if setting.trained_inputs is not None:
         trained = concatenate_reports(
-            [_score_against_trained_inputs(r, setting, datamodule, lpips_fn) for r in results]
+            [_score_against_trained_inputs(r, setting, datamodule, lpips_fn, rule.tests) for r in results]
         )
         cell.trained_means = trained.means
         cell.trained_leak_fraction = rule.leak_fraction(trained, _guesses(trained, reference))
@@ -390,6 +392,7 @@ def _attack_clients(
     log: Callable[[str], None],
     skip: frozenset[int],
     public_data: tuple[Tensor, Tensor] | None,
+    tests: RecognitionTests | None,
 ) -> tuple[list[AttackResult | TappedGradient], list[str], list[str]]:
     """Each client's attack result (its record where the attack failed, did not apply or was skipped),
     the errors and the n/a notes."""
@@ -413,6 +416,7 @@ def _attack_clients(
                     lpips_fn=lpips_fn,
                     lpips=lpips_fn is not None,
                     public_data=public_data,
+                    tests=tests,
                 )
             )
         except AttackNotApplicable as err:  # the attack's own check that it cannot apply (model, loss, batch)
@@ -458,20 +462,35 @@ def _server_view(
 
 
 def _failed_result(
-    record: TappedGradient, model: nn.Module, name: str, datamodule: Any, lpips_fn: nn.Module | None
+    record: TappedGradient,
+    model: nn.Module,
+    name: str,
+    datamodule: Any,
+    lpips_fn: nn.Module | None,
+    tests: RecognitionTests | None,
 ) -> AttackResult:
     """The result of an attack that raised on ``record``: every image "not reconstructed"."""
     assert record.inputs is not None
     view = _server_view(record, model, datamodule)
     reconstruction = _not_reconstructed(record, name)
     report = reconstruction_report(
-        reconstruction, record.inputs, view, true_labels=record.targets, lpips=lpips_fn is not None, lpips_fn=lpips_fn
+        reconstruction,
+        record.inputs,
+        view,
+        true_labels=record.targets,
+        lpips=lpips_fn is not None,
+        lpips_fn=lpips_fn,
+        tests=tests,
     )
     return AttackResult(record, view, reconstruction, report, 0.0)
 
 
 def _score_against_trained_inputs(
-    result: AttackResult, setting: DefenseSetting, datamodule: Any, lpips_fn: nn.Module | None
+    result: AttackResult,
+    setting: DefenseSetting,
+    datamodule: Any,
+    lpips_fn: nn.Module | None,
+    tests: RecognitionTests | None,
 ) -> ReconstructionReport:
     """One client's reconstruction scored against the images it trained on (ATS-T). An attack that
     estimates both keeps its estimate of the trained images in ``meta["transformed"]``."""
@@ -487,6 +506,7 @@ def _score_against_trained_inputs(
         true_labels=result.record.targets,
         lpips=lpips_fn is not None,
         lpips_fn=lpips_fn,
+        tests=tests,
     )
 
 
@@ -571,9 +591,12 @@ def _open_campaign(
     rule: LeakRule,
     log: Callable[[str], None],
 ) -> _Campaign:
-    """The public reference images and the passive round tapped: a campaign with no attack run yet."""
+    """The public reference images, the leak rule calibrated on them (unless ``rule`` has its tests) and
+    the passive round tapped: a campaign with no attack run yet."""
     public = public_examples(datamodule)
     reference = reference_pixels(datamodule, images=public[0])
+    if rule.tests is None:
+        rule = rule.calibrated(datamodule_recognition_tests(datamodule, public, lpips_fn=lpips_fn, log=log))
     passive_records, sent_model, _ = tap_defended_round(
         setting, model, datamodule, indices=indices, num_clients=num_clients, seed=seed, round=round
     )

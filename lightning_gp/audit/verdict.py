@@ -54,6 +54,7 @@ needs no gradient.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -64,7 +65,9 @@ from torch import Tensor
 
 from lightning_gp.attacks.base import Reconstruction
 from lightning_gp.attacks.view import ServerView
+from lightning_gp.metrics.identification import IDENTIFICATION_LINE
 from lightning_gp.metrics.image_quality import check_pixel_range, mse, psnr, ssim
+from lightning_gp.metrics.recognition import RecognitionTests
 from lightning_gp.metrics.report import (
     HIGHER_IS_PRIVATE,
     METRICS,
@@ -78,9 +81,25 @@ from lightning_gp.metrics.report import (
 )
 from lightning_gp.metrics.semantic import SEMANTIC_LINE
 
-#: An image leaks when an attack gets PSNR > 20 dB, SSIM > 0.5, or a public classifier names the
-#: original's class on it clearly more than on any trivial guess (semantic score above its line).
-LEAK_THRESHOLDS: dict[str, float] = {"psnr": 20.0, "ssim": 0.5, "semantic": SEMANTIC_LINE}
+#: An image leaks when an attack gets PSNR > 20 dB, SSIM > 0.5 (each on an output that also picks
+#: its original out of its class's public images, :data:`IDENTIFICATION_GATE`), a public classifier
+#: names the original's class on it clearly more than on any trivial guess (semantic score above the
+#: test's line; :data:`~lightning_gp.metrics.semantic.SEMANTIC_LINE` is the shipped test's), or the
+#: output identifies its original (identification p-value at most
+#: :data:`~lightning_gp.metrics.identification.IDENTIFICATION_LINE`).
+LEAK_THRESHOLDS: dict[str, float] = {
+    "psnr": 20.0,
+    "ssim": 0.5,
+    "semantic": SEMANTIC_LINE,
+    "identification": IDENTIFICATION_LINE,
+}
+#: The fixed similarity lines (and the paired noise-ratio test) count on an output only where its
+#: identification p-value is at most this: the output must also be closer to its original than
+#: (about) every public image of the original's class is. A fixed line that an uninformed smooth
+#: guess crosses on smooth data (an SSIM of 0.5 on flat photo crops) measures the data, not the leak.
+IDENTIFICATION_GATE = 0.05
+#: The lines the gate applies to: similarities fixed in advance, the same on every data set.
+GATED_METRICS = ("psnr", "ssim", "lpips", "mse", "nmi")
 #: Refiner's mean thresholds (Sec. 5) that enter the verdict: a worst-case mean on the leaking side
 #: is a leak. The noise ratio is not one of them (a blank guess fails it); see :class:`LeakRule`.
 VERDICT_THRESHOLDS: dict[str, float] = {m: t for m, t in PRIVACY_THRESHOLDS.items() if m != "noise_ratio"}
@@ -91,12 +110,14 @@ NOISE_RATIO_LINE = 0.4
 #: 3: the refined learned inverter's control made of its own refinements only; 4: an original leaks when any
 #: output of an attack meets the rule on it (not only the matched one), the prior-only control also credits
 #: an image that beats the best uninformed score on it, a rule metric that was not computed is a gap, and
-#: the bound's kappa is measured under the full rule (earlier rounds composed).
-LEAK_RULE_REVISION = 4
+#: the bound's kappa is measured under the full rule (earlier rounds composed); 5: the identification test
+#: joins the rule, fixed similarity lines count only on an output that passes the identification gate,
+#: and the semantic test is calibrated on the audited data's public split (shipped for Fashion-MNIST).
+LEAK_RULE_REVISION = 5
 #: The newest revision that could turn a stored "leaks" into another verdict. Later revisions only add
 #: leaks, gaps and composed rounds to the bound: a result stored under one of them that leaked to every
 #: server keeps its verdict (the frontier reruns the others and drops the stale bound of the kept ones).
-LEAK_RULE_MONOTONE_SINCE = 3
+LEAK_RULE_MONOTONE_SINCE = 5
 
 Verdict = Literal["private", "leaks", "inconclusive"]
 
@@ -117,10 +138,20 @@ class LeakRule:
         noise_ratio_line: the image also leaks when its noise ratio is below this line and it is
             closer to the original than every trivial guess on PSNR and SSIM; ``None`` turns the
             paired test off.
+        identification_gate: a line of :data:`GATED_METRICS` (and the paired noise-ratio test) counts
+            on an output only where its identification p-value is at most this; where no
+            identification p-value was computed the lines count ungated (the verdict then names the
+            missing test and is never "private"). ``None`` turns the gate off.
+        tests: the recognisable-image tests the reports are scored with, calibrated on the audited
+            data's public split (:class:`~lightning_gp.metrics.recognition.RecognitionTests`; an audit
+            sets them with :meth:`calibrated`); ``None``: the shipped Fashion-MNIST semantic test and
+            no identification test (every verdict then names the missing test).
     """
 
     thresholds: Mapping[str, float] = field(default_factory=lambda: dict(LEAK_THRESHOLDS))
     noise_ratio_line: float | None = NOISE_RATIO_LINE
+    identification_gate: float | None = IDENTIFICATION_GATE
+    tests: RecognitionTests | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         thresholds = check_metric_thresholds(self.thresholds, "leak_thresholds")
@@ -137,6 +168,25 @@ class LeakRule:
             if isinstance(line, bool) or not isinstance(line, (int, float)) or not 0.0 < float(line) <= 1.0:
                 raise ValueError(f"noise_ratio_line must be in (0, 1] or None, got {line!r}")
             object.__setattr__(self, "noise_ratio_line", float(line))
+        gate = self.identification_gate
+        if gate is not None:
+            if isinstance(gate, bool) or not isinstance(gate, (int, float)) or not 0.0 < float(gate) <= 1.0:
+                raise ValueError(f"identification_gate must be in (0, 1] or None, got {gate!r}")
+            object.__setattr__(self, "identification_gate", float(gate))
+        if self.tests is not None and not isinstance(self.tests, RecognitionTests):
+            raise TypeError(f"tests must be RecognitionTests or None, got {type(self.tests).__name__}")
+
+    def calibrated(self, tests: RecognitionTests) -> LeakRule:
+        """This rule scored with ``tests``: a semantic line at the shipped default
+        (:data:`~lightning_gp.metrics.semantic.SEMANTIC_LINE`) becomes the semantic test's own line (a
+        fitted test sets its line on its data); a line set to another value is the caller's choice and
+        is kept, and a rule without the semantic line keeps none."""
+        if not isinstance(tests, RecognitionTests):
+            raise TypeError(f"tests must be RecognitionTests, got {type(tests).__name__}")
+        thresholds = dict(self.thresholds)
+        if thresholds.get("semantic") == SEMANTIC_LINE and tests.semantic is not None:
+            thresholds["semantic"] = tests.semantic.line
+        return dataclasses.replace(self, thresholds=thresholds, tests=tests)
 
     def criteria(
         self,
@@ -159,14 +209,17 @@ class LeakRule:
             return bar is None or math.isnan(bar) or _better_for_attacker(metric, value, bar)
 
         met = []
+        gated = not self.passes_gate(values)
         for metric, line in self.thresholds.items():
             value = values.get(metric)
             if value is None or math.isnan(value) or not leaks_on(metric, value, line):
                 continue
-            if beats_control(metric, value):
+            if beats_control(metric, value) and not (gated and metric in GATED_METRICS):
                 met.append(f"{metric} {'<' if HIGHER_IS_PRIVATE[metric] else '>'} {line:g}")
         ratio = values.get("noise_ratio")
-        if self.noise_ratio_line is not None and floor is not None and ratio is not None and not math.isnan(ratio):
+        if gated or self.noise_ratio_line is None:
+            return met
+        if floor is not None and ratio is not None and not math.isnan(ratio):
             closer = all(
                 (v := values.get(m)) is not None and not math.isnan(v) and v > floor[m] and beats_control(m, v)
                 for m in ("psnr", "ssim")
@@ -175,12 +228,28 @@ class LeakRule:
                 met.append(f"noise_ratio < {self.noise_ratio_line:g} and closer than every trivial guess")
         return met
 
+    def passes_gate(self, values: Mapping[str, float | None]) -> bool:
+        """Whether the fixed lines may count on an output with these scores (:attr:`identification_gate`):
+        its identification p-value is at most the gate, or none was computed, or the gate is off."""
+        p = values.get("identification")
+        if self.identification_gate is None or p is None or math.isnan(p):
+            return True
+        return p <= self.identification_gate
+
     def describe(self) -> str:
         """The rule in words, e.g. for report headers."""
         parts = threshold_phrases(self.thresholds)
         if self.noise_ratio_line is not None:
             parts.append(f"noise ratio < {self.noise_ratio_line:g} on an image closer than every trivial guess")
-        return or_list(parts)
+        text = or_list(parts)
+        gated = [METRIC_NAMES.get(m, m) for m in GATED_METRICS if m in self.thresholds]
+        gated += ["noise-ratio"] if self.noise_ratio_line is not None else []
+        if self.identification_gate is not None and gated:
+            text += (
+                f"; the {', '.join(gated)} tests count only on an output whose identification p-value is at most "
+                f"{self.identification_gate:g}"
+            )
+        return text
 
     def image_criteria(
         self, report: ReconstructionReport, i: int, floor: Mapping[str, float] | None = None
@@ -221,6 +290,7 @@ METRIC_NAMES = {
     "mse": "MSE",
     "nmi": "NMI",
     "semantic": "semantic score",
+    "identification": "identification p-value",
 }
 
 
@@ -902,11 +972,15 @@ def worst_case_of_reconstructions(
     noise_ratio: bool = True,
     lpips_fn: torch.nn.Module | None = None,
     match_metric: str = "mse",
+    tests: RecognitionTests | None = None,
     **worst_case_kwargs: Any,
 ) -> tuple[list[ReconstructionReport], WorstCaseReport]:
     """Match and score each attack's reconstruction (:func:`reconstruction_report`), then take the worst case.
 
-    ``originals`` are the client's normalised inputs; ``worst_case_kwargs`` go to
+    ``originals`` are the client's normalised inputs; ``tests`` the recognisable-image tests of the
+    data (:func:`~lightning_gp.audit.recognition.recognition_tests`; without them the identification
+    test is a gap and the verdict is never "private"; with a fitted semantic test pass its line in
+    ``leak_thresholds``, e.g. ``LeakRule().calibrated(tests).thresholds``); ``worst_case_kwargs`` go to
     :func:`worst_case_report`. Returns the per-attack reports and the worst case.
     """
     if isinstance(reconstructions, Reconstruction) or not isinstance(reconstructions, Sequence):
@@ -927,6 +1001,7 @@ def worst_case_of_reconstructions(
             lpips_fn=lpips_fn,
             noise_ratio=noise_ratio,
             match_metric=match_metric,
+            tests=tests,
         )
         for rec in reconstructions
     ]

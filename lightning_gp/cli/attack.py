@@ -36,6 +36,7 @@ from lightning_gp.audit import (
     worst_case_report,
 )
 from lightning_gp.audit.catalog import DefenseSetting
+from lightning_gp.audit.recognition import datamodule_recognition_tests
 from lightning_gp.audit.rounds import public_examples
 from lightning_gp.audit.setting_audit import reference_pixels
 from lightning_gp.cli.help import short_help
@@ -96,7 +97,9 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
-def run(config: Any) -> list[AttackResult]:
+def run(config: Any, rule: LeakRule | None = None) -> list[AttackResult]:
+    """Tap (or load) the configured round and attack each client's gradient; each report is scored with
+    ``rule``'s recognisable-image tests (default: :func:`calibrated_rule` of the data)."""
     datamodule: ImageClassificationDataModule = config.data
     attack: GradientAttack = config.attack
     secrets: dict[str, Any]
@@ -122,6 +125,7 @@ def run(config: Any) -> list[AttackResult]:
             seed=config.seed,
         )
     public = public_examples(datamodule)  # the server's own labelled images (batch label recovery)
+    rule = calibrated_rule(datamodule, public) if rule is None else rule
     results = []
     for record in records:
         print(f"attacking client {record.client_id}, round {record.round} with {type(attack).__name__}", flush=True)
@@ -137,9 +141,15 @@ def run(config: Any) -> list[AttackResult]:
                 labels_known=config.labels_known,
                 lpips=config.lpips,
                 public_data=public,
+                tests=rule.tests,
             )
         results.append(result)
     return results
+
+
+def calibrated_rule(datamodule: ImageClassificationDataModule, public: Any = None) -> LeakRule:
+    """The leak rule with the recognisable-image tests calibrated on ``datamodule``'s public split."""
+    return LeakRule().calibrated(datamodule_recognition_tests(datamodule, public))
 
 
 #: Why one attack's verdict is never "private".
@@ -156,9 +166,12 @@ def write_outputs(
     defenses: list[str],
     threat: str = "passive",
     bound: FormalBound | None = None,
+    rule: LeakRule | None = None,
 ) -> Path:
     """Write ``report.json``, ``report.md`` and ``reconstructions.png``; ``bound``: the defense's ReRo
-    bound (:func:`formal_bound`; ``None``: not computed, said so)."""
+    bound (:func:`formal_bound`; ``None``: not computed, said so); ``rule``: the leak rule the reports
+    were scored for (its semantic line; default :class:`LeakRule`)."""
+    rule = LeakRule() if rule is None else rule
     output_dir.mkdir(parents=True, exist_ok=True)
     means = mean_scores(results)
     flags = privacy_flags(means, PRIVACY_THRESHOLDS)
@@ -167,6 +180,8 @@ def write_outputs(
     # benchmarks/matrix.py's and PrivacyAudit's)
     judged = worst_case_report(
         [concatenate_reports([r.report for r in results])],
+        leak_thresholds=rule.thresholds,
+        noise_ratio_line=rule.noise_ratio_line,
         dataset_mean=_pixel_mean(results),
         incomplete=[ONE_ATTACK],
         threat_model=threat,
@@ -262,7 +277,7 @@ def _report_markdown(
     return lines
 
 
-def formal_bound(config: Any, results: list[AttackResult]) -> FormalBound:
+def formal_bound(config: Any, results: list[AttackResult], rule: LeakRule | None = None) -> FormalBound:
     """The ReRo bound of the configured defenses at the kappa of the leak rule on the attacked images:
     one clipped Gaussian mechanism (DPSGD, GaussianNoise with clip) has one; anything else says why not.
     Tap files name their defenses but do not carry the objects: no bound is derived from them."""
@@ -279,7 +294,7 @@ def formal_bound(config: Any, results: list[AttackResult]) -> FormalBound:
         originals,
         reference_pixels(config.data),
         labels=labels,
-        rule=LeakRule(),
+        rule=calibrated_rule(config.data) if rule is None else rule,
         dataset_mean=pixel_mean,
         # the trivial guesses write_outputs' verdict is judged against
         baselines=trivial_baselines(originals, dataset_mean=pixel_mean),
@@ -347,11 +362,14 @@ def main(argv: list[str] | None = None) -> list[AttackResult]:
         if note:
             print(note)
         config = instantiate(parser, parsed)
-    results = run(config)
+    rule = calibrated_rule(config.data)
+    results = run(config, rule)
     threat = "active" if callable(getattr(config.attack, "modify_model", None)) else "passive"
     defenses = recorded_defenses(results) if config.tap_files else [repr(d) for d in config.defenses]
-    bound = formal_bound(config, results)
-    report = write_outputs(results, Path(config.output_dir), type(config.attack).__name__, defenses, threat, bound)
+    bound = formal_bound(config, results, rule)
+    report = write_outputs(
+        results, Path(config.output_dir), type(config.attack).__name__, defenses, threat, bound, rule
+    )
     print(report.read_text())
     print(f"written to {report.parent}/ (report.md, report.json, reconstructions.png)")
     return results

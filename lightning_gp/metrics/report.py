@@ -26,6 +26,7 @@ from lightning_gp.attacks.view import ServerView
 from lightning_gp.metrics.image_quality import pair_indices
 from lightning_gp.metrics.matching import MATCH_METRICS, match_reconstructions, pairwise_scores
 from lightning_gp.metrics.nmi import nmi
+from lightning_gp.metrics.recognition import RecognitionTests
 from lightning_gp.normalization import denormalize, per_channel
 
 PRIVACY_THRESHOLDS: dict[str, float] = {"psnr": 15.0, "ssim": 0.5, "lpips": 0.05, "noise_ratio": 0.4}
@@ -38,8 +39,14 @@ HIGHER_IS_PRIVATE: dict[str, bool] = {
     "nmi": False,
     "noise_ratio": True,
     "semantic": False,
+    "identification": True,  # a p-value: small means the output picks out its original
 }
-METRICS = ("mse", "psnr", "ssim", "lpips", "nmi", "noise_ratio", "semantic")
+METRICS = ("mse", "psnr", "ssim", "lpips", "nmi", "noise_ratio", "semantic", "identification")
+#: Why the identification score is missing when no calibrated tests were given.
+NO_IDENTIFICATION_TEST = (
+    "no identification test was given (tests=None); an audit calibrates one on the data's public split "
+    "(lightning_gp.audit.recognition_tests)"
+)
 
 
 @dataclass
@@ -58,6 +65,9 @@ class ImageScores:
     noise_ratio: float | None = None  # the evaluation network's score of the reconstruction (None: not computed)
     # the public classifier's lift of the true class over trivial guesses (lightning_gp.metrics.semantic)
     semantic: float | None = None
+    # the identification p-value: does the output pick this original out of public images of its class
+    # (lightning_gp.metrics.identification)
+    identification: float | None = None
     # False: the attack gave this original no finite reconstruction (scores are NaN: not reconstructed)
     reconstructed: bool = True
 
@@ -177,16 +187,19 @@ class ReconstructionReport:
         lines.append(
             f"Label accuracy (multiset): {_fmt(self.label_accuracy)}; per matched image: {_fmt(self.matched_label_accuracy)}"
         )
-        header = "| # | matched | mse | psnr | ssim | lpips | nmi | noise ratio | semantic | label | predicted |"
-        lines += ["", header, "| --- " * 11 + "|"]
-        ratio_na = "noise_ratio" in self.unavailable
-        semantic_na = "semantic" in self.unavailable
+        header = (
+            "| # | matched | mse | psnr | ssim | lpips | nmi | noise ratio | semantic | identification p | label "
+            "| predicted |"
+        )
+        lines += ["", header, "| --- " * 12 + "|"]
         for r in self.rows:
-            ratio = "n/a" if ratio_na else _fmt(r.noise_ratio)
-            semantic = "n/a" if semantic_na else _fmt(r.semantic)
+            ratio, semantic, identification = (
+                "n/a" if name in self.unavailable else _fmt(getattr(r, name))
+                for name in ("noise_ratio", "semantic", "identification")
+            )
             lines.append(
                 f"| {r.index} | {r.matched_index} | {_fmt(r.mse)} | {_fmt(r.psnr)} | {_fmt(r.ssim)} | "
-                f"{_fmt(r.lpips)} | {_fmt(r.nmi)} | {ratio} | {semantic} | {_fmt(r.true_label)} | "
+                f"{_fmt(r.lpips)} | {_fmt(r.nmi)} | {ratio} | {semantic} | {identification} | {_fmt(r.true_label)} | "
                 f"{_fmt(r.predicted_label)} |"
             )
         return "\n".join(lines) + "\n"
@@ -277,6 +290,7 @@ def reconstruction_report(
     noise_ratio: bool = True,
     evaluator: torch.nn.Module | None = None,
     semantic: bool = True,
+    tests: RecognitionTests | None = None,
 ) -> ReconstructionReport:
     """Score an attack's reconstruction against the client's (normalised) batch.
 
@@ -304,6 +318,11 @@ def reconstruction_report(
             (:func:`~lightning_gp.metrics.semantic.semantic_scores`: how much more it names the
             original's class than trivial guesses do); "n/a" with the reason without ``true_labels``
             or for images the classifier was not built for.
+        tests: the recognisable-image tests calibrated on the data's public split
+            (:class:`~lightning_gp.metrics.recognition.RecognitionTests`): their semantic test replaces
+            the shipped Fashion-MNIST one, and their identification test gives each pair's
+            identification p-value. ``None``: the shipped semantic test where the images fit it, and no
+            identification score (:data:`NO_IDENTIFICATION_TEST`).
     """
     return reconstruction_reports(
         [reconstruction],
@@ -317,6 +336,7 @@ def reconstruction_report(
         noise_ratio=noise_ratio,
         evaluator=evaluator,
         semantic=semantic,
+        tests=tests,
     )[0]
 
 
@@ -332,6 +352,7 @@ def reconstruction_reports(
     noise_ratio: bool = True,
     evaluator: torch.nn.Module | None = None,
     semantic: bool = True,
+    tests: RecognitionTests | None = None,
 ) -> list[ReconstructionReport]:
     """:func:`reconstruction_report` of each of several reconstructions of the same ``originals`` (e.g.
     an attack's outputs on many public batches, the prior-only control), scored in one pass over all
@@ -361,6 +382,7 @@ def reconstruction_reports(
             evaluator,
             semantic,
             true_labels,
+            tests,
         )
         reports, start = [], 0
         for reconstruction, (_, rec_px, failed) in zip(reconstructions, parts):
@@ -460,6 +482,7 @@ def pair_scores(
     evaluator: torch.nn.Module | None,
     semantic: bool,
     true_labels: Tensor | None,
+    tests: RecognitionTests | None = None,
 ) -> tuple[dict[str, Tensor], dict[str, str]]:
     """Every reconstruction scored against every original: the scoring of :func:`reconstruction_report`
     (and of anything that must judge as the audit judges, e.g. the fixed guesses of ReRo's kappa).
@@ -469,7 +492,8 @@ def pair_scores(
     B_rec]`` float64 (NaN in the columns of ``failed``): MSE, PSNR, SSIM, NMI, LPIPS with
     ``lpips_fn``, the noise ratio (the reconstruction's own score, the same in every row) with
     ``noise_ratio``, the semantic test for each original's label in ``true_labels`` with
-    ``semantic``; and why an asked-for score is not available."""
+    ``semantic`` (``tests``' semantic test, else the shipped one), the identification p-value with
+    ``tests``; and why an asked-for score is not available."""
     pairs: dict[str, Tensor] = {m: pairwise_scores(rec_px, orig_px, m) for m in ("mse", "psnr", "ssim")}
     pairs["nmi"] = _pairwise_nmi(rec_px, orig_px)
     if lpips_fn is not None:
@@ -481,12 +505,21 @@ def pair_scores(
             unavailable["noise_ratio"] = ratio
         else:
             pairs["noise_ratio"] = ratio.detach().cpu()[None, :].expand(orig_px.shape[0], -1)
-    if semantic:
-        lift = _semantic_or_reason(rec_px, true_labels)
-        if isinstance(lift, str):
-            unavailable["semantic"] = lift
-        else:
-            pairs["semantic"] = lift
+    if tests is not None:
+        tested, missing = tests.score_matrices(rec_px, orig_px, true_labels)
+        if not semantic:
+            tested.pop("semantic", None)
+            missing.pop("semantic", None)
+        pairs.update(tested)
+        unavailable.update(missing)
+    else:
+        unavailable["identification"] = NO_IDENTIFICATION_TEST
+        if semantic:
+            lift = _semantic_or_reason(rec_px, true_labels)
+            if isinstance(lift, str):
+                unavailable["semantic"] = lift
+            else:
+                pairs["semantic"] = lift
     return {m: v.double().masked_fill(failed[None, :], math.nan) for m, v in pairs.items()}, unavailable
 
 
@@ -543,6 +576,7 @@ def _image_rows(
             predicted_label=None if predicted is None else predicted[i],
             noise_ratio=float(scores["noise_ratio"][i]) if "noise_ratio" in scores else None,
             semantic=float(scores["semantic"][i]) if "semantic" in scores else None,
+            identification=float(scores["identification"][i]) if "identification" in scores else None,
             reconstructed=not bool(not_reconstructed[i]),
         )
         for i in range(batch)

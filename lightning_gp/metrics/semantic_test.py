@@ -376,11 +376,11 @@ def _checked_public_data(public_images: Any, public_labels: Any) -> tuple[Tensor
 def _check_classes(labels: Tensor) -> None:
     counts = torch.bincount(labels) if len(labels) else torch.zeros(0, dtype=torch.int64)
     if int((counts > 0).sum()) < 2:
-        raise ValueError(f"public_labels must hold at least 2 classes, got {int((counts > 0).sum())}")
+        raise SemanticCalibrationError(f"public_labels must hold at least 2 classes, got {int((counts > 0).sum())}")
     short = [(c, int(n)) for c, n in enumerate(counts.tolist()) if n < MIN_IMAGES_PER_CLASS]
     if short:
         listed = ", ".join(f"class {c}: {n}" for c, n in short[:8]) + (", ..." if len(short) > 8 else "")
-        raise ValueError(
+        raise SemanticCalibrationError(
             f"public_labels: every class in [0, {len(counts)}) needs at least {MIN_IMAGES_PER_CLASS} public images "
             f"({len(short)} have fewer: {listed}); relabel the classes to 0..K-1 or add public images"
         )
