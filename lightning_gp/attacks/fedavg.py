@@ -49,7 +49,7 @@ from torch.func import functional_call
 
 from lightning_gp.attacks.base import AttackNotApplicable, GradientAttack, Reconstruction
 from lightning_gp.attacks.gradient_matching import cosine_distance, total_variation
-from lightning_gp.attacks.labels import recover_labels
+from lightning_gp.attacks.labels import recover_labels, update_as_gradient
 from lightning_gp.attacks.optimization import plateaued
 from lightning_gp.attacks.registry import register_attack
 from lightning_gp.attacks.view import ServerView
@@ -154,17 +154,7 @@ def trajectory_view(view: ServerView, schedule: LocalSchedule) -> ServerView:
     """The shared update read as one batch-mean gradient of the ``n`` images (for label recovery,
     part 3 of the module's description): the update divided by ``lr T``, with the model moved to
     ``w - a Δ``, ``a = (T - 1) / 2T``, the mean of the models ``w - (t / T) Δ`` of the ``T`` steps."""
-    steps = schedule.steps
-    along = (steps - 1) / (2 * steps)
-    model = copy.deepcopy(view.model)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name in view.gradients:
-                param.sub_(along * view.gradients[name].to(param))
-    scaled = copy.copy(view)
-    scaled.model = model
-    scaled.gradients = {n: g / (schedule.lr * steps) for n, g in view.gradients.items()}
-    return scaled
+    return update_as_gradient(view, schedule.lr, schedule.steps)
 
 
 def _meta_count(view: ServerView, key: str) -> int | None:

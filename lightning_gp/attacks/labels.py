@@ -15,6 +15,7 @@ dummy inputs), and solves the resulting linear system for the counts (:func:`lab
 
 from __future__ import annotations
 
+import copy
 from typing import Literal
 
 import torch
@@ -66,9 +67,12 @@ def recover_labels(view: ServerView, method: LabelMethod = "auto") -> Tensor:
         rows reach the most negative minimum. ``"counts"`` (Geng et al. 2021, Sec. 3.2, labels
         may repeat): every class as often as :func:`label_counts` estimates. ``"auto"``: ``idlg``
         for one image, else ``counts``.
+    A FedAvg update is read as a gradient first (:func:`as_gradient`).
+
     Returns:
         ``[B]`` int64 labels, sorted for ``B > 1`` (the batch order is unknowable).
     """
+    view = as_gradient(view)
     weight_name, bias_name = classification_layer(view)
     weight_grad = view.gradients[weight_name].detach()
     batch = view.batch_size
@@ -109,6 +113,33 @@ def label_estimates_differ(view: ServerView) -> bool:
     return not torch.equal(label_counts(view, softmax_from="public"), label_counts(view, softmax_from="dummy"))
 
 
+def update_as_gradient(view: ServerView, lr: float, steps: int) -> ServerView:
+    """A FedAvg update ``Δ = w - w_T`` of ``steps`` local SGD steps at ``lr`` read as one batch-mean
+    gradient of the client's images (Dimitrov et al., TMLR 2022, label recovery from the update): ``Δ``
+    divided by ``lr T``, with the model moved to ``w - a Δ``, ``a = (T - 1) / 2T``, the mean of the models
+    ``w - (t / T) Δ`` the ``T`` steps were taken at. Its ``meta["algorithm"]`` is ``"fedsgd"``."""
+    along = (steps - 1) / (2 * steps)
+    model = copy.deepcopy(view.model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name in view.gradients:
+                param.sub_(along * view.gradients[name].to(param))
+    scaled = copy.copy(view)
+    scaled.model = model
+    scaled.gradients = {n: g / (lr * steps) for n, g in view.gradients.items()}
+    scaled.meta = {**view.meta, "algorithm": "fedsgd", "read_from": "fedavg update"}
+    return scaled
+
+
+def as_gradient(view: ServerView) -> ServerView:
+    """``view`` as a batch-mean gradient: a FedAvg update whose ``meta`` holds ``local_lr`` and
+    ``local_steps`` through :func:`update_as_gradient`, anything else as it is."""
+    meta = view.meta
+    if meta.get("algorithm") != "fedavg" or meta.get("local_lr") is None or meta.get("local_steps") is None:
+        return view
+    return update_as_gradient(view, float(meta["local_lr"]), int(meta["local_steps"]))
+
+
 @torch.no_grad()
 def label_counts(
     view: ServerView, dummy_inputs: int = DUMMY_INPUTS, seed: int = 0, softmax_from: SoftmaxSource = "auto"
@@ -143,9 +174,12 @@ def label_counts(
     remainders), then improved by moving one image at a time between classes while that lowers the
     gradient residual ``|M n / B - g|``.
 
+    A FedAvg update is read as a gradient first (:func:`as_gradient`).
+
     Returns:
         ``[num_classes]`` int64 counts summing to ``view.batch_size``.
     """
+    view = as_gradient(view)
     check_positive_int(dummy_inputs, "dummy_inputs")
     if softmax_from not in ("auto", "public", "dummy"):
         raise ValueError(f"softmax_from must be 'auto', 'public' or 'dummy', got {softmax_from!r}")

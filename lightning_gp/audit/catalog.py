@@ -15,6 +15,7 @@ training images; :func:`~lightning_gp.audit.training.train_setting` trains it to
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -42,6 +43,7 @@ from lightning_gp.callbacks import (
     TopKPruning,
 )
 from lightning_gp.records import TappedGradient
+from lightning_gp.validation import check_positive_int
 
 Algorithm = Literal["fedsgd", "fedavg"]
 Runner = Literal["simulation", "trainer"]
@@ -55,8 +57,13 @@ class DefenseSetting:
         name: the row label, e.g. ``"TopKPruning(rate=0.8)"``.
         callbacks: the defense callbacks of every client (fresh objects: they hold client state).
         wrap: wraps the user's model in the module that defends it (Refiner, PriPrune).
-        algorithm: ``"fedsgd"`` (clients share one gradient) or ``"fedavg"`` (one local SGD step at
-            ``local_lr``; PriPrune shares weights).
+        algorithm: ``"fedsgd"`` (clients share one gradient) or ``"fedavg"`` (local SGD at ``local_lr``,
+            the client shares ``w_global - w_local``; PriPrune shares weights).
+        local_epochs, local_batch_size: under FedAvg, each audited client trains ``local_epochs``
+            epochs over the images it holds (``indices[c]``, ``n`` of them) in local batches of
+            ``local_batch_size`` (``None``: all ``n`` in one batch), each epoch in a fresh seeded order:
+            ``local_epochs * n / local_batch_size`` local steps (McMahan et al.'s FedAvg; the setting of
+            Dimitrov et al., TMLR 2022). The defaults are one step on the whole batch.
         runner: ``"simulation"`` (:class:`~lightning_gp.federated.FederatedSimulation`) or
             ``"trainer"`` (a plain ``Trainer`` per client, for a callback that runs its own client
             step, i.e. DP-SGD).
@@ -78,6 +85,8 @@ class DefenseSetting:
     algorithm: Algorithm = "fedsgd"
     runner: Runner = "simulation"
     local_lr: float = 0.1
+    local_epochs: int = 1
+    local_batch_size: int | None = None
     server_optimizer: Literal["sgd", "adam"] = "adam"
     server_lr: float = 1e-3
     declared: Any = None
@@ -97,6 +106,36 @@ class DefenseSetting:
             raise ValueError(f"{self.name}: a wrapping defense runs in the simulation, not in a plain Trainer (runner)")
         if self.runner == "trainer" and self.algorithm != "fedsgd":
             raise ValueError(f"{self.name}: the plain-Trainer runner shares one gradient per step (algorithm='fedsgd')")
+        check_positive_int(self.local_epochs, "local_epochs")
+        if self.local_batch_size is not None:
+            check_positive_int(self.local_batch_size, "local_batch_size")
+        if self.algorithm == "fedsgd" and (self.local_epochs != 1 or self.local_batch_size is not None):
+            raise ValueError(
+                f"{self.name}: local_epochs and local_batch_size describe FedAvg's local training; they need "
+                "algorithm='fedavg' (a FedSGD client shares one gradient of its batch)"
+            )
+
+    def with_algorithm(
+        self,
+        algorithm: Algorithm | None = None,
+        local_epochs: int | None = None,
+        local_batch_size: int | None = None,
+    ) -> DefenseSetting:
+        """This setting with the clients' algorithm and local training replaced where given (a setting
+        of the plain-Trainer runner, DP-SGD's, refuses FedAvg with an error naming it)."""
+        changes: dict[str, Any] = {}
+        if algorithm is not None:
+            changes["algorithm"] = algorithm
+        if local_epochs is not None:
+            changes["local_epochs"] = local_epochs
+        if local_batch_size is not None:
+            changes["local_batch_size"] = local_batch_size
+        return dataclasses.replace(self, **changes) if changes else self
+
+    @property
+    def local_training(self) -> bool:
+        """Whether a client trains several local steps (FedAvg with epochs or local batches)."""
+        return self.algorithm == "fedavg" and (self.local_epochs > 1 or self.local_batch_size is not None)
 
     @property
     def undefended(self) -> bool:

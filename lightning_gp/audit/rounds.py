@@ -119,13 +119,15 @@ def tap_fedsgd_round(
     positions: Sequence[Sequence[int]] | None = None,
     algorithm: Literal["fedsgd", "fedavg"] = "fedsgd",
     local_lr: float = 0.1,
+    local_steps: int = 1,
     server_optimizer: Literal["sgd", "adam"] = "adam",
     server_lr: float = 1e-3,
     seed: int = 0,
 ) -> tuple[list[TappedGradient], nn.Module, dict[str, Any]]:
     """Run FedSGD through ``round`` and return the shared gradients of ``clients`` in that round.
 
-    With ``algorithm="fedavg"`` each client runs one local SGD step at ``local_lr`` instead and
+    With ``algorithm="fedavg"`` each client runs ``local_steps`` local SGD steps at ``local_lr`` instead
+    (chosen lists then hold ``local_steps * local_batch_size`` images, the steps' batches in turn) and
     shares that update (a module that shares weights, e.g. PriPrune, needs FedAvg). Rounds before
     ``round`` apply the aggregate with ``server_optimizer`` at ``server_lr``.
 
@@ -157,7 +159,9 @@ def tap_fedsgd_round(
     if chosen_name is not None:
         chosen = _chosen_from(datamodule, indices if indices is not None else positions, chosen_name)
     clients = _attacked_clients(clients, chosen, chosen_name, num_clients)
-    local_batch_size = _local_batch_size(local_batch_size, chosen, chosen_name)
+    local_batch_size = _local_batch_size(
+        local_batch_size, chosen, chosen_name, check_positive_int(local_steps, "local_steps")
+    )
 
     model, secrets = malicious_server_model(attack, model, datamodule)
     simulation = FederatedSimulation(
@@ -170,6 +174,7 @@ def tap_fedsgd_round(
         server_lr=server_lr,
         algorithm=algorithm,
         local_lr=local_lr,
+        local_steps=local_steps,
         seed=seed,
     )
     if chosen is not None:
@@ -209,15 +214,18 @@ def _attacked_clients(
     return clients
 
 
-def _local_batch_size(local_batch_size: int | None, chosen: list[list[int]] | None, chosen_name: str | None) -> int:
-    """``local_batch_size``, checked (default: the length of the chosen lists, else 1)."""
+def _local_batch_size(
+    local_batch_size: int | None, chosen: list[list[int]] | None, chosen_name: str | None, local_steps: int = 1
+) -> int:
+    """``local_batch_size``, checked (default: the chosen lists' length over ``local_steps``, else 1)."""
     if local_batch_size is None:
-        local_batch_size = len(chosen[0]) if chosen is not None else 1
+        local_batch_size = max(1, len(chosen[0]) // local_steps) if chosen is not None else 1
     check_positive_int(local_batch_size, "local_batch_size")
-    if chosen is not None and len(chosen[0]) != local_batch_size:
+    if chosen is not None and len(chosen[0]) != local_batch_size * local_steps:
         raise ValueError(
             f"local_batch_size={local_batch_size} disagrees with the {len(chosen[0])} image(s) per client in "
-            f"{chosen_name}: every client's batch holds local_batch_size images"
+            f"{chosen_name}: every client's round holds local_steps * local_batch_size = "
+            f"{local_steps * local_batch_size} images"
         )
     return local_batch_size
 
@@ -336,15 +344,18 @@ def tap_defended_round(
             model = _train_on_trainer(setting, model, datamodule, round, batch_size, seed)
         return _tap_with_trainer(setting, model, datamodule, indices, setting.local_lr, seed), model, secrets
     client_model = setting.wrap(model) if setting.wrap is not None else model
+    batch_size, steps, rounds_items = local_schedule(setting, indices, seed)
     records, _, _ = tap_fedsgd_round(
         client_model,
         datamodule,
         defenses=[copy.deepcopy(cb) for cb in setting.callbacks],
         clients=list(range(len(indices))),
         num_clients=max(num_clients, len(indices)),
-        indices=indices,
+        indices=rounds_items,
+        local_batch_size=batch_size,
         algorithm=setting.algorithm,
         local_lr=setting.local_lr,
+        local_steps=steps,
         server_optimizer=setting.server_optimizer,
         server_lr=setting.server_lr,
         seed=seed,
@@ -352,7 +363,46 @@ def tap_defended_round(
     )
     if setting.wrap is not None:
         records = [_strip_wrapper(r, "module.") for r in records]
+    if setting.local_training:
+        records = [_local_dataset_record(r, list(items), setting.local_epochs) for r, items in zip(records, indices)]
     return records, model, secrets
+
+
+def local_schedule(
+    setting: DefenseSetting, indices: Sequence[Sequence[int]], seed: int
+) -> tuple[int, int, list[list[int]]]:
+    """``(local_batch_size, local_steps, items)`` of one round of ``setting`` whose client ``c`` holds
+    the training images ``indices[c]``: one step on the whole batch, or under FedAvg's local training
+    (:attr:`DefenseSetting.local_training`) ``local_epochs`` epochs over the ``n`` images in batches of
+    ``local_batch_size``, each epoch a fresh order drawn with ``seed`` (``items[c]``: the steps' images in
+    turn)."""
+    n = len(indices[0])
+    if not setting.local_training:
+        return n, 1, [list(items) for items in indices]
+    batch = n if setting.local_batch_size is None else setting.local_batch_size
+    if n % batch:
+        raise ValueError(
+            f"local_batch_size={batch} must divide the {n} images each audited client holds (indices): a "
+            "FedAvg client's epoch is n / local_batch_size full local batches"
+        )
+    g = torch.Generator().manual_seed(seed)
+    items = []
+    for client in indices:
+        orders = [torch.randperm(n, generator=g).tolist() for _ in range(setting.local_epochs)]
+        items.append([int(client[k]) for order in orders for k in order])
+    return batch, setting.local_epochs * n // batch, items
+
+
+def _local_dataset_record(record: TappedGradient, indices: list[int], epochs: int) -> TappedGradient:
+    """``record`` of a FedAvg client's local training with its batch the ``indices`` images it holds, once
+    each in this order (the round's steps saw them ``epochs`` times), and the schedule in ``meta``."""
+    seen = [int(i) for i in record.meta["dataset_indices"]]
+    first = torch.as_tensor([seen.index(i) for i in indices])
+    inputs, targets = cast(Tensor, record.inputs), cast(Tensor, record.targets)
+    record.batch = (inputs[first], targets[first])
+    record.meta["dataset_indices"] = list(indices)
+    record.meta["local_epochs"] = epochs
+    return record
 
 
 def active_replay_blocker(setting: DefenseSetting, record: TappedGradient) -> str | None:
