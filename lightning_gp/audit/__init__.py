@@ -37,7 +37,15 @@ from lightning_gp.audit.frontier_grid import Family, Fixed, FrontierConfig, Grid
 from lightning_gp.audit.frontier_report import FrontierPoint, Recommendation, pareto_mask
 from lightning_gp.audit.learned import learned_inversion_attacks, setting_simulator, simulation_refusal
 from lightning_gp.audit.quiet import internal_trainer, library_noise_silenced, quiet_lightning
-from lightning_gp.audit.rounds import aggregate_record, malicious_server_model, tap_defended_round, tap_fedsgd_round
+from lightning_gp.audit.recognition import datamodule_recognition_tests, recognition_tests
+from lightning_gp.audit.rounds import (
+    NoPublicSplitError,
+    aggregate_record,
+    malicious_server_model,
+    public_examples,
+    tap_defended_round,
+    tap_fedsgd_round,
+)
 from lightning_gp.audit.setting_audit import (
     THREAT_MODELS,
     AttackBudget,
@@ -85,6 +93,7 @@ __all__ = [
     "FrontierResult",
     "Grid",
     "LeakRule",
+    "NoPublicSplitError",
     "PrivacyAudit",
     "Recommendation",
     "SettingAudit",
@@ -97,6 +106,7 @@ __all__ = [
     "audit_setting",
     "choose",
     "combined_verdict",
+    "datamodule_recognition_tests",
     "defense_catalog",
     "defense_mechanism",
     "frontier",
@@ -108,8 +118,10 @@ __all__ = [
     "mean_scores",
     "pareto_mask",
     "prior_only_kappa",
+    "public_examples",
     "published_attacks",
     "quiet_lightning",
+    "recognition_tests",
     "register_defense",
     "register_family",
     "save_audit_figure",

@@ -560,6 +560,7 @@ class PrivacyAudit(SharedGradientObserver):
             thresholds=self.thresholds,
             leak_thresholds=self.rule.thresholds,
             noise_ratio_line=self.rule.noise_ratio_line,
+            identification_gate=self.rule.identification_gate,
             max_leak_fraction=self.max_leak_fraction,
             # the normalisation mean is the data's per-channel pixel mean: the "dataset mean" guess
             dataset_mean=mean if all(0.0 <= v <= 1.0 for v in mean) else None,

@@ -822,7 +822,10 @@ class _Campaign:
     def labels_disagree(self) -> bool:
         """Whether, on some client of several images, the batch's label counts from the public images
         (:func:`~lightning_gp.attacks.label_counts`, ``softmax_from="public"``) differ from those of
-        dummy inputs (``"dummy"``, Geng et al.'s estimate). Computed once per audit."""
+        dummy inputs (``"dummy"``, Geng et al.'s estimate). Computed once per audit; never where the
+        attackers are granted the labels (FedAvg's local training)."""
+        if self.setting.local_training:
+            return False
         if self._labels_disagree is None:
             self._labels_disagree = any(_label_estimates_differ(record, self) for record in self.passive_records)
         return self._labels_disagree
@@ -954,6 +957,7 @@ def _audit_aggregate(
             reports,
             leak_thresholds=rule.thresholds,
             noise_ratio_line=rule.noise_ratio_line,
+            identification_gate=rule.identification_gate,
             reference_images=reference,
             incomplete=incomplete,
             threat_model="aggregate",
@@ -1093,6 +1097,7 @@ def _judge(
         reports,
         leak_thresholds=rule.thresholds,
         noise_ratio_line=rule.noise_ratio_line,
+        identification_gate=rule.identification_gate,
         reference_images=reference,
         incomplete=incomplete,
         threat_model=threat,

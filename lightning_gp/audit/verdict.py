@@ -9,15 +9,24 @@ already matched to the originals) and keeps, per image and per metric, the attac
 **The leak rule** (:class:`LeakRule`, the only place it is written): one attack's reconstruction of
 one image leaks when
 
-- a pixel or semantic score is on the leaking side of its line (:data:`LEAK_THRESHOLDS`: PSNR >
-  20 dB, SSIM > 0.5, or the semantic score above
-  :data:`~lightning_gp.metrics.semantic.SEMANTIC_LINE`: a classifier trained on public data names
-  the original's class on the reconstruction clearly more than on any blank, mean or noise guess,
-  a line calibrated on such guesses and on recognisable degradations of the original), or
+- it **identifies** its original: its identification p-value (does the output pick its original out of
+  public images of its class and of all classes, :mod:`lightning_gp.metrics.identification`) is below
+  :data:`~lightning_gp.metrics.identification.IDENTIFICATION_LINE`, or
+- its semantic score is above the semantic test's line: a classifier trained on public data names the
+  original's class on it clearly more than on any blank, mean or noise guess (the shipped
+  Fashion-MNIST test, line :data:`~lightning_gp.metrics.semantic.SEMANTIC_LINE`, or one fitted on the
+  audited data's public split, :mod:`lightning_gp.metrics.semantic_test`; the tests come with the
+  rule, :attr:`LeakRule.tests`, :mod:`lightning_gp.audit.recognition`), or
+- a fixed similarity line is crossed (:data:`LEAK_THRESHOLDS`: PSNR > 20 dB, SSIM > 0.5) by an output
+  that also passes the identification gate (:data:`IDENTIFICATION_GATE`: a fixed line that an
+  uninformed smooth guess crosses on smooth data measures the data), or
 - Refiner's noise ratio is below 0.4 (a clean-looking image) **and** the reconstruction is closer to
-  the original than every trivial guess on both PSNR and SSIM. The noise ratio alone is not a
-  similarity: a blank or dataset-mean image is clean too (noise ratio 0.0003 and 0.10), so it only
-  counts on an image that a blank or mean guess cannot be.
+  the original than every trivial guess on both PSNR and SSIM (behind the same gate). The noise ratio
+  alone is not a similarity: a blank or dataset-mean image is clean too (noise ratio 0.0003 and
+  0.10), so it only counts on an image that a blank or mean guess cannot be.
+
+Where no identification p-value was computed the fixed lines count ungated, and the verdict names the
+missing test.
 
 **Per original, any reconstruction.** An original leaks to an attack when **any** of the attack's
 outputs meets the rule on it (:meth:`LeakRule.image_criteria`), not only the output a one-to-one
@@ -35,10 +44,11 @@ where the attack's batch mean beats every such batch's, the median one
 
 **The verdict** (:func:`judge`): ``"leaks"`` when more than ``max_leak_fraction`` of the images leak
 (default: one image is a leak) or a worst-case mean is on the leaking side of
-:data:`VERDICT_THRESHOLDS` (Refiner's mean PSNR 15 dB, SSIM 0.5, LPIPS 0.05) and beats every trivial
-guess's mean on that metric (a mean line that a blank or mean image crosses as far measures the data:
-on smooth images a blank guess alone scores 12-16 dB; such a line is reported in
-``mean_lines_at_guess`` and counts for nothing; without the originals' pixels no guess is scored and
+:data:`VERDICT_THRESHOLDS` (Refiner's mean PSNR 15 dB, SSIM 0.5, LPIPS 0.05), beats every trivial
+guess's mean on that metric and some image's best output passes the identification gate (a mean line
+that a blank or mean image crosses as far measures the data: on smooth images a blank guess alone
+scores 12-16 dB; such a line is reported in ``mean_lines_at_guess``, one crossed where no output passes
+the gate in ``mean_lines_unidentified``, and neither counts; without the originals' pixels no guess is scored and
 every crossed line counts); else
 ``"inconclusive"`` when the audit is incomplete (an attack errored, an adaptive attack fell back or
 could not apply, an attack produced non-finite images, the semantic test could not run;
@@ -419,6 +429,8 @@ class WorstCaseReport:
         below_trivial_baseline: the worst-case mean PSNR is below a baseline's mean PSNR.
         mean_lines_at_guess: the verdict's mean lines that the worst-case mean crosses no further than
             a trivial guess's mean does (:func:`mean_lines_at_guess`): reported, not counted as a leak.
+        mean_lines_unidentified: the crossed mean lines where no image's best output passes the
+            identification gate (:func:`mean_lines_unidentified`): reported, not counted as a leak.
         best_psnr_pixels: per image, the reconstruction (pixels) of the attack with the best
             PSNR (for figures; not in ``to_dict``); ``original_pixels``: the originals.
     """
@@ -442,6 +454,7 @@ class WorstCaseReport:
     threat_model: str | None = None
     control_false_alarm: float | None = None
     mean_lines_at_guess: list[str] = field(default_factory=list)
+    mean_lines_unidentified: list[str] = field(default_factory=list)
     original_pixels: Tensor | None = field(default=None, repr=False, compare=False)
     best_psnr_pixels: Tensor | None = field(default=None, repr=False, compare=False)
 
@@ -464,7 +477,10 @@ class WorstCaseReport:
         crossed = [
             m
             for m, flag in self.private.items()
-            if flag is False and self.means.get(m) is not None and m not in self.mean_lines_at_guess
+            if flag is False
+            and self.means.get(m) is not None
+            and m not in self.mean_lines_at_guess
+            and m not in self.mean_lines_unidentified
         ]
         if self.verdict == "leaks" and self.leaked == 0 and crossed:
             parts = [
@@ -503,6 +519,7 @@ class WorstCaseReport:
             "max_leak_fraction": self.max_leak_fraction,
             "private": dict(self.private),
             "mean_lines_at_guess": list(self.mean_lines_at_guess),
+            "mean_lines_unidentified": list(self.mean_lines_unidentified),
             "leak_fraction": self.leak_fraction,
             "leaked": self.leaked,
             "verdict": self.verdict,
@@ -573,6 +590,12 @@ class WorstCaseReport:
             lines.append(
                 f"The worst-case mean {', '.join(self.mean_lines_at_guess)} crosses its verdict line, but a trivial "
                 "guess's mean does so as far: on these images the line measures the data, so it is not counted."
+            )
+        if self.mean_lines_unidentified:
+            lines.append(
+                f"The worst-case mean {', '.join(self.mean_lines_unidentified)} crosses its verdict line, but no "
+                "image's best output passes the identification gate: the line is crossed by what the data gives "
+                "any guess, so it is not counted."
             )
         lines += ["", "| # | best psnr (attack) | best ssim (attack) | leaks | leaked by |", "| --- " * 5 + "|"]
         for r in self.rows:
@@ -687,6 +710,7 @@ def worst_case_report(
     thresholds: Mapping[str, float] = VERDICT_THRESHOLDS,
     leak_thresholds: Mapping[str, float] = LEAK_THRESHOLDS,
     noise_ratio_line: float | None = NOISE_RATIO_LINE,
+    identification_gate: float | None = IDENTIFICATION_GATE,
     max_leak_fraction: float = 0.0,
     reference_images: Tensor | None = None,
     dataset_mean: Sequence[float] | None = None,
@@ -699,7 +723,7 @@ def worst_case_report(
         reports: one :class:`ReconstructionReport` per attack, all on the same originals (each
             is already matched to them; see :func:`worst_case_of_reconstructions` to match here).
         thresholds: the verdict's mean lines (:data:`VERDICT_THRESHOLDS`), each counted where it beats every guess.
-        leak_thresholds, noise_ratio_line: the per-image leak rule (:class:`LeakRule`).
+        leak_thresholds, noise_ratio_line, identification_gate: the per-image leak rule (:class:`LeakRule`).
         max_leak_fraction: the largest fraction of leaked images a "private" verdict allows.
         reference_images, dataset_mean: for the "dataset mean" baseline (see
             :func:`trivial_baselines`); without either only the blank baseline is scored.
@@ -709,35 +733,31 @@ def worst_case_report(
     """
     reports = _checked_reports(reports)
     thresholds = check_verdict_thresholds(thresholds)
-    rule = LeakRule(leak_thresholds, noise_ratio_line)
+    rule = LeakRule(leak_thresholds, noise_ratio_line, identification_gate)
     _check_leak_fraction_and_incomplete(max_leak_fraction, incomplete)
 
     batch = reports[0].batch_size
     originals = _common_originals(reports)
     names = _unique_names([r.attack for r in reports])
-    baselines: list[BaselineScores] = []
-    if originals is not None:
-        baselines = trivial_baselines(originals, reference_images=reference_images, dataset_mean=dataset_mean)
-    floors = guess_floors(originals, baselines)
+    baselines, floors = _guesses_and_floors(originals, reference_images, dataset_mean)
 
     rows = [_worst_image(i, names, reports, rule, None if floors is None else floors[i]) for i in range(batch)]
-    # per image, the report with the best PSNR (the first where no attack scored it)
     best_psnr_source = [names.index(r.attacks["psnr"]) if r.attacks["psnr"] is not None else 0 for r in rows]
 
     means = {metric: batch_mean([r.values[metric] for r in rows]) for metric in METRICS}
     leaked = sum(r.leaks for r in rows)
     private = privacy_flags(means, thresholds)
-    at_guess = mean_lines_at_guess(private, means, baselines)
-    counted = {m: flag for m, flag in private.items() if m not in at_guess}
+    at_guess, unidentified = (
+        mean_lines_at_guess(private, means, baselines),
+        mean_lines_unidentified(private, rows, rule),
+    )
+    counted = {m: flag for m, flag in private.items() if m not in at_guess + unidentified}
     verdict, reasons = judge(
         rows, reports, names, counted, rule, max_leak_fraction=float(max_leak_fraction), incomplete=incomplete
     )
 
-    below: bool | None = None
-    best_pixels: Tensor | None = None
-    if floors is not None:
-        below = _mark_below_baselines(rows, floors, means, baselines)
-        best_pixels = _best_psnr_pixels(reports, best_psnr_source)
+    below = None if floors is None else _mark_below_baselines(rows, floors, means, baselines)
+    best_pixels = None if floors is None else _best_psnr_pixels(reports, best_psnr_source)
     return WorstCaseReport(
         attacks=names,
         rows=rows,
@@ -758,9 +778,36 @@ def worst_case_report(
         threat_model=threat_model,
         control_false_alarm=_control_false_alarm(reports),
         mean_lines_at_guess=at_guess,
+        mean_lines_unidentified=unidentified,
         original_pixels=originals,
         best_psnr_pixels=best_pixels,
     )
+
+
+def _guesses_and_floors(
+    originals: Tensor | None, reference_images: Tensor | None, dataset_mean: Sequence[float] | None
+) -> tuple[list[BaselineScores], list[dict[str, float]] | None]:
+    """The trivial guesses scored on ``originals`` and the per-original floors they set (none without pixels)."""
+    if originals is None:
+        return [], None
+    baselines = trivial_baselines(originals, reference_images=reference_images, dataset_mean=dataset_mean)
+    return baselines, guess_floors(originals, baselines)
+
+
+def mean_lines_unidentified(
+    private: Mapping[str, bool | None], rows: Sequence[WorstImage], rule: LeakRule
+) -> list[str]:
+    """The crossed mean lines (``private[m] is False``) of a batch where the identification test ran on
+    every image and no image's best output passes the rule's identification gate: the fixed mean lines
+    are gated as the per-image ones are (:class:`LeakRule`). Empty without the gate or the test."""
+    if rule.identification_gate is None:
+        return []
+    values = [r.values.get("identification") for r in rows]
+    if any(v is None for v in values):
+        return []
+    if any(v is not None and not math.isnan(v) and v <= rule.identification_gate for v in values):
+        return []
+    return [m for m, flag in private.items() if flag is False and m in GATED_METRICS]
 
 
 def mean_lines_at_guess(

@@ -182,6 +182,7 @@ def write_outputs(
         [concatenate_reports([r.report for r in results])],
         leak_thresholds=rule.thresholds,
         noise_ratio_line=rule.noise_ratio_line,
+        identification_gate=rule.identification_gate,
         dataset_mean=_pixel_mean(results),
         incomplete=[ONE_ATTACK],
         threat_model=threat,

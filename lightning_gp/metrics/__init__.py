@@ -45,6 +45,7 @@ from lightning_gp.metrics.lpips import (
 from lightning_gp.metrics.matching import MATCH_METRICS, match_reconstructions, pairwise_scores
 from lightning_gp.metrics.nmi import nmi
 from lightning_gp.metrics.noise_ratio import noise_ratio
+from lightning_gp.metrics.recognition import RecognitionTests
 from lightning_gp.metrics.report import (
     HIGHER_IS_PRIVATE,
     PRIVACY_THRESHOLDS,
@@ -73,6 +74,7 @@ __all__ = [
     "LPIPSNetwork",
     "LPIPSWeights",
     "LPIPSWeightsNotFoundError",
+    "RecognitionTests",
     "ReconstructionLPIPS",
     "ReconstructionNMI",
     "ReconstructionNoiseRatio",
