@@ -20,6 +20,26 @@ def updates_running_stats(module: nn.Module) -> bool:
     return any(isinstance(m, _BatchNorm) and m.track_running_stats and m.training for m in module.modules())
 
 
+def set_batchnorm_mode(module: nn.Module, mode: str) -> nn.Module:
+    """Put every BatchNorm layer of ``module`` in ``mode`` (``"train"``: batch statistics; ``"eval"``: the
+    running statistics), the rest of the module as it is; returns ``module``."""
+    if mode not in ("train", "eval"):
+        raise ValueError(f"batchnorm mode must be 'train' or 'eval', got {mode!r}")
+    for m in module.modules():
+        if isinstance(m, _BatchNorm):
+            m.train(mode == "train")
+    return module
+
+
+def batchnorm_mode(module: nn.Module) -> str | None:
+    """The mode ``module``'s BatchNorm layers are in: ``"train"`` if any is in training mode, else
+    ``"eval"``; ``None`` without BatchNorm."""
+    norms = [m for m in module.modules() if isinstance(m, _BatchNorm)]
+    if not norms:
+        return None
+    return "train" if any(m.training for m in norms) else "eval"
+
+
 def trainable_parameters(module: nn.Module) -> dict[str, Tensor]:
     return {n: p for n, p in module.named_parameters() if p.requires_grad}
 

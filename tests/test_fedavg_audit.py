@@ -66,6 +66,6 @@ def test_local_training_needs_fedavg_and_whole_local_batches(data) -> None:
     with pytest.raises(ValueError, match="local_epochs"):
         _local_training(local_epochs=0)
     with pytest.raises(ValueError, match="plain-Trainer runner"):
-        DefenseSetting("dp", [DPSGD(noise_multiplier=1.0)], runner="trainer").with_algorithm("fedavg", 2)
+        DefenseSetting("dp", [DPSGD(noise_multiplier=1.0)], runner="trainer").with_client_training("fedavg", 2)
     with pytest.raises(ValueError, match="local_batch_size=3 must divide the 4 images"):
         local_schedule(_local_training(local_batch_size=3), INDICES, 0)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_gp.functional import set_batchnorm_mode
 from lightning_gp.normalization import denormalize, input_bounds, per_channel
 from lightning_gp.records import TappedGradient
 from lightning_gp.validation import check_int, check_positive_int
@@ -158,13 +159,16 @@ class ServerView:
 
         The tapped batch gives only what the server knows anyway (its size and input shape) and,
         with ``labels_known``, the labels; never the images. ``public_data``: the server's own
-        labelled images (see the class).
+        labelled images (see the class). The model's BatchNorm layers run in the mode the client's
+        pass ran them in (``meta["batchnorm"]``, ``"train"`` where the record does not say): the
+        attacker models the batch statistics, or the frozen running ones.
         """
         if record.inputs is None:
             raise ValueError(
                 "the tapped round has no batch recorded (GradientTap(record_data=False)): batch size unknown"
             )
         model.load_state_dict(record.model_state)
+        set_batchnorm_mode(model, str(record.meta.get("batchnorm", "train")))
         return cls(
             model=model,
             gradients=dict(record.gradients),

@@ -64,6 +64,9 @@ class DefenseSetting:
             ``local_batch_size`` (``None``: all ``n`` in one batch), each epoch in a fresh seeded order:
             ``local_epochs * n / local_batch_size`` local steps (McMahan et al.'s FedAvg; the setting of
             Dimitrov et al., TMLR 2022). The defaults are one step on the whole batch.
+        batchnorm: the mode of the model's BatchNorm layers in the clients' passes, ``"train"`` (batch
+            statistics, as a client trains by default) or ``"eval"`` (frozen running statistics); the
+            attackers' model runs in the same mode (Valadi et al. 2025: the mode changes what leaks).
         runner: ``"simulation"`` (:class:`~lightning_gp.federated.FederatedSimulation`) or
             ``"trainer"`` (a plain ``Trainer`` per client, for a callback that runs its own client
             step, i.e. DP-SGD).
@@ -87,6 +90,7 @@ class DefenseSetting:
     local_lr: float = 0.1
     local_epochs: int = 1
     local_batch_size: int | None = None
+    batchnorm: Literal["train", "eval"] = "train"
     server_optimizer: Literal["sgd", "adam"] = "adam"
     server_lr: float = 1e-3
     declared: Any = None
@@ -109,28 +113,39 @@ class DefenseSetting:
         check_positive_int(self.local_epochs, "local_epochs")
         if self.local_batch_size is not None:
             check_positive_int(self.local_batch_size, "local_batch_size")
+        if self.batchnorm not in ("train", "eval"):
+            raise ValueError(f"{self.name}: batchnorm must be 'train' or 'eval', got {self.batchnorm!r}")
+        if self.runner == "trainer" and self.batchnorm != "train":
+            raise ValueError(
+                f"{self.name}: batchnorm='eval' needs the simulation runner (a plain Trainer trains in train mode)"
+            )
         if self.algorithm == "fedsgd" and (self.local_epochs != 1 or self.local_batch_size is not None):
             raise ValueError(
                 f"{self.name}: local_epochs and local_batch_size describe FedAvg's local training; they need "
                 "algorithm='fedavg' (a FedSGD client shares one gradient of its batch)"
             )
 
-    def with_algorithm(
+    def with_client_training(
         self,
         algorithm: Algorithm | None = None,
         local_epochs: int | None = None,
         local_batch_size: int | None = None,
+        batchnorm: Literal["train", "eval"] | None = None,
     ) -> DefenseSetting:
-        """This setting with the clients' algorithm and local training replaced where given (a setting
-        of the plain-Trainer runner, DP-SGD's, refuses FedAvg with an error naming it)."""
-        changes: dict[str, Any] = {}
-        if algorithm is not None:
-            changes["algorithm"] = algorithm
-        if local_epochs is not None:
-            changes["local_epochs"] = local_epochs
-        if local_batch_size is not None:
-            changes["local_batch_size"] = local_batch_size
-        return dataclasses.replace(self, **changes) if changes else self
+        """This setting with the clients' algorithm, local training and BatchNorm mode replaced where
+        given, its name saying how it departs from one FedSGD step in train mode (a setting of the
+        plain-Trainer runner, DP-SGD's, refuses FedAvg and eval mode with an error naming it)."""
+        given = {"algorithm": algorithm, "local_epochs": local_epochs, "local_batch_size": local_batch_size}
+        changes: dict[str, Any] = {k: v for k, v in {**given, "batchnorm": batchnorm}.items() if v is not None}
+        if not changes:
+            return self
+        changed = dataclasses.replace(self, **changes)
+        notes = []
+        if changed.local_training:
+            notes.append(f"FedAvg E={changed.local_epochs}, b={changed.local_batch_size or 'all'}")
+        if changed.batchnorm == "eval":
+            notes.append("BatchNorm eval")
+        return dataclasses.replace(changed, name=f"{self.name} [{', '.join(notes)}]") if notes else changed
 
     @property
     def local_training(self) -> bool:

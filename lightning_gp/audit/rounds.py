@@ -123,6 +123,7 @@ def tap_fedsgd_round(
     server_optimizer: Literal["sgd", "adam"] = "adam",
     server_lr: float = 1e-3,
     seed: int = 0,
+    batchnorm: Literal["train", "eval"] = "train",
 ) -> tuple[list[TappedGradient], nn.Module, dict[str, Any]]:
     """Run FedSGD through ``round`` and return the shared gradients of ``clients`` in that round.
 
@@ -175,6 +176,7 @@ def tap_fedsgd_round(
         algorithm=algorithm,
         local_lr=local_lr,
         local_steps=local_steps,
+        batchnorm=batchnorm,
         seed=seed,
     )
     if chosen is not None:
@@ -360,6 +362,7 @@ def tap_defended_round(
         server_lr=setting.server_lr,
         seed=seed,
         round=round,
+        batchnorm=setting.batchnorm,
     )
     if setting.wrap is not None:
         records = [_strip_wrapper(r, "module.") for r in records]

@@ -537,6 +537,7 @@ def audit_setting(
     algorithm: Literal["fedsgd", "fedavg"] | None = None,
     local_epochs: int | None = None,
     local_batch_size: int | None = None,
+    batchnorm: Literal["train", "eval"] | None = None,
 ) -> SettingAudit:
     """Attack the clients of ``setting`` (client ``c`` holds the training images ``indices[c]``,
     the model at ``model``'s weights) with every ``published`` attack and, with ``adaptive``, the
@@ -564,15 +565,17 @@ def audit_setting(
     round's weights (:func:`~lightning_gp.audit.learned.learned_inversion_attacks`); where it does not
     run, both verdicts name that gap (:data:`LEARNED_NOT_RUN`).
 
-    ``algorithm``, ``local_epochs``, ``local_batch_size`` replace the setting's
-    (:meth:`~lightning_gp.audit.catalog.DefenseSetting.with_algorithm`): with ``algorithm="fedavg"`` and
+    ``algorithm``, ``local_epochs``, ``local_batch_size`` and ``batchnorm`` (the mode of the model's
+    BatchNorm layers in the clients' passes, which the attackers model) replace the setting's
+    (:meth:`~lightning_gp.audit.catalog.DefenseSetting.with_client_training`; the setting's name says
+    which): with ``algorithm="fedavg"`` and
     local epochs or batches, client ``c`` trains ``local_epochs`` epochs over its ``indices[c]`` in
     batches of ``local_batch_size`` and shares ``w_global - w_local``; every attack sees that update,
     :class:`~lightning_gp.attacks.FedAvgInversion` (Dimitrov et al., TMLR 2022) simulates the local
     training, and the others treat it as one gradient (the baseline). Under such local training the
     attackers are granted the clients' labels: label counts read from a multi-step update are not yet
     modelled well enough to trust, and a weaker label estimate would err for the defense."""
-    setting = setting.with_algorithm(algorithm, local_epochs, local_batch_size)
+    setting = setting.with_client_training(algorithm, local_epochs, local_batch_size, batchnorm)
     rule = rule if rule is not None else LeakRule()
     campaign = _open_campaign(setting, model, datamodule, indices, num_clients, seed, round, lpips_fn, rule, log)
     campaign.stop_when_all_leak = budget.stop_when_all_leak

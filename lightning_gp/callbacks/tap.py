@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_gp.callbacks.base import SharedGradientObserver
+from lightning_gp.functional import batchnorm_mode
 from lightning_gp.pipeline.stages import ClientSetup, StageCall
 from lightning_gp.records import TappedGradient
 from lightning_gp.validation import check_bool, check_int, check_int_list
@@ -133,7 +134,9 @@ def tapped_record(
     meta: Mapping[str, Any],
 ) -> TappedGradient:
     """A :class:`TappedGradient` of one shared gradient: CPU copies of the gradient, the model's
-    tensors (its weights that round) and ``batch`` (``None``: not recorded), detached from training."""
+    tensors (its weights that round) and ``batch`` (``None``: not recorded), detached from training.
+    ``meta["batchnorm"]`` says the mode of the model's BatchNorm layers in the pass, unless ``meta`` does."""
+    mode = batchnorm_mode(model)
     return TappedGradient(
         round=round,
         client_id=client_id,
@@ -144,7 +147,7 @@ def tapped_record(
         },
         model_class=f"{type(model).__module__}.{type(model).__qualname__}",
         batch=None if batch is None else batch_to_cpu(batch),
-        meta=dict(meta),
+        meta={**({"batchnorm": mode} if mode is not None else {}), **meta},
     )
 
 

@@ -33,6 +33,7 @@ from lightning_gp.federated.client_updates import (
 )
 from lightning_gp.federated.partition import PARTITION_SCHEMES, partition
 from lightning_gp.federated.rounds import ClientRounds, RoundLoader, RoundSampler
+from lightning_gp.functional import set_batchnorm_mode
 from lightning_gp.pipeline.pipeline import ClientStepRunner, trainer_callbacks
 from lightning_gp.pipeline.stages import ClientSetup, DefenseStage, StageCall
 from lightning_gp.validation import (
@@ -128,6 +129,10 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
             CPU, vmap wins for LeNetZhu and loses for ConvNet's max-pooling: see
             ``benchmarks/simulation_throughput.py``).
         client_chunk_size: clients per vmap chunk, to bound memory on large models.
+        batchnorm: the mode of the model's BatchNorm layers in the clients' passes: ``"train"`` (batch
+            statistics, and running statistics updated: how a client trains by default) or ``"eval"``
+            (the running statistics, frozen; e.g. a client that fine-tunes with frozen normalisation).
+            The tapped records say which (``meta["batchnorm"]``) and the attackers' model runs in it.
         weighting: ``"uniform"`` mean of shared updates, or ``"num_samples"`` weighted by each
             client's partition size (McMahan et al. 2017).
         seed: seeds the partition and the per-round sampling.
@@ -167,6 +172,7 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
         server_momentum: float = 0.0,
         vectorize: bool | None = None,
         client_chunk_size: int | None = None,
+        batchnorm: Literal["train", "eval"] = "train",
         weighting: Literal["uniform", "num_samples"] = "uniform",
         num_workers: int = 0,
         seed: int = 0,
@@ -198,6 +204,7 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
             None if client_chunk_size is None else check_positive_int(client_chunk_size, "client_chunk_size")
         )
         self.weighting = check_choice(weighting, "weighting", ("uniform", "num_samples"))
+        self.batchnorm = check_choice(batchnorm, "batchnorm", ("train", "eval"))
         self.num_workers = check_int(num_workers, "num_workers", low=0)
         _check_client_dp(client_dp, weighting, module)
         self.client_dp = client_dp
@@ -427,6 +434,8 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
         client_ids: list[int] = batch["client_ids"].tolist()
         inputs, targets = batch["inputs"], batch["targets"]
         self.module.train()
+        if self.batchnorm == "eval":
+            set_batchnorm_mode(self.module, "eval")
         provider = self.module if isinstance(self.module, ClientUpdateProvider) else None
         if isinstance(self.module, ClientGradientProvider):
             updates, losses, buffers = self._provided_gradients(batch, client_ids, round_idx)
@@ -446,6 +455,7 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
             "local_batch_size": self.local_batch_size,
             "local_steps": self.local_steps,
             "local_lr": self.local_lr,
+            "batchnorm": self.batchnorm,
         }
         if provider is not None:
             meta["upload"] = "weights"  # the client sends w_shared = w_global - update (CommunicationMeter)
