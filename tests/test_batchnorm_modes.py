@@ -42,7 +42,7 @@ def _with_running_stats(model: nn.Module) -> nn.Module:
 def test_the_tapped_gradient_is_the_clients_in_its_mode_and_the_attackers_model_runs_in_it(data, mode) -> None:
     torch.manual_seed(0)
     model = _with_running_stats(SmallBatchNormNet())
-    records, sent, _ = tap_fedsgd_round(model, data, indices=[[0, 2, 4]], num_clients=2, batchnorm=mode)
+    records, _, _ = tap_fedsgd_round(model, data, indices=[[0, 2, 4]], num_clients=2, batchnorm=mode)
     record = records[0]
     assert record.meta["batchnorm"] == mode
     view = ServerView.from_tap(record, SmallBatchNormNet(), num_classes=10)

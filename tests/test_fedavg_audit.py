@@ -2,12 +2,15 @@
 
 import pytest
 import torch
+from helpers import quiet_trainer
 
-from lightning_gp.attacks import local_sgd_update
+from lightning_gp.attacks import FedAvgInversion, local_sgd_update
+from lightning_gp.audit import PrivacyAudit
 from lightning_gp.audit.catalog import DefenseSetting
 from lightning_gp.audit.rounds import local_schedule, tap_defended_round
 from lightning_gp.audit.setting_audit import AttackBudget, audit_setting, published_attacks
 from lightning_gp.callbacks import DPSGD
+from lightning_gp.federated import FederatedSimulation
 from lightning_gp.models import LeNetZhu
 
 INDICES = [[0, 2, 4, 6]]
@@ -69,3 +72,35 @@ def test_local_training_needs_fedavg_and_whole_local_batches(data) -> None:
         DefenseSetting("dp", [DPSGD(noise_multiplier=1.0)], runner="trainer").with_client_training("fedavg", 2)
     with pytest.raises(ValueError, match="local_batch_size=3 must divide the 4 images"):
         local_schedule(_local_training(local_batch_size=3), INDICES, 0)
+
+
+def test_privacy_audit_attacks_a_fedavg_run_with_the_fedavg_attack(data) -> None:
+    """PrivacyAudit on a FedAvg simulation of several local steps: the attack built for FedAvg runs on
+    what each audited client shared (one epoch of local steps), judged with the recognisable-image tests
+    calibrated on the data."""
+    torch.manual_seed(0)
+    simulation = FederatedSimulation(
+        LeNetZhu(),
+        datamodule=data,
+        algorithm="fedavg",
+        num_clients=4,
+        clients_per_round=4,
+        local_batch_size=2,
+        local_steps=2,
+        server_lr=1.0,
+        seed=0,
+    )
+    audit = PrivacyAudit(
+        rounds=[0],
+        attacks=[FedAvgInversion(iterations=5)],
+        adaptive=False,
+        lpips=False,
+        save_images=False,
+        labels_known=True,
+    )
+    quiet_trainer(max_steps=1, callbacks=[audit]).fit(simulation)
+    (result,) = audit.results
+    assert [r.reconstruction.attack for r in result.attacks] == ["FedAvgInversion"] and not result.skipped
+    assert result.attacks[0].view.meta["local_steps"] == 2 and result.attacks[0].report.batch_size == 4
+    # judged with the tests calibrated on the data's public split: every image has its identification p-value
+    assert len(result.worst.rows) == 4 and all(r.values["identification"] is not None for r in result.worst.rows)

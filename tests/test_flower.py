@@ -282,3 +282,17 @@ def test_federated_data_rejects_bad_arguments():
         federated_data().loader(NUM_CLIENTS, 0)
     with pytest.raises(TypeError, match="loader"):
         lightning_client_app(client_module, copy.copy(object()))
+
+
+def test_the_flower_tap_is_a_fedavg_update_the_fedavg_attack_reads(federation):
+    """What the server taps from Flower says its local training, so the attack built for FedAvg
+    simulates it and label recovery reads the update as a gradient (one epoch of local steps)."""
+    from lightning_gp.attacks import FedAvgInversion, ServerView
+    from lightning_gp.attacks.labels import as_gradient
+
+    record = federation.records[0]
+    view = ServerView.from_tap(record, server_model(), num_classes=10)
+    schedule = FedAvgInversion().schedule(view)
+    assert (schedule.images, schedule.batch_size, schedule.steps) == (BATCH * LOCAL_STEPS, BATCH, LOCAL_STEPS)
+    assert schedule.lr == pytest.approx(LOCAL_LR)
+    assert as_gradient(view).meta["read_from"] == "fedavg update"
