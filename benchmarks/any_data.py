@@ -75,7 +75,7 @@ def criterion_counts(audit: SettingAudit) -> dict[str, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=16)
-    parser.add_argument("--attacks", nargs="+", default=["iDLG", "IG"])
+    parser.add_argument("--attacks", nargs="+", default=["iDLG", "IG", "RtF"])
     parser.add_argument("--ig-iterations", type=int, default=AttackBudget().ig_iterations)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -113,6 +113,7 @@ def main() -> None:
                     "leaked": f"{len(leaked)}/{len(indices)}",
                     **{f"by {name}": f"{n}/{len(indices)}" for name, n in counts.items()},
                     "reasons": "; ".join(passive.verdict_reasons) if passive else "",
+                    "active reasons": "; ".join(audit.active.verdict_reasons) if audit.active else "",
                     "seconds": round(seconds),
                 }
             )
