@@ -17,7 +17,9 @@ is capped, from outside, so the suite stays CI-sized:
 - ``PrivacyAudit``'s default attackers run 2 L-BFGS iterations of 3 steps (iDLG, one image) or 5
   Adam iterations (Inverting Gradients), and the attacker who knows the defense 5 Adam and 2 L-BFGS
   iterations with one restart (``default_attacks``, ``DEFAULT_ADAPTIVE_BUDGET``; 30, 200, 200 and
-  30 in a real run, about half a minute a gradient).
+  30 in a real run, about half a minute a gradient);
+- a semantic test the audit fits on a page's own data (``fit_semantic_test``) trains 3 epochs
+  (``STEP_BUDGET`` 24 steps, 240 in a real run).
 
 ``bash`` blocks are not run (they are long trainings, attacks and benchmarks), nor the commands the
 text gives as inline code: every file a command
@@ -44,6 +46,7 @@ import pytest
 import lightning_gp.attacks
 from lightning_gp.attacks import registry
 from lightning_gp.audit import callback as audit_callback
+from lightning_gp.metrics import semantic_test
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -144,6 +147,7 @@ def test_every_python_block_runs_as_written(page, tmp_path, monkeypatch):
         audit_callback, "DEFAULT_ADAPTIVE_BUDGET", {"iterations": 5, "lbfgs_iterations": 2, "restarts": 1}
     )
     monkeypatch.setattr(audit_callback, "default_attacks", capped_default_attacks)
+    monkeypatch.setattr(semantic_test, "STEP_BUDGET", 24)  # a fitted semantic test trains 3 epochs
     namespace: dict = {"__name__": "docs"}
     not_run = []
     for number, (section, code) in enumerate(blocks_of("python", page), 1):

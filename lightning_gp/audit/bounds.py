@@ -308,6 +308,15 @@ def _class_labels(labels: Sequence[int] | Tensor, count: int) -> Tensor:
     return classes
 
 
+#: Why the fixed guesses are not scored by the identification test: a public image's copy sits in the
+#: test's own pool, so it cannot identify an original, and without their p-values the fixed lines judge the
+#: guesses ungated, which can only count more of them as successes (kappa stays taken from above) at a
+#: fraction of the cost (every guess against every public image).
+UNSCORED_GUESS_IDENTIFICATION = (
+    "the fixed prior-only guesses are judged without the identification gate (kappa from above)"
+)
+
+
 def _guess_scores(
     guesses: Tensor, originals: Tensor, rule: LeakRule, classes: Tensor | None, lpips_fn: nn.Module | None
 ) -> dict[str, Tensor]:
@@ -324,7 +333,7 @@ def _guess_scores(
             None,
             "semantic" in rule.thresholds,
             classes,
-            rule.tests,
+            None if rule.tests is None else rule.tests.without("identification", UNSCORED_GUESS_IDENTIFICATION),
         )
     return scores
 
@@ -386,7 +395,8 @@ def prior_only_kappa(
       ``rule.thresholds`` (PSNR, SSIM, the semantic test for the original's ``labels``, LPIPS with
       ``lpips_fn``, NMI, MSE) and the paired noise-ratio test against the floors of the trivial
       guesses (``baselines``; by default those ``worst_case_report`` scores with the same
-      ``reference``/``dataset_mean``);
+      ``reference``/``dataset_mean``), without the identification test and so without its gate
+      (:data:`UNSCORED_GUESS_IDENTIFICATION`: more successes, never fewer);
     - with the semantic test, a typical image of the most common class counts as succeeding on
       every original of that class;
     - the best count over the ``B`` originals (:func:`prior_only_successes`) is raised to its

@@ -12,6 +12,7 @@ not be calibrated is held as the reason why (:attr:`RecognitionTests.unavailable
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -65,6 +66,12 @@ class RecognitionTests:
             parts.append(self.identification.describe())
         parts += [f"{name} not run: {reason}" for name, reason in self.unavailable.items()]
         return "; ".join(parts) + (f" [{self.source}]" if self.source else "")
+
+    def without(self, name: str, reason: str) -> RecognitionTests:
+        """These tests without ``name`` (``"semantic"`` or ``"identification"``), ``reason`` saying why."""
+        if name not in RECOGNITION_METRICS:
+            raise ValueError(f"name must be one of {RECOGNITION_METRICS}, got {name!r}")
+        return dataclasses.replace(self, **{name: None}, unavailable={**self.unavailable, name: reason})
 
     @torch.no_grad()
     def score_matrices(
