@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -71,7 +72,8 @@ class RecognitionTests:
         """These tests without ``name`` (``"semantic"`` or ``"identification"``), ``reason`` saying why."""
         if name not in RECOGNITION_METRICS:
             raise ValueError(f"name must be one of {RECOGNITION_METRICS}, got {name!r}")
-        return dataclasses.replace(self, **{name: None}, unavailable={**self.unavailable, name: reason})
+        kept: dict[str, Any] = {"semantic": self.semantic, "identification": self.identification, name: None}
+        return dataclasses.replace(self, **kept, unavailable={**self.unavailable, name: reason})
 
     @torch.no_grad()
     def score_matrices(
