@@ -1,6 +1,6 @@
 """The audit's recognisable-image tests for the user's own data, calibrated on the datamodule's public split.
 
-:func:`recognition_tests` builds :class:`~lightning_gp.metrics.recognition.RecognitionTests` for one
+:func:`recognition_tests` builds :class:`~lightning_gp.metrics.RecognitionTests` for one
 datamodule from the images a server may hold (the test split, :func:`~lightning_gp.audit.rounds.public_examples`,
 never a client's training data):
 

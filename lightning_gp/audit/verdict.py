@@ -153,7 +153,7 @@ class LeakRule:
             identification p-value was computed the lines count ungated (the verdict then names the
             missing test and is never "private"). ``None`` turns the gate off.
         tests: the recognisable-image tests the reports are scored with, calibrated on the audited
-            data's public split (:class:`~lightning_gp.metrics.recognition.RecognitionTests`; an audit
+            data's public split (:class:`~lightning_gp.metrics.RecognitionTests`; an audit
             sets them with :meth:`calibrated`); ``None``: the shipped Fashion-MNIST semantic test and
             no identification test (every verdict then names the missing test).
     """

@@ -319,7 +319,7 @@ def reconstruction_report(
             original's class than trivial guesses do); "n/a" with the reason without ``true_labels``
             or for images the classifier was not built for.
         tests: the recognisable-image tests calibrated on the data's public split
-            (:class:`~lightning_gp.metrics.recognition.RecognitionTests`): their semantic test replaces
+            (:class:`~lightning_gp.metrics.RecognitionTests`): their semantic test replaces
             the shipped Fashion-MNIST one, and their identification test gives each pair's
             identification p-value. ``None``: the shipped semantic test where the images fit it, and no
             identification score (:data:`NO_IDENTIFICATION_TEST`).
