@@ -3,7 +3,8 @@
 ``audit_setting`` on RGB 3x32x32 crops (``PhotoCropsDataModule``; CIFAR-10 with ``--cifar`` where its
 files are installed) with ``ResNet18`` (BatchNorm, about 11M parameters), undefended, round 0, one
 client of ``--batch`` images, the published attacks ``--attacks`` (default: every registered one) at the
-audit's default budgets. Prints the audit's progress lines as they come and writes the time per attack
+audit's default budgets. Prints the audit's progress lines as they come (a line per attack, and a
+heartbeat at least every 30 s within one) and writes the time per attack
 and the verdict with its reasons; an attack that cannot handle a layer reads "n/a" with the reason.
 
 Writes ``benchmarks/results/resnet18_audit.{csv,md}``.
@@ -18,6 +19,7 @@ import torch
 from _common import write_results
 from any_data import spread_indices
 
+from lightning_gp.attacks import monitored
 from lightning_gp.audit.catalog import DefenseSetting
 from lightning_gp.audit.setting_audit import AttackBudget, audit_setting, published_attacks
 from lightning_gp.data import CIFAR10DataModule, PhotoCropsDataModule
@@ -42,15 +44,16 @@ def main() -> None:
     def log(line: str) -> None:
         print(f"[{time.perf_counter() - start:7.0f} s] {line}", flush=True)
 
-    audit = audit_setting(
-        DefenseSetting("undefended", []),
-        ResNet18(num_classes=datamodule.num_classes),
-        datamodule,
-        indices=indices,
-        published=published_attacks(budget, args.attacks),
-        budget=budget,
-        log=log,
-    )
+    with monitored():  # a heartbeat line at least every 30 s while an attack runs
+        audit = audit_setting(
+            DefenseSetting("undefended", []),
+            ResNet18(num_classes=datamodule.num_classes),
+            datamodule,
+            indices=indices,
+            published=published_attacks(budget, args.attacks),
+            budget=budget,
+            log=log,
+        )
     total = time.perf_counter() - start
     rows = [
         {
