@@ -506,9 +506,10 @@ def pair_scores(
         else:
             pairs["noise_ratio"] = ratio.detach().cpu()[None, :].expand(orig_px.shape[0], -1)
     if tests is not None:
+        if not semantic:  # not asked for: its classifier is not run
+            tests = tests.without("semantic", "not asked for (semantic=False)")
         tested, missing = tests.score_matrices(rec_px, orig_px, true_labels)
         if not semantic:
-            tested.pop("semantic", None)
             missing.pop("semantic", None)
         pairs.update(tested)
         unavailable.update(missing)
