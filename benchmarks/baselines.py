@@ -50,8 +50,8 @@ from lightning_gp.audit import (
     defense_catalog,
     published_attacks,
 )
-from lightning_gp.audit.workers import worker_pool
 from lightning_gp.defenses import Soteria, defended_layer, representation_scores
+from lightning_gp.frontier.workers import worker_pool
 from lightning_gp.models import CNN6, LeNetZhu
 
 REFERENCES = ("undefended", "TopKPruning", "DualGradientPruning")

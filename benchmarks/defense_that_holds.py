@@ -23,7 +23,7 @@ Writes benchmarks/results/<name>.{csv,md} (per audit) and <name>_images.csv (per
 whose grid holds the shipped strength) and puts the shipped setting's point beside the best point of
 every other family at the same batch size and threat model (each family's private strength with the
 highest PMM over every audited round, else its point closest to private;
-``lightning_gp.audit.frontier_report.family_bests``), as a table and a figure:
+``lightning_gp.frontier.report.family_bests``), as a table and a figure:
 
     python benchmarks/defense_that_holds.py --beside-frontier benchmarks/results/frontier.csv
 
@@ -49,16 +49,16 @@ from lightning_gp.audit import (
     LeakRule,
     audit_setting,
     defense_catalog,
-    frontier_families,
     published_attacks,
 )
 from lightning_gp.audit.figure import VERDICT_COLORS
-from lightning_gp.audit.frontier_report import PSNR_CAP, family_bests, read_csv, setting_candidates
-from lightning_gp.audit.frontier_run import attacked_images
 from lightning_gp.audit.quiet import library_noise_silenced
 from lightning_gp.audit.setting_audit import THREAT_MODELS
 from lightning_gp.audit.summary import Candidate, format_score
 from lightning_gp.data import FashionMNISTDataModule, FashionMNISTSampleDataModule
+from lightning_gp.frontier import frontier_families
+from lightning_gp.frontier.report import PSNR_CAP, family_bests, read_csv, setting_candidates
+from lightning_gp.frontier.run import attacked_images
 from lightning_gp.metrics.semantic import SEMANTIC_LINE
 from lightning_gp.models import LeNetZhu
 

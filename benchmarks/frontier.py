@@ -1,7 +1,7 @@
 """The privacy-utility frontier, our published run (issue 26).
 
 Runs ``configs/frontier.yaml`` (``--quick``: ``configs/frontier_quick.yaml``, CI-sized) through
-``lightning_gp.audit.frontier``: every defense family over its strength grid, at client batch sizes
+``lightning_gp.frontier.frontier``: every defense family over its strength grid, at client batch sizes
 1 and 8, at initialisation and after training, each point attacked by every published, adaptive and
 active attack (worst case per threat model), each setting trained for PMM, time and upload bytes.
 The full run reads the full Fashion-MNIST when installed (``FashionMNISTDataModule``), else the
@@ -23,9 +23,11 @@ from pathlib import Path
 
 from _common import RESULTS_DIR, fashion_mnist_datasets, write_results
 
-from lightning_gp.audit import FrontierConfig, LeakRule, frontier
-from lightning_gp.audit.frontier_grid import check_frontier_config
-from lightning_gp.audit.frontier_run import (
+from lightning_gp.audit import LeakRule
+from lightning_gp.cli.frontier import build_parser, config_from
+from lightning_gp.frontier import FrontierConfig, frontier
+from lightning_gp.frontier.grid import check_frontier_config
+from lightning_gp.frontier.run import (
     Job,
     ResultStore,
     fingerprint,
@@ -33,7 +35,6 @@ from lightning_gp.audit.frontier_run import (
     hours_minutes_seconds,
     is_current,
 )
-from lightning_gp.cli.frontier import build_parser, config_from
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 

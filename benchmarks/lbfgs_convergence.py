@@ -35,10 +35,10 @@ from prior_control import parse_setting
 from lightning_gp.attacks import IDLG, DefenseAwareIDLG, ServerView
 from lightning_gp.attacks.optimization import Observer, plateaued
 from lightning_gp.audit import DefenseSetting
-from lightning_gp.audit.frontier_run import attacked_images
 from lightning_gp.audit.quiet import library_noise_silenced
 from lightning_gp.audit.rounds import tap_defended_round
 from lightning_gp.data import FashionMNISTDataModule, FashionMNISTSampleDataModule
+from lightning_gp.frontier.run import attacked_images
 from lightning_gp.metrics.image_quality import psnr
 from lightning_gp.metrics.matching import match_reconstructions
 from lightning_gp.models import LeNetZhu

@@ -70,9 +70,9 @@ from lightning_gp.audit import (
     train_setting,
 )
 from lightning_gp.audit.figure import VERDICT_COLORS
-from lightning_gp.audit.frontier_run import ResultStore, run_fingerprint
 from lightning_gp.audit.summary import Candidate, choice_sentence, choose, combined_verdict, summary_markdown
-from lightning_gp.audit.workers import worker_pool
+from lightning_gp.frontier.run import ResultStore, run_fingerprint
+from lightning_gp.frontier.workers import worker_pool
 from lightning_gp.metrics.lpips import LPIPS
 from lightning_gp.models import LeNetZhu
 

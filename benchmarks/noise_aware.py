@@ -33,7 +33,7 @@ from _common import RESULTS_DIR, fashion_mnist_datasets, write_results
 from lightning_gp.attacks import UnmodelledDefenseWarning
 from lightning_gp.audit import AttackBudget, audit_setting, defense_catalog, published_attacks, worst_case_report
 from lightning_gp.audit.setting_audit import reference_pixels
-from lightning_gp.audit.workers import worker_pool
+from lightning_gp.frontier.workers import worker_pool
 from lightning_gp.metrics import ReconstructionReport, concatenate_reports
 from lightning_gp.models import LeNetZhu
 

@@ -29,11 +29,11 @@ from _common import parse_call, write_results
 
 from lightning_gp import callbacks as callback_classes
 from lightning_gp.audit import AttackBudget, DefenseSetting, audit_setting, defense_catalog, published_attacks
-from lightning_gp.audit.frontier_run import attacked_images
 from lightning_gp.audit.quiet import library_noise_silenced
 from lightning_gp.audit.setting_audit import reference_pixels
 from lightning_gp.audit.verdict import LeakRule, trivial_baselines
 from lightning_gp.data import FashionMNISTDataModule, FashionMNISTSampleDataModule
+from lightning_gp.frontier.run import attacked_images
 from lightning_gp.metrics import concatenate_reports
 from lightning_gp.models import LeNetZhu
 

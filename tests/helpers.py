@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_gp.defenses import Defense
 
 if TYPE_CHECKING:
-    from lightning_gp.audit.frontier_report import FrontierPoint
+    from lightning_gp.frontier.report import FrontierPoint
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -33,7 +33,7 @@ def frontier_point(
 ) -> FrontierPoint:
     """A frontier point at batch size 1 with made-up scores: every image leaks (PSNR 35 dB) when the
     verdict is "leaks", none (5 dB) otherwise; ``grid`` defaults to the setting's name."""
-    from lightning_gp.audit.frontier_report import FrontierPoint  # the audit package only where needed
+    from lightning_gp.frontier.report import FrontierPoint  # the audit package only where needed
 
     leaked = 1.0 if verdict == "leaks" else 0.0
     return FrontierPoint(

@@ -98,7 +98,7 @@ def test_a_stored_frontier_record_without_the_learned_inverter_is_not_reported_p
     for the inverter and no rerun runs it (below ``learned_min_batch``, or the setting refused) is
     reported inconclusive with the gap; a verdict that leaks, a record with the inverter's cell and
     one a rerun will give that cell are left as they are."""
-    from lightning_gp.audit.frontier_run import learned_inverter_gap, with_gap
+    from lightning_gp.frontier.run import learned_inverter_gap, with_gap
 
     threats = {
         "passive": {"verdict": "private", "reasons": []},

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from helpers import BENCHMARKS, frontier_point, run_benchmark
 
-from lightning_gp.audit import frontier_families
-from lightning_gp.audit.frontier_report import write_csv
+from lightning_gp.frontier import frontier_families
+from lightning_gp.frontier.report import write_csv
 
 SHIPPED = "LocalGaussianMechanism(noise_multiplier=0.5)"
 

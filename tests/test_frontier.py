@@ -18,20 +18,14 @@ import pytest
 from helpers import frontier_point
 
 from lightning_gp.attacks import LABEL_RECOVERY_REVISION
-from lightning_gp.audit import (
-    AttackBudget,
-    DefenseSetting,
-    Fixed,
-    FrontierConfig,
-    Grid,
-    audit_setting,
-    frontier,
-    frontier_grid,
-    pareto_mask,
-    published_attacks,
-)
-from lightning_gp.audit.frontier_grid import Family, setting_name
-from lightning_gp.audit.frontier_report import (
+from lightning_gp.audit import AttackBudget, DefenseSetting, audit_setting, published_attacks
+from lightning_gp.callbacks import GaussianNoise, GradientDefense, TopKPruning
+from lightning_gp.data import FashionMNISTSampleDataModule
+from lightning_gp.defenses import Defense
+from lightning_gp.frontier import Fixed, FrontierConfig, Grid, frontier, pareto_mask
+from lightning_gp.frontier import grid as frontier_grid
+from lightning_gp.frontier.grid import Family, setting_name
+from lightning_gp.frontier.report import (
     family_bests,
     family_table,
     read_csv,
@@ -39,7 +33,7 @@ from lightning_gp.audit.frontier_report import (
     recommendation_table,
     write_csv,
 )
-from lightning_gp.audit.frontier_run import (
+from lightning_gp.frontier.run import (
     RESULTS_FILE,
     TRAINING_REVISION,
     Progress,
@@ -53,9 +47,6 @@ from lightning_gp.audit.frontier_run import (
     misses_learned_inverter,
     without_stale_bound,
 )
-from lightning_gp.callbacks import GaussianNoise, GradientDefense, TopKPruning
-from lightning_gp.data import FashionMNISTSampleDataModule
-from lightning_gp.defenses import Defense
 from lightning_gp.models import LeNetZhu
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -607,8 +598,8 @@ def test_an_audit_of_an_older_leak_rule_reruns_unless_it_leaked_everywhere_and_t
     a revision reruns unless it leaked to every server; one that did keeps its verdict, not its bound (it
     could be too small); a stamped record keeps both. A record older than LEAK_RULE_MONOTONE_SINCE
     (revision 5's identification gate can turn a leak into "private") always reruns."""
-    from lightning_gp.audit import frontier_run
     from lightning_gp.audit.verdict import LEAK_RULE_MONOTONE_SINCE, LEAK_RULE_REVISION
+    from lightning_gp.frontier import run as frontier_run
 
     leaky = {"verdict": "leaks", "leak_fraction": 0.5}
     record = {"kind": "audit", "threats": {"passive": leaky, "active": leaky}, "rero_eta": 0.8, "rero_kappa": 0.7}
@@ -630,7 +621,7 @@ def test_a_budget_field_added_later_leaves_the_fingerprint_as_it_was_at_the_valu
     """``refined_decoys`` came after the published frontier's records: at 31, the value they ran under,
     the fingerprint is the one computed without the field (the records stay current); at any other
     value it differs (they run again)."""
-    from lightning_gp.audit import frontier_run
+    from lightning_gp.frontier import run as frontier_run
 
     cfg = config(grids=[Grid("TopKPruning", "rate", [0.9])])
     assert cfg.budget.refined_decoys == frontier_run.BUDGET_FIELDS_ADDED["refined_decoys"] == 31
@@ -652,7 +643,7 @@ def test_the_undefended_reference_is_called_the_reference_not_a_ratio_to_itself(
 
     from helpers import frontier_point
 
-    from lightning_gp.audit.frontier_report import setting_candidates
+    from lightning_gp.frontier.report import setting_candidates
 
     point = dataclasses.replace(
         frontier_point("undefended", 0, "passive", "leaks", 1.0), cost_ratio=0.26, upload_ratio=0.69

@@ -65,7 +65,9 @@ def graph(subpackage: str) -> dict[str, set[str]]:
     return {name: {m for m in imported_modules(path) if m in modules and m != name} for name, path in modules.items()}
 
 
-@pytest.mark.parametrize("package", ["callbacks", "pipeline", "audit", "attacks", "defenses", "metrics", "federated"])
+@pytest.mark.parametrize(
+    "package", ["callbacks", "pipeline", "audit", "frontier", "attacks", "defenses", "metrics", "federated"]
+)
 def test_a_package_s_modules_import_each_other_without_a_cycle_and_never_its_face(package):
     edges = graph(package)
     try:
@@ -83,6 +85,11 @@ def test_the_stage_interfaces_depend_on_no_other_pipeline_module():
     assert graph("pipeline")["lightning_gp.pipeline.stages"] <= {"lightning_gp.pipeline.pipeline"}
 
 
+#: A package face's lazy re-export of names that moved up a floor (file -> the modules it names):
+#: resolved on attribute access only, so the layer below never imports the floor above.
+LAZY_COMPATIBILITY = {"audit/__init__.py": {"lightning_gp.frontier"}}
+
+
 def layer_graph() -> dict[str, set[str]]:
     """Layers as modules of one graph: a subpackage depends on another if any of its files imports it."""
     layers = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
@@ -92,7 +99,7 @@ def layer_graph() -> dict[str, set[str]]:
         if path == PACKAGE / "__init__.py":
             continue  # the package's face re-exports names from the layers, lazily
         layer = path.relative_to(PACKAGE).parts[0].removesuffix(".py")
-        for module in imported_modules(path):
+        for module in imported_modules(path) - LAZY_COMPATIBILITY.get(path.relative_to(PACKAGE).as_posix(), set()):
             parts = module.split(".")
             if len(parts) > 1 and parts[1] in layers and parts[1] != layer:
                 edges[layer].add(parts[1])
@@ -142,6 +149,7 @@ _BELOW_AUDIT = set(MAY_IMPORT) | {"augmentation", "refiner", "metrics"}
 MAY_IMPORT["priprune"] = _BELOW_AUDIT
 MAY_IMPORT["flower"] = _BELOW_AUDIT
 MAY_IMPORT["audit"] = _BELOW_AUDIT | {"priprune", "flower"}
+MAY_IMPORT["frontier"] = MAY_IMPORT["audit"] | {"audit"}
 
 
 def test_every_layer_imports_only_what_the_architecture_allows():
@@ -219,3 +227,31 @@ def test_the_package_face_exports_what_it_names_and_stays_light():
 if __name__ == "__main__":
     for layer, imports in sorted(layer_graph().items()):
         print(f"{layer:14} -> {', '.join(sorted(imports)) or '-'}")
+
+
+def test_the_frontier_is_a_floor_above_the_audit_which_never_imports_it():
+    edges = layer_graph()
+    assert "audit" in edges["frontier"]
+    below = [layer for layer, imports in edges.items() if "frontier" in imports and layer != "cli"]
+    assert not below, f"layers below the frontier import it: {below}"
+    # the audit's only mention is its face's lazy re-export of the names that moved (no module-level import)
+    for path in (PACKAGE / "audit").glob("*.py"):
+        named = {m for m in imported_modules(path) if m.startswith("lightning_gp.frontier")}
+        assert named <= LAZY_COMPATIBILITY.get(f"audit/{path.name}", set()), path.name
+    run_fresh(
+        "import sys, lightning_gp.audit\n"
+        "assert not any(m.startswith('lightning_gp.frontier') for m in sys.modules), 'audit imported the frontier'\n"
+        "print('ok')"
+    )
+
+
+def test_the_names_that_moved_to_the_frontier_still_resolve_from_the_audit_with_a_deprecation_warning():
+    import lightning_gp.audit as audit
+    import lightning_gp.frontier as frontier
+
+    assert set(audit.MOVED_TO_FRONTIER) == set(frontier.__all__)
+    for name in sorted(audit.MOVED_TO_FRONTIER):
+        with pytest.warns(DeprecationWarning, match=f"lightning_gp.frontier.{name}"):
+            assert getattr(audit, name) is getattr(frontier, name)
+    with pytest.raises(AttributeError, match="no_such_name"):
+        audit.no_such_name

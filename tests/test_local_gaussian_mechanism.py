@@ -24,8 +24,9 @@ from lightning_gp.attacks import (
     adaptive_attacks_of,
     defense_knowledge,
 )
-from lightning_gp.audit import defense_catalog, defense_mechanism, frontier_families, setting_bound
+from lightning_gp.audit import defense_catalog, defense_mechanism, setting_bound
 from lightning_gp.data import FashionMNISTSampleDataModule
+from lightning_gp.frontier import frontier_families
 from lightning_gp.metrics.image_quality import psnr
 from lightning_gp.models import LeNetZhu
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_gp.audit.workers import PARENT_POLL_SECONDS
+from lightning_gp.frontier.workers import PARENT_POLL_SECONDS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PARENT = textwrap.dedent(
     """
     import os, sys, time
-    from lightning_gp.audit.workers import worker_pool
+    from lightning_gp.frontier.workers import worker_pool
     if __name__ == "__main__":
         pool = worker_pool(1)
         print(pool.submit(os.getpid).result(), flush=True)
@@ -62,3 +62,47 @@ def test_a_worker_exits_when_its_parent_is_killed(tmp_path: Path) -> None:
         parent.kill()
         if worker is not None and _alive(worker):  # a failed check leaves no orphan behind
             os.kill(worker, signal.SIGKILL)
+
+
+# a parent that runs two long jobs through the frontier's own executor and reports both workers' pids
+FRONTIER_PARENT = textwrap.dedent(
+    """
+    import os, sys, time
+    from lightning_gp.frontier import run
+    def slow_job(job, config):
+        print(os.getpid(), flush=True)
+        time.sleep(600)
+    if __name__ == "__main__":
+        run.run_job = slow_job  # the executor submits run.run_job; the workers import this module's slow_job
+        for _ in run._execute_processes(["a", "b"], None, workers=2):
+            pass
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_sigint_to_the_frontier_parent_alone_ends_it_and_its_workers(tmp_path: Path) -> None:
+    script = tmp_path / "frontier_parent.py"
+    script.write_text(FRONTIER_PARENT)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"}
+    parent = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    workers: list[int] = []
+    try:
+        assert parent.stdout is not None
+        workers = [int(parent.stdout.readline()) for _ in range(2)]
+        assert all(_alive(w) for w in workers)
+        parent.send_signal(signal.SIGINT)  # to the parent only, as `kill -INT <pid>` does
+        # liveness, not speed: a parent that waits on its running jobs would sit here for ten minutes
+        parent.wait(timeout=60 * PARENT_POLL_SECONDS)
+        deadline = time.monotonic() + 60 * PARENT_POLL_SECONDS
+        while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(w) for w in workers), "a worker outlived its interrupted parent"
+        assert "KeyboardInterrupt" in (parent.stderr.read() if parent.stderr else "")
+    finally:
+        parent.kill()
+        for worker in workers:
+            if _alive(worker):
+                os.kill(worker, signal.SIGKILL)

@@ -18,23 +18,26 @@ One idea per module, layered bottom-up (no module imports one above it):
 - :mod:`.figure`: the figure of one audited batch (:func:`save_audit_figure`: the verdict, the rule,
   each image's worst case, bounded in size);
 - :mod:`.callback`: :class:`PrivacyAudit`, the audit inside a user's own training run;
-- :mod:`.frontier_grid`, :mod:`.frontier_run`, :mod:`.frontier_report`, :mod:`.frontier`: the
-  privacy-utility frontier (:func:`frontier`): defense families swept over their strengths, batch
-  sizes and stages, the Pareto set and the recommendation.
+
+The privacy-utility frontier, which sweeps this audit over defense families, strengths, batch sizes and
+stages, is the floor above: :mod:`lightning_gp.frontier`. The audit never imports it; its names that
+users imported from here (``frontier``, ``FrontierConfig``, ...) still resolve, lazily, with a
+``DeprecationWarning`` naming their new home.
 
 The flow: catalogue -> :class:`DefenseSetting` -> tapped round (what each client shared) -> every
 published attack and the setting's adaptive attack (:func:`attack_record`) -> per-attack reports ->
 worst case per threat model -> verdict with its reasons.
 """
 
+import importlib
+import warnings
+from typing import Any
+
 from lightning_gp.audit.bounds import FormalBound, defense_mechanism, prior_only_kappa, setting_bound
 from lightning_gp.audit.callback import AuditResult, PrivacyAudit
 from lightning_gp.audit.catalog import CatalogEntry, DefenseSetting, defense_catalog, register_defense
 from lightning_gp.audit.engine import AttackResult, attack_record, attacker_loss, mean_scores
 from lightning_gp.audit.figure import save_audit_figure
-from lightning_gp.audit.frontier import FrontierResult, frontier
-from lightning_gp.audit.frontier_grid import Family, Fixed, FrontierConfig, Grid, frontier_families, register_family
-from lightning_gp.audit.frontier_report import FrontierPoint, Recommendation, pareto_mask
 from lightning_gp.audit.learned import learned_inversion_attacks, setting_simulator, simulation_refusal
 from lightning_gp.audit.quiet import internal_trainer, library_noise_silenced, quiet_lightning
 from lightning_gp.audit.recognition import datamodule_recognition_tests, recognition_tests
@@ -85,17 +88,10 @@ __all__ = [
     "Cell",
     "Choice",
     "DefenseSetting",
-    "Family",
-    "Fixed",
     "FormalBound",
-    "FrontierConfig",
-    "FrontierPoint",
-    "FrontierResult",
-    "Grid",
     "LeakRule",
     "NoPublicSplitError",
     "PrivacyAudit",
-    "Recommendation",
     "SettingAudit",
     "TrainingResult",
     "WorstCaseReport",
@@ -109,21 +105,17 @@ __all__ = [
     "datamodule_recognition_tests",
     "defense_catalog",
     "defense_mechanism",
-    "frontier",
-    "frontier_families",
     "internal_trainer",
     "learned_inversion_attacks",
     "library_noise_silenced",
     "malicious_server_model",
     "mean_scores",
-    "pareto_mask",
     "prior_only_kappa",
     "public_examples",
     "published_attacks",
     "quiet_lightning",
     "recognition_tests",
     "register_defense",
-    "register_family",
     "save_audit_figure",
     "setting_bound",
     "setting_simulator",
@@ -136,3 +128,32 @@ __all__ = [
     "worst_case_of_reconstructions",
     "worst_case_report",
 ]
+
+#: Names that moved to :mod:`lightning_gp.frontier` (the floor above the audit), resolved lazily so the
+#: audit itself never imports the frontier.
+MOVED_TO_FRONTIER = frozenset(
+    {
+        "Family",
+        "Fixed",
+        "FrontierConfig",
+        "FrontierPoint",
+        "FrontierResult",
+        "Grid",
+        "Recommendation",
+        "frontier",
+        "frontier_families",
+        "pareto_mask",
+        "register_family",
+    }
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in MOVED_TO_FRONTIER:
+        warnings.warn(
+            f"lightning_gp.audit.{name} moved to lightning_gp.frontier.{name}; import it from there",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module("lightning_gp.frontier"), name)
+    raise AttributeError(f"module 'lightning_gp.audit' has no attribute {name!r}")

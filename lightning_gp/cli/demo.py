@@ -56,9 +56,9 @@ from lightning_gp.audit import (
     published_attacks,
     train_setting,
 )
-from lightning_gp.audit.workers import worker_pool
 from lightning_gp.callbacks import GradientTap
 from lightning_gp.data import FashionMNISTSampleDataModule
+from lightning_gp.frontier.workers import worker_pool
 from lightning_gp.metrics import save_comparison_grid
 from lightning_gp.metrics.lpips import LPIPS
 from lightning_gp.models import LeNetZhu

@@ -17,10 +17,10 @@ from typing import Any
 from jsonargparse import ActionConfigFile, ArgumentParser
 
 from lightning_gp.audit import AttackBudget
-from lightning_gp.audit.frontier import frontier
-from lightning_gp.audit.frontier_grid import FrontierConfig, Grid, check_frontier_config, config_fields
-from lightning_gp.audit.frontier_run import frontier_jobs
 from lightning_gp.cli.help import short_help
+from lightning_gp.frontier.grid import FrontierConfig, Grid, check_frontier_config, config_fields
+from lightning_gp.frontier.run import frontier_jobs
+from lightning_gp.frontier.sweep import frontier
 
 USAGE = "lightning-gp frontier --config configs/frontier_quick.yaml [--output_dir DIR] [--workers N]"
 EXAMPLES = (

@@ -13,7 +13,7 @@ the recommendation per batch size and threat model; the CSV, the Markdown and th
 
 Nothing here scores an attack: every verdict, leak fraction and PSNR is the audit's
 (:func:`~lightning_gp.audit.audit_setting`), read from the records of
-:mod:`~lightning_gp.audit.frontier_run`.
+:mod:`~lightning_gp.frontier.run`.
 """
 
 from __future__ import annotations

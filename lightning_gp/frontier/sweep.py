@@ -1,25 +1,26 @@
 """The privacy-utility frontier: which defense at which strength keeps a client's images private
 against the strongest attacker, at the smallest cost in accuracy, time and bytes.
 
-:func:`frontier` sweeps every grid of a :class:`~lightning_gp.audit.frontier_grid.FrontierConfig`
+:func:`frontier` sweeps every grid of a :class:`~lightning_gp.frontier.grid.FrontierConfig`
 (each defense family over its strength knob, compositions included) over the client batch sizes and
 model stages, audits each point with :func:`~lightning_gp.audit.audit_setting` (the worst case over
 every published, adaptive and active attack, per threat model), trains each setting once per batch
 size (PMM, time and upload bytes, :func:`~lightning_gp.audit.train_setting`), and reads out the
-Pareto set and the recommendation (:mod:`~lightning_gp.audit.frontier_report`). A bad config fails
-before any work (:func:`~lightning_gp.audit.frontier_grid.check_frontier_config`); a run writes each
-finished job at once and a rerun resumes (:mod:`~lightning_gp.audit.frontier_run`).
+Pareto set and the recommendation (:mod:`~lightning_gp.frontier.report`). A bad config fails
+before any work (:func:`~lightning_gp.frontier.grid.check_frontier_config`); a run writes each
+finished job at once and a rerun resumes (:mod:`~lightning_gp.frontier.run`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_gp.audit.frontier_grid import FrontierConfig, check_frontier_config
-from lightning_gp.audit.frontier_report import (
+from lightning_gp.frontier.grid import FrontierConfig, check_frontier_config
+from lightning_gp.frontier.report import (
     FrontierPoint,
     Recommendation,
     frontier_markdown,
@@ -28,7 +29,7 @@ from lightning_gp.audit.frontier_report import (
     save_frontier_figure,
     write_csv,
 )
-from lightning_gp.audit.frontier_run import (
+from lightning_gp.frontier.run import (
     Backend,
     Job,
     Progress,
@@ -165,19 +166,22 @@ def frontier(
     if report_only and todo:
         log(f"frontier: report only; {len(todo)} jobs not run")
         context = (*context, f"Partial: {len(jobs) - len(todo)} of {len(jobs)} jobs finished; {len(todo)} not run yet.")
-    for job, record in execute(
-        [] if report_only else todo, config, workers=workers, backend=backend, ray_address=ray_address
-    ):
-        progress.update(job, record)
-        if record.get("failed"):  # not stored: the point stays missing and a rerun tries it again
-            failed.append((job, record["failed"]))
-            log(record["traceback"].rstrip())
-            continue
-        store.append(job.key, record)
-        records[job.key] = record
-        ran.append(job)
-        if on_job is not None:
-            on_job(job, record)
+    # closing(): an exception here (Ctrl-C while a record is written, an error in on_job) closes the
+    # executor at once, which ends its workers, instead of leaving it to the garbage collector.
+    with closing(
+        execute([] if report_only else todo, config, workers=workers, backend=backend, ray_address=ray_address)
+    ) as finished:
+        for job, record in finished:
+            progress.update(job, record)
+            if record.get("failed"):  # not stored: the point stays missing and a rerun tries it again
+                failed.append((job, record["failed"]))
+                log(record["traceback"].rstrip())
+                continue
+            store.append(job.key, record)
+            records[job.key] = record
+            ran.append(job)
+            if on_job is not None:
+                on_job(job, record)
     if failed:
         listed = "; ".join(f"{job.describe()}: {error}" for job, error in failed)
         context = (*context, f"{len(failed)} jobs failed and are missing here (a rerun tries them again): {listed}.")

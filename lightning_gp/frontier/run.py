@@ -23,7 +23,7 @@ import json
 import math
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -34,7 +34,6 @@ import torch
 
 from lightning_gp.attacks import ATTACK_REVISION, LABEL_RECOVERY_REVISION
 from lightning_gp.audit.catalog import DefenseSetting
-from lightning_gp.audit.frontier_grid import FrontierConfig, PointSpec, build_spec, grid_points
 from lightning_gp.audit.learned import simulation_refusal
 from lightning_gp.audit.quiet import library_noise_silenced
 from lightning_gp.audit.setting_audit import (
@@ -47,7 +46,8 @@ from lightning_gp.audit.setting_audit import (
 )
 from lightning_gp.audit.training import train_setting
 from lightning_gp.audit.verdict import LEAK_RULE_MONOTONE_SINCE, LEAK_RULE_REVISION
-from lightning_gp.audit.workers import worker_pool
+from lightning_gp.frontier.grid import FrontierConfig, PointSpec, build_spec, grid_points
+from lightning_gp.frontier.workers import worker_pool
 
 #: Raised when a training job's record changes meaning; stored trainings of an older revision run
 #: again. 2: each training job also trains the undefended reference for the same rounds in the same
@@ -667,7 +667,7 @@ def execute(
     workers: int = 1,
     backend: Backend = "local",
     ray_address: str | None = None,
-) -> Iterator[tuple[Job, dict[str, Any]]]:
+) -> Generator[tuple[Job, dict[str, Any]], None, None]:
     """Run ``jobs``, yielding each with its record as it finishes (in any order). No jobs (a run
     resumed at its end, a report-only call) start no worker pool and no Ray cluster."""
     if not jobs:
@@ -681,9 +681,13 @@ def execute(
         yield from _execute_processes(jobs, config, workers)
 
 
-def _execute_processes(jobs: Sequence[Job], config: FrontierConfig, workers: int) -> Iterator[tuple[Job, dict]]:
-    pool = worker_pool(workers)
-    try:
+def _execute_processes(
+    jobs: Sequence[Job], config: FrontierConfig, workers: int
+) -> Generator[tuple[Job, dict], None, None]:
+    # An interrupted run (SIGINT's KeyboardInterrupt, an error, the caller closing this generator)
+    # leaves the block by an exception, which terminates the workers and their running jobs; the
+    # finished jobs are already in the results file.
+    with worker_pool(workers) as pool:
         pending: dict[Future, Job] = {pool.submit(run_job, job, config): job for job in jobs}
         while pending:
             finished, _ = wait(pending, return_when=FIRST_COMPLETED)
@@ -694,13 +698,11 @@ def _execute_processes(jobs: Sequence[Job], config: FrontierConfig, workers: int
                 except Exception as err:  # the worker died (killed, out of memory) or its result did not pickle
                     record = failure_record(job, err)
                 yield job, record
-    finally:  # an interrupted run stops its queue; the finished jobs are already in the results file
-        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _execute_ray(
     jobs: Sequence[Job], config: FrontierConfig, workers: int, address: str | None
-) -> Iterator[tuple[Job, dict]]:
+) -> Generator[tuple[Job, dict], None, None]:
     try:
         import ray
     except ImportError as err:  # the optional extra
