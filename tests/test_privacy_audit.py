@@ -450,3 +450,26 @@ def test_a_running_attack_prints_progress_and_progress_seconds_is_checked(capsys
     assert "[IDLG] iteration 1/2, objective" in printed and "[InvertingGradients] iteration 4/4" in printed
     with pytest.raises(ValueError, match="progress_seconds"):
         PrivacyAudit(progress_seconds=0)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_a_datamodule_serving_raw_pixels_is_refused_unless_the_audit_is_told_the_identity(normalize) -> None:
+    from lightning_gp.data import ArrayDataModule
+    from lightning_gp.models import ImageClassifier
+
+    images = torch.Generator().manual_seed(0)
+    x = (torch.rand(40, 1, 12, 12, generator=images) * 255).to(torch.uint8).numpy()
+    data = ArrayDataModule(x=x, y=(torch.arange(40) % 4).numpy(), batch_size=1, normalize=normalize)
+    module = ImageClassifier(small_cnn())
+
+    def fit(audit: PrivacyAudit) -> PrivacyAudit:
+        quiet_trainer(max_steps=1, callbacks=[audit]).fit(module, datamodule=data)
+        return audit
+
+    if normalize is False:
+        with pytest.raises(ValueError, match=r"ArrayDataModule\(normalize=False\) serves raw pixels"):
+            fit(PrivacyAudit(rounds=[0], attacks=tiny_attacks()))
+    # told the normalisation (the identity for raw pixels, or read off a standardising datamodule), it runs
+    known = dict(mean=(0.0,), std=(1.0,)) if normalize is False else {}
+    audited = fit(PrivacyAudit(rounds=[0], attacks=tiny_attacks(), **known))
+    assert [r.round for r in audited.results] == [0]

@@ -72,7 +72,7 @@ from lightning_gp.attacks.view import checked_public_data
 from lightning_gp.audit.bounds import FormalBound, defense_mechanism, lpips_for_rule, prior_only_kappa
 from lightning_gp.audit.engine import AttackResult, attack_record
 from lightning_gp.audit.figure import save_audit_figure
-from lightning_gp.audit.recognition import recognition_tests, uses_shipped_semantic_test
+from lightning_gp.audit.recognition import check_served_normalization, recognition_tests, uses_shipped_semantic_test
 from lightning_gp.audit.rounds import NoPublicSplitError, public_examples
 from lightning_gp.audit.summary import Candidate, combined_verdict, summary_markdown
 from lightning_gp.audit.verdict import (
@@ -463,6 +463,10 @@ class PrivacyAudit(SharedGradientObserver):
                 f"datamodule with a {attribute!r} attribute"
             )
 
+        if self.mean is None or self.std is None:  # read off the datamodule: its images must be standardised by them
+            for source in sources:
+                if source is not None:
+                    check_served_normalization(source, "the datamodule")
         num_classes = check_int(find(self.num_classes, "num_classes"), "num_classes", low=2)
         mean = tuple(float(v) for v in find(self.mean, "mean"))
         std = tuple(float(v) for v in find(self.std, "std"))

@@ -105,6 +105,18 @@ def recognition_tests(
     )
 
 
+def check_served_normalization(datamodule: Any, argument: str) -> None:
+    """Refuse a datamodule whose ``mean``/``std`` are not what its images were standardised with: one
+    built with ``normalize=False`` serves raw pixels, and undoing its mean/std would put every
+    reconstruction and every public image on a wrong pixel range."""
+    if getattr(datamodule, "normalize", True) is False:
+        raise ValueError(
+            f"{argument}: {type(datamodule).__name__}(normalize=False) serves raw pixels, but its mean/std "
+            f"({tuple(datamodule.mean)}, {tuple(datamodule.std)}) are what the audit undoes to read them; build it "
+            "with normalize=True, or pass the identity (mean=(0.0,) * channels, std=(1.0,) * channels) to the audit"
+        )
+
+
 def datamodule_recognition_tests(
     datamodule: L.LightningDataModule,
     public: tuple[Tensor, Tensor] | None = None,
@@ -119,12 +131,7 @@ def datamodule_recognition_tests(
     from lightning_gp.audit.rounds import public_examples
 
     data: Any = datamodule
-    if getattr(datamodule, "normalize", True) is False:
-        raise ValueError(
-            f"datamodule: {type(datamodule).__name__}(normalize=False) serves raw pixels, but its mean/std "
-            f"({tuple(data.mean)}, {tuple(data.std)}) are what the audit undoes to read them; build it with "
-            "normalize=True"
-        )
+    check_served_normalization(datamodule, "datamodule")
     public = public_examples(datamodule) if public is None else public
     return recognition_tests(
         public,
