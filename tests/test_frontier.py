@@ -24,7 +24,7 @@ from lightning_gp.data import FashionMNISTSampleDataModule
 from lightning_gp.defenses import Defense
 from lightning_gp.frontier import Fixed, FrontierConfig, Grid, frontier, pareto_mask
 from lightning_gp.frontier import grid as frontier_grid
-from lightning_gp.frontier.grid import Family, setting_name
+from lightning_gp.frontier.grid import ClientTraining, Family, setting_name
 from lightning_gp.frontier.report import (
     family_bests,
     family_table,
@@ -183,6 +183,15 @@ def test_an_interrupted_run_resumes_to_the_same_results(tmp_path: Path) -> None:
         ({"stages": [0, -1]}, r"stages\[1\]"),
         ({"attacks": ["NoSuchAttack"]}, r"attacks: .*NoSuchAttack"),
         ({"model": {"class_path": "lightning_gp.models.NoSuchModel"}}, r"model\.class_path: cannot import"),
+        ({"client_training": []}, r"client_training must be a non-empty list"),
+        (
+            {"client_training": [ClientTraining("fedavg", local_batch_size=3)], "batch_sizes": [4]},
+            r"client_training\[0\]\.local_batch_size = 3 must divide batch_sizes\[0\] = 4",
+        ),
+        ({"client_training": [ClientTraining("fedavg")]}, r"client_training\[0\]: FedAvg with one local step"),
+        ({"client_training": [ClientTraining("fedsgd", local_epochs=2)]}, r"client_training\[0\]: local_epochs"),
+        ({"client_training": [ClientTraining("fedavg", local_epochs=0)]}, r"client_training\[0\]\.local_epochs"),
+        ({"client_training": [ClientTraining(), ClientTraining()]}, r"client_training\[1\] repeats FedSGD"),
     ],
 )
 def test_a_bad_config_fails_before_any_work_naming_the_field(tmp_path: Path, changes: dict, field: str) -> None:
@@ -653,3 +662,35 @@ def test_the_undefended_reference_is_called_the_reference_not_a_ratio_to_itself(
     other = dataclasses.replace(frontier_point("TopKPruning(rate=0.9)", 0, "passive", "leaks", 0.9), upload_ratio=0.13)
     (candidate,) = setting_candidates([other], 1, "passive")
     assert candidate.cost == "PMM 0.90, time x1.00, upload 13%"
+
+
+def test_the_fedavg_axis_is_a_frontier_of_its_own_measured_against_its_own_undefended_reference(tmp_path: Path) -> None:
+    """client_training adds, beside FedSGD, every setting trained E local epochs in local batches: its
+    audit attacks the FedAvg update (FedAvgInversion among the attacks), its training runs FedAvg's
+    local steps, its PMM divides by the undefended FedAvg run's accuracy, and its recommendation is
+    its own. DP-SGD (one step per round on a plain Trainer) is named as not on the FedAvg frontier."""
+    fedavg = ClientTraining("fedavg", local_epochs=2, local_batch_size=1)
+    cfg = config(
+        grids=[Grid("TopKPruning", "rate", [0.5]), Grid("DPSGD", "noise_multiplier", [0.5])],
+        batch_sizes=[2],
+        images=2,
+        client_training=[ClientTraining(), fedavg],
+    )
+    lines: list[str] = []
+    result = frontier(cfg, tmp_path, log=lines.append)
+    trainings = {p.training for p in result.points}
+    assert trainings == {"FedSGD", "FedAvg E=2, b=1"}
+    fed = [p for p in result.points if p.training == "FedAvg E=2, b=1"]
+    assert {p.setting for p in fed} == {"undefended [FedAvg E=2, b=1]", "TopKPruning(rate=0.5) [FedAvg E=2, b=1]"}
+    assert all(p.client == "2 (FedAvg E=2, b=1)" for p in fed)
+    reference = next(p for p in fed if p.setting.startswith("undefended") and p.threat == "passive")
+    assert reference.pmm == 1.0  # its own undefended FedAvg run, not the FedSGD one
+    assert {r.training for r in result.recommendations} == trainings
+    gap = "DPSGD is not on the FedAvg E=2, b=1 frontier"
+    assert any(gap in line for line in lines) and gap in (tmp_path / "frontier.md").read_text()
+    assert "| 2 (FedAvg E=2, b=1) | passive |" in (tmp_path / "frontier.md").read_text()
+    stored = [json.loads(line)["record"] for line in (tmp_path / RESULTS_FILE).read_text().splitlines()]
+    fed_audits = [r for r in stored if r["kind"] == "audit" and "FedAvg" in r["setting"]]
+    assert len(fed_audits) == 2
+    assert all("FedAvgInversion" in {c["attack"] for c in r["cells"]} for r in fed_audits)
+    assert [p.training for p in read_csv(tmp_path / "frontier.csv")] == [p.training for p in result.points]

@@ -67,7 +67,12 @@ def train_setting(
     The simulation runner is :class:`~lightning_gp.federated.FederatedSimulation` with every client
     in every round; the plain-Trainer runner (DP-SGD) trains one batch of ``num_clients *
     local_batch_size`` images per step with the server's optimizer, the same images per step as the
-    simulation's FedSGD round. Bytes are counted by a :class:`~lightning_gp.callbacks.CommunicationMeter`.
+    simulation's FedSGD round. A setting with FedAvg's local training
+    (:attr:`~lightning_gp.audit.DefenseSetting.local_training`) trains each client ``local_epochs *
+    local_batch_size / setting.local_batch_size`` local steps of ``setting.local_batch_size`` images a
+    round (its ``local_epochs`` epochs' worth of steps over a batch of ``local_batch_size`` images, each
+    step on images drawn afresh from the client's shard). Bytes are counted by a
+    :class:`~lightning_gp.callbacks.CommunicationMeter`.
     """
     from lightning_gp.callbacks import CommunicationMeter
     from lightning_gp.federated import FederatedSimulation
@@ -85,12 +90,18 @@ def train_setting(
         module, fit_kwargs["datamodule"] = trainer_runner(setting, model, datamodule, num_clients * local_batch_size)
     else:
         client_model = setting.wrap(copy.deepcopy(model)) if setting.wrap is not None else copy.deepcopy(model)
+        step_batch = (setting.local_batch_size or local_batch_size) if setting.local_training else local_batch_size
+        if local_batch_size % step_batch:
+            raise ValueError(
+                f"{setting.name}: its local_batch_size={step_batch} must divide local_batch_size={local_batch_size}"
+            )
         module = FederatedSimulation(
             client_model,
             datamodule=datamodule,
             num_clients=num_clients,
             clients_per_round=num_clients,
-            local_batch_size=local_batch_size,
+            local_batch_size=step_batch,
+            local_steps=setting.local_epochs * (local_batch_size // step_batch) if setting.local_training else 1,
             algorithm=setting.algorithm,
             local_lr=setting.local_lr,
             server_optimizer=setting.server_optimizer,

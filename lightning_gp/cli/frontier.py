@@ -18,7 +18,14 @@ from jsonargparse import ActionConfigFile, ArgumentParser
 
 from lightning_gp.audit import AttackBudget
 from lightning_gp.cli.help import short_help
-from lightning_gp.frontier.grid import FrontierConfig, Grid, check_frontier_config, config_fields
+from lightning_gp.frontier.grid import (
+    ClientTraining,
+    FrontierConfig,
+    Grid,
+    check_frontier_config,
+    config_fields,
+    not_applicable,
+)
 from lightning_gp.frontier.run import frontier_jobs
 from lightning_gp.frontier.sweep import frontier
 
@@ -54,6 +61,13 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--undefended", type=bool, default=True, help="add the undefended reference")
     parser.add_argument("--seed", type=int, default=0, help="seeds the images, the models and the attacks")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    parser.add_argument(
+        "--client_training",
+        type=list[ClientTraining],
+        default=[ClientTraining()],
+        help="how clients train before they share, each a frontier of its own: FedSGD (one gradient), or FedAvg "
+        "(e.g. {algorithm: fedavg, local_epochs: 5, local_batch_size: 8})",
+    )
     parser.add_argument("--output_dir", type=str, default="frontier", help="where results go (a rerun resumes)")
     parser.add_argument("--workers", type=int, default=1, help="jobs in parallel (worker processes or Ray tasks)")
     parser.add_argument("--backend", type=str, default="local", help="'local' (processes) or 'ray'")
@@ -91,6 +105,8 @@ def main(argv: list[str] | None = None) -> None:
         datamodule, _ = check_frontier_config(config)
         jobs = frontier_jobs(config, int(datamodule.image_shape[0]))
         print(f"config ok: {len(jobs)} jobs ({sum(j.kind == 'audit' for j in jobs)} audits)")
+        for gap in not_applicable(config, int(datamodule.image_shape[0])):
+            print(f"  not run: {gap}")
         for job in jobs:
             print(f"  {job.kind:5s} {job.describe()}")
         return

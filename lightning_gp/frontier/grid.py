@@ -25,7 +25,7 @@ import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Literal
 
 from torch import nn
 
@@ -215,6 +215,40 @@ class Grid:
 
 
 @dataclass(frozen=True)
+class ClientTraining:
+    """How each client trains on its images before it shares: the frontier's ``client_training`` axis.
+
+    ``algorithm="fedsgd"`` (the default): one gradient of the client's whole batch. ``"fedavg"``: the
+    client trains ``local_epochs`` epochs over its images in local batches of ``local_batch_size``
+    (``None``: the whole batch each step) and shares ``w_global - w_local`` (McMahan et al. 2017), which
+    the audit attacks with :class:`~lightning_gp.attacks.FedAvgInversion` (Dimitrov et al., TMLR 2022)
+    beside the published attacks (:meth:`~lightning_gp.audit.DefenseSetting.with_client_training`). A
+    FedAvg client of ``B`` images takes ``local_epochs * B / local_batch_size`` local steps a round.
+    """
+
+    algorithm: Literal["fedsgd", "fedavg"] = "fedsgd"
+    local_epochs: int = 1
+    local_batch_size: int | None = None
+
+    @property
+    def label(self) -> str:
+        """``"FedSGD"``, or e.g. ``"FedAvg E=5, b=8"`` (as the setting's name says it)."""
+        if self.algorithm == "fedsgd":
+            return "FedSGD"
+        return f"FedAvg E={self.local_epochs}, b={self.local_batch_size or 'all'}"
+
+    def apply(self, setting: DefenseSetting) -> DefenseSetting:
+        """``setting`` with this client training (a FedAvg setting's name gains ``[FedAvg E=.., b=..]``)."""
+        if self.algorithm == "fedsgd":
+            return setting
+        return setting.with_client_training("fedavg", self.local_epochs, self.local_batch_size)
+
+    def local_steps(self, batch_size: int) -> int:
+        """Local steps a round of a client holding ``batch_size`` images."""
+        return self.local_epochs * (batch_size // (self.local_batch_size or batch_size))
+
+
+@dataclass(frozen=True)
 class FrontierConfig:
     """What a frontier run sweeps and how hard it attacks.
 
@@ -228,12 +262,17 @@ class FrontierConfig:
         images: attacked images per point (``ceil(images / B)`` clients of ``B`` images each).
         train_rounds: FedSGD rounds of the training that measures PMM, time and bytes.
         num_clients: clients of the federation (every client takes part in every round).
-        attacks: the published attacks (``None``: all of them).
+        attacks: the published attacks (``None``: all of them); a FedAvg point (``client_training``)
+            always adds ``FedAvgInversion``, the attack built for its update.
         budget: the attacks' budget (:class:`~lightning_gp.audit.AttackBudget`).
         lpips: score LPIPS (without it no verdict can be "private": the semantic test did not run).
         undefended: add the undefended reference (PMM 1) at every batch size and stage.
         seed: seeds the images drawn, the models' initialisation and every attack.
         threads: torch threads per worker.
+        client_training: how the clients train before they share (:class:`ClientTraining`): each entry
+            a separate frontier of every setting (default: FedSGD only). A setting that cannot train so
+            (DP-SGD's plain-Trainer runner takes one step per round) is left out of that entry's
+            frontier, and the report says so (:func:`not_applicable`).
     """
 
     model: dict[str, Any]
@@ -250,6 +289,7 @@ class FrontierConfig:
     undefended: bool = True
     seed: int = 0
     threads: int = 1
+    client_training: list[ClientTraining] = field(default_factory=lambda: [ClientTraining()])
 
 
 @dataclass(frozen=True)
@@ -315,6 +355,45 @@ def grid_points(config: FrontierConfig) -> list[PointSpec]:
     return points
 
 
+def point_settings(config: FrontierConfig, channels: int) -> list[tuple[PointSpec, ClientTraining, DefenseSetting]]:
+    """Every setting of the run on every client-training axis entry, in the order of
+    :func:`grid_points` within each entry; the pairs :func:`not_applicable` names are left out."""
+    out = []
+    for training in config.client_training:
+        for point in grid_points(config):
+            setting = _trained_setting(point, training, config, channels)
+            if setting is not None:
+                out.append((point, training, setting))
+    return out
+
+
+def not_applicable(config: FrontierConfig, channels: int) -> list[str]:
+    """One line per (grid, client training) the frontier leaves out because the setting cannot train so,
+    with the reason (a named gap in the report, never a silent skip)."""
+    lines = []
+    for training in config.client_training:
+        refused: dict[str, str] = {}
+        for point in grid_points(config):
+            try:
+                training.apply(point.setting(config, channels))
+            except ValueError as err:
+                refused.setdefault(point.grid, str(err))
+        lines += [f"{grid} is not on the {training.label} frontier: {why}" for grid, why in refused.items()]
+    return lines
+
+
+def _trained_setting(
+    point: PointSpec, training: ClientTraining, config: FrontierConfig, channels: int
+) -> DefenseSetting | None:
+    """``point``'s setting under ``training``; ``None`` where the setting refuses that training (an
+    error of the setting itself, a strength out of range, propagates)."""
+    setting = point.setting(config, channels)
+    try:
+        return training.apply(setting)
+    except ValueError:
+        return None
+
+
 def build_spec(spec: Any, field_name: str) -> Any:
     """An object from ``{"class_path": "pkg.Class", "init_args": {...}}`` (LightningCLI style)."""
     if not isinstance(spec, dict) or not isinstance(spec.get("class_path"), str):
@@ -370,6 +449,7 @@ def check_frontier_config(config: FrontierConfig) -> tuple[Any, nn.Module]:
                 f"batch_sizes[{i}] = {size}: the training split holds {train} images, fewer than "
                 f"max(num_clients={config.num_clients}, {clients} attacked clients) x {size} images per round"
             )
+    _check_client_training(config.client_training, config.batch_sizes)
     if not config.grids and not config.undefended:
         raise ValueError("grids is empty: give at least one grid (or undefended=true)")
     channels = int(datamodule.image_shape[0])
@@ -380,6 +460,38 @@ def check_frontier_config(config: FrontierConfig) -> tuple[Any, nn.Module]:
             raise ValueError(f"grids[{i}]: a second grid named {grid.name!r}; give it a distinct label")
         names.add(grid.name)
     return datamodule, model
+
+
+def _check_client_training(entries: Any, batch_sizes: Sequence[int]) -> None:
+    """Each entry a :class:`ClientTraining` that trains as it says, on every batch size, and no two alike."""
+    if not isinstance(entries, (list, tuple)) or not entries:
+        raise ValueError(f"client_training must be a non-empty list of ClientTraining, got {entries!r}")
+    labels: set[str] = set()
+    for i, entry in enumerate(entries):
+        where = f"client_training[{i}]"
+        if not isinstance(entry, ClientTraining):
+            raise TypeError(f"{where} must be a ClientTraining, got {type(entry).__name__}")
+        if entry.algorithm not in ("fedsgd", "fedavg"):
+            raise ValueError(f"{where}.algorithm must be 'fedsgd' or 'fedavg', got {entry.algorithm!r}")
+        check_positive_int(entry.local_epochs, f"{where}.local_epochs")
+        if entry.local_batch_size is not None:
+            check_positive_int(entry.local_batch_size, f"{where}.local_batch_size")
+        if entry.algorithm == "fedsgd" and (entry.local_epochs != 1 or entry.local_batch_size is not None):
+            raise ValueError(f"{where}: local_epochs and local_batch_size need algorithm='fedavg'")
+        if entry.algorithm == "fedavg" and entry.local_epochs == 1 and entry.local_batch_size is None:
+            raise ValueError(
+                f"{where}: FedAvg with one local step on the whole batch shares FedSGD's update; give "
+                "local_epochs > 1 or a local_batch_size (or algorithm='fedsgd')"
+            )
+        for j, size in enumerate(batch_sizes):
+            if entry.local_batch_size is not None and size % entry.local_batch_size:
+                raise ValueError(
+                    f"{where}.local_batch_size = {entry.local_batch_size} must divide batch_sizes[{j}] = {size}: "
+                    "a FedAvg client's epoch is batch_size / local_batch_size full local batches"
+                )
+        if entry.label in labels:
+            raise ValueError(f"{where} repeats {entry.label}")
+        labels.add(entry.label)
 
 
 def _check_int_list(values: Any, name: str, *, low: int) -> None:

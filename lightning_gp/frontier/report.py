@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from lightning_gp.audit.catalog import DefenseSetting
 from lightning_gp.audit.setting_audit import THREAT_MODELS
 from lightning_gp.audit.summary import Candidate, Choice, choice_sentence, choose, combined_verdict, format_score
 from lightning_gp.audit.verdict import LeakRule
@@ -46,7 +47,10 @@ class FrontierPoint:
             (the mean of the same rounds trained just before and after it in the same process; ``None``
             for a record without one);
             ``upload_bytes``, ``upload_ratio``: bytes a client uploads per round and over the dense size.
-        audit_seconds: the attacks' time; ``pareto``: on the Pareto set of its batch size, stage and threat.
+        audit_seconds: the attacks' time; ``pareto``: on the Pareto set of its client (batch size and
+            training), stage and threat.
+        training: how its clients trained before they shared (``"FedSGD"``, or e.g. ``"FedAvg E=5, b=8"``:
+            :class:`~lightning_gp.frontier.grid.ClientTraining`); each is a frontier of its own.
     """
 
     grid: str
@@ -73,6 +77,22 @@ class FrontierPoint:
     upload_ratio: float | None
     audit_seconds: float
     pareto: bool = False
+    training: str = "FedSGD"
+
+    @property
+    def client(self) -> str:
+        """The client the point describes: its batch size, and its training where that is not FedSGD."""
+        return client_label(self.batch_size, self.training)
+
+
+def client_label(batch_size: int, training: str) -> str:
+    """``"8"`` for a FedSGD client of 8 images, ``"8 (FedAvg E=5, b=8)"`` for a FedAvg one."""
+    return str(batch_size) if training == "FedSGD" else f"{batch_size} ({training})"
+
+
+def trainings(points: Sequence[Any]) -> list[str]:
+    """The client trainings of ``points`` (FrontierPoint or Recommendation-like), FedSGD first."""
+    return sorted({p.training for p in points}, key=lambda t: (t != "FedSGD", t))
 
 
 def _reason(scores: dict[str, Any], record: dict[str, Any]) -> str:
@@ -99,7 +119,7 @@ def frontier_points(jobs: Sequence[Any], records: dict[str, dict[str, Any]]) -> 
             continue
         record = records[job.key]
         training = trained.get((job.setting, job.batch_size))
-        base = trained.get(("undefended", job.batch_size))
+        base = trained.get((job.training.apply(DefenseSetting("undefended")).name, job.batch_size))
         for threat in THREAT_MODELS:
             scores: dict[str, Any] = record["threats"][threat]
             points.append(
@@ -127,6 +147,7 @@ def frontier_points(jobs: Sequence[Any], records: dict[str, dict[str, Any]]) -> 
                     upload_bytes=None if training is None else training["upload_bytes"],
                     upload_ratio=None if training is None else training["upload_bytes"] / training["dense_bytes"],
                     audit_seconds=float(record.get("seconds", 0.0)),
+                    training=job.training.label,
                 )
             )
     return _with_pareto(points)
@@ -163,9 +184,9 @@ def _with_pareto(points: list[FrontierPoint]) -> list[FrontierPoint]:
     """``points`` with ``pareto`` set per batch size, stage and threat model: higher PMM, lower
     worst-case PSNR, lower leak fraction."""
     out = list(points)
-    groups: dict[tuple[int, int, str], list[int]] = {}
+    groups: dict[tuple[str, int, int, str], list[int]] = {}
     for i, p in enumerate(points):
-        groups.setdefault((p.batch_size, p.stage, p.threat), []).append(i)
+        groups.setdefault((p.training, p.batch_size, p.stage, p.threat), []).append(i)
     for members in groups.values():
         objectives = [[_negated(points[i].pmm), points[i].worst_psnr, points[i].leak_fraction] for i in members]
         for i, on in zip(members, pareto_mask(objectives)):
@@ -186,6 +207,12 @@ class Recommendation:
     threat: str
     choice: Choice
     stage: int | None = None
+    training: str = "FedSGD"
+
+    @property
+    def client(self) -> str:
+        """The batch size, and the client training where that is not FedSGD."""
+        return client_label(self.batch_size, self.training)
 
     @property
     def stages(self) -> str:
@@ -207,13 +234,16 @@ def _cost(points: Sequence[FrontierPoint]) -> str:
     return ", ".join(parts)
 
 
-def setting_candidates(points: Sequence[FrontierPoint], batch_size: int, threat: str) -> list[Candidate]:
-    """One :class:`~lightning_gp.audit.Candidate` per setting at ``batch_size`` under ``threat``,
-    judged over every stage together (the worst stage's leak fraction and PSNR)."""
+def setting_candidates(
+    points: Sequence[FrontierPoint], batch_size: int, threat: str, training: str = "FedSGD"
+) -> list[Candidate]:
+    """One :class:`~lightning_gp.audit.Candidate` per setting at ``batch_size`` under ``threat``, with
+    clients that train as ``training`` says, judged over every stage together (the worst stage's leak
+    fraction and PSNR)."""
     stages = sorted({p.stage for p in points})
     by_setting: dict[str, list[FrontierPoint]] = {}
     for p in points:
-        if p.batch_size == batch_size and p.threat == threat:
+        if p.batch_size == batch_size and p.threat == threat and p.training == training:
             by_setting.setdefault(p.setting, []).append(p)
     candidates = []
     for name, found in by_setting.items():
@@ -241,16 +271,18 @@ def recommend(points: Sequence[FrontierPoint]) -> list[Recommendation]:
     the active attacks run only on settings without state across rounds, so the all-stage active
     pick of a stateful setting is never private; its round-0 pick still says which setting holds
     against the malicious server where that server was audited)."""
-    sizes = sorted({p.batch_size for p in points})
     stages = sorted({p.stage for p in points})
     out = []
-    for size in sizes:
-        for threat in THREAT_MODELS:
-            only = stages[0] if len(stages) == 1 else None  # one stage audited: say which
-            out.append(Recommendation(size, threat, choose(setting_candidates(points, size, threat)), only))
-            for stage in stages if len(stages) > 1 else []:
-                at_stage = [p for p in points if p.stage == stage]
-                out.append(Recommendation(size, threat, choose(setting_candidates(at_stage, size, threat)), stage))
+    for training in trainings(points):
+        for size in sorted({p.batch_size for p in points if p.training == training}):
+            for threat in THREAT_MODELS:
+                only = stages[0] if len(stages) == 1 else None  # one stage audited: say which
+                choice = choose(setting_candidates(points, size, threat, training))
+                out.append(Recommendation(size, threat, choice, only, training))
+                for stage in stages if len(stages) > 1 else []:
+                    at_stage = [p for p in points if p.stage == stage]
+                    choice = choose(setting_candidates(at_stage, size, threat, training))
+                    out.append(Recommendation(size, threat, choice, stage, training))
     return out
 
 
@@ -263,6 +295,12 @@ class FamilyBest:
     batch_size: int
     threat: str
     choice: Choice
+    training: str = "FedSGD"
+
+    @property
+    def client(self) -> str:
+        """The batch size, and the client training where that is not FedSGD."""
+        return client_label(self.batch_size, self.training)
 
     @property
     def candidate(self) -> Candidate | None:
@@ -283,13 +321,14 @@ def family_bests(points: Sequence[FrontierPoint]) -> list[FamilyBest]:
     made among that grid line's settings alone (each judged over every stage of ``points``: a stage a
     setting lacks makes it inconclusive)."""
     out = []
-    for size in sorted({p.batch_size for p in points}):
-        for threat in THREAT_MODELS:
-            candidates = {c.name: c for c in setting_candidates(points, size, threat)}
-            for grid in dict.fromkeys(p.grid for p in points):
-                names = dict.fromkeys(p.setting for p in points if p.grid == grid and p.setting in candidates)
-                if names:
-                    out.append(FamilyBest(grid, size, threat, choose([candidates[n] for n in names])))
+    for training in trainings(points):
+        for size in sorted({p.batch_size for p in points if p.training == training}):
+            for threat in THREAT_MODELS:
+                candidates = {c.name: c for c in setting_candidates(points, size, threat, training)}
+                for grid in dict.fromkeys(p.grid for p in points):
+                    names = dict.fromkeys(p.setting for p in points if p.grid == grid and p.setting in candidates)
+                    if names:
+                        out.append(FamilyBest(grid, size, threat, choose([candidates[n] for n in names]), training))
     return out
 
 
@@ -299,11 +338,11 @@ _FAMILY_TABLE_HEAD = (
 )
 
 
-def _candidate_row(batch_size: int, threat: str, family: str, name: str, candidate: Candidate) -> str:
+def _candidate_row(client: str, threat: str, family: str, name: str, candidate: Candidate) -> str:
     """One row of the family table: ``candidate`` shown as ``name``."""
     leaked = "-" if candidate.leak_fraction is None else f"{candidate.leak_fraction:.0%}"
     return (
-        f"| {batch_size} | {threat} | {family} | {name} | {candidate.verdict} | {leaked} | "
+        f"| {client} | {threat} | {family} | {name} | {candidate.verdict} | {leaked} | "
         f"{format_score(candidate.worst_psnr, '.1f')} | {candidate.cost or '-'} |"
     )
 
@@ -313,7 +352,7 @@ def family_table(bests: Sequence[FamilyBest]) -> str:
     lines = [_FAMILY_TABLE_HEAD]
     for b in bests:
         if b.candidate is not None:
-            lines.append(_candidate_row(b.batch_size, b.threat, b.grid, b.label, b.candidate))
+            lines.append(_candidate_row(b.client, b.threat, b.grid, b.label, b.candidate))
     return "\n".join(lines)
 
 
@@ -327,12 +366,12 @@ def recommendation_table(recommendations: Sequence[Recommendation]) -> str:
     for r in recommendations:
         c = r.choice.pick or r.choice.closest
         if c is None:
-            lines.append(f"| {r.batch_size} | {r.threat} | {r.stages} | nothing audited | - | - | - | - |")
+            lines.append(f"| {r.client} | {r.threat} | {r.stages} | nothing audited | - | - | - | - |")
             continue
         name = f"**{c.name}**" if r.choice.pick is not None else f"none in the grid; closest: {c.name}"
         leaked = "-" if c.leak_fraction is None else f"{c.leak_fraction:.0%}"
         lines.append(
-            f"| {r.batch_size} | {r.threat} | {r.stages} | {name} | {c.verdict} | {leaked} | "
+            f"| {r.client} | {r.threat} | {r.stages} | {name} | {c.verdict} | {leaked} | "
             f"{format_score(c.worst_psnr, '.1f')} | {c.cost or '-'} |"
         )
     return "\n".join(lines)
@@ -378,7 +417,7 @@ def frontier_markdown(points: Sequence[FrontierPoint], *, title: str, context: S
     stages = sorted({p.stage for p in points})
     lines = [f"# {title}", "", *context, "", "## Recommendation", "", recommendation_table(recommendations), ""]
     for r in recommendations:
-        lines.append(f"- batch {r.batch_size}, {r.threat}, {r.stages}: {choice_sentence(r.choice, 'PMM', 'setting')}")
+        lines.append(f"- batch {r.client}, {r.threat}, {r.stages}: {choice_sentence(r.choice, 'PMM', 'setting')}")
     lines += [
         "",
         "## Each family's best point",
@@ -392,14 +431,18 @@ def frontier_markdown(points: Sequence[FrontierPoint], *, title: str, context: S
         family_table(family_bests(points)),
     ]
     lines += ["", "## Pareto sets (higher PMM, lower worst-case PSNR, lower leak fraction)", ""]
-    groups = sorted({(p.batch_size, p.stage, p.threat) for p in points}, key=lambda g: (g[0], g[1], g[2]))
-    for size, stage, threat in groups:
-        front = [p for p in points if (p.batch_size, p.stage, p.threat) == (size, stage, threat) and p.pareto]
-        front.sort(key=lambda p: -(p.pmm or 0.0))
+    order = {t: i for i, t in enumerate(trainings(points))}
+    groups = sorted(
+        {(p.training, p.batch_size, p.stage, p.threat) for p in points}, key=lambda g: (order[g[0]], *g[1:])
+    )
+    for training, size, stage, threat in groups:
+        front = [p for p in points if (p.training, p.batch_size, p.stage, p.threat) == (training, size, stage, threat)]
+        front = sorted((p for p in front if p.pareto), key=lambda p: -(p.pmm or 0.0))
         text = "; ".join(
             f"{p.setting} (PMM {_num(p.pmm, '.2f')}, {_num(p.worst_psnr, '.1f')} dB, {p.verdict})" for p in front
         )
-        lines.append(f"- batch {size}, round {stage}, {threat}: {text or 'none (PMM not measured)'}")
+        client = client_label(size, training)
+        lines.append(f"- batch {client}, round {stage}, {threat}: {text or 'none (PMM not measured)'}")
     lines += [
         "",
         "## Every point",
@@ -412,7 +455,7 @@ def frontier_markdown(points: Sequence[FrontierPoint], *, title: str, context: S
     ]
     for p in points:
         lines.append(
-            f"| {p.setting} | {p.batch_size} | {p.stage} | {p.threat} | {p.verdict} | "
+            f"| {p.setting} | {p.client} | {p.stage} | {p.threat} | {p.verdict} | "
             f"{'-' if p.leak_fraction is None else f'{p.leak_fraction:.0%}'} | {_num(p.worst_psnr, '.1f')} | "
             f"{_num(p.worst_ssim, '.3f')} | {_num(p.rero_eta, '.3f')} | {_num(p.pmm, '.2f')} | "
             f"{_num(p.cost_ratio, '.2f')} | {'-' if p.upload_ratio is None else f'{p.upload_ratio:.0%}'} | "
@@ -438,7 +481,8 @@ def save_frontier_figure(points: Sequence[FrontierPoint], path: Path, *, title: 
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
 
-    rows = sorted({(p.batch_size, p.stage) for p in points})
+    order = {t: i for i, t in enumerate(trainings(points))}
+    rows = sorted({(p.training, p.batch_size, p.stage) for p in points}, key=lambda r: (order[r[0]], *r[1:]))
     if not rows:  # a report of a run with no audit finished yet
         fig = Figure(figsize=(6, 2), dpi=100)
         FigureCanvasAgg(fig)
@@ -452,10 +496,12 @@ def save_frontier_figure(points: Sequence[FrontierPoint], path: Path, *, title: 
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(rows), len(THREAT_MODELS), squeeze=False)
     line = LeakRule().thresholds["psnr"]
-    for r, (size, stage) in enumerate(rows):
+    for r, (training, size, stage) in enumerate(rows):
         for c, threat in enumerate(THREAT_MODELS):
             ax = axes[r][c]
-            group = [p for p in points if (p.batch_size, p.stage, p.threat) == (size, stage, threat)]
+            group = [
+                p for p in points if (p.training, p.batch_size, p.stage, p.threat) == (training, size, stage, threat)
+            ]
             for g in grids:
                 line_points = sorted((p for p in group if p.grid == g and _plottable(p)), key=lambda p: p.index)
                 if not line_points:
@@ -474,7 +520,7 @@ def save_frontier_figure(points: Sequence[FrontierPoint], path: Path, *, title: 
                 ax.plot(fx, fy, "--", color="black", lw=1.2, zorder=5)
                 ax.plot(fx, fy, "o", mfc="none", mec="black", markersize=10, mew=1.5, zorder=5)
             ax.axhline(line, color="#d73027", ls=":", lw=1.5)
-            ax.set_title(f"batch {size}, round {stage}, {threat} server", fontsize=10)
+            ax.set_title(f"batch {client_label(size, training)}, round {stage}, {threat} server", fontsize=10)
             ax.set_xlabel("PMM (accuracy / undefended accuracy)", fontsize=9)
             ax.set_ylabel(f"worst-case PSNR (dB, cap {PSNR_CAP:g})", fontsize=9)
             ax.grid(alpha=0.3)

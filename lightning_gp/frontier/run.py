@@ -25,7 +25,7 @@ import time
 import traceback
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -46,7 +46,14 @@ from lightning_gp.audit.setting_audit import (
 )
 from lightning_gp.audit.training import train_setting
 from lightning_gp.audit.verdict import LEAK_RULE_MONOTONE_SINCE, LEAK_RULE_REVISION
-from lightning_gp.frontier.grid import FrontierConfig, PointSpec, build_spec, grid_points
+from lightning_gp.frontier.grid import (
+    ClientTraining,
+    FrontierConfig,
+    PointSpec,
+    build_spec,
+    grid_points,
+    point_settings,
+)
 from lightning_gp.frontier.workers import worker_pool
 
 #: Raised when a training job's record changes meaning; stored trainings of an older revision run
@@ -55,6 +62,10 @@ from lightning_gp.frontier.workers import worker_pool
 #: own ratio to their mean (revision 1 divided by the undefended *job*'s time, which ran first in a
 #: cold worker: about twice its warm time).
 TRAINING_REVISION = 2
+
+#: The published attack built for FedAvg's multi-step update (Dimitrov et al., TMLR 2022): every audit of a
+#: FedAvg point runs it, whichever attacks ``FrontierConfig.attacks`` names.
+FEDAVG_ATTACK = "FedAvgInversion"
 
 Backend = Literal["local", "ray"]
 JobKind = Literal["audit", "train"]
@@ -67,9 +78,14 @@ class Job:
 
     kind: JobKind
     point: PointSpec
-    setting: str  # the setting's name (every keyword of every defense of it)
+    setting: str  # the setting's name (every keyword of every defense of it, and a FedAvg client's training)
     batch_size: int
     stage: int = 0
+    training: ClientTraining = field(default_factory=ClientTraining)
+
+    def defense_setting(self, config: FrontierConfig, channels: int) -> DefenseSetting:
+        """The setting this job audits or trains: its point's, under its client training."""
+        return self.training.apply(self.point.setting(config, channels))
 
     @property
     def key(self) -> str:
@@ -91,14 +107,14 @@ def frontier_jobs(config: FrontierConfig, channels: int) -> list[Job]:
     for grid in dict.fromkeys(spec.grid for spec in specs):
         indices = sorted({spec.index for spec in specs if spec.grid == grid})  # two grids may share a name
         rank.update({(grid, indices[i]): r for r, i in enumerate(coverage_order(len(indices)))})
-    specs.sort(key=lambda spec: rank[(spec.grid, spec.index)])  # stable: the grids' order within a rank
-    points = [(point, point.setting(config, channels).name) for point in specs]
+    # stable: within a rank the client trainings' order, then the grids'
+    points = sorted(point_settings(config, channels), key=lambda found: rank[(found[0].grid, found[0].index)])
     jobs = []
     for i, stage in enumerate(config.stages):
-        for point, name in points:
+        for point, training, setting in points:
             for size in config.batch_sizes:
-                jobs += [Job("train", point, name, size)] if i == 0 else []
-                jobs.append(Job("audit", point, name, size, stage))
+                jobs += [Job("train", point, setting.name, size, training=training)] if i == 0 else []
+                jobs.append(Job("audit", point, setting.name, size, stage, training=training))
     return jobs
 
 
@@ -361,12 +377,15 @@ def audit_point(
     :func:`attacked_images` and round ``stage``; the frontier adds no scoring of its own."""
     L.seed_everything(config.seed, verbose=False)
     model = build_spec(config.model, "model")
+    names = config.attacks
+    if names is not None and setting.local_training and FEDAVG_ATTACK not in names:
+        names = [*names, FEDAVG_ATTACK]  # the attack built for a FedAvg update is never left out
     return audit_setting(
         setting,
         model,
         datamodule,
         indices=attacked_images(datamodule, config.images, batch_size, config.seed),
-        published=published_attacks(config.budget, config.attacks),
+        published=published_attacks(config.budget, names),
         budget=config.budget,
         num_clients=config.num_clients,
         seed=config.seed,
@@ -470,7 +489,7 @@ def _run_job(job: Job, config: FrontierConfig) -> dict[str, Any]:
     torch.set_num_threads(config.threads)
     key = json.dumps(config.datamodule, sort_keys=True, default=repr)
     datamodule = _cached(f"data:{key}", lambda: build_spec(config.datamodule, "datamodule"))
-    setting = job.point.setting(config, int(datamodule.image_shape[0]))
+    setting = job.defense_setting(config, int(datamodule.image_shape[0]))
     start = time.perf_counter()
     if job.kind == "train":
         return _train_record(job, config, setting, datamodule, start)
@@ -544,7 +563,7 @@ def is_current(job: Job, record: dict[str, Any], config: FrontierConfig, channel
     if has_stale_labels(job.key, record) or has_stale_leak_rule(record):
         return False
     return not misses_learned_inverter(
-        job.key, record, config.budget, lambda: simulation_refusal(job.point.setting(config, channels))
+        job.key, record, config.budget, lambda: simulation_refusal(job.defense_setting(config, channels))
     )
 
 

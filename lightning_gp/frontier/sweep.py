@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_gp.frontier.grid import FrontierConfig, check_frontier_config
+from lightning_gp.frontier.grid import FrontierConfig, check_frontier_config, not_applicable
 from lightning_gp.frontier.report import (
     FrontierPoint,
     Recommendation,
@@ -100,6 +100,23 @@ def _progress(
     return progress
 
 
+def _gap_notes(config: FrontierConfig, channels: int, log: Callable[[str], None]) -> tuple[str, ...]:
+    """The report's lines on the grids a client-training entry leaves out (:func:`not_applicable`)."""
+    gaps = not_applicable(config, channels)
+    for gap in gaps:
+        log(f"frontier: {gap}")
+    return tuple(f"{gap}." for gap in gaps)
+
+
+def _failed_note(failed: list[tuple[Job, str]], log: Callable[[str], None]) -> tuple[str, ...]:
+    """The report's line on the jobs that raised (none: no line)."""
+    if not failed:
+        return ()
+    log(f"frontier: {len(failed)} jobs failed (not stored; the same command again retries them)")
+    listed = "; ".join(f"{job.describe()}: {error}" for job, error in failed)
+    return (f"{len(failed)} jobs failed and are missing here (a rerun tries them again): {listed}.",)
+
+
 def _carried_note(
     carried: dict[str, dict[str, Any]], records: dict[str, dict[str, Any]], log: Callable[[str], None]
 ) -> tuple[str, ...]:
@@ -151,6 +168,7 @@ def frontier(
     datamodule, _ = check_frontier_config(config)
     channels = int(datamodule.image_shape[0])
     jobs = frontier_jobs(config, channels)
+    context = (*context, *_gap_notes(config, channels, log))
     directory = None if output_dir is None else Path(output_dir)
     results = f"{name}_points.jsonl"
     store = ResultStore(None if directory is None else directory / results, fingerprint(config))
@@ -182,11 +200,7 @@ def frontier(
             ran.append(job)
             if on_job is not None:
                 on_job(job, record)
-    if failed:
-        listed = "; ".join(f"{job.describe()}: {error}" for job, error in failed)
-        context = (*context, f"{len(failed)} jobs failed and are missing here (a rerun tries them again): {listed}.")
-        log(f"frontier: {len(failed)} jobs failed (not stored; the same command again retries them)")
-    context = (*context, *_carried_note(carried, records, log))
+    context = (*context, *_failed_note(failed, log), *_carried_note(carried, records, log))
     points = frontier_points(jobs, records)
     result = FrontierResult(points, recommend(points), ran, failed=failed)
     if directory is not None:
