@@ -453,7 +453,7 @@ def test_a_running_attack_prints_progress_and_progress_seconds_is_checked(capsys
 
 
 @pytest.mark.parametrize("normalize", [False, True])
-def test_a_datamodule_serving_raw_pixels_is_refused_unless_the_audit_is_told_the_identity(normalize) -> None:
+def test_a_datamodule_serving_raw_pixels_is_refused_unless_the_audit_is_told_the_identity(normalize, tmp_path) -> None:
     from lightning_gp.data import ArrayDataModule
     from lightning_gp.models import ImageClassifier
 
@@ -468,8 +468,8 @@ def test_a_datamodule_serving_raw_pixels_is_refused_unless_the_audit_is_told_the
 
     if normalize is False:
         with pytest.raises(ValueError, match=r"ArrayDataModule\(normalize=False\) serves raw pixels"):
-            fit(PrivacyAudit(rounds=[0], attacks=tiny_attacks()))
+            fit(PrivacyAudit(rounds=[0], attacks=tiny_attacks(), dirpath=tmp_path))
     # told the normalisation (the identity for raw pixels, or read off a standardising datamodule), it runs
     known = dict(mean=(0.0,), std=(1.0,)) if normalize is False else {}
-    audited = fit(PrivacyAudit(rounds=[0], attacks=tiny_attacks(), **known))
+    audited = fit(PrivacyAudit(rounds=[0], attacks=tiny_attacks(), dirpath=tmp_path, **known))
     assert [r.round for r in audited.results] == [0]
