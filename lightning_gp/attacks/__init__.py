@@ -25,6 +25,7 @@ from lightning_gp.attacks.adaptive import (
 )
 from lightning_gp.attacks.ats_aware import ATSAwareInversion, ATSAwareRobbing
 from lightning_gp.attacks.base import ATTACK_REVISION, AttackNotApplicable, GradientAttack, Reconstruction
+from lightning_gp.attacks.cocktail_party import CocktailParty, first_linear_layer
 from lightning_gp.attacks.fedavg import FedAvgInversion, fedavg_client_view, local_sgd_update
 from lightning_gp.attacks.gradient_matching import (
     cosine_distance,
@@ -76,20 +77,24 @@ from lightning_gp.attacks.resolution import (
 from lightning_gp.attacks.rgap import RGAP
 from lightning_gp.attacks.robbing_the_fed import ImprintBlock, ImprintedModel, RobbingTheFed
 from lightning_gp.attacks.sgi import SGI, received_weights, recover_mask
+from lightning_gp.attacks.threat_models import CAPABILITIES, SOK_THREAT_MODELS, SoKThreatModel, threat_class_of
 from lightning_gp.attacks.view import ServerView
 
 __all__ = [
     "ATTACK_REVISION",
+    "CAPABILITIES",
     "DLG",
     "IDLG",
     "LABEL_RECOVERY_REVISION",
     "RGAP",
     "SGI",
+    "SOK_THREAT_MODELS",
     "ATSAwareInversion",
     "ATSAwareRobbing",
     "AdaptiveDeclaration",
     "AttackInterrupted",
     "AttackNotApplicable",
+    "CocktailParty",
     "ComposedTransform",
     "DefenseAwareIDLG",
     "DefenseAwareInversion",
@@ -111,6 +116,7 @@ __all__ = [
     "RefinerAwareInversion",
     "RobbingTheFed",
     "ServerView",
+    "SoKThreatModel",
     "UnmodelledDefenseWarning",
     "adaptive_attacks",
     "adaptive_attacks_of",
@@ -128,6 +134,7 @@ __all__ = [
     "defense_knowledge",
     "fedavg_client_view",
     "find_precode",
+    "first_linear_layer",
     "gaussian_nll",
     "graddefense_knowledge",
     "has_adaptive_attack",
@@ -153,6 +160,7 @@ __all__ = [
     "register_defense_knowledge",
     "squared_l2_distance",
     "straight_through_quantization",
+    "threat_class_of",
     "total_variation",
     "update_clip",
 ]

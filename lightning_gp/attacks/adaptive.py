@@ -46,7 +46,7 @@ import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, ClassVar, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -61,6 +61,7 @@ from lightning_gp.attacks.gradient_matching import (
 from lightning_gp.attacks.optimization import IDLG, InvertingGradients
 from lightning_gp.attacks.registry import register_defense_knowledge
 from lightning_gp.attacks.sgi import recover_mask
+from lightning_gp.attacks.threat_models import requirements
 from lightning_gp.attacks.view import ServerView
 from lightning_gp.defenses.clipping import clip_update, clipped_example_sum
 from lightning_gp.defenses.optimal import OptimalGradientPruning
@@ -339,6 +340,9 @@ def _mark(
 class _KnowsTheDefense:
     """What both defense-aware attacks share: the knowledge, the match plan of the running
     reconstruction, and the fallback to the published attack."""
+
+    # class C: the defense's configuration is a training detail
+    requires: ClassVar[frozenset[str]] = requirements("basic_knowledge", "training_details")
 
     knowledge: DefenseKnowledge
     _plan: MatchPlan | None

@@ -40,6 +40,7 @@ from lightning_gp.attacks.labels import recover_labels
 from lightning_gp.attacks.optimization import InvertingGradients
 from lightning_gp.attacks.registry import register_adaptive_attack
 from lightning_gp.attacks.robbing_the_fed import RobbingTheFed
+from lightning_gp.attacks.threat_models import requirements
 from lightning_gp.attacks.view import ServerView
 from lightning_gp.augmentation.ats import ATSPolicy
 from lightning_gp.augmentation.module import ATSModule
@@ -56,6 +57,9 @@ class ATSAwareInversion(GradientAttack):
             (:class:`~lightning_gp.attacks.InvertingGradients`).
         tie_tolerance: draws whose gradient-match scores lie within this of the best are tied (>= 0).
     """
+
+    # class C: it knows the client's augmentation policy
+    requires = requirements("basic_knowledge", "training_details")
 
     def __init__(
         self,

@@ -5,12 +5,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from lightning_gp.attacks.monitor import tick
+from lightning_gp.attacks.threat_models import requirements
 from lightning_gp.attacks.view import ServerView
 
 #: Raised whenever a change of an attack can change what it recovers at a given budget (stored
@@ -57,6 +58,12 @@ class GradientAttack(ABC):
         device: where to run (``None``: the view's device).
         progress_every: print the objective every this many iterations (0: silent).
     """
+
+    #: The capabilities the attack uses, as the SoK of gradient inversion names them
+    #: (:mod:`~lightning_gp.attacks.threat_models`): its class is the weakest threat model granting them. The
+    #: default, the update and basic knowledge of the task (model, loss, data shape and range), is threat
+    #: model B; an attack that uses more (training details, public data, a modified model) declares it.
+    requires: ClassVar[frozenset[str]] = requirements("basic_knowledge")
 
     def __init__(self, *, seed: int = 0, device: str | torch.device | None = None, progress_every: int = 0) -> None:
         if progress_every < 0:

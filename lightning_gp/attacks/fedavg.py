@@ -52,6 +52,7 @@ from lightning_gp.attacks.gradient_matching import cosine_distance, total_variat
 from lightning_gp.attacks.labels import recover_labels, update_as_gradient
 from lightning_gp.attacks.optimization import plateaued
 from lightning_gp.attacks.registry import register_attack
+from lightning_gp.attacks.threat_models import requirements
 from lightning_gp.attacks.view import ServerView
 from lightning_gp.validation import (
     as_int,
@@ -195,6 +196,9 @@ class FedAvgInversion(GradientAttack):
             and after :data:`LR_DECAYS` such divisions the run stops (``plateau_steps=0``: every run
             takes ``iterations`` steps at ``lr``).
     """
+
+    # the SoK's class C: it simulates the client's local epochs, batches and learning rate
+    requires = requirements("basic_knowledge", "training_details")
 
     def __init__(
         self,

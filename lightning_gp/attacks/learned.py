@@ -54,6 +54,7 @@ from torch import Tensor, nn
 
 from lightning_gp.attacks.base import GradientAttack, Reconstruction
 from lightning_gp.attacks.optimization import InvertingGradients, known_or_recovered_labels, optimize_images
+from lightning_gp.attacks.threat_models import requirements
 from lightning_gp.attacks.view import ServerView
 from lightning_gp.normalization import normalize
 from lightning_gp.seeding import seeded_generator
@@ -383,6 +384,9 @@ class LearnedInversion(GradientAttack):
         seed: seeds the sketch, the draws of training batches, the defense's randomness in the
             simulation (a stream of its own, never a client's) and the network's initialisation.
     """
+
+    # class D: trained on public data, defended as the client defends
+    requires = requirements("basic_knowledge", "training_details", "surrogate_data")
 
     def __init__(
         self,

@@ -28,6 +28,7 @@ from lightning_gp.attacks.gradient_matching import (
 )
 from lightning_gp.attacks.labels import recover_labels
 from lightning_gp.attacks.registry import register_attack
+from lightning_gp.attacks.threat_models import requirements
 from lightning_gp.attacks.view import ServerView
 from lightning_gp.validation import (
     check_bool,
@@ -109,6 +110,9 @@ class DLG(GradientAttack):
         observer: called after every outer step with ``(iteration, images)``, ``images`` shaped
             ``[1, B, C, H, W]`` (the running restart), as :class:`InvertingGradients`' observer.
     """
+
+    # the SoK's Eavesdropper (A): the update and the model it was computed on
+    requires = requirements()
 
     def __init__(
         self,
@@ -581,6 +585,9 @@ class GradInversion(InvertingGradients):
     assumes distinct labels). The BatchNorm prior needs BatchNorm layers: pass ``bn_weight=0`` for
     models without them.
     """
+
+    # the SoK's class E: its BatchNorm-statistics prior reads the data distribution
+    requires = requirements("basic_knowledge", "training_details", "surrogate_data", "data_distribution")
 
     def __init__(
         self,

@@ -42,6 +42,7 @@ from lightning_gp.attacks.gradient_matching import cosine_distance, total_variat
 from lightning_gp.attacks.labels import classification_layer, recover_labels
 from lightning_gp.attacks.optimization import best_of_restarts, random_images
 from lightning_gp.attacks.registry import register_adaptive_attack
+from lightning_gp.attacks.threat_models import requirements
 from lightning_gp.attacks.view import ServerView
 from lightning_gp.models.precode import PRECODE
 from lightning_gp.validation import check_nonnegative, check_positive, check_positive_int
@@ -107,6 +108,9 @@ class PRECODEAwareInversion(GradientAttack):
         gradient_weight: weight of the cosine match of the layers before the bottleneck (0: features only).
         ridge: relative Tikhonov term of the least-squares upstream gradients (``B > 1`` conditioning).
     """
+
+    # class C: it knows the client's PRECODE block
+    requires = requirements("basic_knowledge", "training_details")
 
     def __init__(
         self,

@@ -61,6 +61,7 @@ from torch import Tensor
 from lightning_gp.attacks.base import GradientAttack, Reconstruction
 from lightning_gp.attacks.gradient_matching import cosine_distance, parameter_gradients, total_variation
 from lightning_gp.attacks.optimization import IDLG, best_of_restarts, known_or_recovered_labels, random_images
+from lightning_gp.attacks.threat_models import requirements
 from lightning_gp.attacks.view import ServerView
 from lightning_gp.normalization import normalize
 from lightning_gp.validation import check_bool, check_choice, check_nonnegative, check_positive, check_positive_int
@@ -170,6 +171,9 @@ class RefinerAwareInversion(GradientAttack):
         denoise_iterations: Chambolle iterations of that denoise.
         tie_tolerance: selection scores within this of the lowest count as ties (>= 0).
     """
+
+    # class C: it knows Refiner's configuration
+    requires = requirements("basic_knowledge", "training_details")
 
     def __init__(
         self,

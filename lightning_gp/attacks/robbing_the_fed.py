@@ -52,6 +52,7 @@ from torch import Tensor, nn
 
 from lightning_gp.attacks.base import AttackNotApplicable, GradientAttack, Reconstruction
 from lightning_gp.attacks.registry import register_attack
+from lightning_gp.attacks.threat_models import requirements
 from lightning_gp.attacks.view import ServerView
 from lightning_gp.normalization import input_bounds, per_channel
 
@@ -392,6 +393,9 @@ class RobbingTheFed(GradientAttack):
             of the largest one.
         seed: seeds the ``"gaussian"`` measurement direction.
     """
+
+    # the SoK's class G: it sends a modified model, its bins set from public data
+    requires = requirements("basic_knowledge", "training_details", "surrogate_data", "active_manipulation")
 
     def __init__(
         self,

@@ -36,6 +36,7 @@ from lightning_gp.attacks.fedavg import local_sgd_update
 from lightning_gp.attacks.gradient_matching import cosine_distance, parameter_gradients, total_variation
 from lightning_gp.attacks.labels import recover_labels
 from lightning_gp.attacks.optimization import best_of_restarts
+from lightning_gp.attacks.threat_models import requirements
 from lightning_gp.attacks.view import ServerView
 from lightning_gp.validation import check_choice, check_nonnegative, check_positive, check_positive_int
 
@@ -78,6 +79,9 @@ class SGI(GradientAttack):
             unchanged (a defense that prunes the update rather than the weights, e.g. a gradient
             pruning callback after the client). The two agree when every sent weight moved.
     """
+
+    # class C: it simulates the client's local steps and reads its pruning
+    requires = requirements("basic_knowledge", "training_details")
 
     def __init__(
         self,

@@ -52,7 +52,9 @@ from lightning_gp.attacks import (
     attacks_by_name,
     label_estimates_differ,
 )
-from lightning_gp.attacks.learned import REFINED_DECOYS
+from lightning_gp.attacks.learned import REFINED_DECOYS, LearnedInversion, RefinedLearnedInversion
+from lightning_gp.attacks.threat_models import SoKThreatModel, attack_requirements, threat_class_of
+from lightning_gp.attacks.threat_models import threat_model as sok_threat_model
 from lightning_gp.audit.bounds import FormalBound, lpips_for_rule, prior_only_kappa, setting_bound
 from lightning_gp.audit.catalog import DefenseSetting
 from lightning_gp.audit.engine import AttackResult, attack_record, attacker_loss
@@ -187,6 +189,8 @@ class Cell:
         leak_fraction: fraction of the images this attack alone leaks (:class:`~lightning_gp.audit.LeakRule`).
         trained_means, trained_leak_fraction: the same, scored against the images the client trained
             on, for a defense that transforms them (ATS-T; ``means`` is against the raw image, ATS-R).
+        sok_class: the weakest threat model of the SoK (Carletti et al., USENIX Security 2025) under which
+            the attack runs, ``"A"`` .. ``"H"`` (:func:`~lightning_gp.attacks.threat_models.threat_class_of`).
     """
 
     defense: str
@@ -200,6 +204,7 @@ class Cell:
     trained_means: dict[str, float | None] = field(default_factory=dict)
     trained_leak_fraction: float | None = None
     threat: ThreatModel = "passive"
+    sok_class: str = ""
 
     def summary(self) -> str:
         """One line for progress output: the scores, or the status and why (whole)."""
@@ -246,6 +251,10 @@ class SettingAudit:
         skipped: the attacks not run because every image had leaked to an earlier passive attack
             (``AttackBudget(stop_when_all_leak=True)``); the worst-case PSNR is then a lower bound.
             ``partial``: attack -> how many clients it skipped (their images had leaked).
+        sok_class: the SoK threat model the audit was restricted to (``None``: every attack);
+            ``forbidden``: the attacks it did not run because they need more than that model grants
+            (a restriction asked for, not a gap). Under a threat model without active manipulation
+            (``A`` .. ``E``) ``active`` is ``None``: the malicious server is outside it.
     """
 
     setting: str
@@ -259,6 +268,8 @@ class SettingAudit:
     skipped: list[str] = field(default_factory=list)
     partial: dict[str, int] = field(default_factory=dict)
     aggregate_bound: FormalBound | None = None
+    sok_class: str | None = None
+    forbidden: list[str] = field(default_factory=list)
 
     @property
     def worst(self) -> WorstCaseReport | None:
@@ -517,6 +528,13 @@ def _threat(attack: GradientAttack) -> ThreatModel:
     return "active" if callable(getattr(attack, "modify_model", None)) else "passive"
 
 
+def _forbidden(sok_class: SoKThreatModel | None, name: str, attack: GradientAttack | type) -> str | None:
+    """Why ``sok_class`` forbids ``attack`` (``None``: it allows it, or no threat model restricts the audit)."""
+    if sok_class is None or sok_class.allows(attack_requirements(attack)):
+        return None
+    return f"{name} needs SoK threat model {threat_class_of(attack).describe()}, beyond {sok_class.describe()}"
+
+
 def audit_setting(
     setting: DefenseSetting,
     model: nn.Module,
@@ -538,6 +556,7 @@ def audit_setting(
     local_epochs: int | None = None,
     local_batch_size: int | None = None,
     batchnorm: Literal["train", "eval"] | None = None,
+    sok_class: str | None = None,
 ) -> SettingAudit:
     """Attack the clients of ``setting`` (client ``c`` holds the training images ``indices[c]``,
     the model at ``model``'s weights) with every ``published`` attack and, with ``adaptive``, the
@@ -574,28 +593,47 @@ def audit_setting(
     :class:`~lightning_gp.attacks.FedAvgInversion` (Dimitrov et al., TMLR 2022) simulates the local
     training, and the others treat it as one gradient (the baseline). Under such local training the
     attackers are granted the clients' labels: label counts read from a multi-step update are not yet
-    modelled well enough to trust, and a weaker label estimate would err for the defense."""
+    modelled well enough to trust, and a weaker label estimate would err for the defense.
+
+    ``sok_class`` (``"A"`` .. ``"H"``) restricts the audit to one threat model of the SoK of gradient
+    inversion (Carletti et al., USENIX Security 2025; :mod:`lightning_gp.attacks.threat_models`): an attack
+    needing more than it grants is not run (:attr:`SettingAudit.forbidden`; a restriction, not a gap),
+    and under a threat model without active manipulation (``A`` .. ``E``) there is no active verdict.
+    ``None`` (the default) runs every attack; each cell still names its class (:attr:`Cell.sok_class`)."""
+    restricted = None if sok_class is None else sok_threat_model(sok_class)
     setting = setting.with_client_training(algorithm, local_epochs, local_batch_size, batchnorm)
     rule = rule if rule is not None else LeakRule()
     campaign = _open_campaign(setting, model, datamodule, indices, num_clients, seed, round, lpips_fn, rule, log)
     campaign.stop_when_all_leak = budget.stop_when_all_leak
-    per_client: list[list[GradientAttack]] = []
-    run_adaptive = adaptive and not setting.undefended
-    if run_adaptive and budget.stop_when_all_leak:
-        # The attacker who knows the defense first: once it leaks every image the published attacks
-        # are spared. The order changes no verdict and no leak fraction (a leaked image stays leaked).
-        per_client = _run_adaptive(campaign, budget)
-    for spec in published:
-        campaign.run(spec.name, spec.kind, [spec.build(seed + c, campaign.passive_model) for c in range(len(indices))])
-    if run_adaptive and not budget.stop_when_all_leak:
-        per_client = _run_adaptive(campaign, budget)
-    elif not adaptive and not setting.undefended:
-        campaign.gaps.append("the adaptive attacks were not run (adaptive=False)")
+    campaign.sok_class = restricted
+    per_client = _run_gradient_attacks(campaign, published, budget, adaptive=adaptive)
     if budget.learned_inversion:
         _run_learned(campaign, budget, per_client[0] if per_client else [], adaptive=adaptive)
     return _judged_audit(
         campaign, published, aggregate or client_dp is not None, client_dp, learned=budget.learned_inversion
     )
+
+
+def _run_gradient_attacks(
+    campaign: _Campaign, published: Sequence[AttackSpec], budget: AttackBudget, *, adaptive: bool
+) -> list[list[GradientAttack]]:
+    """The published attacks and, with ``adaptive``, the setting's adaptive ones (their per-client objects
+    returned): the adaptive first under ``stop_when_all_leak``, where once they leak every image the
+    published attacks are spared (the order changes no verdict and no leak fraction: a leaked image
+    stays leaked)."""
+    setting, seed = campaign.setting, campaign.seed
+    per_client: list[list[GradientAttack]] = []
+    run_adaptive = adaptive and not setting.undefended
+    if run_adaptive and budget.stop_when_all_leak:
+        per_client = _run_adaptive(campaign, budget)
+    for spec in published:
+        clients = range(len(campaign.indices))
+        campaign.run(spec.name, spec.kind, [spec.build(seed + c, campaign.passive_model) for c in clients])
+    if run_adaptive and not budget.stop_when_all_leak:
+        per_client = _run_adaptive(campaign, budget)
+    elif not adaptive and not setting.undefended:
+        campaign.gaps.append("the adaptive attacks were not run (adaptive=False)")
+    return per_client
 
 
 def _open_campaign(
@@ -657,15 +695,18 @@ def _judged_audit(
     bound = _formal_bound(
         setting, campaign.model, results, reference, rule, round=campaign.round, lpips_fn=campaign.lpips_fn
     )
+    restricted = campaign.sok_class
     audit = SettingAudit(
         setting.name,
         cells,
         judged["passive"],
-        judged["active"],
+        None if restricted is not None and not restricted.active else judged["active"],
         results,
         bound,
         skipped=campaign.skipped,
         partial=campaign.partial,
+        sok_class=None if restricted is None else restricted.id,
+        forbidden=campaign.forbidden,
     )
     if aggregate:
         _audit_aggregate(
@@ -684,6 +725,7 @@ def _judged_audit(
             campaign.public,
             round=campaign.round,
             learned=learned,
+            sok_class=restricted,
         )
     return audit
 
@@ -714,7 +756,18 @@ class _Campaign:
     stop_when_all_leak: bool = False
     skipped: list[str] = field(default_factory=list)
     partial: dict[str, int] = field(default_factory=dict)
+    sok_class: SoKThreatModel | None = None
+    forbidden: list[str] = field(default_factory=list)
     _labels_disagree: bool | None = None
+
+    def forbids(self, name: str, attack: GradientAttack | type) -> bool:
+        """Whether the audit's threat model forbids ``attack`` (then noted in ``forbidden`` and logged)."""
+        reason = _forbidden(self.sok_class, name, attack)
+        if reason is None:
+            return False
+        self.forbidden.append(reason)
+        self.log(f"   {name} on {self.setting.name}: not run: {reason}")
+        return True
 
     def leaked_clients(self) -> frozenset[int]:
         """The positions of the clients every image of which leaks to some passive attack run so far."""
@@ -746,6 +799,8 @@ class _Campaign:
         active attack on the round its own model is sent in (at a trained round: built on the round's
         weights, where :func:`~lightning_gp.audit.rounds.active_replay_blocker` allows it)."""
         setting, round = self.setting, self.round
+        if self.forbids(name, attacks[0]):
+            return
         leaked = self.leaked_clients() if self.stop_when_all_leak else frozenset()
         if len(leaked) == len(self.indices):
             if not self.skipped:
@@ -817,6 +872,7 @@ class _Campaign:
             public_data=public,
         )
         cell.threat = threat
+        cell.sok_class = threat_class_of(attacks[0]).id
         self.cells.append(cell)
         if out:
             self.results[name] = out
@@ -871,6 +927,11 @@ def _run_learned(
     audited round's behaviour, and log what training each cost; where they cannot run, name the gap
     (:data:`LEARNED_NOT_RUN`) that keeps both verdicts from "private"."""
     setting = campaign.setting
+    forbidden = [
+        campaign.forbids(f"adaptive:{kind.__name__}", kind) for kind in (LearnedInversion, RefinedLearnedInversion)
+    ]
+    if any(forbidden):  # both noted; outside the audit's threat model: not trained, and no gap
+        return
     why = _learned_not_run(campaign, budget, adaptive)
     attacks = (
         []
@@ -916,6 +977,7 @@ def _audit_aggregate(
     *,
     round: int = 0,
     learned: bool = False,
+    sok_class: SoKThreatModel | None = None,
 ) -> None:
     """Fill ``audit``'s aggregate view: the passive published attacks on the round's combined update
     (``learned``: the learned inverter was asked for; it does not attack the aggregate, a named gap).
@@ -931,6 +993,9 @@ def _audit_aggregate(
         attack = spec.build(seed, model)
         if _threat(attack) != "passive":
             continue  # an active attack sends its own model: not the round tapped here
+        if (reason := _forbidden(sok_class, f"{spec.name} on the aggregate", attack)) is not None:
+            audit.forbidden.append(reason)
+            continue
         log(f"   {spec.name} on the aggregate of {setting.name} ...")
         cell, out = _run_attack(
             spec.name,
@@ -947,6 +1012,7 @@ def _audit_aggregate(
             reference,
             public_data=public_data,
         )
+        cell.sok_class = threat_class_of(attack).id
         audit.aggregate_cells.append(cell)
         if out:
             results[spec.name] = out

@@ -435,6 +435,7 @@ def audit_record(audit: SettingAudit) -> dict[str, Any]:
                 "attack": c.attack,
                 "kind": c.kind,
                 "threat": c.threat,
+                "sok_class": c.sok_class,
                 "status": c.status,
                 "psnr": c.means.get("psnr"),
                 "leak_fraction": c.leak_fraction,
