@@ -25,6 +25,15 @@ same run on the same thread count, so a shared, noisy machine moves both alike.
 4. ``attacks``: Inverting Gradients on LeNetZhu, one client at a time vs clients attacked together
    in one vmapped optimisation (``benchmarks/attack_throughput.py``): ms per iteration and the time
    to reach 25 dB mean PSNR.
+5. ``dp_sgd`` (issue 48): a DP-SGD step (forward, backward, per-example clipping, noise, SGD step) over
+   the plain step, for LeNetZhu at batch 64 (Fashion-MNIST, 1x28x28) and ResNet18(norm="group") at
+   batch 32 (3x32x32), one thread, in interleaved blocks (the ratio is the median of the blocks'
+   ratios), as CPU time and as wall time: Opacus' per-example hooks, Opacus' ghost clipping as it
+   ships (Conv2d by instantiation: Opacus has no Conv2d norm sampler), Opacus' ghost clipping with
+   this package's Conv2d norm sampler, and book-keeping (``lightning_gp.dp_sgd.BookKeeping``, what
+   ``DPSGD`` runs by default). Target: book-keeping <= 1.5x the plain step. Measured twice: with
+   glibc's malloc as it comes, then with freed memory kept (``mallopt``, as jemalloc and tcmalloc do):
+   glibc's per-step heap trimming charges page faults to the step with the larger transient peak.
 
 ``--device cuda`` runs parts 1 and 2 on a GPU (absolute times are then meaningful too; the
 script synchronises before reading the clock). Writes benchmarks/results/speed.{csv,md}
@@ -34,13 +43,20 @@ script synchronises before reading the clock). Writes benchmarks/results/speed.{
 from __future__ import annotations
 
 import argparse
+import copy
+import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 from _common import RESULTS_DIR, write_results
+from opacus import GradSampleModule
+from opacus.grad_sample import GradSampleModuleFastGradientClipping
+from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
+from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 from torch import nn
 
 from lightning_gp import callbacks, defenses
@@ -48,6 +64,7 @@ from lightning_gp.callbacks.data_dependent import DataDependentGradientDefense
 from lightning_gp.data import FashionMNISTSampleDataModule
 from lightning_gp.defenses import gradient_sensitivity
 from lightning_gp.defenses.base import share_in_process
+from lightning_gp.dp_sgd import BookKeeping
 from lightning_gp.models import ConvNet, LeNetZhu, ResNet18
 from lightning_gp.pipeline import ClientSetup, StageCall
 
@@ -335,6 +352,144 @@ def client_rows(device: torch.device, repeats: int) -> list[dict]:
     return rows
 
 
+@contextmanager
+def stock_opacus() -> Iterator[None]:
+    """Opacus' ghost clipping as it ships: without the Conv2d norm sampler that importing
+    ``lightning_gp.dp_sgd`` registers (Conv2d layers then instantiate their per-example gradients)."""
+    samplers = GradSampleModuleFastGradientClipping.NORM_SAMPLERS
+    ours = samplers.pop(nn.Conv2d)
+    try:
+        yield
+    finally:
+        samplers[nn.Conv2d] = ours
+
+
+def _dp_sgd_steps(model: nn.Module, batches: list, clip: float, sigma: float) -> dict[str, Callable[[], None]]:
+    """One step function per mode, each on its own copy of ``model`` (the same weights at the start)."""
+    batch = len(batches[0][0])
+    counter = {"step": 0}
+
+    def data() -> tuple[torch.Tensor, torch.Tensor]:
+        counter["step"] += 1
+        return batches[counter["step"] % len(batches)]
+
+    def sgd(m: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.SGD(m.parameters(), lr=1e-3)
+
+    def dp(optimizer_class: type, m: nn.Module) -> torch.optim.Optimizer:
+        return optimizer_class(sgd(m), noise_multiplier=sigma, max_grad_norm=clip, expected_batch_size=batch)
+
+    steps: dict[str, Callable[[], None]] = {}
+    plain = copy.deepcopy(model)
+    plain_opt = sgd(plain)
+
+    def plain_step() -> None:
+        x, y = data()
+        plain_opt.zero_grad()
+        CE(plain(x), y).backward()
+        plain_opt.step()
+
+    steps["plain"] = plain_step
+    hooks = GradSampleModule(copy.deepcopy(model), loss_reduction="mean")
+    hooks_opt = dp(DPOptimizer, hooks)
+
+    def hooks_step() -> None:
+        x, y = data()
+        hooks_opt.zero_grad()
+        CE(hooks(x), y).backward()
+        hooks_opt.step()
+
+    steps["Opacus hooks"] = hooks_step
+    for label, stock in (
+        ("Opacus ghost, stock (Conv2d instantiated)", True),
+        ("Opacus ghost + our Conv2d norm", False),
+    ):
+        ghost = GradSampleModuleFastGradientClipping(copy.deepcopy(model), loss_reduction="mean", max_grad_norm=clip)
+        ghost_opt = dp(DPOptimizerFastGradientClipping, ghost)
+        criterion = DPLossFastGradientClipping(ghost, ghost_opt, nn.CrossEntropyLoss())
+
+        def ghost_step(ghost=ghost, ghost_opt=ghost_opt, criterion=criterion, stock=stock) -> None:
+            x, y = data()
+            with stock_opacus() if stock else nullcontext():
+                ghost_opt.zero_grad()
+                criterion(ghost(x), y).backward()
+                ghost_opt.step()
+
+        steps[label] = ghost_step
+    ours = copy.deepcopy(model)
+    engine = BookKeeping(ours, max_grad_norm=clip)
+    ours_opt = dp(DPOptimizerFastGradientClipping, ours)
+
+    def book_keeping_step() -> None:
+        x, y = data()
+        ours_opt.zero_grad()
+        engine.backward(CE(ours(x), y))
+        ours_opt.step()
+
+    steps["book-keeping (ours, DPSGD's default)"] = book_keeping_step
+    return steps
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc's malloc keep freed memory (``mallopt``: mmap above 32 MiB only, trim the heap above 64
+    MiB only), as jemalloc and tcmalloc do; ``False`` where the C library is not glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
+        return bool(libc.mallopt(m_mmap_threshold, 32 << 20) and libc.mallopt(m_trim_threshold, 64 << 20))
+    except (OSError, AttributeError):
+        return False
+
+
+def dp_sgd_rows(repeats: int, quick: bool) -> list[dict]:
+    """Issue 48's cost: each DP-SGD mode's step over the plain step, one thread, interleaved blocks; first
+    with glibc's malloc as it comes, then with freed memory kept (:func:`keep_freed_memory`)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rows = []
+    try:
+        for allocator in ("glibc default", "freed memory kept"):
+            if allocator != "glibc default" and not keep_freed_memory():
+                print("dp_sgd: not glibc, no second allocator setting", flush=True)
+                break
+            rows += _dp_sgd_allocator_rows(allocator, repeats, quick)
+    finally:
+        torch.set_num_threads(threads)
+    return rows
+
+
+def _dp_sgd_allocator_rows(allocator: str, repeats: int, quick: bool) -> list[dict]:
+    rows = []
+    torch.manual_seed(0)
+    cifar = [(torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))) for _ in range(2)]
+    setups = [
+        ("LeNetZhu b64", LeNetZhu(), sample_batches(4, 64, torch.device("cpu")), 16),
+        ("ResNet18(group) b32", ResNet18(norm="group"), cifar, 1),
+    ]
+    for model_name, model, batches, calls in setups:
+        steps = _dp_sgd_steps(model, batches, clip=1.0, sigma=1.0)
+        plain = steps.pop("plain")
+        for label, step in steps.items():
+            ours = label.startswith("book-keeping")
+            for clock_name, clock in (("CPU time", time.process_time), ("wall time", time.perf_counter)):
+                if quick:
+                    blocks, block_calls = 1, 1
+                else:
+                    blocks, block_calls = (2 * repeats + 1) if calls > 1 else repeats, calls
+                base, cost, ratio = interleaved_ratio(plain, step, block_calls, blocks, clock)
+                measured = f"{model_name}, {clock_name}, {allocator}"
+                target, text = (1.5, "<= 1.5x") if ours else (math.inf, "")
+                row = cost_row("dp_sgd", measured, label, base, cost, target, text, ratio=ratio)
+                row["met"] = row["met"] if ours else ""
+                rows.append(row)
+                print(f"dp_sgd {measured}, {label}: {ratio:.2f}x the plain step", flush=True)
+        del steps, plain
+    return rows
+
+
 def attack_rows(iterations: int, clients: int, threads: int, quick: bool) -> list[dict]:
     from attack_throughput import measure
 
@@ -366,8 +521,8 @@ def main() -> None:
     parser.add_argument(
         "--parts",
         nargs="+",
-        choices=("optimal", "pruning", "client", "attacks"),
-        default=("optimal", "pruning", "client", "attacks"),
+        choices=("optimal", "pruning", "client", "attacks", "dp_sgd"),
+        default=("optimal", "pruning", "client", "attacks", "dp_sgd"),
     )
     parser.add_argument("--threads", type=int, default=2, help="CPU threads (the issue's targets: 2)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (parts optimal and pruning)")
@@ -404,11 +559,15 @@ def main() -> None:
         rows += client_rows(device, repeats)
     if "attacks" in args.parts:
         rows += attack_rows(args.attack_iterations, args.attack_clients, 1, args.quick)
+    if "dp_sgd" in args.parts:
+        if device.type != "cpu":
+            raise SystemExit("--parts dp_sgd measures a CPU step: run it without --device cuda")
+        rows += dp_sgd_rows(repeats, args.quick)
     columns = list(dict.fromkeys(c for row in rows for c in row))
     rows = [{c: row.get(c, float("nan")) for c in columns} for row in rows]
     where = f"{device.type}, {args.threads} threads" if device.type == "cpu" else str(torch.cuda.get_device_name())
     write_results(
-        "speed" + ("" if len(args.parts) == 4 else "_" + "_".join(args.parts)) + ("_quick" if args.quick else ""),
+        "speed" + ("" if len(args.parts) == 5 else "_" + "_".join(args.parts)) + ("_quick" if args.quick else ""),
         rows,
         f"Ratios to the undefended step measured in one process ({where}). Optimal defenses: ConvNet, "
         "batch 16, mean over 8 consecutive steps (refresh amortised), median of repeats; estimator_error: "
@@ -418,7 +577,16 @@ def main() -> None:
         ".grad. Client: a LeNetZhu FedSGD client step with and without LocalGaussianMechanism, blocks of 64 "
         "steps taken in turn (undefended, defended, ...), step_ms and cost_ms the medians of the blocks' means, "
         "ratio_to_step the median of the blocks' ratios; as the process's CPU time and as wall time. Attacks: Inverting Gradients on LeNetZhu, 1 thread, ms per "
-        "iteration (cost_ms), speed-up over attacking the clients one at a time."
+        "iteration (cost_ms), speed-up over attacking the clients one at a time. DP-SGD: a step (forward, "
+        "backward, per-example clipping at C = 1, noise sigma = 1, SGD step) over the plain step, one thread, "
+        "LeNetZhu b64 in interleaved blocks of 16 steps, ResNet18(norm='group') b32 of 1 step, step_ms and "
+        "cost_ms the medians of the blocks' means, ratio_to_step the median of the blocks' ratios; target "
+        "<= 1.5x for book-keeping only (the other rows are comparisons). Each DP-SGD row twice: with glibc's "
+        "malloc as it comes, which returns the heap's top to the OS whenever a step's transient peak passes its "
+        "(dynamic) trim threshold, so a step with a larger peak pays page faults on fresh memory every time "
+        "(book-keeping at LeNet's size: about a thousand a step, depending on the order of allocations); then "
+        "with freed memory kept (mallopt M_MMAP_THRESHOLD 32 MiB, M_TRIM_THRESHOLD 64 MiB, as jemalloc and "
+        "tcmalloc behave; the same as MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=67108864)."
         + stale_floor
         + (
             " QUICK RUN: one repeat (of 2 steps per optimal mode), estimator errors on 2-image batches; no conclusions."

@@ -1,4 +1,8 @@
-"""Formal differential privacy: DP-SGD (Abadi et al., 2016) through Opacus, as a Lightning callback."""
+"""Formal differential privacy: DP-SGD (Abadi et al., 2016) through Opacus, as a Lightning callback.
+
+Importing this module imports :mod:`lightning_gp.dp_sgd`, which registers its Conv2d norm sampler with
+Opacus (``register_norm_sampler(nn.Conv2d)``, process-wide) for Opacus' ghost clipping.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +20,8 @@ from opacus import GradSampleModule
 from opacus.accountants import IAccountant, create_accountant
 from opacus.accountants.utils import get_noise_multiplier
 from opacus.data_loader import DPDataLoader
-from opacus.optimizers import DPOptimizer
+from opacus.grad_sample import GradSampleModuleFastGradientClipping
+from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
 from opacus.validators import ModuleValidator
 from torch import nn
 from torch.utils.data import DataLoader
@@ -24,12 +29,15 @@ from torch.utils.data import DataLoader
 from lightning_gp.attacks.adaptive import dp_sgd_knowledge
 from lightning_gp.attacks.noise_aware import noise_aware_attacks
 from lightning_gp.attacks.registry import register_defense_knowledge
+from lightning_gp.dp_sgd import BookKeeping, trainable_layers
 from lightning_gp.pipeline.local import defend_parameter_gradients, parameter_setup
 from lightning_gp.pipeline.pipeline import ClientStepRunner
 from lightning_gp.pipeline.stages import ClientSetup
 from lightning_gp.validation import check_bool, check_choice, check_nonnegative, check_number, check_positive
 
 ACCOUNTANTS = ("prv", "rdp", "gdp")
+#: How per-example gradients are clipped: ``"auto"`` picks ``"book_keeping"`` where the model allows it.
+GRAD_SAMPLE_MODES = ("auto", "hooks", "ghost", "book_keeping")
 _STATE = "dp_sgd"  # marks this callback's entry among a checkpoint's callback states
 _PARAM_ATTRS = ("grad_sample", "summed_grad", "_forward_counter", "_current_grad_sample", "_norm_sample")
 _MODULE_ATTRS = ("activations", "max_batch_len")
@@ -64,6 +72,25 @@ class DPSGD(Callback, ClientStepRunner):
     yourself. ``poisson_sampling=False`` keeps the loader as it is (shuffled fixed-size batches);
     the reported epsilon then assumes a sampling the run did not do and is only indicative.
 
+    How the per-example gradients are clipped (``grad_sample_mode``); every mode forms the same
+    clipped sum (to float precision), adds the same noise and accounts the same way:
+
+    - ``"hooks"``: Opacus' ``GradSampleModule`` instantiates every example's gradient in backward
+      hooks and ``DPOptimizer`` clips and sums them (about 2.5x a plain step).
+    - ``"ghost"``: Opacus' ghost clipping (``GradSampleModuleFastGradientClipping`` and
+      ``DPOptimizerFastGradientClipping``): per-example norms without instantiation, then a second
+      backward pass with each example's output gradient scaled by its clip factor. Conv2d layers use
+      :func:`lightning_gp.dp_sgd.conv2d_norm_sample`. It rescales the gradient of the module's output,
+      so ``training_step`` must compute its loss from one call of the LightningModule (``self(x)``).
+    - ``"book_keeping"``: :class:`lightning_gp.dp_sgd.BookKeeping` (Bu et al., ICML 2023): one backward
+      pass to the layers' outputs, the per-example norms from them and the clipped sum formed
+      directly; ``DPOptimizerFastGradientClipping`` adds the noise. It replaces the LightningModule's
+      ``backward`` for the fit, and handles ``nn.Linear``, ``nn.Conv2d`` and the layers Opacus has
+      grad samplers for (GroupNorm, LayerNorm, Embedding, ...).
+    - ``"auto"`` (default): ``"book_keeping"`` when every layer with trainable parameters is one it
+      handles, no parameter is shared between layers and the module does not override ``backward``;
+      ``"hooks"`` otherwise. :attr:`grad_sample_mode_used` says which mode ran.
+
     Supported: one process (a single-device strategy), automatic optimization with one optimizer,
     no gradient accumulation, no gradient scaler, a model Opacus can compute per-example
     gradients for (no BatchNorm) and one forward pass per training step. The accountant's history
@@ -88,6 +115,9 @@ class DPSGD(Callback, ClientStepRunner):
             step would spend more than this epsilon at ``delta``, by the same accountant. The steps
             the budget allows are counted once at fit start (:attr:`steps_within_budget`), so the
             stop costs no accounting per step. ``None``: no budget.
+        grad_sample_mode: ``"auto"``, ``"hooks"``, ``"ghost"`` or ``"book_keeping"`` (see above); it
+            changes the cost of a step, not its privacy, so it is not part of :attr:`state_key` (a run
+            may resume in another mode).
 
     Example::
 
@@ -104,6 +134,7 @@ class DPSGD(Callback, ClientStepRunner):
         poisson_sampling: bool = True,
         secure_mode: bool = False,
         stop_at_epsilon: float | None = None,
+        grad_sample_mode: str = "auto",
     ) -> None:
         if (noise_multiplier is None) == (target_epsilon is None):
             raise ValueError(
@@ -122,6 +153,7 @@ class DPSGD(Callback, ClientStepRunner):
         check_bool(secure_mode, "secure_mode")
         if stop_at_epsilon is not None:
             check_positive(stop_at_epsilon, "stop_at_epsilon")
+        check_choice(grad_sample_mode, "grad_sample_mode", GRAD_SAMPLE_MODES)
         self.noise_multiplier = None if noise_multiplier is None else float(noise_multiplier)
         self.target_epsilon = None if target_epsilon is None else float(target_epsilon)
         self.max_grad_norm = float(max_grad_norm)
@@ -131,6 +163,8 @@ class DPSGD(Callback, ClientStepRunner):
         self.secure_mode = secure_mode
         self.stop_at_epsilon = None if stop_at_epsilon is None else float(stop_at_epsilon)
         self.steps_within_budget: int | None = None  # with stop_at_epsilon: the steps the budget allows
+        self.grad_sample_mode = grad_sample_mode
+        self.grad_sample_mode_used: str | None = None  # the mode the last fit ran in ("auto" resolved)
 
         self.privacy_accountant: IAccountant | None = None  # the Opacus accountant, once training starts
         self.noise_multiplier_used: float | None = None
@@ -139,18 +173,29 @@ class DPSGD(Callback, ClientStepRunner):
         self.target_delta: float | None = None  # the delta in use (``delta`` or its default)
         self._pending_state: dict[str, Any] | None = None
         self._wrapped_loader: tuple[Any, bool, Any] | None = None
-        self._grad_sample_module: GradSampleModule | None = None
+        self._grad_sample_module: GradSampleModule | GradSampleModuleFastGradientClipping | None = None
         self._new_module_attrs: list[tuple[nn.Module, str]] = []
         self._original_optimizer: torch.optim.Optimizer | None = None
         self._dp_optimizer: DPOptimizer | None = None
+        self._module: pl.LightningModule | None = None  # the module the DP machinery is attached to
+        self._book_keeping: BookKeeping | None = None
+        self._backward_override: tuple[bool, Any] | None = None  # (had its own backward, that backward)
+        self._output_hook: Any = None  # ghost: the handle of the hook that keeps the module's output
+        self._outputs: list[Any] = []
 
     # ------------------------------------------------------------------ configuration
 
     def describe_defenses(self) -> list[dict[str, Any]]:
-        """DP-SGD clips and noises before the defense stages: recorded first in ``meta["defenses"]``."""
-        return [{"name": type(self).__name__, "config": self.config()}]
+        """DP-SGD clips and noises before the defense stages: recorded first in ``meta["defenses"]``
+        (with the mode that ran, ``grad_sample_mode_used``)."""
+        config = {**self.config(), "grad_sample_mode": self.grad_sample_mode}
+        return [
+            {"name": type(self).__name__, "config": {**config, "grad_sample_mode_used": self.grad_sample_mode_used}}
+        ]
 
     def config(self) -> dict[str, Any]:
+        """The privacy settings (what :attr:`state_key` and ``repr`` are made of; ``grad_sample_mode``,
+        which changes only the cost, is in :meth:`describe_defenses`)."""
         return {
             "noise_multiplier": self.noise_multiplier,
             "target_epsilon": self.target_epsilon,
@@ -166,7 +211,10 @@ class DPSGD(Callback, ClientStepRunner):
         return self._generate_state_key(**self.config())
 
     def __repr__(self) -> str:
-        return f"DPSGD({', '.join(f'{k}={v!r}' for k, v in self.config().items())})"
+        settings = dict(self.config())
+        if self.grad_sample_mode != "auto":
+            settings["grad_sample_mode"] = self.grad_sample_mode
+        return f"DPSGD({', '.join(f'{k}={v!r}' for k, v in settings.items())})"
 
     # ------------------------------------------------------------------ the client step
     # DPSGD runs the client step: Opacus writes the clipped, noised gradient into .grad inside the
@@ -266,6 +314,7 @@ class DPSGD(Callback, ClientStepRunner):
                 "gradients would be clipped. Use precision 32, 64 or 'bf16-mixed'"
             )
         _check_module(pl_module)
+        self.grad_sample_mode_used = self._resolve_mode(pl_module)
         if self.poisson_sampling and self._wrapped_loader is None:
             datamodule = getattr(trainer, "datamodule", None)
             owner = datamodule if is_overridden("train_dataloader", datamodule) else None
@@ -304,16 +353,8 @@ class DPSGD(Callback, ClientStepRunner):
         if self.noise_multiplier_used is None:
             self.noise_multiplier_used = self._calibrate_noise(trainer)
 
-        self._grad_sample_module = self._attach_grad_sampler(pl_module)
         original = trainer.optimizers[0]
-        optimizer = DPOptimizer(
-            original,
-            noise_multiplier=self.noise_multiplier_used,
-            max_grad_norm=self.max_grad_norm,
-            expected_batch_size=self.expected_batch_size,
-            loss_reduction="mean",
-            secure_mode=self.secure_mode,
-        )
+        optimizer = self._attach(pl_module, original)
         account = self.privacy_accountant.get_optimizer_hook_fn(sample_rate=self.sample_rate)
 
         def step_hook(dp_optimizer: DPOptimizer) -> None:
@@ -337,6 +378,14 @@ class DPSGD(Callback, ClientStepRunner):
         if self.stop_at_epsilon is not None:
             self.steps_within_budget = self._steps_within_budget(self.stop_at_epsilon)
             self._stop_if_over_budget(trainer)
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        # forget what a step that never reached backward (training_step returned None) left behind
+        if self._book_keeping is not None:
+            self._book_keeping.reset()
+        self._outputs = []
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -479,14 +528,95 @@ class DPSGD(Callback, ClientStepRunner):
         owner.train_dataloader = train_dataloader
         self._wrapped_loader = (owner, had_own, previous)
 
-    def _attach_grad_sampler(self, pl_module: pl.LightningModule) -> GradSampleModule:
+    def _resolve_mode(self, pl_module: pl.LightningModule) -> str:
+        """The mode this fit runs in: ``grad_sample_mode``, with ``"auto"`` resolved (book-keeping where the
+        model allows it, else Opacus' hooks); a mode the model does not allow is refused here, before training."""
+        refusal = _book_keeping_refusal(pl_module)
+        if self.grad_sample_mode == "auto":
+            return "hooks" if refusal else "book_keeping"
+        if self.grad_sample_mode == "book_keeping" and refusal:
+            raise ValueError(f"DPSGD(grad_sample_mode='book_keeping'): {refusal}")
+        if self.grad_sample_mode == "ghost" and is_overridden("backward", pl_module, parent=pl.LightningModule):
+            raise ValueError(
+                f"DPSGD(grad_sample_mode='ghost') runs its own two backward passes, but {type(pl_module).__name__} "
+                "overrides backward; use grad_sample_mode='hooks'"
+            )
+        return self.grad_sample_mode
+
+    def _attach(self, pl_module: pl.LightningModule, original: torch.optim.Optimizer) -> DPOptimizer:
+        """Attach the per-example clipping of :attr:`grad_sample_mode_used` to the module and wrap the
+        optimizer: ``DPOptimizer`` (hooks: it clips) or ``DPOptimizerFastGradientClipping`` (ghost,
+        book-keeping: ``.grad`` already holds the clipped sum; it adds the noise and divides by the
+        expected batch size)."""
+        mode = self.grad_sample_mode_used or self._resolve_mode(pl_module)
+        self.grad_sample_mode_used, self._module = mode, pl_module
         before = {(id(m), attr) for m in pl_module.modules() for attr in _MODULE_ATTRS if attr in vars(m)}
-        gsm = GradSampleModule(pl_module, loss_reduction="mean")
+        if mode == "hooks":
+            self._grad_sample_module = GradSampleModule(pl_module, loss_reduction="mean")
+        elif mode == "ghost":
+            self._grad_sample_module = GradSampleModuleFastGradientClipping(
+                pl_module, loss_reduction="mean", max_grad_norm=self.max_grad_norm, use_ghost_clipping=True
+            )
+            self._output_hook = pl_module.register_forward_hook(self._keep_output)
+            self._override_backward(pl_module, self._ghost_backward)
+        else:
+            self._book_keeping = BookKeeping(pl_module, max_grad_norm=self.max_grad_norm, loss_reduction="mean")
+            self._override_backward(pl_module, self._book_keeping_backward)
         # Opacus's hooks store activations on the submodules; remember which attributes are its own.
         self._new_module_attrs = [
             (m, attr) for m in pl_module.modules() for attr in _MODULE_ATTRS if (id(m), attr) not in before
         ]
-        return gsm
+        wrapper = DPOptimizer if mode == "hooks" else DPOptimizerFastGradientClipping
+        return wrapper(
+            original,
+            noise_multiplier=self.noise_multiplier_used,
+            max_grad_norm=self.max_grad_norm,
+            expected_batch_size=self.expected_batch_size,
+            loss_reduction="mean",
+            secure_mode=self.secure_mode,
+        )
+
+    def _override_backward(self, pl_module: pl.LightningModule, backward: Any) -> None:
+        """Replace the module's ``backward`` hook (Lightning calls ``model.backward(loss)``) for the fit."""
+        self._backward_override = ("backward" in vars(pl_module), vars(pl_module).get("backward"))
+        pl_module.backward = backward  # type: ignore[method-assign]
+
+    def _book_keeping_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """One backward pass: the clipped sum of the per-example gradients lands in ``.grad``."""
+        _no_backward_arguments(args, kwargs)
+        assert self._book_keeping is not None
+        self._book_keeping.backward(loss)
+
+    def _keep_output(self, module: nn.Module, inputs: Any, output: Any) -> None:
+        if module.training and torch.is_grad_enabled():
+            self._outputs.append(output)
+
+    def _ghost_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """Opacus' ghost clipping in two backward passes (as ``DPTensorFastGradientClipping.backward``), with
+        the per-example loss weights applied to the gradient of the module's output: the first pass gives
+        Opacus' hooks the per-example norms, the second backpropagates ``n c_i dL/d out_i`` (``n`` examples,
+        ``loss_reduction="mean"``), whose parameter gradient is ``sum_i c_i grad l_i``."""
+        _no_backward_arguments(args, kwargs)
+        outputs, self._outputs = self._outputs, []
+        tensors = [t for t in _tensors(outputs) if t.requires_grad]
+        if len(outputs) != 1 or not tensors:
+            raise ValueError(
+                "DPSGD(grad_sample_mode='ghost') rescales each example's share of the gradient of the "
+                f"LightningModule's output, so training_step must compute the loss from one call of the module "
+                f"(self(x)); this step called it {len(outputs)} time(s). Use grad_sample_mode='book_keeping' or 'hooks'"
+            )
+        gsm, optimizer = self._grad_sample_module, self._dp_optimizer
+        assert isinstance(gsm, GradSampleModuleFastGradientClipping) and optimizer is not None
+        grads = torch.autograd.grad(loss, tensors, retain_graph=True, allow_unused=True, materialize_grads=True)
+        torch.autograd.backward(tensors, grads, retain_graph=True)  # Opacus' hooks: the per-example norms
+        optimizer.zero_grad()
+        coefficients = gsm.get_clipping_coef() * tensors[0].shape[0]
+        gsm.disable_hooks()
+        try:
+            weighted = [g * coefficients.to(g.dtype).reshape(-1, *([1] * (g.dim() - 1))) for g in grads]
+            torch.autograd.backward(tensors, weighted)
+        finally:
+            gsm.enable_hooks()
 
     def _clean_up(self, trainer: pl.Trainer) -> None:
         if self._wrapped_loader is not None:
@@ -505,16 +635,65 @@ class DPSGD(Callback, ClientStepRunner):
                 trainer.optimizers = [self._original_optimizer]
             self._dp_optimizer = self._original_optimizer = None
         if self._grad_sample_module is not None:
-            module = self._grad_sample_module.to_standard_module()  # removes the hooks
-            for p in module.parameters():
-                for attr in _PARAM_ATTRS:
-                    if hasattr(p, attr):
-                        delattr(p, attr)
-            for m, attr in self._new_module_attrs:
-                if attr in vars(m):
-                    delattr(m, attr)
-            self._new_module_attrs = []
+            self._grad_sample_module.to_standard_module()  # removes Opacus' hooks
             self._grad_sample_module = None
+        if self._book_keeping is not None:
+            self._book_keeping.detach()
+            self._book_keeping = None
+        if self._output_hook is not None:
+            self._output_hook.remove()
+            self._output_hook, self._outputs = None, []
+        if self._module is not None:
+            self._restore_module(self._module)
+            self._module = None
+
+    def _restore_module(self, module: pl.LightningModule) -> None:
+        """Its own ``backward`` back, and no attribute left by Opacus on the module or its parameters."""
+        if self._backward_override is not None:
+            had_own, previous = self._backward_override
+            if had_own:
+                module.backward = previous  # type: ignore[method-assign]
+            elif "backward" in vars(module):
+                del module.backward
+            self._backward_override = None
+        for p in module.parameters():
+            for attr in _PARAM_ATTRS:
+                if hasattr(p, attr):
+                    delattr(p, attr)
+        for m, attr in self._new_module_attrs:
+            if attr in vars(m):
+                delattr(m, attr)
+        self._new_module_attrs = []
+
+
+def _book_keeping_refusal(pl_module: pl.LightningModule) -> str | None:
+    """Why book-keeping cannot clip this module's gradients (``None``: it can)."""
+    if is_overridden("backward", pl_module, parent=pl.LightningModule):
+        return f"it runs its own backward pass, but {type(pl_module).__name__} overrides backward; use grad_sample_mode='hooks'"
+    try:
+        trainable_layers(pl_module)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _no_backward_arguments(args: tuple, kwargs: dict) -> None:
+    if args or kwargs:
+        raise ValueError(
+            "DPSGD(grad_sample_mode='ghost' or 'book_keeping') runs the backward pass itself and takes no "
+            f"backward arguments, got {args!r} {kwargs!r}; use grad_sample_mode='hooks'"
+        )
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in a (nested) output: a tensor, or a tuple, list or dict of them."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
 
 
 def _check_module(pl_module: pl.LightningModule) -> None:
