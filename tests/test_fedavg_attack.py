@@ -294,7 +294,7 @@ def test_the_same_seed_gives_the_same_reconstruction_and_labels():
 
 
 def test_the_attack_is_published_and_built_with_the_budget_of_the_adam_attacks():
-    assert published_attack_names()[-1] == "FedAvgInversion"
+    assert "FedAvgInversion" in published_attack_names()
     (published,) = attacks_by_name(["FedAvgInversion"])
     attack = published.build(AttackBudget(ig_iterations=7), 3, mlp(0))
     assert isinstance(attack, FedAvgInversion) and (attack.iterations, attack.seed) == (7, 3)
