@@ -290,6 +290,8 @@ def main() -> None:
             views = {"passive": audit.passive, "active": audit.active}
             if audit.aggregate is not None:
                 views["secure aggregation"] = audit.aggregate
+            if audit.aggregate_active is not None:
+                views["secure aggregation, malicious server"] = audit.aggregate_active
             for threat, worst in views.items():
                 if worst is None:
                     continue

@@ -48,6 +48,7 @@ from lightning_gp.attacks.learned import (
     LearnedInversion,
     RefinedLearnedInversion,
 )
+from lightning_gp.attacks.model_inconsistency import LOKI
 from lightning_gp.attacks.monitor import AttackInterrupted, monitored
 from lightning_gp.attacks.noise_aware import NoiseAwareMAP, noise_aware_attacks
 from lightning_gp.attacks.optimization import DLG, IDLG, GradInversion, InvertingGradients, optimize_images
@@ -86,6 +87,7 @@ __all__ = [
     "DLG",
     "IDLG",
     "LABEL_RECOVERY_REVISION",
+    "LOKI",
     "RGAP",
     "SGI",
     "SOK_THREAT_MODELS",

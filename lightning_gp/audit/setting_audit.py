@@ -36,7 +36,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import lightning as L
 import torch
@@ -69,6 +69,7 @@ from lightning_gp.audit.rounds import (
     tap_defended_round,
 )
 from lightning_gp.audit.verdict import BaselineScores, LeakRule, WorstCaseReport, trivial_baselines, worst_case_report
+from lightning_gp.defenses.base import Gradients
 from lightning_gp.federated import ClientLevelDP
 from lightning_gp.metrics import ReconstructionReport, concatenate_reports, reconstruction_report
 from lightning_gp.metrics.recognition import RecognitionTests
@@ -244,8 +245,10 @@ class SettingAudit:
         bound: the setting's formal ReRo bound ``eta`` at the kappa of the leak rule on the audited
             images (:mod:`~lightning_gp.audit.bounds`), composed over the audited client's releases in
             rounds ``0 .. round``, or "no formal bound" with the reason.
-        aggregate: the worst case of the secure-aggregation view (``audit_setting(aggregate=True)``),
-            over ``aggregate_cells``; ``None`` when not audited. ``aggregate_bound``: its ReRo bound
+        aggregate: the worst case of the secure-aggregation view (``audit_setting(aggregate=True)``)
+            for the honest-but-curious server, over the passive ``aggregate_cells``; ``None`` when not
+            audited. ``aggregate_active``: for the malicious server behind secure aggregation, over every
+            aggregate cell, the attacks that send each client its own model (LOKI) included. ``aggregate_bound``: its ReRo bound
             (DP-FedAvg's rounds ``0 .. round`` with ``client_dp``; else the setting's own, which holds for
             the aggregate by post-processing).
         skipped: the attacks not run because every image had leaked to an earlier passive attack
@@ -270,14 +273,16 @@ class SettingAudit:
     aggregate_bound: FormalBound | None = None
     sok_class: str | None = None
     forbidden: list[str] = field(default_factory=list)
+    aggregate_active: WorstCaseReport | None = None
 
     @property
     def worst(self) -> WorstCaseReport | None:
         """The worst case over every attack (the active threat model)."""
         return self.active
 
-    def verdict(self, threat: ThreatModel | Literal["aggregate"]) -> str:
-        report = {"passive": self.passive, "active": self.active, "aggregate": self.aggregate}[threat]
+    def verdict(self, threat: ThreatModel | Literal["aggregate", "aggregate_active"]) -> str:
+        reports = {"passive": self.passive, "active": self.active, "aggregate": self.aggregate}
+        report = {**reports, "aggregate_active": self.aggregate_active}[threat]
         return "inconclusive" if report is None else report.verdict
 
     def summary_lines(self) -> list[str]:
@@ -304,8 +309,16 @@ class SettingAudit:
                 f"leak -> {self.aggregate.verdict}"
                 + (f" ({'; '.join(self.aggregate.verdict_reasons)})" if self.aggregate.verdict_reasons else "")
             )
+            if self.aggregate_active is not None:
+                active = self.aggregate_active
+                lines.append(
+                    f"aggregate, malicious server: {active.leak_fraction:.0%} of {active.batch_size} images leak -> "
+                    f"{active.verdict}" + (f" ({'; '.join(active.verdict_reasons)})" if active.verdict_reasons else "")
+                )
             if self.aggregate_bound is not None:
                 lines.append(f"aggregate {self.aggregate_bound.describe()}")
+        if self.forbidden:
+            lines.append(f"not run under SoK threat model {self.sok_class}: {'; '.join(self.forbidden)}")
         return lines
 
     def cell(self, attack: str) -> Cell:
@@ -687,7 +700,7 @@ def _judged_audit(
     ``aggregate``, the secure-aggregation view (``learned``: the budget asked for the learned
     inverter, which does not attack the aggregate: a gap there)."""
     setting, cells, results = campaign.setting, campaign.cells, campaign.results
-    rule, reference, records = campaign.rule, campaign.reference, campaign.passive_records
+    rule, reference = campaign.rule, campaign.reference
     judged = {
         threat: _judge(threat, cells, results, rule, campaign.threat_gaps(threat), reference)
         for threat in THREAT_MODELS
@@ -709,24 +722,7 @@ def _judged_audit(
         forbidden=campaign.forbidden,
     )
     if aggregate:
-        _audit_aggregate(
-            audit,
-            setting,
-            records,
-            campaign.passive_model,
-            published,
-            campaign.datamodule,
-            campaign.lpips_fn,
-            campaign.log,
-            rule,
-            reference,
-            client_dp,
-            campaign.seed,
-            campaign.public,
-            round=campaign.round,
-            learned=learned,
-            sok_class=restricted,
-        )
+        _audit_aggregate(audit, campaign, published, client_dp, learned=learned)
     return audit
 
 
@@ -810,6 +806,11 @@ class _Campaign:
         if leaked:
             self.partial[name] = len(leaked)
         threat = _threat(attacks[0])
+        if callable(getattr(attacks[0], "client_models", None)):  # its model differs per client: the aggregate's
+            note = "it sends each client its own model and attacks their secure aggregate (aggregate=True)"
+            cell = Cell(setting.name, name, kind, "n/a", note, threat=threat, sok_class=threat_class_of(attacks[0]).id)
+            self.cells.append(cell)
+            return
         blocker = active_replay_blocker(setting, self.passive_records[0]) if threat == "active" and round else None
         if blocker is not None:
             self.log(f"   {name} on {setting.name}: not run at round {round} ({blocker})")
@@ -962,84 +963,126 @@ def _run_learned(
 
 def _audit_aggregate(
     audit: SettingAudit,
-    setting: DefenseSetting,
-    records: Sequence[TappedGradient],
-    model: nn.Module,
+    campaign: _Campaign,
     published: Sequence[AttackSpec],
-    datamodule: Any,
-    lpips_fn: nn.Module | None,
-    log: Callable[[str], None],
-    rule: LeakRule,
-    reference: Tensor,
     client_dp: ClientLevelDP | None,
-    seed: int,
-    public_data: tuple[Tensor, Tensor],
     *,
-    round: int = 0,
     learned: bool = False,
-    sok_class: SoKThreatModel | None = None,
 ) -> None:
-    """Fill ``audit``'s aggregate view: the passive published attacks on the round's combined update
-    (``learned``: the learned inverter was asked for; it does not attack the aggregate, a named gap).
-    Its bound (DP-FedAvg's with ``client_dp``, else the setting's) composes rounds ``0 .. round``: every
+    """Fill ``audit``'s secure-aggregation views: the passive published attacks on the round's combined
+    update (:attr:`SettingAudit.aggregate`), and, for the active server, also each published attack
+    that sends every client its own model (``client_models``, e.g. :class:`~lightning_gp.attacks.LOKI`)
+    on the combination of the updates of the models it sent (:attr:`SettingAudit.aggregate_active`).
+    ``learned``: the learned inverter was asked for; it does not attack the aggregate, a named gap. The
+    bound (DP-FedAvg's with ``client_dp``, else the setting's) composes rounds ``0 .. round``: every
     client of the audit's simulation takes part in every round (``q = 1``)."""
+    setting, records, model, round = campaign.setting, campaign.passive_records, campaign.passive_model, campaign.round
     combine = None
     if client_dp is not None:
         round_idx, count = records[0].round, len(records)
         combine = lambda grads: client_dp.noised_mean([client_dp.clip(g) for g in grads], count, round_idx)  # noqa: E731
     combined = aggregate_record(records, combine)
     results: dict[str, list[AttackResult]] = {}
+    active_gaps: list[str] = []
     for spec in published:
-        attack = spec.build(seed, model)
-        if _threat(attack) != "passive":
-            continue  # an active attack sends its own model: not the round tapped here
-        if (reason := _forbidden(sok_class, f"{spec.name} on the aggregate", attack)) is not None:
+        attack = spec.build(campaign.seed, model)
+        isolating = callable(getattr(attack, "client_models", None))
+        if _threat(attack) != "passive" and not isolating:
+            continue  # one model sent to every client: its attack is on each client, not on the aggregate
+        if (reason := _forbidden(campaign.sok_class, f"{spec.name} on the aggregate", attack)) is not None:
             audit.forbidden.append(reason)
             continue
-        log(f"   {spec.name} on the aggregate of {setting.name} ...")
+        target, target_model, secrets = combined, model, cast(dict[str, Any], {})
+        if isolating:
+            blocker = active_replay_blocker(setting, records[0]) if round else None
+            if blocker is not None:
+                active_gaps.append(
+                    f"the active attack {spec.name} was not run on the aggregate at round {round}: {blocker}"
+                )
+                continue
+            target, target_model, secrets = _isolated_aggregate(campaign, attack, combine)
+        campaign.log(f"   {spec.name} on the aggregate of {setting.name} ...")
         cell, out = _run_attack(
-            spec.name,
-            spec.kind,
-            [attack],
-            [combined],
-            model,
-            setting,
-            datamodule,
-            {},
-            lpips_fn,
-            log,
-            rule,
-            reference,
-            public_data=public_data,
-        )
-        cell.sok_class = threat_class_of(attack).id
+            spec.name, spec.kind, [attack], [target], target_model, setting, campaign.datamodule, secrets,
+            campaign.lpips_fn, campaign.log, campaign.rule, campaign.reference, public_data=campaign.public,
+        )  # fmt: skip
+        cell.sok_class, cell.threat = threat_class_of(attack).id, "active" if isolating else "passive"
         audit.aggregate_cells.append(cell)
         if out:
             results[spec.name] = out
     gaps = [] if setting.undefended and client_dp is None else ["no adaptive attack models the aggregate"]
     if learned:
         gaps.append(LEARNED_NOT_RUN.format("it does not attack the secure aggregate"))
-    reports = [concatenate_reports([r.report for r in out]) for out in results.values()]
-    incomplete = [*gaps, *(g for c in audit.aggregate_cells if (g := c.gap()) is not None)]
-    audit.aggregate = (
-        worst_case_report(
-            reports,
-            leak_thresholds=rule.thresholds,
-            noise_ratio_line=rule.noise_ratio_line,
-            identification_gate=rule.identification_gate,
-            reference_images=reference,
-            incomplete=incomplete,
-            threat_model="aggregate",
-        )
-        if reports
-        else None
-    )
+    passive = {c.attack for c in audit.aggregate_cells if c.threat == "passive"}
+    audit.aggregate = _judge_aggregate(audit, campaign, {k: v for k, v in results.items() if k in passive}, gaps)
+    if campaign.sok_class is None or campaign.sok_class.active:
+        audit.aggregate_active = _judge_aggregate(audit, campaign, results, [*gaps, *active_gaps])
     bound = (
         FormalBound(client_dp.mechanism(round + 1, 1.0))
         if client_dp is not None
         else setting_bound(setting, model, round=round)
     )
-    audit.aggregate_bound = _aggregate_bound_at_kappa(bound, results, combined, reference, rule, lpips_fn)
+    audit.aggregate_bound = _aggregate_bound_at_kappa(
+        bound, results, combined, campaign.reference, campaign.rule, campaign.lpips_fn
+    )
+
+
+def _judge_aggregate(
+    audit: SettingAudit, campaign: _Campaign, results: dict[str, list[AttackResult]], gaps: list[str]
+) -> WorstCaseReport | None:
+    """The worst case over the aggregate view's ``results``, the cells' gaps and ``gaps`` included."""
+    reports = [concatenate_reports([r.report for r in out]) for out in results.values()]
+    cells = [c for c in audit.aggregate_cells if c.attack in results or c.status != "ok"]
+    incomplete = [*gaps, *(g for c in cells if (g := c.gap()) is not None)]
+    if not reports:
+        return None
+    rule = campaign.rule
+    return worst_case_report(
+        reports,
+        leak_thresholds=rule.thresholds,
+        noise_ratio_line=rule.noise_ratio_line,
+        identification_gate=rule.identification_gate,
+        reference_images=campaign.reference,
+        incomplete=incomplete,
+        threat_model="aggregate",
+    )
+
+
+class _ClientModel:
+    """Client ``client``'s model of an attack that sends every client its own (``client_models``), as
+    :func:`~lightning_gp.audit.rounds.tap_defended_round` asks an active attack for it."""
+
+    def __init__(self, attack: Any, client: int, clients: int) -> None:
+        self.attack, self.client, self.clients = attack, client, clients
+
+    def modify_model(self, model: nn.Module, input_shape: Any, mean: Any, std: Any, **kwargs: Any) -> Any:
+        return self.attack.client_models(model, self.clients, input_shape, mean, std, **kwargs)[self.client]
+
+
+def _isolated_aggregate(
+    campaign: _Campaign, attack: Any, combine: Callable[[list[Gradients]], Gradients] | None
+) -> tuple[TappedGradient, nn.Module, dict[str, Any]]:
+    """The secure aggregate of a round in which ``attack`` sent each audited client its own model: each
+    client tapped with its model (its defenses as in any round), the updates combined as the honest
+    round's are; the aggregate, one client's model (one architecture for all) and the secrets."""
+    clients = len(campaign.indices)
+    records: list[TappedGradient] = []
+    sent: nn.Module | None = None
+    secrets: dict[str, Any] = {}
+    for client, images in enumerate(campaign.indices):
+        tapped, sent_model, secrets = tap_defended_round(
+            campaign.setting,
+            campaign._weights_at_round(),
+            campaign.datamodule,
+            indices=[images],
+            num_clients=campaign.num_clients,
+            attack=cast(GradientAttack, _ClientModel(attack, client, clients)),
+            seed=campaign.seed + client,
+        )
+        records += tapped
+        sent = sent if sent is not None else sent_model
+    assert sent is not None
+    return aggregate_record(records, combine), sent, secrets
 
 
 def _aggregate_bound_at_kappa(
