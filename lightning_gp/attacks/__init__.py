@@ -27,6 +27,7 @@ from lightning_gp.attacks.ats_aware import ATSAwareInversion, ATSAwareRobbing
 from lightning_gp.attacks.base import ATTACK_REVISION, AttackNotApplicable, GradientAttack, Reconstruction
 from lightning_gp.attacks.cocktail_party import CocktailParty, first_linear_layer
 from lightning_gp.attacks.fedavg import FedAvgInversion, fedavg_client_view, local_sgd_update
+from lightning_gp.attacks.generative import GenerativeGradientLeakage, GeneratorCache, GeneratorConfig
 from lightning_gp.attacks.gradient_matching import (
     cosine_distance,
     gaussian_nll,
@@ -102,6 +103,9 @@ __all__ = [
     "DefenseAwareInversion",
     "DefenseKnowledge",
     "FedAvgInversion",
+    "GenerativeGradientLeakage",
+    "GeneratorCache",
+    "GeneratorConfig",
     "GradInversion",
     "GradientAttack",
     "ImprintBlock",
