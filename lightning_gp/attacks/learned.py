@@ -43,10 +43,8 @@ import dataclasses
 import hashlib
 import math
 import time
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, overload
 
 import torch
@@ -55,6 +53,7 @@ from torch import Tensor, nn
 from lightning_gp.attacks.base import GradientAttack, Reconstruction
 from lightning_gp.attacks.optimization import InvertingGradients, known_or_recovered_labels, optimize_images
 from lightning_gp.attacks.threat_models import requirements
+from lightning_gp.attacks.trained_cache import TrainedCache
 from lightning_gp.attacks.view import ServerView
 from lightning_gp.normalization import normalize
 from lightning_gp.seeding import seeded_generator
@@ -210,67 +209,23 @@ class InverterKey:
 CACHE_FORMAT = "lightning-gp inverter cache 1"
 
 
-class InverterCache:
+class InverterCache(TrainedCache[InverterKey, TrainedInverter]):
     """Trained inverters by :class:`InverterKey`, in memory and, with ``directory``, on disk
     (``<directory>/<key digest>.pt``; a later process with the same key loads it instead of
     training). ``trainings`` counts the inverters this cache trained.
 
-    A file holds tensors and plain data only: the sketch's and the network's state dicts, their
-    constructor arguments, the training cost as a dict and the key's ``repr``. It is read with
-    ``torch.load(..., weights_only=True)``, which unpickles no object of any other kind, and the
-    objects are rebuilt from those fields: whoever can write into ``directory`` can at worst make the
-    audit retrain, never run code in it. A file that does not match (another key, a missing or
-    malformed field, an older version's pickled inverter, anything ``weights_only`` refuses) is
-    ignored with a warning and overwritten by the inverter trained instead."""
+    A file holds the sketch's and the network's state dicts, their constructor arguments, the
+    training cost as a dict and the key's ``repr``, read back as
+    :class:`~lightning_gp.attacks.trained_cache.TrainedCache` reads every file (``weights_only``; a file
+    that does not match is ignored with a warning and overwritten)."""
 
-    def __init__(self, directory: str | Path | None = None) -> None:
-        self.directory = None if directory is None else Path(directory)
-        self._trained: dict[InverterKey, TrainedInverter] = {}
-        self.trainings = 0
+    kind = "inverter"
 
-    def __len__(self) -> int:
-        return len(self._trained)
+    def _payload(self, key: InverterKey, value: TrainedInverter) -> dict[str, Any]:
+        return _inverter_payload(key, value)
 
-    def get(self, key: InverterKey, train: Callable[[], TrainedInverter]) -> TrainedInverter:
-        """The inverter of ``key``: from memory, from disk, or ``train()`` (then stored)."""
-        found = self._trained.get(key)
-        if found is None and self.directory is not None:
-            found = self._load(key)
-        if found is None:
-            found = train()
-            self.trainings += 1
-            if self.directory is not None:
-                self._save(key, found)
-        self._trained[key] = found
-        return found
-
-    def clear(self) -> None:
-        self._trained.clear()
-
-    def _path(self, key: InverterKey) -> Path:
-        assert self.directory is not None
-        return self.directory / f"{key.digest()}.pt"
-
-    def _save(self, key: InverterKey, inverter: TrainedInverter) -> None:
-        assert self.directory is not None
-        self.directory.mkdir(parents=True, exist_ok=True)
-        torch.save(_inverter_payload(key, inverter), self._path(key))
-
-    def _load(self, key: InverterKey) -> TrainedInverter | None:
-        path = self._path(key)
-        if not path.exists():
-            return None
-        try:
-            payload = torch.load(path, map_location="cpu", weights_only=True)
-            return _inverter_from_payload(payload, key)
-        except Exception as err:  # a pickled object, another key or layout, a truncated file: never run, retrain
-            first = str(err).splitlines()[0] if str(err) else ""
-            warnings.warn(
-                f"InverterCache: ignoring {path} ({type(err).__name__}: {first}); the inverter is trained again "
-                "and the file overwritten",
-                stacklevel=3,
-            )
-            return None
+    def _from_payload(self, payload: Any, key: InverterKey) -> TrainedInverter:
+        return _inverter_from_payload(payload, key)
 
 
 def _inverter_payload(key: InverterKey, inverter: TrainedInverter) -> dict[str, Any]:

@@ -29,16 +29,15 @@ import dataclasses
 import hashlib
 import math
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from lightning_gp.attacks.generative.networks import Discriminator, Generator, check_image_shape
+from lightning_gp.attacks.trained_cache import TrainedCache
 from lightning_gp.seeding import seeded_generator
 from lightning_gp.validation import check_number, check_positive, check_positive_int
 
@@ -292,59 +291,24 @@ class GeneratorKey:
 CACHE_FORMAT = "lightning-gp generator cache 1"
 
 
-class GeneratorCache:
+class GeneratorCache(TrainedCache[GeneratorKey, TrainedGenerator]):
     """Trained generators by :class:`GeneratorKey`, in memory and, with ``directory``, on disk
     (``<directory>/generator-<key digest>.pt``; a later process with the same key loads it instead
     of training). ``trainings`` counts the generators this cache trained.
 
-    As :class:`~lightning_gp.attacks.learned.InverterCache`: a file holds tensors and plain data
+    As :class:`~lightning_gp.attacks.learned.InverterCache` (both are
+    :class:`~lightning_gp.attacks.trained_cache.TrainedCache`): a file holds tensors and plain data
     only, is read with ``torch.load(..., weights_only=True)`` and rebuilt from its fields; a file
-    that does not match (another key, a missing field, anything ``weights_only`` refuses) is ignored
-    with a warning and overwritten by the generator trained instead."""
+    that does not match is ignored with a warning and overwritten by the generator trained instead."""
 
-    def __init__(self, directory: str | Path | None = None) -> None:
-        self.directory = None if directory is None else Path(directory)
-        self._trained: dict[GeneratorKey, TrainedGenerator] = {}
-        self.trainings = 0
+    kind = "generator"
+    file_prefix = "generator-"
 
-    def __len__(self) -> int:
-        return len(self._trained)
+    def _payload(self, key: GeneratorKey, value: TrainedGenerator) -> dict[str, Any]:
+        return _payload(key, value)
 
-    def get(self, key: GeneratorKey, train: Callable[[], TrainedGenerator]) -> TrainedGenerator:
-        """The generator of ``key``: from memory, from disk, or ``train()`` (then stored)."""
-        found = self._trained.get(key)
-        if found is None and self.directory is not None:
-            found = self._load(key)
-        if found is None:
-            found = train()
-            self.trainings += 1
-            if self.directory is not None:
-                self.directory.mkdir(parents=True, exist_ok=True)
-                torch.save(_payload(key, found), self._path(key))
-        self._trained[key] = found
-        return found
-
-    def clear(self) -> None:
-        self._trained.clear()
-
-    def _path(self, key: GeneratorKey) -> Path:
-        assert self.directory is not None
-        return self.directory / f"generator-{key.digest()}.pt"
-
-    def _load(self, key: GeneratorKey) -> TrainedGenerator | None:
-        path = self._path(key)
-        if not path.exists():
-            return None
-        try:
-            return _from_payload(torch.load(path, map_location="cpu", weights_only=True), key)
-        except Exception as err:  # a pickled object, another key or layout, a truncated file: never run, retrain
-            first = str(err).splitlines()[0] if str(err) else ""
-            warnings.warn(
-                f"GeneratorCache: ignoring {path} ({type(err).__name__}: {first}); the generator is trained again "
-                "and the file overwritten",
-                stacklevel=3,
-            )
-            return None
+    def _from_payload(self, payload: Any, key: GeneratorKey) -> TrainedGenerator:
+        return _from_payload(payload, key)
 
 
 def _payload(key: GeneratorKey, trained: TrainedGenerator) -> dict[str, Any]:

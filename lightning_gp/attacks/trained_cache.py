@@ -1,0 +1,95 @@
+"""What a server trained once, kept by key: in memory and, with a directory, on disk.
+
+One implementation for every network an attack trains on the server's public data (the learned
+inverter's, :class:`~lightning_gp.attacks.learned.InverterCache`; the generative prior's,
+:class:`~lightning_gp.attacks.generative.GeneratorCache`): a later call, or a later process with the
+same key, loads it instead of training. A file holds tensors and plain data only and is read with
+``torch.load(..., weights_only=True)``, which unpickles no object of any other kind; each subclass
+rebuilds its network from those fields, so whoever can write into the directory can at worst make the
+server retrain, never run code in it. A file that does not match (another key, a missing or malformed
+field, an older version's layout, anything ``weights_only`` refuses) is ignored with a warning and
+overwritten by the network trained instead.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
+
+import torch
+
+
+class CacheKey(Protocol):
+    """What a key needs: hashable, and a stable digest that names its file."""
+
+    def __hash__(self) -> int: ...
+
+    def digest(self) -> str: ...
+
+
+K = TypeVar("K", bound=CacheKey)
+V = TypeVar("V")
+
+
+class TrainedCache(Generic[K, V]):
+    """Trained values by key, in memory and, with ``directory``, on disk (``<directory>/<prefix><key
+    digest>.pt``). ``trainings`` counts the values this cache trained. Subclasses say what a file holds
+    (:meth:`_payload`) and how a value is rebuilt from it (:meth:`_from_payload`)."""
+
+    #: What is trained, as messages name it; the prefix of its files.
+    kind: ClassVar[str] = "network"
+    file_prefix: ClassVar[str] = ""
+
+    def __init__(self, directory: str | Path | None = None) -> None:
+        self.directory = None if directory is None else Path(directory)
+        self._trained: dict[K, V] = {}
+        self.trainings = 0
+
+    def __len__(self) -> int:
+        return len(self._trained)
+
+    def get(self, key: K, train: Callable[[], V]) -> V:
+        """The value of ``key``: from memory, from disk, or ``train()`` (then stored)."""
+        found = self._trained.get(key)
+        if found is None and self.directory is not None:
+            found = self._load(key)
+        if found is None:
+            found = train()
+            self.trainings += 1
+            if self.directory is not None:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                torch.save(self._payload(key, found), self._path(key))
+        self._trained[key] = found
+        return found
+
+    def clear(self) -> None:
+        self._trained.clear()
+
+    def _path(self, key: K) -> Path:
+        assert self.directory is not None
+        return self.directory / f"{self.file_prefix}{key.digest()}.pt"
+
+    def _load(self, key: K) -> V | None:
+        path = self._path(key)
+        if not path.exists():
+            return None
+        try:
+            return self._from_payload(torch.load(path, map_location="cpu", weights_only=True), key)
+        except Exception as err:  # a pickled object, another key or layout, a truncated file: never run, retrain
+            first = str(err).splitlines()[0] if str(err) else ""
+            warnings.warn(
+                f"{type(self).__name__}: ignoring {path} ({type(err).__name__}: {first}); the {self.kind} is "
+                "trained again and the file overwritten",
+                stacklevel=3,
+            )
+            return None
+
+    def _payload(self, key: K, value: V) -> dict[str, Any]:
+        """What a file holds of ``value``: tensors, numbers, strings and containers."""
+        raise NotImplementedError
+
+    def _from_payload(self, payload: Any, key: K) -> V:
+        """The value :meth:`_payload` wrote for ``key``, rebuilt (``ValueError`` on any mismatch)."""
+        raise NotImplementedError
