@@ -44,6 +44,8 @@ from torch import Tensor, nn
 
 from lightning_gp.attacks import (
     AttackNotApplicable,
+    GenerativeGradientLeakage,
+    GeneratorConfig,
     GradientAttack,
     InverterConfig,
     PublishedAttack,
@@ -53,12 +55,18 @@ from lightning_gp.attacks import (
     label_estimates_differ,
 )
 from lightning_gp.attacks.learned import REFINED_DECOYS, LearnedInversion, RefinedLearnedInversion
+from lightning_gp.attacks.resolution import composed_knowledge
 from lightning_gp.attacks.threat_models import SoKThreatModel, attack_requirements, threat_class_of
 from lightning_gp.attacks.threat_models import threat_model as sok_threat_model
 from lightning_gp.audit.bounds import FormalBound, lpips_for_rule, prior_only_kappa, setting_bound
 from lightning_gp.audit.catalog import DefenseSetting
 from lightning_gp.audit.engine import AttackResult, attack_record, attacker_loss
-from lightning_gp.audit.learned import REFINE_ITERATIONS, learned_inversion_attacks, simulation_refusal
+from lightning_gp.audit.learned import (
+    REFINE_ITERATIONS,
+    learned_inversion_attacks,
+    setting_simulator,
+    simulation_refusal,
+)
 from lightning_gp.audit.prior_control import with_prior_only_control
 from lightning_gp.audit.recognition import datamodule_recognition_tests
 from lightning_gp.audit.rounds import (
@@ -136,6 +144,15 @@ class AttackBudget:
             31 (1 in 32) keeps the refinement's cost; 255 is the unrefined inverter's 1 in 256, at
             8 times the control's cost. More guesses mean fewer chance leaks and less power: a weak
             label signal that 31 credits, 255 may not (docs/results/defense-that-holds.md).
+        generative_prior: also run the generative image prior (GGL, Li et al. CVPR 2022;
+            :class:`~lightning_gp.attacks.GenerativeGradientLeakage`) built with the setting's defense
+            knowledge, on every setting, the undefended one included: a DCGAN trained on up to 10,000
+            public (test-split) images (about 1.5 min on a CPU thread, cached for the process), then
+            the latent search through the defense. Off by default. Where it was asked for and cannot
+            run (a defense with no composable knowledge: Refiner, ATS, PRECODE, PriPrune;
+            ``adaptive=False``) both verdicts name that gap (:data:`GENERATIVE_NOT_RUN`) and are never
+            "private". ``generative_max_steps``: the cap on its GAN training steps (it stops earlier
+            on a plateau of its held-out MMD).
     """
 
     ig_iterations: int = 1000
@@ -148,12 +165,15 @@ class AttackBudget:
     stop_when_all_leak: bool = False
     learned_min_batch: int = 1
     refined_decoys: int = REFINED_DECOYS
+    generative_prior: bool = False
+    generative_max_steps: int = 3000
 
     def __post_init__(self) -> None:
         names = ("ig_iterations", "lbfgs_iterations", "adaptive_restarts", "rtf_bins", "learned_max_epochs")
-        for name in (*names, "lbfgs_restarts", "learned_min_batch", "refined_decoys"):
+        for name in (*names, "lbfgs_restarts", "learned_min_batch", "refined_decoys", "generative_max_steps"):
             check_positive_int(getattr(self, name), name)
         check_bool(self.learned_inversion, "learned_inversion")
+        check_bool(self.generative_prior, "generative_prior")
         check_bool(self.stop_when_all_leak, "stop_when_all_leak")
 
 
@@ -622,6 +642,8 @@ def audit_setting(
     per_client = _run_gradient_attacks(campaign, published, budget, adaptive=adaptive)
     if budget.learned_inversion:
         _run_learned(campaign, budget, per_client[0] if per_client else [], adaptive=adaptive)
+    if budget.generative_prior:
+        _run_generative(campaign, budget, adaptive=adaptive)
     return _judged_audit(
         campaign, published, aggregate or client_dp is not None, client_dp, learned=budget.learned_inversion
     )
@@ -1163,6 +1185,47 @@ def _learned_attacks(
         seed=seed,
         round=round,
     )
+
+
+#: The gap a verdict names where the generative prior was asked for and did not run.
+GENERATIVE_NOT_RUN = "the generative prior was asked for (generative_prior=True) but not run: {}"
+#: Public (test-split) images the generative prior's GAN trains on (at most; fewer where the split is smaller).
+GENERATIVE_PUBLIC_SIZE = 10_000
+
+
+def _run_generative(campaign: _Campaign, budget: AttackBudget, *, adaptive: bool) -> None:
+    """The generative prior (GGL) with the setting's defense knowledge, one object for every client (its
+    generator trained once on the public split, its decoys shared); where it cannot run, the gap that
+    keeps both verdicts from "private" (:data:`GENERATIVE_NOT_RUN`)."""
+    name, setting = "adaptive:GenerativeGradientLeakage", campaign.setting
+    if campaign.forbids(name, GenerativeGradientLeakage):
+        return
+    knowledge, why = None, None if adaptive else "adaptive=False (the defense-aware generative prior is adaptive)"
+    if why is None and not setting.undefended:
+        try:
+            knowledge = composed_knowledge(setting.defenses(campaign.model, campaign.datamodule))
+        except ValueError as err:
+            why = str(err)
+    if why is not None:
+        campaign.log(f"   GenerativeGradientLeakage not run on {setting.name}: {why}")
+        campaign.gaps.append(GENERATIVE_NOT_RUN.format(why))
+        return
+    clients = max(campaign.num_clients, len(campaign.indices))
+    simulate = None
+    if simulation_refusal(setting) is None:
+        simulate = setting_simulator(setting, num_clients=clients, round=campaign.round)
+    size = min(GENERATIVE_PUBLIC_SIZE, len(cast(Any, campaign.datamodule).test_dataset))
+    attack = GenerativeGradientLeakage(
+        knowledge=knowledge,
+        public_data=public_examples(campaign.datamodule, size),
+        generator_config=GeneratorConfig(max_steps=budget.generative_max_steps),
+        iterations=budget.ig_iterations,
+        simulate=simulate,
+        defense_key=f"{setting.name}|{[repr(cb) for cb in setting.callbacks]}|round={campaign.round}|clients={clients}",
+        prior_seed=campaign.seed,
+        seed=campaign.seed,
+    )
+    campaign.run(name, "adaptive", [attack] * len(campaign.indices))
 
 
 def _learned_not_run(campaign: _Campaign, budget: AttackBudget, adaptive: bool) -> str | None:

@@ -200,7 +200,7 @@ UNSTAMPED_LEAK_RULE = 3
 
 #: Budget fields added after frontier results were stored, with the value those results ran under: at
 #: that value a field is left out of :func:`fingerprint`, so adding it left the stored records current.
-BUDGET_FIELDS_ADDED = {"refined_decoys": 31}
+BUDGET_FIELDS_ADDED = {"refined_decoys": 31, "generative_prior": False, "generative_max_steps": 3000}
 
 
 def fingerprint(config: FrontierConfig) -> str:
