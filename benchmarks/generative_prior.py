@@ -6,7 +6,8 @@ gradient of ``G(z)`` matches the shared one through what the server knows of the
 (undefended: the published GGL), Top-k pruning's support, Gaussian noise's std (Wiener-weighted
 layers). Each setting is audited by :func:`lightning_gp.audit.audit_setting` with this attack alone
 (``adaptive=False``: the catalogue's other attacks are not run, so the verdicts are not the point):
-``--images`` training images, one per client (batch 1), LeNetZhu at initialisation, round 0. The leak
+``--images`` training images, ``--batch-size`` per client (default 1), LeNetZhu at initialisation, round 0
+(``--private-at-batch-8``: the three defenses that read private at batch 8 on the published frontier). The leak
 rule is the audit's, with the prior-only control (:mod:`lightning_gp.audit.prior_control`): a
 reconstruction counts only where it beats every one of the attack's guesses made end to end from
 ``--decoys`` held-out public batches defended as the attacker models the defense; the column
@@ -38,6 +39,7 @@ from lightning_gp.audit.verdict import LeakRule, trivial_baselines
 from lightning_gp.callbacks import GaussianNoise, TopKPruning
 from lightning_gp.data import FashionMNISTDataModule, FashionMNISTSampleDataModule
 from lightning_gp.data.base import DatasetNotFoundError
+from lightning_gp.frontier import frontier_families
 from lightning_gp.frontier.run import attacked_images
 from lightning_gp.metrics import concatenate_reports, save_comparison_grid
 from lightning_gp.models import LeNetZhu
@@ -55,7 +57,19 @@ def datamodule(sample: bool) -> tuple[Any, str]:
     return FashionMNISTSampleDataModule(batch_size=500), "the built-in Fashion-MNIST sample"
 
 
+#: The defenses that read private at client batch 8 on the published frontier (README, "Which defense
+#: to pick"): each as the frontier builds it (``lightning_gp.frontier.frontier_families``).
+PRIVATE_AT_BATCH_8 = (
+    ("TopKPruning", {"rate": 0.8}),
+    ("LocalGaussianMechanism", {"noise_multiplier": 0.03}),
+    ("DPSGD", {"noise_multiplier": 0.3}),
+)
+
+
 def settings(args: argparse.Namespace) -> list[DefenseSetting]:
+    if args.private_at_batch_8:
+        families = frontier_families()
+        return [families[name].build(dict(params), args.seed, 1) for name, params in PRIVATE_AT_BATCH_8]
     return [
         DefenseSetting("undefended"),
         DefenseSetting(f"TopKPruning(rate={args.topk_rate})", [TopKPruning(rate=args.topk_rate)]),
@@ -136,6 +150,13 @@ def main() -> None:
     parser.add_argument("--cache-dir", default=None, help="keep the trained generator on disk here (default: memory)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="4 images, 5 decoys, 2000 public images, 600 GAN steps")
+    parser.add_argument("--batch-size", type=int, default=1, help="images per client (clients: images / batch size)")
+    parser.add_argument(
+        "--private-at-batch-8",
+        action="store_true",
+        help="the defenses that read private at batch 8 on the published frontier (Top-k 0.8, the Gaussian "
+        "mechanism at z = 0.03, DP-SGD at 0.3), as the frontier builds them, instead of the default three",
+    )
     args = parser.parse_args()
     if args.quick:
         args.images, args.decoys, args.public_size, args.generator_steps = 4, 5, 2000, 600
@@ -143,7 +164,7 @@ def main() -> None:
     data, data_name = datamodule(args.sample)
     public = public_examples(data, args.public_size)
     cache = GeneratorCache(args.cache_dir)
-    indices = attacked_images(data, args.images, 1, args.seed)
+    indices = attacked_images(data, args.images, args.batch_size, args.seed)
     rule, reference = LeakRule(), reference_pixels(data)
     rows, grids, generator = [], [], None
     start = time.perf_counter()
@@ -153,6 +174,8 @@ def main() -> None:
         grids.append(grid)
         generator = generator or cost
     name = "generative_prior" + ("_quick" if args.quick else "") + ("_gias" if args.refine else "")
+    name += f"_batch{args.batch_size}" if args.batch_size != 1 else ""
+    name += "_private_at_batch_8" if args.private_at_batch_8 else ""
     save_comparison_grid(grids, RESULTS_DIR / f"{name}.png")
     write_results(name, rows, preamble(args, data_name, generator, time.perf_counter() - start, len(public[0])))
 
@@ -170,7 +193,8 @@ def preamble(args: argparse.Namespace, data_name: str, generator: dict[str, Any]
         else ""
     )
     return (
-        f"LeNetZhu at initialisation, FedSGD round 0, {args.images} clients x 1 image of {data_name} (seed {args.seed}); "
+        f"LeNetZhu at initialisation, FedSGD round 0, {args.images // args.batch_size} clients x {args.batch_size} image(s) of "
+        f"{data_name} (seed {args.seed}); "
         f"labels recovered from the gradient. The generator: a DCGAN (latent 64, width 16) trained on {public} public "
         f"(test-split) images in {generator['seconds']:.0f} s wall / {generator['cpu_seconds']:.0f} s CPU, "
         f"{generator['steps']} steps ({generator['stopped']}), validation MMD {generator['validation_mmd']:.4f} "
