@@ -88,19 +88,7 @@ class LOKI(RobbingTheFed):
         check_positive_int(clients, "clients")
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        block = ImprintBlock(
-            input_shape,
-            self.num_bins,
-            measurement=self.measurement,
-            public_data=public_data,
-            fit=self.fit,
-            measurement_stats=measurement_stats,
-            mean=mean,
-            std=std,
-            connection=self.connection,
-            gain=self.gain,
-            seed=self.seed,
-        )
+        block = self.imprint_block(input_shape, mean, std, public_data=public_data, measurement_stats=measurement_stats)
         template = next(model.parameters(), None)
         models = []
         for client in range(clients):

@@ -448,19 +448,8 @@ class RobbingTheFed(GradientAttack):
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        imprint = ImprintBlock(
-            input_shape,
-            None if bins is not None else self.num_bins,
-            bins=bins,
-            measurement=self.measurement,
-            public_data=public_data,
-            fit=self.fit,
-            measurement_stats=measurement_stats,
-            mean=mean,
-            std=std,
-            connection=self.connection,
-            gain=self.gain,
-            seed=self.seed,
+        imprint = self.imprint_block(
+            input_shape, mean, std, public_data=public_data, bins=bins, measurement_stats=measurement_stats
         )
         template = next(model.parameters(), None)
         if template is not None:
@@ -477,6 +466,33 @@ class RobbingTheFed(GradientAttack):
             }
         }
         return modified, secrets
+
+    def imprint_block(
+        self,
+        input_shape: Sequence[int],
+        mean: Sequence[float] = (0.0,),
+        std: Sequence[float] = (1.0,),
+        *,
+        public_data: Tensor | None = None,
+        bins: Sequence[float] | None = None,
+        measurement_stats: tuple[float, float] = (0.0, 1.0),
+    ) -> ImprintBlock:
+        """The attack's :class:`ImprintBlock` for inputs of ``input_shape`` (its bins: ``bins`` if given,
+        else from ``public_data``, else a normal with ``measurement_stats``)."""
+        return ImprintBlock(
+            input_shape,
+            None if bins is not None else self.num_bins,
+            bins=bins,
+            measurement=self.measurement,
+            public_data=public_data,
+            fit=self.fit,
+            measurement_stats=measurement_stats,
+            mean=mean,
+            std=std,
+            connection=self.connection,
+            gain=self.gain,
+            seed=self.seed,
+        )
 
     def reconstruct(self, view: ServerView) -> Reconstruction:
         """Read the inputs off the imprint layer's gradient (Sec. 3), no optimisation."""
