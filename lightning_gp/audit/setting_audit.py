@@ -1036,9 +1036,11 @@ def _audit_aggregate(
     if learned:
         gaps.append(LEARNED_NOT_RUN.format("it does not attack the secure aggregate"))
     passive = {c.attack for c in audit.aggregate_cells if c.threat == "passive"}
-    audit.aggregate = _judge_aggregate(audit, campaign, {k: v for k, v in results.items() if k in passive}, gaps)
+    passive_results = {k: v for k, v in results.items() if k in passive}
+    audit.aggregate = _judge_aggregate(audit, campaign, passive_results, gaps, threats=("passive",))
     if campaign.sok_class is None or campaign.sok_class.active:
-        audit.aggregate_active = _judge_aggregate(audit, campaign, results, [*gaps, *active_gaps])
+        everything = ("passive", "active")
+        audit.aggregate_active = _judge_aggregate(audit, campaign, results, [*gaps, *active_gaps], threats=everything)
     bound = (
         FormalBound(client_dp.mechanism(round + 1, 1.0))
         if client_dp is not None
@@ -1050,11 +1052,17 @@ def _audit_aggregate(
 
 
 def _judge_aggregate(
-    audit: SettingAudit, campaign: _Campaign, results: dict[str, list[AttackResult]], gaps: list[str]
+    audit: SettingAudit,
+    campaign: _Campaign,
+    results: dict[str, list[AttackResult]],
+    gaps: list[str],
+    *,
+    threats: tuple[str, ...],
 ) -> WorstCaseReport | None:
-    """The worst case over the aggregate view's ``results``, the cells' gaps and ``gaps`` included."""
+    """The worst case over the aggregate view's ``results``, the gaps of its cells of ``threats`` and
+    ``gaps`` included."""
     reports = [concatenate_reports([r.report for r in out]) for out in results.values()]
-    cells = [c for c in audit.aggregate_cells if c.attack in results or c.status != "ok"]
+    cells = [c for c in audit.aggregate_cells if c.threat in threats]
     incomplete = [*gaps, *(g for c in cells if (g := c.gap()) is not None)]
     if not reports:
         return None
