@@ -358,40 +358,31 @@ def grid_points(config: FrontierConfig) -> list[PointSpec]:
 def point_settings(config: FrontierConfig, channels: int) -> list[tuple[PointSpec, ClientTraining, DefenseSetting]]:
     """Every setting of the run on every client-training axis entry, in the order of
     :func:`grid_points` within each entry; the pairs :func:`not_applicable` names are left out."""
-    out = []
-    for training in config.client_training:
-        for point in grid_points(config):
-            setting = _trained_setting(point, training, config, channels)
-            if setting is not None:
-                out.append((point, training, setting))
-    return out
+    return _trained_settings(config, channels)[0]
 
 
 def not_applicable(config: FrontierConfig, channels: int) -> list[str]:
     """One line per (grid, client training) the frontier leaves out because the setting cannot train so,
     with the reason (a named gap in the report, never a silent skip)."""
-    lines = []
+    return _trained_settings(config, channels)[1]
+
+
+def _trained_settings(
+    config: FrontierConfig, channels: int
+) -> tuple[list[tuple[PointSpec, ClientTraining, DefenseSetting]], list[str]]:
+    """Each point's setting under each client training, and a line per (grid, training) refused (an
+    error of the setting itself, a strength out of range, propagates: only the training is refused)."""
+    kept, lines = [], []
     for training in config.client_training:
         refused: dict[str, str] = {}
         for point in grid_points(config):
+            setting = point.setting(config, channels)
             try:
-                training.apply(point.setting(config, channels))
+                kept.append((point, training, training.apply(setting)))
             except ValueError as err:
                 refused.setdefault(point.grid, str(err))
         lines += [f"{grid} is not on the {training.label} frontier: {why}" for grid, why in refused.items()]
-    return lines
-
-
-def _trained_setting(
-    point: PointSpec, training: ClientTraining, config: FrontierConfig, channels: int
-) -> DefenseSetting | None:
-    """``point``'s setting under ``training``; ``None`` where the setting refuses that training (an
-    error of the setting itself, a strength out of range, propagates)."""
-    setting = point.setting(config, channels)
-    try:
-        return training.apply(setting)
-    except ValueError:
-        return None
+    return kept, lines
 
 
 def build_spec(spec: Any, field_name: str) -> Any:
