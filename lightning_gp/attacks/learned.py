@@ -53,7 +53,7 @@ from torch import Tensor, nn
 from lightning_gp.attacks.base import GradientAttack, Reconstruction
 from lightning_gp.attacks.optimization import InvertingGradients, known_or_recovered_labels, optimize_images
 from lightning_gp.attacks.threat_models import requirements
-from lightning_gp.attacks.trained_cache import TrainedCache
+from lightning_gp.attacks.trained_cache import DigestedKey, TrainedCache
 from lightning_gp.attacks.view import ServerView
 from lightning_gp.normalization import normalize
 from lightning_gp.seeding import seeded_generator
@@ -190,7 +190,7 @@ class TrainedInverter:
 
 # ------------------------------------------------------------------------------------------ cache
 @dataclass(frozen=True)
-class InverterKey:
+class InverterKey(DigestedKey):
     """What a trained inverter depends on: the model's weights, the defense (as the caller
     describes it), the public data, the batch size, the seed and the training configuration."""
 
@@ -200,9 +200,6 @@ class InverterKey:
     batch_size: int
     seed: int
     config: str
-
-    def digest(self) -> str:
-        return hashlib.sha256(repr(self).encode()).hexdigest()[:24]
 
 
 #: The layout of an inverter file of :class:`InverterCache`; a file of another layout is retrained.

@@ -13,6 +13,7 @@ overwritten by the network trained instead.
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +28,14 @@ class CacheKey(Protocol):
     def __hash__(self) -> int: ...
 
     def digest(self) -> str: ...
+
+
+class DigestedKey:
+    """A key whose digest is a hash of its ``repr`` (a frozen dataclass of plain fields: the ``repr``
+    says everything the cached value depends on)."""
+
+    def digest(self) -> str:
+        return hashlib.sha256(repr(self).encode()).hexdigest()[:24]
 
 
 K = TypeVar("K", bound=CacheKey)

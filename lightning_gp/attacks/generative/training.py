@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import math
 import time
 from collections.abc import Callable
@@ -37,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_gp.attacks.generative.networks import Discriminator, Generator, check_image_shape
-from lightning_gp.attacks.trained_cache import TrainedCache
+from lightning_gp.attacks.trained_cache import DigestedKey, TrainedCache
 from lightning_gp.seeding import seeded_generator
 from lightning_gp.validation import check_number, check_positive, check_positive_int
 
@@ -274,7 +273,7 @@ def calibrate_batchnorm(net_g: Generator, stream: torch.Generator, batches: int 
 
 # ------------------------------------------------------------------------------------------- cache
 @dataclass(frozen=True)
-class GeneratorKey:
+class GeneratorKey(DigestedKey):
     """What a trained generator depends on: the public pixels (a fingerprint), the image shape, the
     configuration (architecture and training) and the training seed."""
 
@@ -282,9 +281,6 @@ class GeneratorKey:
     shape: tuple[int, ...]
     config: str
     seed: int
-
-    def digest(self) -> str:
-        return hashlib.sha256(repr(self).encode()).hexdigest()[:24]
 
 
 #: The layout of a file of :class:`GeneratorCache`; a file of another layout is retrained.
