@@ -68,3 +68,22 @@ def parse_call(spec: str, option: str, hint: str) -> tuple[str, dict[str, Any]]:
     if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name) or call.args:
         raise ValueError(f"{option} {spec!r}: write {hint}")
     return call.func.id, {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg is not None}
+
+
+def setting_builder(spec: str, option: str = "--setting") -> Callable[[int], Any]:
+    """``seed -> setting``: the catalogue entry named ``spec``, or for ``"Name(keyword=literal, ...)"``
+    the frontier family ``Name`` at those arguments (the frontier's point of that name)."""
+    from lightning_gp.audit import defense_catalog
+    from lightning_gp.frontier import frontier_families
+
+    if "(" not in spec:
+        entry = defense_catalog([spec])[0]
+        return lambda seed: entry.build(seed, 1)
+    try:
+        name, keywords = parse_call(spec, option, "Name(keyword=literal, ...) or a catalogue name")
+    except (ValueError, SyntaxError) as err:
+        raise SystemExit(str(err)) from err
+    families = frontier_families()
+    if name not in families:
+        raise SystemExit(f"{option} {spec!r}: {name!r} is no frontier family; they are {sorted(families)}")
+    return lambda seed: families[name].build(keywords, seed, 1)

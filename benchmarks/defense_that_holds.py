@@ -36,19 +36,16 @@ import argparse
 import csv
 import math
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
 import torch
-from _common import RESULTS_DIR, parse_call, write_results
+from _common import RESULTS_DIR, setting_builder, write_results
 
 from lightning_gp.audit import (
     AttackBudget,
-    DefenseSetting,
     LeakRule,
     audit_setting,
-    defense_catalog,
     published_attacks,
 )
 from lightning_gp.audit.figure import VERDICT_COLORS
@@ -56,7 +53,6 @@ from lightning_gp.audit.quiet import library_noise_silenced
 from lightning_gp.audit.setting_audit import THREAT_MODELS
 from lightning_gp.audit.summary import Candidate, format_score
 from lightning_gp.data import FashionMNISTDataModule, FashionMNISTSampleDataModule
-from lightning_gp.frontier import frontier_families
 from lightning_gp.frontier.report import PSNR_CAP, family_bests, read_csv, setting_candidates
 from lightning_gp.frontier.run import attacked_images
 from lightning_gp.metrics.semantic import SEMANTIC_LINE
@@ -212,22 +208,6 @@ def save_beside_figure(
     )
     fig.tight_layout(rect=(0, 0.13, 1, 0.96))
     fig.savefig(path, dpi=100)
-
-
-def setting_builder(spec: str) -> Callable[[int], DefenseSetting]:
-    """``seed -> setting``: the catalogue entry named ``spec``, or for ``"Name(keyword=literal, ...)"``
-    the frontier family ``Name`` at those arguments (the frontier's point of that name)."""
-    if "(" not in spec:
-        entry = defense_catalog([spec])[0]
-        return lambda seed: entry.build(seed, 1)
-    try:
-        name, keywords = parse_call(spec, "--setting", "Name(keyword=literal, ...) or a catalogue name")
-    except (ValueError, SyntaxError) as err:
-        raise SystemExit(str(err)) from err
-    families = frontier_families()
-    if name not in families:
-        raise SystemExit(f"--setting {spec!r}: {name!r} is no frontier family; they are {sorted(families)}")
-    return lambda seed: families[name].build(keywords, seed, 1)
 
 
 def main() -> None:

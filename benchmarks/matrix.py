@@ -21,11 +21,17 @@ threat model; a defense is private only if no image leaks and the audit is compl
 fallback makes it "inconclusive"). Each row also reports the accuracy after ``--rounds`` FedSGD rounds as a
 fraction of the undefended run's (PMM) and the bytes a client uploads per round.
 
+``--defenses`` takes catalogue names or frontier points (``'TopKPruning(rate=0.8)'``); ``--model MLP``
+audits a fully connected first layer (Cocktail Party's; LeNetZhu is conv-first); ``--generative-prior``
+adds GGL with each setting's defense knowledge; ``--aggregate`` adds the secure-aggregation views, each
+with its worst case and verdict: the honest server (the passive attacks, Cocktail Party among them, on
+the round's mean of every client's defended update) and the malicious server (LOKI too).
+
 Writes benchmarks/results/matrix.{csv,md}, matrix_heatmap.png (mean PSNR and share leaked per cell,
 PMM and the verdicts per row) and matrix_summary.md (one screen: which setting to pick and why,
 ``lightning_gp.audit.summary``); a run with training also writes matrix_training.csv (accuracy and
 bytes per setting). ``--output-dir`` to change where; a batch size above 1 adds ``_batch{B}``
-to the names, a trained round ``_round{R}``. ``--replot`` redraws the heatmap and the
+to the names, a trained round ``_round{R}``, ``--model MLP`` ``_mlp``, ``--tag T`` ``_T``. ``--replot`` redraws the heatmap and the
 summary from the CSVs already written, without attacking or training again. ``--quick`` is a
 CI-sized smoke run (2 images, tiny budgets, 10 rounds); the full run attacks 8 images.
 
@@ -56,7 +62,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from _common import RESULTS_DIR, fashion_mnist_datasets, markdown_table
+from _common import RESULTS_DIR, fashion_mnist_datasets, markdown_table, setting_builder
 
 from lightning_gp.attacks import LABEL_RECOVERY_REVISION, UnmodelledDefenseWarning
 from lightning_gp.audit import (
@@ -64,6 +70,7 @@ from lightning_gp.audit import (
     LeakRule,
     SettingAudit,
     TrainingResult,
+    WorstCaseReport,
     audit_setting,
     defense_catalog,
     published_attacks,
@@ -74,7 +81,24 @@ from lightning_gp.audit.summary import Candidate, choice_sentence, choose, combi
 from lightning_gp.frontier.run import ResultStore, run_fingerprint
 from lightning_gp.frontier.workers import worker_pool
 from lightning_gp.metrics.lpips import LPIPS
-from lightning_gp.models import LeNetZhu
+from lightning_gp.models import MLP, LeNetZhu
+
+#: ``--model``: the architectures the matrix audits (MLP: a fully connected first layer, which Cocktail
+#: Party needs; LeNetZhu is conv-first).
+MODELS: dict[str, Callable[[], torch.nn.Module]] = {"LeNetZhu": LeNetZhu, "MLP": MLP}
+#: The worst cases a row can report: the per-client threat models, then with ``--aggregate`` the
+#: secure-aggregation views (honest server: the passive attacks on the round's mean of the defended
+#: updates, Cocktail Party included; malicious server: also the attacks that send each client its own
+#: model, LOKI).
+THREATS = ("passive", "active", "aggregate", "aggregate_active")
+THREAT_LABELS = {
+    "passive": "passive",
+    "active": "active",
+    "aggregate": "secure aggregation",
+    "aggregate_active": "secure aggregation, malicious server",
+}
+#: The heatmap's shorter names for them (its caption spells out "SA").
+SHORT_THREAT_LABELS = {**THREAT_LABELS, "aggregate": "SA honest", "aggregate_active": "SA malicious"}
 
 
 def choose_images(datamodule: Any, count: int, seed: int, batch_size: int = 1) -> list[list[int]]:
@@ -104,6 +128,15 @@ def cell_text(audit: SettingAudit, attack: str) -> str:
     return text + {"fallback": " fb", "error": " err"}.get(cell.status, "")
 
 
+def threat_reports(audit: SettingAudit) -> list[tuple[str, WorstCaseReport | None]]:
+    """The worst case per threat model the audit reports (:data:`THREATS`; ``None``: no attack of it
+    produced a report, "inconclusive"): the secure-aggregation views only where they were audited."""
+    reports = [("passive", audit.passive), ("active", audit.active)]
+    if audit.aggregate is not None or audit.aggregate_cells:
+        reports += [("aggregate", audit.aggregate), ("aggregate_active", audit.aggregate_active)]
+    return reports
+
+
 def rows_for(audits: list[SettingAudit], columns: list[str], training: dict[str, TrainingResult]) -> list[dict]:
     base = training.get("undefended")
     rows = []
@@ -115,13 +148,14 @@ def rows_for(audits: list[SettingAudit], columns: list[str], training: dict[str,
         row["adaptive (best)"] = (
             max(f"{c.means['psnr']:.1f} ({c.leak_fraction:.0%})" for c in adaptive) if adaptive else "-"
         )
-        for threat, worst in (("passive", audit.passive), ("active", audit.active)):
+        for threat, worst in threat_reports(audit):
+            label = THREAT_LABELS[threat]
             if worst is None:
-                row[f"{threat}: worst PSNR (leaked)"] = "-"
-                row[f"{threat} verdict"] = "inconclusive"
+                row[f"{label}: worst PSNR (leaked)"] = "-"
+                row[f"{label} verdict"] = "inconclusive"
                 continue
-            row[f"{threat}: worst PSNR (leaked)"] = f"{_num(worst.means['psnr'])} ({worst.leak_fraction:.0%})"
-            row[f"{threat} verdict"] = worst.verdict
+            row[f"{label}: worst PSNR (leaked)"] = f"{_num(worst.means['psnr'])} ({worst.leak_fraction:.0%})"
+            row[f"{label} verdict"] = worst.verdict
         bound = audit.bound
         row["ReRo eta (kappa)"] = (
             "no formal bound"
@@ -133,7 +167,9 @@ def rows_for(audits: list[SettingAudit], columns: list[str], training: dict[str,
         worst = audit.active  # every row has every column: one without any report (every attack failed) too
         row["worst SSIM"] = _num(worst.means["ssim"], ".3f") if worst else "-"
         row["worst LPIPS"] = _num(worst.means.get("lpips"), ".3f") if worst else "-"
-        row["strongest"] = (", ".join(sorted({a for r in worst.rows for a in r.leaked_by})) if worst else "") or "-"
+        row["strongest"] = _strongest(worst)
+        if audit.aggregate_cells:
+            row["secure aggregation: strongest"] = _strongest(audit.aggregate_active or audit.aggregate)
         result = training.get(audit.setting)
         if training:
             row["test acc"] = f"{result.test_acc:.3f}" if result else "-"
@@ -145,17 +181,29 @@ def rows_for(audits: list[SettingAudit], columns: list[str], training: dict[str,
     return rows
 
 
+def _strongest(worst: WorstCaseReport | None) -> str:
+    """The attacks that leak some image of a worst case, by name."""
+    return (", ".join(sorted({a for r in worst.rows for a in r.leaked_by})) if worst else "") or "-"
+
+
 def csv_rows(audits: list[SettingAudit], training: dict[str, TrainingResult]) -> list[dict]:
+    """One CSV row per cell and per worst case; a secure-aggregation cell is of kind ``"aggregate"``
+    (threat ``aggregate`` or ``aggregate_active``), so a reader keeps it apart from the per-client cell
+    of the same attack."""
     out = []
     for audit in audits:
         result = training.get(audit.setting)
-        for cell in audit.cells:
+        aggregate_cells = [
+            (cell, "aggregate", f"aggregate{'_active' if cell.threat == 'active' else ''}")
+            for cell in audit.aggregate_cells
+        ]
+        for cell, kind, threat in [*((c, c.kind, c.threat) for c in audit.cells), *aggregate_cells]:
             out.append(
                 {
                     "defense": audit.setting,
                     "attack": cell.attack,
-                    "kind": cell.kind,
-                    "threat": cell.threat,
+                    "kind": kind,
+                    "threat": threat,
                     "status": cell.status,
                     "psnr": cell.means.get("psnr", math.nan),
                     "ssim": cell.means.get("ssim", math.nan),
@@ -165,7 +213,7 @@ def csv_rows(audits: list[SettingAudit], training: dict[str, TrainingResult]) ->
                     "note": cell.note,
                 }
             )
-        for threat, worst in (("passive", audit.passive), ("active", audit.active)):
+        for threat, worst in threat_reports(audit):
             if worst is None:
                 out.append(
                     {
@@ -236,7 +284,7 @@ def matrix_rows(audits: list[SettingAudit], columns: list[str], training: dict[s
         if adaptive:
             best = max(adaptive, key=lambda c: c.means["psnr"])
             row.adaptive = (best.means["psnr"], best.leak_fraction, best.status)
-        for threat, worst in (("passive", audit.passive), ("active", audit.active)):
+        for threat, worst in threat_reports(audit):
             if worst is None:
                 row.worst[threat] = (None, None, "inconclusive")
                 row.reasons[threat] = "no attack produced a report"
@@ -421,9 +469,9 @@ def heatmap(
     from matplotlib.colors import ListedColormap, Normalize
     from matplotlib.figure import Figure
 
-    threats = ("passive", "active")
-    psnr_names = [*columns, "adaptive (best)", *(f"{t} worst" for t in threats)]
-    names = [*psnr_names, "PMM", *(f"{t} verdict" for t in threats)]
+    threats = tuple(t for t in THREATS if t in ("passive", "active") or any(t in r.worst for r in rows))
+    psnr_names = [*columns, "adaptive (best)", *(f"{SHORT_THREAT_LABELS[t]} worst" for t in threats)]
+    names = [*psnr_names, "PMM", *(f"{SHORT_THREAT_LABELS[t]} verdict" for t in threats)]
     ratios = pmm(rows)
     n, m = len(rows), len(psnr_names)
     scores: list[list[Score | None]] = [
@@ -435,7 +483,7 @@ def heatmap(
     # the layout in inches: label | PSNR cells | PMM | verdicts, under the title and the rotated column names
     label_in = max(len(r.setting) for r in rows) * 0.6 * font / 72 + 0.3
     cell_w, cell_h, gap, pad = 0.9, 0.46, 0.12, 0.3
-    width = label_in + (m + 3) * cell_w + 2 * gap + 1.1  # 1.1: room for the last rotated column name
+    width = label_in + (m + 1 + len(threats)) * cell_w + 2 * gap + 1.1  # 1.1: room for the last rotated column name
     title = textwrap.wrap(
         "Every defense against every attack"
         + (f" ({stage})" if stage else "")
@@ -443,7 +491,13 @@ def heatmap(
         int((width - 2 * pad) * 72 / (0.6 * 12)),
     )
     caption = textwrap.wrap(
-        "Worst case: per image, the attacker's best over the attacks of the threat model. PMM: accuracy / "
+        "Worst case: per image, the attacker's best over the attacks of the threat model"
+        + (
+            " (SA: secure aggregation, the attacks on the round's mean update; honest or malicious server)"
+            if len(threats) > 2
+            else ""
+        )
+        + ". PMM: accuracy / "
         f"undefended accuracy (n/m: not measured). Leak rule: {LeakRule().describe()}.",
         int((width - 2 * pad) * 72 / (0.55 * font)),
     )
@@ -461,7 +515,7 @@ def heatmap(
     x_acc = label_in + m * cell_w + gap
     ax_psnr = axes(label_in, grid_y, m * cell_w, grid_h)
     ax_acc = axes(x_acc, grid_y, cell_w, grid_h)
-    ax_verdict = axes(x_acc + cell_w + gap, grid_y, 2 * cell_w, grid_h)
+    ax_verdict = axes(x_acc + cell_w + gap, grid_y, len(threats) * cell_w, grid_h)
     bar = axes(label_in, bar_y, m * cell_w, 0.15)
     cmap = colormaps["magma_r"].with_extremes(bad="#eeeeee")
     norm = Normalize(0, 60)
@@ -502,7 +556,7 @@ def heatmap(
         colors.append(row_colors)
 
     labels = [f"{r.setting}  [pick]" if r.setting == pick else r.setting for r in rows]
-    for ax, first, count in ((ax_psnr, 0, m), (ax_acc, m, 1), (ax_verdict, m + 1, 2)):
+    for ax, first, count in ((ax_psnr, 0, m), (ax_acc, m, 1), (ax_verdict, m + 1, len(threats))):
         ax.set_xticks(range(count), names[first : first + count], rotation=35, ha="right", fontsize=font)
         ax.xaxis.tick_top()
         ax.tick_params(axis="x", labeltop=True, labelbottom=False)
@@ -545,7 +599,8 @@ def run_defense(job: tuple) -> tuple[SettingAudit, TrainingResult | None]:
     datamodule.batch_size = 500
     lpips_fn = None if args.no_lpips else LPIPS()
     start = time.perf_counter()
-    setting = defense_catalog([name])[0].build(args.seed, 1)
+    setting = setting_builder(name, "--defenses")(args.seed)
+    model = MODELS[getattr(args, "model", "LeNetZhu")]  # benchmarks/baselines.py audits LeNetZhu
     tag = f"[{setting.name}]"
     audit_round = getattr(args, "audit_round", 0)  # benchmarks/baselines.py audits round 0
     print(f"\n== {setting.name}" + (f" at round {audit_round}" if audit_round else ""), flush=True)
@@ -554,7 +609,7 @@ def run_defense(job: tuple) -> tuple[SettingAudit, TrainingResult | None]:
         warnings.simplefilter("always", UnmodelledDefenseWarning)
         audit = audit_setting(
             setting,
-            LeNetZhu(),
+            model(),
             datamodule,
             indices=indices,
             published=published_attacks(budget, published_names),
@@ -563,6 +618,7 @@ def run_defense(job: tuple) -> tuple[SettingAudit, TrainingResult | None]:
             lpips_fn=lpips_fn,
             log=lambda line: print(f"{tag} {line.strip()}", flush=True),
             round=audit_round,
+            aggregate=getattr(args, "aggregate", False),
         )
     for line in audit.summary_lines():
         print(f"{tag} {line}", flush=True)
@@ -571,7 +627,7 @@ def run_defense(job: tuple) -> tuple[SettingAudit, TrainingResult | None]:
         print(f"{tag} audited in {time.perf_counter() - start:.0f} s (no training: --no-training)", flush=True)
         return audit, None
     L.seed_everything(args.seed, verbose=False)
-    result = train_setting(setting, LeNetZhu(), datamodule, rounds=rounds, seed=args.seed)
+    result = train_setting(setting, model(), datamodule, rounds=rounds, seed=args.seed)
     print(
         f"{tag} trained {rounds} rounds: test acc {result.test_acc:.3f}, upload "
         f"{result.upload_bytes_per_client_round / 1024:.1f} KiB/client-round; {time.perf_counter() - start:.0f} s",
@@ -586,7 +642,26 @@ def main() -> None:
     parser.add_argument(
         "--sample", action="store_true", help="use the built-in sample even if the full set is installed"
     )
-    parser.add_argument("--defenses", nargs="*", default=None, help="catalogue names (default: all)")
+    parser.add_argument(
+        "--defenses",
+        nargs="*",
+        default=None,
+        help="catalogue names, or Name(keyword=literal, ...) for that frontier family's point, e.g. "
+        "'TopKPruning(rate=0.8)' (default: the whole catalogue)",
+    )
+    parser.add_argument("--model", choices=sorted(MODELS), default="LeNetZhu", help="the audited model")
+    parser.add_argument(
+        "--aggregate",
+        action="store_true",
+        help="also the secure-aggregation views: the honest server (passive attacks on the mean of the round's "
+        "defended updates, Cocktail Party among them) and the malicious server (LOKI too)",
+    )
+    parser.add_argument(
+        "--generative-prior",
+        action="store_true",
+        help="also GGL with each setting's defense knowledge (a DCGAN trained once on the public split, cached)",
+    )
+    parser.add_argument("--tag", default="", help="appended to the output files' names, e.g. new_attackers")
     parser.add_argument("--attacks", nargs="*", default=None, help="published attacks (default: all)")
     parser.add_argument("--images", type=int, default=None, help="attacked images in all (default 8)")
     parser.add_argument(
@@ -642,7 +717,7 @@ def main() -> None:
     if args.replot:
         for audit_round in args.audit_rounds:
             stage = figure_stage(args.batch_size, audit_round)
-            replot(args.output_dir, matrix_suffix(args.batch_size, audit_round, quick), stage)
+            replot(args.output_dir, matrix_suffix(args.batch_size, audit_round, quick, args.model, args.tag), stage)
         return
     images = args.images or (2 if quick else 8)
     budget = AttackBudget(
@@ -651,6 +726,7 @@ def main() -> None:
         rtf_bins=16 if quick else 64,
         learned_inversion=args.learned_inversion,
         learned_max_epochs=2 if quick else 60,
+        generative_prior=args.generative_prior,
         lbfgs_restarts=args.lbfgs_restarts,
     )
     rounds = args.rounds or (10 if quick else 200)
@@ -666,7 +742,9 @@ def main() -> None:
     dataset_name = "fashion-mnist" if "fashion-mnist" in datasets else "sample"
     datamodule = datasets[dataset_name]
     datamodule.batch_size = 500
-    entries = defense_catalog(args.defenses)
+    names = args.defenses or [e.name for e in defense_catalog()]
+    for name in names:  # a bad name or spec stops here, before any attack
+        setting_builder(name, "--defenses")
     published = published_attacks(budget, args.attacks)
     columns = [s.name for s in published]
     indices = choose_images(datamodule, images, args.seed, args.batch_size)
@@ -676,9 +754,7 @@ def main() -> None:
         round_args = argparse.Namespace(**vars(args), audit_round=audit_round)
         # the accuracy/bytes columns do not depend on the round audited: trained once, with the first
         round_args.no_training = args.no_training or audit_round != args.audit_rounds[0]
-        failed = run_matrix(
-            round_args, entries, columns, published_names, indices, dataset_name, budget, rounds, images
-        )
+        failed = run_matrix(round_args, names, columns, published_names, indices, dataset_name, budget, rounds, images)
         failures += [f"round {audit_round}: {name}: {error}" for name, error in failed.items()]
     if failures:
         raise SystemExit(
@@ -689,7 +765,7 @@ def main() -> None:
 
 def run_matrix(
     args: argparse.Namespace,
-    entries: list,
+    names: list[str],
     columns: list[str],
     published_names: list[str],
     indices: list[list[int]],
@@ -707,14 +783,13 @@ def run_matrix(
         f" after {args.audit_round} rounds of training under the setting" if args.audit_round else ""
     )
     print(
-        f"matrix: {len(entries)} defenses x {len(columns)} published attacks + adaptive, {len(indices)} clients x "
+        f"matrix: {len(names)} defenses x {len(columns)} published attacks + adaptive, {len(indices)} clients x "
         f"{batch} images of {dataset_name} {chosen}, {at_round}, IG {budget.ig_iterations} / L-BFGS "
         f"{budget.lbfgs_iterations} iterations, {rounds} training rounds",
         flush=True,
     )
-    suffix = matrix_suffix(batch, args.audit_round, quick)
+    suffix = matrix_suffix(batch, args.audit_round, quick, args.model, args.tag)
     store = row_store(args, suffix, dataset_name, indices, published_names, budget, rounds)
-    names = [e.name for e in entries]
     rows_done = {} if args.fresh else store.load()
     by_name = {name: pickle.loads(base64.b64decode(rows_done[name]["pickle"])) for name in names if name in rows_done}
     # a row an older version did not audit (DP-SGD at a trained round) runs now
@@ -757,7 +832,7 @@ def run_matrix(
     rows = rows_for(audits, columns, training)
     table = markdown_table(rows)
     preamble = (
-        f"LeNetZhu{'' if args.audit_round else ' at initialisation'}, {at_round}, {len(indices)} clients x {batch} image(s) of {dataset_name} "
+        f"{args.model}{'' if args.audit_round else ' at initialisation'}, {at_round}, {len(indices)} clients x {batch} image(s) of {dataset_name} "
         f"(training indices {chosen}, drawn with seed {args.seed}); attacks: IG/GradInversion/adaptive Adam "
         f"{budget.ig_iterations} iterations, DLG/iDLG/adaptive L-BFGS {budget.lbfgs_iterations} (DLG/iDLG: "
         f"{budget.lbfgs_restarts} restart(s), adaptive L-BFGS: 4), Robbing the Fed {budget.rtf_bins} bins. Cells: mean PSNR (dB) over the images (fraction of "
@@ -769,6 +844,19 @@ def run_matrix(
         "Robbing the Fed and ATS-aware Robbing) and active (malicious server: every column). A verdict is 'leaks' when "
         "an image leaks or a worst-case mean crosses Refiner's thresholds, else 'inconclusive' when the audit is "
         "incomplete (an error, a fallback), else 'private'. "
+        + (
+            "GGL: a DCGAN trained once on the public split, its latent searched through each setting's own "
+            "defense (adaptive:GenerativeGradientLeakage), judged against its prior-only guesses. "
+            if budget.generative_prior
+            else ""
+        )
+        + (
+            "Secure aggregation: the honest server runs the passive attacks (Cocktail Party among them) on the "
+            "round's mean of every client's defended update, every image of every client scored; the malicious "
+            "server also sends each client its own model (LOKI). "
+            if args.aggregate
+            else ""
+        )
         + (
             "At a trained round the malicious server builds its model on that round's weights, replayed where no "
             "client state carries across rounds; elsewhere the active attacks are not run (the active verdict names "
@@ -824,16 +912,21 @@ def row_store(
         "lpips": not args.no_lpips,
         "seed": args.seed,
         "audit_round": args.audit_round,
+        **({"model": args.model} if args.model != "LeNetZhu" else {}),
+        **({"aggregate": True} if args.aggregate else {}),
         "label_recovery": LABEL_RECOVERY_REVISION if args.batch_size > 1 else None,
     }
     return ResultStore(args.output_dir / f".matrix{suffix}_rows.jsonl", run_fingerprint(shared))
 
 
-def matrix_suffix(batch_size: int, audit_round: int, quick: bool) -> str:
-    """The run's file-name suffix: ``_batch{B}`` above batch 1, ``_round{R}`` past round 0, ``_quick``."""
+def matrix_suffix(batch_size: int, audit_round: int, quick: bool, model: str = "LeNetZhu", tag: str = "") -> str:
+    """The run's file-name suffix: ``_batch{B}`` above batch 1, ``_round{R}`` past round 0, the model's
+    name in lower case where it is not LeNetZhu, ``_{tag}``, ``_quick``."""
     return (
         (f"_batch{batch_size}" if batch_size > 1 else "")
         + (f"_round{audit_round}" if audit_round else "")
+        + (f"_{model.lower()}" if model != "LeNetZhu" else "")
+        + (f"_{tag}" if tag else "")
         + ("_quick" if quick else "")
     )
 

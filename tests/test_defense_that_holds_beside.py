@@ -69,7 +69,7 @@ def test_a_call_spec_builds_the_frontier_s_own_point_and_bad_ones_are_refused(mo
     """``--setting 'Name(k=v)'``: the frontier family's point (same name, same defense), not the catalogue
     default a bare name builds; a malformed spec or a name that is no family stops before any audit."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
-    from defense_that_holds import setting_builder
+    from _common import setting_builder
 
     built = setting_builder("LocalGaussianMechanism(noise_multiplier=0.03)")(0)
     frontier = frontier_families()["LocalGaussianMechanism"].build({"noise_multiplier": 0.03}, 0, 1)

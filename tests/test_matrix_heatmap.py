@@ -162,3 +162,37 @@ def test_a_row_that_raises_is_not_stored_stops_no_other_row_and_is_retried(matri
     broken, ran[:] = False, []
     matrix.main()
     assert ran == ["TopKPruning"] and (tmp_path / "matrix_quick.md").is_file()
+
+
+def test_the_secure_aggregation_views_get_their_own_columns_and_never_overwrite_a_per_client_cell(matrix, tmp_path):
+    """``--aggregate``: a secure-aggregation cell (kind ``aggregate``) stays apart from the per-client cell
+    of the same attack, and each view gets a worst case and a verdict column; a view whose attacks
+    produced no report reads inconclusive, never private."""
+    from lightning_gp.audit import SettingAudit
+    from lightning_gp.audit.setting_audit import Cell
+
+    write_matrix_csv(tmp_path / "matrix.csv", trained=False)
+    with open(tmp_path / "matrix.csv", "a", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["dp", "DLG", "aggregate", "aggregate", "ok", 40.0, 0.9, 0.0, 1.0, 1.0, ""])
+        writer.writerow(["dp", "worst case (aggregate)", "worst", "aggregate", "leaks", 40.0, 0.9, 0.0, 1.0, 1.0, ""])
+        writer.writerow(
+            ["dp", "worst case (aggregate_active)", "worst", "aggregate_active", "leaks", 41.0, 0.9, 0.0, 1.0, 1.0, ""]
+        )
+    rows, columns, _ = matrix.rows_from_csv(tmp_path / "matrix.csv")
+    dp = next(r for r in rows if r.setting == "dp")
+    assert columns == ["DLG", "RtF"] and dp.cells["DLG"][0] == 3.0  # the per-client DLG, not the aggregate's 40 dB
+    shown = matrix.heatmap(rows, columns, tmp_path / "heatmap.png")
+    names = shown["columns"]
+    assert names[-4:] == ["passive verdict", "active verdict", "SA honest verdict", "SA malicious verdict"]
+    by_row = {label: dict(zip(names, texts)) for label, texts in zip(shown["labels"], shown["texts"])}
+    assert by_row["dp"]["SA malicious verdict"] == "leaks" and by_row["dp"]["passive verdict"] == "private"
+    assert by_row["undefended"]["SA honest verdict"] == "inconcl."  # not audited there: never private
+
+    cell = Cell("dp", "LOKI", "published", "n/a", note="no imprint", threat="active")
+    audited = SettingAudit("dp", [], None, None, aggregate_cells=[cell])
+    (row,) = matrix.rows_for([audited], ["DLG"], {})
+    assert row["secure aggregation verdict"] == row["secure aggregation, malicious server verdict"] == "inconclusive"
+    kinds = {(r["attack"], r["kind"], r["threat"]) for r in matrix.csv_rows([audited], {})}
+    assert ("LOKI", "aggregate", "aggregate_active") in kinds
+    assert ("worst case (aggregate_active)", "worst", "aggregate_active") in kinds
