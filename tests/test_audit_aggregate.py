@@ -64,8 +64,8 @@ def test_the_aggregate_view_scores_every_image_of_every_client(datamodule):
     assert views and all(v.public_data is not None and len(v.public_data[0]) == 1000 for v in views)
     assert [c.attack for c in audit.aggregate_cells] == ["IG"]
     assert audit.aggregate.threat_model == "aggregate"
-    assert audit.verdict("aggregate") != "private"  # no adaptive attack models an aggregate
-    assert "no adaptive attack models the aggregate" in audit.aggregate.verdict_reasons
+    assert audit.verdict("aggregate") != "private"  # adaptive=False: the aggregate's adaptive attacks did not run
+    assert "the adaptive attacks were not run on the aggregate (adaptive=False)" in audit.aggregate.verdict_reasons
     assert audit.aggregate_bound is not None and audit.aggregate_bound.mechanism is None  # no clip: no bound
     assert any(line.startswith("aggregate (secure aggregation)") for line in audit.summary_lines())
 

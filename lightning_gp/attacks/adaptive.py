@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, TypeVar, cast
 
 import torch
@@ -194,6 +194,14 @@ class DefenseKnowledge:
             (read by the noise-aware likelihood, :class:`~lightning_gp.attacks.NoiseAwareMAP`).
         noise_variance: the per-entry variance of a data-dependent noise at a guess of the batch
             (optimal noise); the likelihood uses it instead of the isotropic ``noise_std``.
+        client_selection: the defense's own choice of the entries one client sends, applied to a dummy
+            gradient (Top-k's mask reads the gradient alone). One client's support match stands in for
+            it; on an aggregate, where which client sent which entry does not show in the mean, each
+            client's chunk goes through it.
+        clients: the shared gradient is the secure aggregate of this many clients that each ran the
+            defense on an equal batch (the mean of their defended updates): the dummy batch is that
+            many equal chunks in client order, each through the defense's known part on its own, then
+            averaged; the noise std is one client's over ``sqrt(clients)`` (:meth:`over_clients`).
     """
 
     defense: str = ""
@@ -209,8 +217,11 @@ class DefenseKnowledge:
     caveats: tuple[str, ...] = ()
     noise_law: str = "gaussian"
     noise_variance: NoiseVariance | None = None
+    client_selection: KnownTransform | None = None
+    clients: int = 1
 
     def __post_init__(self) -> None:
+        self.clients = check_positive_int(self.clients, "clients")
         self.models = tuple(str(m) for m in self.models)
         self.skip_layers = tuple(str(s) for s in self.skip_layers)
         self.caveats = tuple(str(c) for c in self.caveats)
@@ -220,7 +231,7 @@ class DefenseKnowledge:
             self.noise_std = check_nonnegative(self.noise_std, "noise_std")
         if self.noise_law not in NOISE_LAWS:
             raise ValueError(f"noise_law must be one of {list(NOISE_LAWS)}, got {self.noise_law!r}")
-        for name in ("transform", "coordinate_weights", "view_transform", "noise_variance"):
+        for name in ("transform", "coordinate_weights", "view_transform", "noise_variance", "client_selection"):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise TypeError(f"{name} must be callable, got {type(value).__name__}")
@@ -238,7 +249,43 @@ class DefenseKnowledge:
         parts += ["view_transform"] if self.view_transform is not None else []
         parts += ["fallback"] if self.fallback_reason else []
         parts += [f"caveats={len(self.caveats)}"] if self.caveats else []
+        parts += [f"clients={self.clients}"] if self.clients > 1 else []
         return ", ".join(parts)
+
+    def over_clients(self, clients: int) -> DefenseKnowledge:
+        """This knowledge on the secure aggregate of ``clients`` clients that each ran the defense on an
+        equal batch (Bonawitz et al., CCS 2017: the server sees only the mean of the defended updates).
+        Raises ``ValueError`` where the defense's model does not carry over to the mean: a transform
+        read off one client's shared gradient (``view_transform``), a data-dependent noise variance, or
+        a pruning whose choice of entries is not a known function of the gradient (``client_selection``)."""
+        clients = check_positive_int(clients, "clients")
+        if self.clients != 1:
+            raise ValueError(f"this knowledge is already of an aggregate of {self.clients} clients")
+        if self.view_transform is not None:
+            raise ValueError(
+                f"{self.defense or 'the defense'} reads its transform off one client's shared gradient "
+                "(view_transform): it has no model on the mean of several"
+            )
+        if self.noise_variance is not None:
+            raise ValueError(
+                f"{self.defense or 'the defense'} adds a data-dependent noise (noise_variance): its variance on "
+                "the mean of several clients' updates is not modelled"
+            )
+        if self.support and self.client_selection is None:
+            raise ValueError(
+                f"{self.defense or 'the defense'} prunes each client's update, and which client sent which entry "
+                "does not show in the mean: its choice of entries is not a known function of the gradient (random, "
+                "aligned across clients or read off the data)"
+            )
+        if self.client_selection is not None and (self.transform is not None or self.per_example_clip is not None):
+            raise ValueError(f"{self.defense}: a pruning composed with other stages has no model on the aggregate")
+        caveats = self.caveats
+        if self.client_selection is not None:
+            residual = "a residual the client carries (error feedback's, zero in the first round) is not modelled"
+            caveats += (f"each client's mask is recomputed on its chunk of the dummy gradient: {residual}",)
+        if self.noise_law == "laplace" and clients > 1 and self.noise_std is not None:
+            caveats += (f"the mean of {clients} Laplace noises is not Laplace: the likelihood is approximate",)
+        return replace(self, clients=clients, caveats=caveats)
 
     def unmodelled(self, view: ServerView) -> list[str]:
         """Defenses recorded with the view that this knowledge does not cover."""
@@ -261,9 +308,11 @@ class DefenseKnowledge:
         return self.fallback_reason
 
     def noise_level(self, view: ServerView) -> float | None:
+        """The per-coordinate noise std of the shared gradient (of the mean, for an aggregate)."""
         if self.noise_std is None:
             return None
-        return float(self.noise_std(view)) if callable(self.noise_std) else float(self.noise_std)
+        one = float(self.noise_std(view)) if callable(self.noise_std) else float(self.noise_std)
+        return one / math.sqrt(self.clients)
 
     def plan(self, view: ServerView) -> MatchPlan:
         """The layers, entries and per-layer weights of the match, from the shared gradient alone."""
@@ -297,7 +346,25 @@ class DefenseKnowledge:
         self, view: ServerView, images: Tensor, targets: Tensor, *, straight_through: bool = True
     ) -> dict[str, Tensor]:
         """The gradient the dummy batch would share, through the defense's known deterministic part
-        (without a straight-through transform when ``straight_through`` is false)."""
+        (without a straight-through transform when ``straight_through`` is false); on an aggregate, the
+        mean of each client's chunk through it (``clients``)."""
+        if self.clients > 1:
+            if images.shape[0] % self.clients:
+                raise ValueError(f"a dummy batch of {images.shape[0]} does not split into {self.clients} equal clients")
+            one = replace(self, clients=1)
+            parts = [
+                one.dummy_gradient(view, x, y, straight_through=straight_through)
+                for x, y in zip(images.chunk(self.clients), targets.chunk(self.clients))
+            ]
+            if self.client_selection is not None and straight_through:
+                # the mask in the forward pass, the identity in the backward one: a dummy whose own mask
+                # differs from the client's still gets a gradient on every entry (without
+                # ``straight_through``, as L-BFGS asks, the masks are left out: the support match)
+                parts = [
+                    {n: p[n] + (kept[n] - p[n]).detach() for n in p}
+                    for p, kept in ((p, self.client_selection(p)) for p in parts)
+                ]
+            return {n: torch.stack([p[n] for p in parts]).mean(0) for n in parts[0]}
         if self.per_example_clip is None:
             guess = parameter_gradients(view.model, view.loss_fn, images, targets)
         else:  # DP-SGD's per-example clip and mean, as the client computed it (its noise aside)
@@ -733,7 +800,20 @@ def class_knowledge(target: Any, **options: Any) -> DefenseKnowledge:
 @register_defense_knowledge(OptimalGradientPruning)
 @register_defense_knowledge(SparsifyingDefense)
 def _pruning(target: Any) -> DefenseKnowledge:
-    return class_knowledge(target, support=True)
+    if not getattr(target, "mask_reads_gradient_alone", False):
+        return class_knowledge(target, support=True)
+    return class_knowledge(target, support=True, client_selection=own_mask(target))
+
+
+def own_mask(target: SparsifyingDefense) -> KnownTransform:
+    """``target``'s own keep-mask, computed on the (detached) dummy gradient and applied as a product,
+    so the kept entries stay differentiable: a pruning whose mask of a layer reads that layer alone."""
+
+    def prune(gradients: dict[str, Tensor]) -> dict[str, Tensor]:
+        masks = target.select({n: g.detach() for n, g in gradients.items()}, torch.Generator())
+        return {n: g * masks[n].to(g.dtype) for n, g in gradients.items()}
+
+    return prune
 
 
 @register_defense_knowledge(GradientQuantization, attacks=defense_aware_inversion)

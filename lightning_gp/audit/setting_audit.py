@@ -15,8 +15,12 @@ the clients' images, and judges the setting by the per-image worst case over the
   aggregation sees only the round's combined update (:func:`~lightning_gp.audit.rounds.aggregate_record`:
   the mean of the clients' defended updates, or DP-FedAvg's clipped, noised mean with ``client_dp``),
   attacked as one batch of every client's images, each image scored. The passive published attacks
-  run on it; no adaptive attack models an aggregate, so its verdict is never "private" for a defended
-  setting (the gap is stated).
+  run on it, and the setting's adaptive attacks with their knowledge lifted to the mean
+  (:meth:`~lightning_gp.attacks.DefenseKnowledge.over_clients`: each client's chunk of the dummy batch
+  through its own clip or Top-k mask, the noise std over ``sqrt(clients)``; the labels granted in
+  client order). Where a defense's knowledge does not carry over (a random or aligned mask, a
+  transform read off one client's gradient, DP-FedAvg's clipped noised mean) the gap is stated and the
+  verdict is never "private".
 
 Cells: ``ok``; ``n/a`` when the attack's own precondition check raised
 :class:`~lightning_gp.attacks.AttackNotApplicable` (R-GAP on a model with biases, GradInversion's
@@ -44,6 +48,7 @@ from torch import Tensor, nn
 
 from lightning_gp.attacks import (
     AttackNotApplicable,
+    DefenseKnowledge,
     GenerativeGradientLeakage,
     GeneratorConfig,
     GradientAttack,
@@ -373,14 +378,17 @@ def _run_attack(
     skip: frozenset[int] = frozenset(),
     *,
     public_data: tuple[Tensor, Tensor] | None,
+    labels_known: bool = False,
 ) -> tuple[Cell, list[AttackResult]]:
     """One attack on every client but those in ``skip`` (positions whose images already leaked; they
     score "not reconstructed" in this cell and leave the worst case to the attacks that leaked them).
-    ``public_data`` is what the server holds (:func:`~lightning_gp.audit.rounds.public_examples`)."""
+    ``public_data`` is what the server holds (:func:`~lightning_gp.audit.rounds.public_examples`);
+    ``labels_known``: the attack is granted the labels (always under FedAvg's local training)."""
     start = time.perf_counter()
     outcomes, errors, not_applicable = _attack_clients(
-        name, attacks, records, model, setting, datamodule, secrets, lpips_fn, log, skip, public_data, rule.tests
-    )
+        name, attacks, records, model, setting, datamodule, secrets, lpips_fn, log, skip, public_data, rule.tests,
+        labels_known=labels_known,
+    )  # fmt: skip
     if len(not_applicable) == len(outcomes) - len(skip):  # n/a for every client: it does not apply here
         note = not_applicable[0].split(": n/a: ", 1)[1]
         return Cell(setting.name, name, kind, "n/a", note, seconds=time.perf_counter() - start), []
@@ -437,6 +445,8 @@ def _attack_clients(
     skip: frozenset[int],
     public_data: tuple[Tensor, Tensor] | None,
     tests: RecognitionTests | None,
+    *,
+    labels_known: bool = False,
 ) -> tuple[list[AttackResult | TappedGradient], list[str], list[str]]:
     """Each client's attack result (its record where the attack failed, did not apply or was skipped),
     the errors and the n/a notes."""
@@ -463,7 +473,7 @@ def _attack_clients(
                     tests=tests,
                     # label counts from a multi-step FedAvg update are not modelled well enough to trust:
                     # the attacker is granted the labels (a stronger attacker, never a weaker one)
-                    labels_known=setting.local_training,
+                    labels_known=labels_known or setting.local_training,
                 )
             )
         except AttackNotApplicable as err:  # the attack's own check that it cannot apply (model, loss, batch)
@@ -645,8 +655,9 @@ def audit_setting(
     if budget.generative_prior:
         _run_generative(campaign, budget, adaptive=adaptive)
     return _judged_audit(
-        campaign, published, aggregate or client_dp is not None, client_dp, learned=budget.learned_inversion
-    )
+        campaign, published, aggregate or client_dp is not None, client_dp, learned=budget.learned_inversion,
+        budget=budget, adaptive=adaptive,
+    )  # fmt: skip
 
 
 def _run_gradient_attacks(
@@ -717,10 +728,13 @@ def _judged_audit(
     client_dp: ClientLevelDP | None,
     *,
     learned: bool = False,
+    budget: AttackBudget | None = None,
+    adaptive: bool = True,
 ) -> SettingAudit:
     """The audit of the attacks run: the worst case per threat model, the formal bound and, with
     ``aggregate``, the secure-aggregation view (``learned``: the budget asked for the learned
-    inverter, which does not attack the aggregate: a gap there)."""
+    inverter, which does not attack the aggregate: a gap there; ``budget``: the adaptive attacks' on
+    the aggregate, which ``adaptive=False`` leaves out)."""
     setting, cells, results = campaign.setting, campaign.cells, campaign.results
     rule, reference = campaign.rule, campaign.reference
     judged = {
@@ -744,7 +758,9 @@ def _judged_audit(
         forbidden=campaign.forbidden,
     )
     if aggregate:
-        _audit_aggregate(audit, campaign, published, client_dp, learned=learned)
+        _audit_aggregate(
+            audit, campaign, published, client_dp, learned=learned, budget=budget or AttackBudget(), adaptive=adaptive
+        )
     return audit
 
 
@@ -990,8 +1006,11 @@ def _audit_aggregate(
     client_dp: ClientLevelDP | None,
     *,
     learned: bool = False,
+    budget: AttackBudget,
+    adaptive: bool = True,
 ) -> None:
-    """Fill ``audit``'s secure-aggregation views: the passive published attacks on the round's combined
+    """Fill ``audit``'s secure-aggregation views: the passive published attacks and the setting's adaptive
+    ones (:func:`_run_aggregate_adaptive`) on the round's combined
     update (:attr:`SettingAudit.aggregate`), and, for the active server, also each published attack
     that sends every client its own model (``client_models``, e.g. :class:`~lightning_gp.attacks.LOKI`)
     on the combination of the updates of the models it sent (:attr:`SettingAudit.aggregate_active`).
@@ -1032,7 +1051,8 @@ def _audit_aggregate(
         audit.aggregate_cells.append(cell)
         if out:
             results[spec.name] = out
-    gaps = [] if setting.undefended and client_dp is None else ["no adaptive attack models the aggregate"]
+    unmodelled = _run_aggregate_adaptive(audit, campaign, combined, results, budget, client_dp, adaptive=adaptive)
+    gaps = [] if unmodelled is None else [unmodelled]
     if learned:
         gaps.append(LEARNED_NOT_RUN.format("it does not attack the secure aggregate"))
     passive = {c.attack for c in audit.aggregate_cells if c.threat == "passive"}
@@ -1049,6 +1069,70 @@ def _audit_aggregate(
     audit.aggregate_bound = _aggregate_bound_at_kappa(
         bound, results, combined, campaign.reference, campaign.rule, campaign.lpips_fn
     )
+
+
+def _run_aggregate_adaptive(
+    audit: SettingAudit,
+    campaign: _Campaign,
+    combined: TappedGradient,
+    results: dict[str, list[AttackResult]],
+    budget: AttackBudget,
+    client_dp: ClientLevelDP | None,
+    *,
+    adaptive: bool = True,
+) -> str | None:
+    """The setting's adaptive attacks on the secure aggregate: each one's defense knowledge lifted to the
+    mean of the round's clients (:meth:`~lightning_gp.attacks.DefenseKnowledge.over_clients`), the
+    attacker granted the labels in client order (which client holds which label is what each client's
+    clip and pruning act on: a guessed assignment would err for the defense). Their cells join
+    ``audit.aggregate_cells``, their results ``results``. Returns the gap that keeps the aggregate's
+    verdicts from "private" where some adaptive attack does not carry over (``None``: none)."""
+    setting = campaign.setting
+    if client_dp is not None:
+        return "no adaptive attack models DP-FedAvg's clipped, noised mean of the updates"
+    if setting.undefended:
+        return None
+    if not adaptive:
+        return "the adaptive attacks were not run on the aggregate (adaptive=False)"
+    attacks = setting.adaptive_attacks(
+        campaign.model,
+        campaign.datamodule,
+        iterations=budget.ig_iterations,
+        lbfgs_iterations=budget.lbfgs_iterations,
+        restarts=budget.adaptive_restarts,
+        seed=campaign.seed,
+    )
+    lifted, unmodelled = [], []
+    for attack in attacks:
+        knowledge = getattr(attack, "knowledge", None)
+        if not isinstance(knowledge, DefenseKnowledge) or knowledge.fallback_reason is not None:
+            unmodelled.append(f"{type(attack).__name__} is not built on a defense knowledge that carries over")
+            continue
+        try:
+            cast(Any, attack).knowledge = knowledge.over_clients(len(campaign.passive_records))
+        except ValueError as err:
+            unmodelled.append(f"{type(attack).__name__}: {err}")
+            continue
+        lifted.append(attack)
+    for attack in lifted:
+        name = f"adaptive:{type(attack).__name__}"
+        if (reason := _forbidden(campaign.sok_class, f"{name} on the aggregate", attack)) is not None:
+            audit.forbidden.append(reason)
+            continue
+        campaign.log(f"   {name} on the aggregate of {setting.name} ...")
+        cell, out = _run_attack(
+            name, "adaptive", [attack], [combined], campaign.passive_model, setting, campaign.datamodule, {},
+            campaign.lpips_fn, campaign.log, campaign.rule, campaign.reference, public_data=campaign.public,
+            labels_known=True,
+        )  # fmt: skip
+        cell.sok_class, cell.threat = threat_class_of(attack).id, "passive"
+        audit.aggregate_cells.append(cell)
+        if out:
+            results[name] = out
+    if unmodelled or not lifted:
+        why = "; ".join(unmodelled) or f"{setting.name} declares no adaptive attack"
+        return f"no adaptive attack models the aggregate of {setting.name}: {why}"
+    return None
 
 
 def _judge_aggregate(

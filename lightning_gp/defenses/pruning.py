@@ -33,6 +33,8 @@ class _LayerwisePruning(SparsifyingDefense):
     """A pruning defense whose mask of a layer depends on that layer alone: each mask is built
     as 0/1 float32 in a workspace reused across layers and steps, and applied at once."""
 
+    mask_reads_gradient_alone = True
+
     def __init__(self, *, error_feedback: bool, seed: int | None, nonfinite: str) -> None:
         super().__init__(error_feedback=error_feedback, seed=seed, nonfinite=nonfinite)
         self._workspace = Workspace()
@@ -208,6 +210,8 @@ class AlignedDualGradientPruning(_LayerwisePruning):
     under DDP the chosen rank broadcasts it). Called on its own, a client with no round mask
     uses its own top-``2k`` positions, i.e. it is its round's provider.
     """
+
+    mask_reads_gradient_alone = False  # the round's location mask is another client's
 
     def __init__(
         self,

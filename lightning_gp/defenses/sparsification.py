@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Iterator, Mapping
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -22,6 +23,10 @@ class SparsifyingDefense(Defense):
     at a time from a reused buffer and as 0/1 in the values' dtype (on CPU, a product with a
     bool mask converts it elementwise and costs several times the product itself).
     """
+
+    #: Whether a client's mask is a function of its (error-compensated) gradient alone, so that a server
+    #: can compute it on a dummy gradient (false for random masks, and for masks aligned across clients).
+    mask_reads_gradient_alone: ClassVar[bool] = False
 
     def __init__(self, *, error_feedback: bool = False, seed: int | None = None, nonfinite: str = "error") -> None:
         super().__init__(seed=seed, nonfinite=nonfinite)
