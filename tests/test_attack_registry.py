@@ -66,7 +66,9 @@ EXPECTED: dict[str, tuple[tuple[str, ...], str | None]] = {
 }
 
 #: the names ``published_attacks`` accepts, in its order: those accepted before the registry, then the attacks added since
-PUBLISHED = ["DLG", "iDLG", "IG", "GradInversion", "R-GAP", "RtF", "FedAvgInversion", "CocktailParty", "GGL", "LOKI"]
+PUBLISHED = [
+    "DLG", "iDLG", "IG", "GradInversion", "R-GAP", "RtF", "FedAvgInversion", "CocktailParty", "GGL", "LOKI", "ROG"
+]  # fmt: skip
 
 #: every class with a declared adaptive attack (the 16 qualified names the registry was keyed by, and those added since)
 DECLARED = sorted(
@@ -167,6 +169,7 @@ def test_the_published_attacks_are_the_names_accepted_before_in_the_same_order()
         "CocktailParty": "CocktailParty",
         "GGL": "GenerativeGradientLeakage",
         "LOKI": "LOKI",
+        "ROG": "ObfuscationRobustInversion",
     }
     assert (built["DLG"].iterations, built["iDLG"].iterations, built["IG"].iterations) == (3, 3, 7)
     assert (built["GradInversion"].iterations, built["GradInversion"].bn_weight) == (7, 0.0)  # LeNetZhu: no BN

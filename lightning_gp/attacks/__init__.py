@@ -52,6 +52,7 @@ from lightning_gp.attacks.learned import (
 from lightning_gp.attacks.model_inconsistency import LOKI
 from lightning_gp.attacks.monitor import AttackInterrupted, monitored
 from lightning_gp.attacks.noise_aware import NoiseAwareMAP, noise_aware_attacks
+from lightning_gp.attacks.obfuscation_robust import ObfuscationRobustInversion, RestorationCache, RestorationConfig
 from lightning_gp.attacks.optimization import DLG, IDLG, GradInversion, InvertingGradients, optimize_images
 from lightning_gp.attacks.perturbation_aware import graddefense_knowledge, outpost_knowledge
 from lightning_gp.attacks.precode_aware import PRECODEAwareInversion, find_precode, recover_features
@@ -115,11 +116,14 @@ __all__ = [
     "InvertingGradients",
     "LearnedInversion",
     "NoiseAwareMAP",
+    "ObfuscationRobustInversion",
     "PRECODEAwareInversion",
     "PublishedAttack",
     "Reconstruction",
     "RefinedLearnedInversion",
     "RefinerAwareInversion",
+    "RestorationCache",
+    "RestorationConfig",
     "RobbingTheFed",
     "ServerView",
     "SoKThreatModel",

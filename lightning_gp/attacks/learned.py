@@ -53,7 +53,7 @@ from torch import Tensor, nn
 from lightning_gp.attacks.base import GradientAttack, Reconstruction
 from lightning_gp.attacks.optimization import InvertingGradients, known_or_recovered_labels, optimize_images
 from lightning_gp.attacks.threat_models import requirements
-from lightning_gp.attacks.trained_cache import DigestedKey, TrainedCache
+from lightning_gp.attacks.trained_cache import DigestedKey, TrainedCache, tensor_state
 from lightning_gp.attacks.view import ServerView
 from lightning_gp.normalization import normalize
 from lightning_gp.seeding import seeded_generator
@@ -257,23 +257,17 @@ def _inverter_from_payload(payload: Any, key: InverterKey) -> TrainedInverter:
     sketch_fields, network_fields = payload["sketch"], payload["network"]
     shapes = {str(name): torch.Size(int(d) for d in shape) for name, shape in sketch_fields["shapes"]}
     sketch = GradientSketch(shapes, int(sketch_fields["dim"]), int(sketch_fields["seed"]))
-    sketch.load_state_dict(_tensors(sketch_fields["state"]))
+    sketch.load_state_dict(tensor_state(sketch_fields["state"]))
     input_shape = tuple(int(d) for d in network_fields["input_shape"])
     network = InverterNetwork(
         int(network_fields["dim"]), int(network_fields["hidden"]), int(network_fields["batch_size"]), input_shape
     )
-    network.load_state_dict(_tensors(network_fields["state"]))
+    network.load_state_dict(tensor_state(network_fields["state"]))
     network.eval()
     cost = payload["cost"]
     if not isinstance(cost, dict) or set(cost) != {f.name for f in dataclasses.fields(TrainingCost)}:
         raise ValueError(f"the training cost's fields are {sorted(cost) if isinstance(cost, dict) else cost!r}")
     return TrainedInverter(sketch, network, TrainingCost(**cost))
-
-
-def _tensors(state: Any) -> dict[str, Tensor]:
-    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in state.items()):
-        raise ValueError("a state dict of the file is not a mapping of names to tensors")
-    return state
 
 
 #: training pairs drawn (a stream of their own) to set the sketch's per-layer scales

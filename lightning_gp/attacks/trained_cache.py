@@ -2,7 +2,8 @@
 
 One implementation for every network an attack trains on the server's public data (the learned
 inverter's, :class:`~lightning_gp.attacks.learned.InverterCache`; the generative prior's,
-:class:`~lightning_gp.attacks.generative.GeneratorCache`): a later call, or a later process with the
+:class:`~lightning_gp.attacks.generative.GeneratorCache`; ROG's restoration network's,
+:class:`~lightning_gp.attacks.obfuscation_robust.RestorationCache`): a later call, or a later process with the
 same key, loads it instead of training. A file holds tensors and plain data only and is read with
 ``torch.load(..., weights_only=True)``, which unpickles no object of any other kind; each subclass
 rebuilds its network from those fields, so whoever can write into the directory can at worst make the
@@ -13,13 +14,15 @@ overwritten by the network trained instead.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar, cast
 
 import torch
+from torch import Tensor
 
 
 class CacheKey(Protocol):
@@ -102,3 +105,33 @@ class TrainedCache(Generic[K, V]):
     def _from_payload(self, payload: Any, key: K) -> V:
         """The value :meth:`_payload` wrote for ``key``, rebuilt (``ValueError`` on any mismatch)."""
         raise NotImplementedError
+
+
+def checked_payload(payload: Any, key: Any, file_format: str, kind: str) -> dict[str, Any]:
+    """``payload`` if it is a ``kind`` file of ``file_format`` written for ``key`` (else ``ValueError``)."""
+    if not isinstance(payload, dict) or payload.get("format") != file_format:
+        raise ValueError(f"not a {kind} file of this version (no {file_format!r} header)")
+    if payload.get("key") != repr(key):
+        raise ValueError(f"the file was written for another {kind} key")
+    return payload
+
+
+def tensor_state(state: Any) -> dict[str, Tensor]:
+    """``state`` if it is a mapping of names to tensors, as a module's ``state_dict`` (else ``ValueError``)."""
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in state.items()):
+        raise ValueError("a state dict of the file is not a mapping of names to tensors")
+    return state
+
+
+C = TypeVar("C")
+
+
+def training_record(payload: dict[str, Any], cost_type: type[C]) -> tuple[C, Tensor]:
+    """The training cost (``cost_type``, a dataclass, from its fields) and the held-out public indices
+    that ``payload`` records (``ValueError`` on a field that does not match)."""
+    cost, held_out = payload["cost"], payload["held_out"]
+    if not isinstance(cost, dict) or set(cost) != {f.name for f in dataclasses.fields(cast(Any, cost_type))}:
+        raise ValueError(f"the training cost's fields are {sorted(cost) if isinstance(cost, dict) else cost!r}")
+    if not isinstance(held_out, Tensor) or held_out.dtype != torch.long:
+        raise ValueError("the held-out indices are not an integer tensor")
+    return cost_type(**cost), held_out

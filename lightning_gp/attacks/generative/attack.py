@@ -593,7 +593,7 @@ class GenerativeGradientLeakage(GradientAttack):
                 raw = knowledge.dummy_gradient(view, images, labels)
         gradients = {n: g.detach() for n, g in raw.items()}
         if knowledge is None or knowledge.support:
-            gradients = _sparsified_like(gradients, view.gradients)
+            gradients = sparsified_like(gradients, view.gradients)
         sigma = None if knowledge is None else knowledge.noise_level(view)
         if sigma:
             assert knowledge is not None
@@ -602,7 +602,7 @@ class GenerativeGradientLeakage(GradientAttack):
         return gradients
 
 
-def _sparsified_like(gradients: dict[str, Tensor], shared: dict[str, Tensor]) -> dict[str, Tensor]:
+def sparsified_like(gradients: dict[str, Tensor], shared: dict[str, Tensor]) -> dict[str, Tensor]:
     """Each layer of ``gradients`` with only its largest-magnitude entries kept, as many as ``shared``'s
     layer has nonzero entries (all where it has no zero)."""
     out = {}

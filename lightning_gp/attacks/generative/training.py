@@ -25,7 +25,6 @@ serves every setting, round and client of a data set.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -36,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_gp.attacks.generative.networks import Discriminator, Generator, check_image_shape
-from lightning_gp.attacks.trained_cache import DigestedKey, TrainedCache
+from lightning_gp.attacks.trained_cache import DigestedKey, TrainedCache, checked_payload, tensor_state, training_record
 from lightning_gp.seeding import seeded_generator
 from lightning_gp.validation import check_number, check_positive, check_positive_int
 
@@ -323,22 +322,12 @@ def _payload(key: GeneratorKey, trained: TrainedGenerator) -> dict[str, Any]:
 
 def _from_payload(payload: Any, key: GeneratorKey) -> TrainedGenerator:
     """The generator :func:`_payload` wrote for ``key``, rebuilt (``ValueError`` on any mismatch)."""
-    if not isinstance(payload, dict) or payload.get("format") != CACHE_FORMAT:
-        raise ValueError(f"not a generator file of this version (no {CACHE_FORMAT!r} header)")
-    if payload.get("key") != repr(key):
-        raise ValueError("the file was written for another generator key")
+    payload = checked_payload(payload, key, CACHE_FORMAT, "generator")
     net = Generator(tuple(int(d) for d in payload["shape"]), int(payload["latent_dim"]), int(payload["width"]))
-    state = payload["state"]
-    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
-        raise ValueError("the generator's state is not a mapping of names to tensors")
-    net.load_state_dict(state)
+    net.load_state_dict(tensor_state(payload["state"]))
     net.eval()
-    cost, held_out = payload["cost"], payload["held_out"]
-    if not isinstance(cost, dict) or set(cost) != {f.name for f in dataclasses.fields(GeneratorCost)}:
-        raise ValueError(f"the training cost's fields are {sorted(cost) if isinstance(cost, dict) else cost!r}")
-    if not isinstance(held_out, Tensor) or held_out.dtype != torch.long:
-        raise ValueError("the held-out indices are not an integer tensor")
-    return TrainedGenerator(net, GeneratorCost(**cost), held_out)
+    cost, held_out = training_record(payload, GeneratorCost)
+    return TrainedGenerator(net, cost, held_out)
 
 
 #: The cache every :class:`~lightning_gp.attacks.generative.GenerativeGradientLeakage` uses unless
