@@ -229,10 +229,10 @@ class PlantedLeak(GradientAttack):
 
 class PlantedLeakOnDummyLabels(PlantedLeak):
     """The canary on the second label estimate: it leaks only when the server counts the batch's labels
-    from dummy inputs (no public images in its view), the run the audit adds where the estimates differ."""
+    from dummy inputs (``view.label_softmax == "dummy"``), the run the audit adds where the estimates differ."""
 
     def reconstruct(self, view: ServerView) -> Reconstruction:
-        if view.public_data is not None:  # nothing: flat images at the data's mean
+        if view.label_softmax != "dummy":  # nothing: flat images at the data's mean
             images, labels = self.clients[self._sender(view)]
             return Reconstruction(torch.zeros_like(images), labels.clone(), attack=type(self).__name__)
         return super().reconstruct(view)

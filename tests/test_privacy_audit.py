@@ -303,9 +303,9 @@ def test_where_the_label_estimates_differ_each_attack_also_runs_on_the_dummy_inp
     monkeypatch: pytest.MonkeyPatch, disagree: bool
 ) -> None:
     """As in audit_setting: two label estimates that differ are two attacks, and the worst case takes
-    both, so each label-recovering attack runs a second time without the public images (Geng et al.'s
-    dummy-input counts). Whether they differ is label_estimates_differ's, tested on real views in
-    test_attacks."""
+    both, so each label-recovering attack runs a second time on Geng et al.'s dummy-input counts; its
+    view keeps the public images (an attack's prior trains on them). Whether they differ is
+    label_estimates_differ's, tested on real views in test_attacks."""
     import lightning_gp.audit.callback as callback
 
     monkeypatch.setattr(callback, "label_estimates_differ", lambda view: disagree)
@@ -316,8 +316,9 @@ def test_where_the_label_estimates_differ_each_attack_also_runs_on_the_dummy_inp
     audit = PrivacyAudit(rounds=1, attacks=tiny_attacks(), public_data=public, **quiet, **KNOWN)
     quiet_trainer(max_steps=2, callbacks=[audit]).fit(TinyModule(), loader(batch_size=2))
     attacks = audit.results[0].attacks
-    with_public = [r.view.public_data is not None for r in attacks]
-    assert with_public == ([True, False] * len(tiny_attacks()) if disagree else [True] * len(tiny_attacks()))
+    sources = [r.view.label_softmax for r in attacks]
+    assert sources == (["auto", "dummy"] * len(tiny_attacks()) if disagree else ["auto"] * len(tiny_attacks()))
+    assert all(r.view.public_data is not None for r in attacks)
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ dummy inputs), and solves the resulting linear system for the counts (:func:`lab
 from __future__ import annotations
 
 import copy
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from torch import Tensor, nn
@@ -183,6 +183,8 @@ def label_counts(
     check_positive_int(dummy_inputs, "dummy_inputs")
     if softmax_from not in ("auto", "public", "dummy"):
         raise ValueError(f"softmax_from must be 'auto', 'public' or 'dummy', got {softmax_from!r}")
+    if softmax_from == "auto":
+        softmax_from = cast(SoftmaxSource, view.label_softmax)
     if softmax_from == "auto":
         softmax_from = "public" if view.public_data is not None else "dummy"
     weight_name, bias_name = classification_layer(view)

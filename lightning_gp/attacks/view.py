@@ -42,6 +42,10 @@ class ServerView:
             with inputs ``[N, *input_shape]`` normalised like the client's and labels ``[N]`` in
             ``[0, num_classes)``. Batch label recovery measures the model's per-class softmax on
             them (:func:`~lightning_gp.attacks.label_counts`); ``None``: it uses dummy inputs.
+        label_softmax: where batch label recovery reads the per-class softmax: ``"auto"`` (the public
+            data where the view holds it, else dummy inputs), ``"public"`` or ``"dummy"``; the audit's
+            second label estimate is ``"dummy"`` on a view that still holds the public data an
+            attack's prior trains on.
     """
 
     model: nn.Module
@@ -56,8 +60,11 @@ class ServerView:
     server_secrets: dict[str, Any] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     public_data: tuple[Tensor, Tensor] | None = None
+    label_softmax: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.label_softmax not in ("auto", "public", "dummy"):
+            raise ValueError(f"label_softmax must be 'auto', 'public' or 'dummy', got {self.label_softmax!r}")
         if not isinstance(self.model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(self.model).__name__}")
         check_positive_int(self.batch_size, "batch_size")
@@ -154,12 +161,13 @@ class ServerView:
         loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
         server_secrets: Mapping[str, Any] | None = None,
         public_data: tuple[Tensor, Tensor] | None = None,
+        label_softmax: str = "auto",
     ) -> ServerView:
         """Build the server's view of a tapped round; ``model`` gets the round's weights.
 
         The tapped batch gives only what the server knows anyway (its size and input shape) and,
         with ``labels_known``, the labels; never the images. ``public_data``: the server's own
-        labelled images (see the class). The model's BatchNorm layers run in the mode the client's
+        labelled images, ``label_softmax`` where label recovery reads the softmax (see the class). The model's BatchNorm layers run in the mode the client's
         pass ran them in (``meta["batchnorm"]``, ``"train"`` where the record does not say): the
         attacker models the batch statistics, or the frozen running ones.
         """
@@ -182,6 +190,7 @@ class ServerView:
             server_secrets=dict(server_secrets or {}),
             meta=dict(record.meta),
             public_data=public_data,
+            label_softmax=label_softmax,
         )
 
 

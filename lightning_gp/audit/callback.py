@@ -641,7 +641,7 @@ class PrivacyAudit(SharedGradientObserver):
                 labels_disagree = label_estimates_differ(result.view)
             if labels_disagree:  # two label estimates, two attacks: the worst case takes both (as audit_setting does)
                 try:
-                    results.append(run(public_data=None))
+                    results.append(run(public_data=self.public_data, label_softmax="dummy"))
                 except Exception as err:
                     gaps.append(f"{name} on the dummy-input labels failed: {type(err).__name__}: {err}")
         return results

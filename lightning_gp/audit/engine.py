@@ -59,6 +59,7 @@ def attack_record(
     loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
     public_data: tuple[Tensor, Tensor] | None = None,
     tests: RecognitionTests | None = None,
+    label_softmax: str = "auto",
 ) -> AttackResult:
     """Attack one tapped gradient from the server's view and score it against the client's batch.
 
@@ -70,7 +71,8 @@ def attack_record(
     ``lpips``/``noise_ratio``/``lpips_fn`` go to :func:`~lightning_gp.metrics.reconstruction_report`.
     ``public_data``: labelled images the server holds (:attr:`ServerView.public_data
     <lightning_gp.attacks.view.ServerView>`, e.g. :func:`~lightning_gp.audit.rounds.public_examples`);
-    batch label recovery needs them on a trained model. ``tests``: the recognisable-image tests the
+    batch label recovery needs them on a trained model (``label_softmax``: where it reads the softmax,
+    :attr:`ServerView.label_softmax <lightning_gp.attacks.view.ServerView>`). ``tests``: the recognisable-image tests the
     report is scored with (:func:`~lightning_gp.audit.recognition.recognition_tests`).
     """
     view = ServerView.from_tap(
@@ -83,6 +85,7 @@ def attack_record(
         server_secrets=server_secrets,
         loss_fn=attacker_loss(model, loss_fn),
         public_data=public_data,
+        label_softmax=label_softmax,
     )
     if record.inputs is None:
         raise ValueError("the record holds no client batch to score against (tapped with record_data=False)")

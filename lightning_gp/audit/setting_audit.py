@@ -379,15 +379,18 @@ def _run_attack(
     *,
     public_data: tuple[Tensor, Tensor] | None,
     labels_known: bool = False,
+    label_softmax: str = "auto",
 ) -> tuple[Cell, list[AttackResult]]:
     """One attack on every client but those in ``skip`` (positions whose images already leaked; they
     score "not reconstructed" in this cell and leave the worst case to the attacks that leaked them).
     ``public_data`` is what the server holds (:func:`~lightning_gp.audit.rounds.public_examples`);
-    ``labels_known``: the attack is granted the labels (always under FedAvg's local training)."""
+    ``labels_known``: the attack is granted the labels (always under FedAvg's local training);
+    ``label_softmax``: where it recovers a batch's labels from (:attr:`ServerView.label_softmax
+    <lightning_gp.attacks.view.ServerView>`)."""
     start = time.perf_counter()
     outcomes, errors, not_applicable = _attack_clients(
         name, attacks, records, model, setting, datamodule, secrets, lpips_fn, log, skip, public_data, rule.tests,
-        labels_known=labels_known,
+        labels_known=labels_known, label_softmax=label_softmax,
     )  # fmt: skip
     if len(not_applicable) == len(outcomes) - len(skip):  # n/a for every client: it does not apply here
         note = not_applicable[0].split(": n/a: ", 1)[1]
@@ -447,6 +450,7 @@ def _attack_clients(
     tests: RecognitionTests | None,
     *,
     labels_known: bool = False,
+    label_softmax: str = "auto",
 ) -> tuple[list[AttackResult | TappedGradient], list[str], list[str]]:
     """Each client's attack result (its record where the attack failed, did not apply or was skipped),
     the errors and the n/a notes."""
@@ -474,6 +478,7 @@ def _attack_clients(
                     # label counts from a multi-step FedAvg update are not modelled well enough to trust:
                     # the attacker is granted the labels (a stronger attacker, never a weaker one)
                     labels_known=labels_known or setting.local_training,
+                    label_softmax=label_softmax,
                 )
             )
         except AttackNotApplicable as err:  # the attack's own check that it cannot apply (model, loss, batch)
@@ -868,7 +873,7 @@ class _Campaign:
         else:
             records, active_model, secrets = self.passive_records, self.passive_model, {}
         self.log(f"   {name} on {setting.name} ...")
-        out = self._keep(name, kind, attacks, records, active_model, secrets, leaked, threat, self.public)
+        out = self._keep(name, kind, attacks, records, active_model, secrets, leaked, threat)
         if threat == "passive" and any(r.reconstruction.labels is not None for r in out) and self.labels_disagree():
             # the two label estimates differ: each is an attack of its own and the worst case takes both
             # (the public estimate is better on average, not on every batch: it can lose a leak)
@@ -878,7 +883,7 @@ class _Campaign:
                 if leaked:
                     self.partial[dummy] = len(leaked)
                 self.log(f"   {dummy} on {setting.name} ...")
-                self._keep(dummy, kind, attacks, records, active_model, secrets, leaked, threat, None)
+                self._keep(dummy, kind, attacks, records, active_model, secrets, leaked, threat, "dummy")
 
     def _keep(
         self,
@@ -890,10 +895,11 @@ class _Campaign:
         secrets: dict[str, Any],
         leaked: frozenset[int],
         threat: ThreatModel,
-        public: tuple[Tensor, Tensor] | None,
+        label_softmax: str = "auto",
     ) -> list[AttackResult]:
-        """Run one attack as :func:`_run_attack` does and keep its cell and results (``public``
-        ``None``: the server recovers a batch's labels from dummy inputs, not its public images)."""
+        """Run one attack as :func:`_run_attack` does and keep its cell and results (``label_softmax``
+        ``"dummy"``: the server recovers a batch's labels from dummy inputs, not its public images,
+        which the view still holds for an attack's prior)."""
         cell, out = _run_attack(
             name,
             kind,
@@ -908,7 +914,8 @@ class _Campaign:
             self.rule,
             self.reference,
             leaked,
-            public_data=public,
+            public_data=self.public,
+            label_softmax=label_softmax,
         )
         cell.threat = threat
         cell.sok_class = threat_class_of(attacks[0]).id
