@@ -95,3 +95,18 @@ def test_the_aggregate_view_runs_the_lifted_adaptive_attacks_and_names_the_gap_w
     assert not any(c.kind == "adaptive" for c in unmodelled.aggregate_cells)
     assert unmodelled.aggregate.verdict != "private"
     assert any("which client sent which entry" in r for r in unmodelled.aggregate.verdict_reasons)
+
+
+def test_a_noise_read_off_the_view_is_one_client_s_batch_over_sqrt_clients(datamodule):
+    """DP-SGD's noise std ``sigma C / B`` reads the batch off the view: on an aggregate of K clients of B
+    images (a view of K B) it is one client's ``sigma C / B`` over sqrt(K), not ``sigma C / (K B)``."""
+    setting = frontier_families()["DPSGD"].build({"noise_multiplier": 0.3}, 0, 1)
+    model = LeNetZhu()
+    L.seed_everything(0, verbose=False)
+    records, sent, _ = tap_defended_round(setting, model, datamodule, indices=[[0, 1], [2, 3]], num_clients=2)
+    one = composed_knowledge(setting.defenses(model, datamodule))
+    client_view = _server_view(records[0], sent, datamodule)
+    aggregate_view = _server_view(aggregate_record(records), sent, datamodule)
+    lifted = one.over_clients(2).noise_level(aggregate_view)
+    assert math.isclose(lifted, one.noise_level(client_view) / math.sqrt(2), rel_tol=1e-9)
+    assert aggregate_view.batch_size == 4  # the view itself is untouched

@@ -42,6 +42,7 @@ stages' knowledge in the order the pipeline applies them (see its docstring for 
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -308,11 +309,18 @@ class DefenseKnowledge:
         return self.fallback_reason
 
     def noise_level(self, view: ServerView) -> float | None:
-        """The per-coordinate noise std of the shared gradient (of the mean, for an aggregate)."""
+        """The per-coordinate noise std of the shared gradient; for an aggregate, one client's (a noise
+        read off the view, as DP-SGD's ``sigma C / B``, at one client's batch) over ``sqrt(clients)``."""
         if self.noise_std is None:
             return None
-        one = float(self.noise_std(view)) if callable(self.noise_std) else float(self.noise_std)
-        return one / math.sqrt(self.clients)
+        if not callable(self.noise_std):
+            return float(self.noise_std) / math.sqrt(self.clients)
+        if self.clients > 1:
+            if view.batch_size % self.clients:
+                raise ValueError(f"an aggregate batch of {view.batch_size} does not split into {self.clients} clients")
+            view = copy.copy(view)  # one client's view: its batch (the view's tensors are not touched)
+            view.batch_size //= self.clients
+        return float(self.noise_std(view)) / math.sqrt(self.clients)
 
     def plan(self, view: ServerView) -> MatchPlan:
         """The layers, entries and per-layer weights of the match, from the shared gradient alone."""
