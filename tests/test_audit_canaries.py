@@ -13,6 +13,7 @@ and threat model.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 
@@ -21,7 +22,14 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from lightning_gp.attacks import GradientAttack, Reconstruction, ServerView, parameter_gradients
+from lightning_gp.attacks import (
+    AttackNotApplicable,
+    DefenseKnowledge,
+    GradientAttack,
+    Reconstruction,
+    ServerView,
+    parameter_gradients,
+)
 from lightning_gp.attacks.registry import _DECLARATIONS, register_adaptive_attack
 from lightning_gp.audit import AttackBudget, AttackSpec, DefenseSetting, audit_setting
 from lightning_gp.audit.prior_control import prior_only_control
@@ -322,6 +330,92 @@ def test_a_planted_leak_reads_leaks_end_to_end_for_every_attack_kind(
         assert worst.verdict == "leaks"
     if kind == "active":  # the passive server never saw the active attack: it has no cell there
         assert audit.passive is None or not audit.passive.rows[image].leaks
+
+
+# ------------------------------------------------------------- end to end, the secure-aggregation views
+class PlantedLeakOnAggregate(PlantedLeak):
+    """The canary on the secure aggregate: on a view of every client's images (the aggregate's batch, in
+    client order) it returns flat images at the data's mean with a copy of client ``leaking``'s image
+    ``target`` at output ``position``; on one client's view, flat images only. (Public images as the
+    junk would not do here: the semantic line credits a public image of an original's class.)"""
+
+    def reconstruct(self, view: ServerView) -> Reconstruction:
+        images, labels = (torch.cat(parts) for parts in zip(*self.clients))
+        if view.batch_size != images.shape[0]:
+            own_images, own_labels = self.clients[self._sender(view)]
+            return Reconstruction(torch.zeros_like(own_images), own_labels.clone(), attack=type(self).__name__)
+        output = torch.zeros_like(images)
+        output[self.position] = images[self.leaking * self.clients[0][0].shape[0] + self.target]
+        return Reconstruction(output, labels.clone(), attack=type(self).__name__)
+
+
+class PlantedLeakIsolating(PlantedLeakOnAggregate):
+    """The canary as a model-inconsistency attack (LOKI's path): each client is sent its own model (here
+    the model unchanged), the attack reads the aggregate of their updates; one model for every client is
+    refused, as LOKI refuses it."""
+
+    def modify_model(self, model: nn.Module, input_shape, mean=(0.0,), std=(1.0,), *, public_data=None):
+        raise AttackNotApplicable("the canary sends each client its own model")
+
+    def client_models(self, model, clients, input_shape, mean=(0.0,), std=(1.0,), **kwargs):
+        return [(copy.deepcopy(model), {}) for _ in range(clients)]
+
+
+class PlantedLeakLifted(PlantedLeakOnAggregate):
+    """The canary as an adaptive attack whose defense knowledge carries over to the mean of the clients
+    (the audit lifts it with :meth:`~lightning_gp.attacks.DefenseKnowledge.over_clients`)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.knowledge = DefenseKnowledge(defense="pass-through", support=False)
+
+
+@pytest.mark.parametrize("kind", ["passive", "active", "adaptive"])
+def test_a_planted_leak_on_the_secure_aggregate_reads_leaks_in_its_threat_model(sample, kind) -> None:
+    """Behind secure aggregation the leak planted in the aggregate's reconstruction reads "leaks" in the
+    view of its threat model: a passive published attack in both (the malicious server can do what the
+    honest one does), the model-inconsistency attack only for the malicious server, and the lifted
+    adaptive attack in both; no per-client view is credited with it."""
+    batch, leaking, position = 4, 1, 2
+    indices = [[37 * k + c for k in range(batch)] for c in range(2)]
+    clients = [_train(sample, picks) for picks in indices]
+    public = public_batch(sample, 16)
+    target = (position + 1) % batch
+    cls = {"passive": PlantedLeakOnAggregate, "active": PlantedLeakIsolating, "adaptive": PlantedLeakLifted}[kind]
+
+    def build(seed: int, model: nn.Module) -> GradientAttack:
+        return cls(clients, leaking, target, position, public)
+
+    published = [] if kind == "adaptive" else [AttackSpec(f"canary-{kind}", "published", build)]
+    if kind == "adaptive":
+        register_adaptive_attack(PassThrough, lambda defense, kwargs: [build(0, None)])  # type: ignore[arg-type]
+    L.seed_everything(0, verbose=False)
+    try:
+        audit = audit_setting(
+            DefenseSetting("pass-through", [GradientDefense(PassThrough(seed=0))]),
+            LeNetZhu(),
+            sample,
+            indices=indices,
+            published=published,
+            budget=AttackBudget(ig_iterations=2, lbfgs_iterations=2),
+            adaptive=kind == "adaptive",
+            num_clients=2,
+            aggregate=True,
+            log=lambda line: None,
+        )
+    finally:
+        _DECLARATIONS.pop(PassThrough, None)
+    image = batch * leaking + target
+    views = {"passive": ("aggregate", "aggregate_active"), "active": ("aggregate_active",)}
+    for view in views.get(kind, ("aggregate", "aggregate_active")):
+        worst = getattr(audit, view)
+        assert worst is not None and worst.rows[image].leaks, (view, [c.note for c in audit.aggregate_cells])
+        assert worst.verdict == "leaks"
+    if kind == "active":  # the honest server never sent the models: the leak is not in its view
+        assert audit.aggregate is None or not audit.aggregate.rows[image].leaks
+    for threat in ("passive", "active"):
+        worst = getattr(audit, threat)
+        assert worst is None or not any(row.leaks for row in worst.rows), threat
 
 
 class FailingAttack(PlantedLeak):
