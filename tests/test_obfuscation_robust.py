@@ -188,14 +188,17 @@ def test_prior_only_guesses_attack_held_out_public_decoys_once_per_setting(publi
         assert int((decoy[name] != 0).sum()) == int((shared != 0).sum()), name
 
 
-def test_the_audit_runs_rog_as_a_published_class_d_attack_judged_with_its_prior_only_control() -> None:
-    """No hook in the audit: an attack with ``prior_only_guesses`` gets the control (HasDataPrior)."""
+@pytest.mark.parametrize("rgb", [False, True], ids=["fashion-mnist sample", "rgb 32x32 photo crops"])
+def test_the_audit_runs_rog_as_a_published_class_d_attack_judged_with_its_prior_only_control(rgb: bool) -> None:
+    """No hook in the audit: an attack with ``prior_only_guesses`` gets the control (HasDataPrior), on
+    grey 28x28 and on RGB 32x32 images (a 16 x 16 x 3 low-resolution image, the restoration network
+    and the decoys in three channels)."""
     import lightning as L
 
     from lightning_gp.audit import AttackBudget, DefenseSetting, audit_setting
     from lightning_gp.audit.setting_audit import AttackSpec
     from lightning_gp.callbacks import TopKPruning
-    from lightning_gp.data import FashionMNISTSampleDataModule
+    from lightning_gp.data import FashionMNISTSampleDataModule, PhotoCropsDataModule
     from lightning_gp.models import LeNetZhu
 
     cache = RestorationCache()
@@ -206,10 +209,16 @@ def test_the_audit_runs_rog_as_a_published_class_d_attack_judged_with_its_prior_
         )
 
     L.seed_everything(0, verbose=False)
+    data = (
+        PhotoCropsDataModule(per_class_train=8, per_class_test=16, batch_size=500)
+        if rgb
+        else FashionMNISTSampleDataModule(batch_size=500)
+    )
+    model = LeNetZhu(num_classes=11, in_channels=3, image_size=32) if rgb else LeNetZhu()
     audit = audit_setting(
-        DefenseSetting("top-k", [TopKPruning(rate=0.9)]), LeNetZhu(), FashionMNISTSampleDataModule(batch_size=500),
-        indices=[[0]], published=[AttackSpec("ROG", "published", build)], budget=AttackBudget(), adaptive=False,
-        num_clients=2, seed=0, log=lambda line: None,
+        DefenseSetting("top-k", [TopKPruning(rate=0.9)]), model, data, indices=[[0]],
+        published=[AttackSpec("ROG", "published", build)], budget=AttackBudget(), adaptive=False, num_clients=2,
+        seed=0, log=lambda line: None,
     )  # fmt: skip
     cell = audit.cell("ROG")
     assert cell.status == "ok", cell.note
@@ -217,6 +226,7 @@ def test_the_audit_runs_rog_as_a_published_class_d_attack_judged_with_its_prior_
     (result,) = audit.results["ROG"]
     assert result.report.prior_only is not None and result.report.prior_only_false_alarm is not None
     assert cache.trainings == 1  # the decoys reuse the network the attack trained
+    assert tuple(result.reconstruction.images.shape) == ((1, 3, 32, 32) if rgb else (1, 1, 28, 28))
 
 
 # ------------------------------------------------------------------------------ registry and refusals
