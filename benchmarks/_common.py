@@ -87,3 +87,20 @@ def setting_builder(spec: str, option: str = "--setting") -> Callable[[int], Any
     if name not in families:
         raise SystemExit(f"{option} {spec!r}: {name!r} is no frontier family; they are {sorted(families)}")
     return lambda seed: families[name].build(keywords, seed, 1)
+
+
+def attack_outcome(audit: Any, name: str, rule: Any, reference: Any) -> tuple[Any, list[Any], Any, int]:
+    """The audit's cell of the attack ``name``, its per-client results, their merged report, and how
+    many images the bare leak rule ``rule`` credits it with, without its prior-only control (each image
+    judged against the trivial guesses of ``reference``, as ``benchmarks/prior_control.py`` reports it)."""
+    import dataclasses
+
+    from lightning_gp.audit.verdict import trivial_baselines
+    from lightning_gp.metrics import concatenate_reports
+
+    (cell,) = [c for c in audit.cells if c.attack == name]
+    results = audit.results[name]
+    merged = concatenate_reports([r.report for r in results])
+    bare = dataclasses.replace(merged, prior_only=None)
+    guesses = trivial_baselines(merged.original_pixels, reference_images=reference)
+    return cell, results, merged, sum(rule.leaked(bare, guesses))

@@ -22,26 +22,25 @@ Writes benchmarks/results/generative_prior[_quick].{csv,md,png}.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 from typing import Any
 
 import lightning as L
 import torch
-from _common import RESULTS_DIR, write_results
+from _common import RESULTS_DIR, attack_outcome, write_results
 
 from lightning_gp.attacks import GenerativeGradientLeakage, GeneratorCache, GeneratorConfig, defense_knowledge
 from lightning_gp.audit import AttackBudget, DefenseSetting, audit_setting
 from lightning_gp.audit.quiet import library_noise_silenced
 from lightning_gp.audit.rounds import public_examples
 from lightning_gp.audit.setting_audit import AttackSpec, reference_pixels
-from lightning_gp.audit.verdict import LeakRule, trivial_baselines
+from lightning_gp.audit.verdict import LeakRule
 from lightning_gp.callbacks import GaussianNoise, TopKPruning
 from lightning_gp.data import FashionMNISTDataModule, FashionMNISTSampleDataModule
 from lightning_gp.data.base import DatasetNotFoundError
 from lightning_gp.frontier import frontier_families
 from lightning_gp.frontier.run import attacked_images
-from lightning_gp.metrics import concatenate_reports, save_comparison_grid
+from lightning_gp.metrics import save_comparison_grid
 from lightning_gp.models import LeNetZhu
 
 
@@ -103,11 +102,7 @@ def run_setting(setting, data, public, cache, args, indices, rule, reference) ->
             seed=args.seed, log=lambda line: None,
         )  # fmt: skip
     seconds = time.perf_counter() - start
-    (cell,) = [c for c in audit.cells if c.attack == spec.name]
-    results = audit.results[spec.name]
-    merged = concatenate_reports([r.report for r in results])
-    bare = dataclasses.replace(merged, prior_only=None)
-    guesses = trivial_baselines(merged.original_pixels, reference_images=reference)
+    cell, results, merged, uncontrolled = attack_outcome(audit, spec.name, rule, reference)
     meta = results[0].reconstruction.meta
     trained_here = meta["generator"]["seconds"] if cache.trainings > trainings else 0.0  # the first client trained it
     attack_seconds = (sum(r.seconds for r in results) - trained_here) / len(results)
@@ -118,7 +113,7 @@ def run_setting(setting, data, public, cache, args, indices, rule, reference) ->
         "mean PSNR": f"{merged.means['psnr']:.2f}",
         "mean SSIM": f"{merged.means['ssim']:.3f}",
         "leaked (audit rule, prior-only control)": f"{round((cell.leak_fraction or 0.0) * merged.batch_size)}/{merged.batch_size}",
-        "leaked without control": f"{sum(rule.leaked(bare, guesses))}/{merged.batch_size}",
+        "leaked without control": f"{uncontrolled}/{merged.batch_size}",
         "control false alarm (max)": f"{max(r.report.prior_only_false_alarm or 0.0 for r in results):.3f}",
         "attack s/image (generator training excluded)": f"{attack_seconds:.1f}",
         "setting s (attack + control + scoring)": f"{seconds:.0f}",

@@ -21,22 +21,21 @@ Writes benchmarks/results/obfuscation_robust[_quick][_batchB].{csv,md,png}.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 from typing import Any
 
 import lightning as L
 import torch
-from _common import RESULTS_DIR, fashion_mnist_datasets, setting_builder, write_results
+from _common import RESULTS_DIR, attack_outcome, fashion_mnist_datasets, setting_builder, write_results
 
 from lightning_gp.attacks import ObfuscationRobustInversion, RestorationCache, RestorationConfig
 from lightning_gp.audit import AttackBudget, DefenseSetting, audit_setting, published_attacks
 from lightning_gp.audit.quiet import library_noise_silenced
 from lightning_gp.audit.rounds import public_examples
 from lightning_gp.audit.setting_audit import AttackSpec, reference_pixels
-from lightning_gp.audit.verdict import LeakRule, trivial_baselines
+from lightning_gp.audit.verdict import LeakRule
 from lightning_gp.frontier.run import attacked_images
-from lightning_gp.metrics import concatenate_reports, save_comparison_grid
+from lightning_gp.metrics import save_comparison_grid
 from lightning_gp.models import LeNetZhu
 
 #: Undefended, then the obfuscations of the paper: Top-k sparsification, QSGD-like stochastic
@@ -91,11 +90,7 @@ def run_setting(
     print(f"{setting.name}: audited in {time.perf_counter() - start:.0f} s", flush=True)
     rows, grids, network = [], [], None
     for spec in specs:
-        (cell,) = [c for c in audit.cells if c.attack == spec.name]
-        results = audit.results[spec.name]
-        merged = concatenate_reports([r.report for r in results])
-        bare = dataclasses.replace(merged, prior_only=None)
-        guesses = trivial_baselines(merged.original_pixels, reference_images=reference)
+        cell, results, merged, uncontrolled = attack_outcome(audit, spec.name, rule, reference)
         meta = results[0].reconstruction.meta
         network = meta.get("restoration", network)
         trained_here = network["seconds"] if spec.name == ROG and network and cache.trainings > trainings else 0.0
@@ -110,7 +105,7 @@ def run_setting(
                 "mean PSNR": f"{merged.means['psnr']:.2f}",
                 "mean SSIM": f"{merged.means['ssim']:.3f}",
                 "leaked (audit rule)": f"{round((cell.leak_fraction or 0.0) * images)}/{images}",
-                "leaked without control": f"{sum(rule.leaked(bare, guesses))}/{images}" if controlled else "(no prior)",
+                "leaked without control": f"{uncontrolled}/{images}" if controlled else "(no prior)",
                 "control false alarm (max)": f"{max(r.report.prior_only_false_alarm or 0.0 for r in results):.3f}"
                 if controlled
                 else "-",
