@@ -13,8 +13,9 @@ images from the aggregate, as if there were no aggregation (LOKI's Sec. 4; its c
 scaling of the imprint to large inputs is not reproduced: the imprint here is fully connected).
 
 The attack is the SoK's class G (an active, data-enhanced manipulator, Carletti et al. 2025). It is
-visible to any client that compares its model with the others' (the digest check of
-``docs/results/defense-that-holds.md``): the inconsistency is the attack.
+visible to any client that compares its model with the others' (the digest of the received model in
+the secure aggregate, and the replay of the public record:
+:mod:`lightning_gp.federated.model_integrity`): the inconsistency is the attack.
 """
 
 from __future__ import annotations
