@@ -267,7 +267,7 @@ class PassThrough(Defense):
         return dict(gradients), state
 
 
-def _campaign(sample, batch: int, leaking: int, position: int, kind: str, first: int = 0):
+def _campaign(sample, batch: int, leaking: int, position: int, kind: str, first: int = 0, model_checks: bool = False):
     indices = [[37 * k + c for k in range(batch)] for c in range(first, first + 2)]
     clients = [_train(sample, picks) for picks in indices]
     public = public_batch(sample, 16 + 8 * 12)
@@ -283,7 +283,7 @@ def _campaign(sample, batch: int, leaking: int, position: int, kind: str, first:
         return cls(clients, leaking, target, position, public)
 
     published = [] if kind == "adaptive" else [AttackSpec(f"canary-{kind}", "published", build)]
-    setting = DefenseSetting("pass-through", [GradientDefense(PassThrough(seed=0))])
+    setting = DefenseSetting("pass-through", [GradientDefense(PassThrough(seed=0))], model_checks=model_checks)
     if kind == "adaptive":
         register_adaptive_attack(PassThrough, lambda defense, kwargs: [build(0, None)])  # type: ignore[arg-type]
     L.seed_everything(0, verbose=False)
@@ -416,6 +416,15 @@ def test_a_planted_leak_on_the_secure_aggregate_reads_leaks_in_its_threat_model(
     for threat in ("passive", "active"):
         worst = getattr(audit, threat)
         assert worst is None or not any(row.leaks for row in worst.rows), threat
+
+
+def test_an_active_leak_through_the_honest_model_survives_the_clients_model_checks(sample) -> None:
+    """The clients' model checks refuse a model the public record does not explain; the active canary
+    sends the honest model, so its planted leak is still found in the active view (the checks never
+    hide a leak that an accepted model carries)."""
+    audit, image = _campaign(sample, 4, 1, 0, "active", model_checks=True)
+    assert audit.active is not None and audit.active.rows[image].leaks and audit.active.verdict == "leaks"
+    assert all(c.status == "ok" for c in audit.cells), [(c.attack, c.note) for c in audit.cells]
 
 
 class FailingAttack(PlantedLeak):

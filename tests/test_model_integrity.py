@@ -164,3 +164,40 @@ def test_bad_provenance_arguments_are_refused_naming_them() -> None:
     assert client.rounds == 0  # nothing was applied by a refused aggregate
     with pytest.raises(TypeError, match="received"):
         client.check([1, 2])  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------ in the audit
+def test_with_model_checks_the_audit_refuses_the_imprints_and_the_active_views_rest_on_what_passes() -> None:
+    """Undefended, Robbing the Fed and LOKI leak every image to the malicious server; with the clients'
+    model checks both are refused (n/a cells naming the check), and each active view leaks exactly the
+    images its passive view leaks."""
+    import lightning as L
+
+    from lightning_gp.audit import AttackBudget, audit_setting, defense_catalog, published_attacks
+    from lightning_gp.data import FashionMNISTSampleDataModule
+
+    data = FashionMNISTSampleDataModule(batch_size=500)
+    budget = AttackBudget(ig_iterations=5, lbfgs_iterations=3, rtf_bins=16)
+    plain = defense_catalog(["undefended"])[0].build(0, 1)
+    checked = plain.with_model_checks()
+    assert (
+        checked.model_checks and checked.name == "undefended +model checks" and checked.with_model_checks() is checked
+    )
+    audits = {}
+    for setting in (plain, checked):
+        L.seed_everything(0, verbose=False)
+        audits[setting.model_checks] = audit_setting(
+            setting, LeNetZhu(), data, indices=[[0, 1], [2, 3]], published=published_attacks(budget, ["IG", "RtF", "LOKI"]),
+            budget=budget, aggregate=True, log=lambda line: None,
+        )  # fmt: skip
+    before, after = audits[False], audits[True]
+    assert before.cell("RtF").status == "ok" and before.active.leak_fraction == 1.0
+    assert before.aggregate_active is not None and before.aggregate_active.leak_fraction == 1.0
+    refused = after.cell("RtF")
+    assert refused.status == "n/a" and "refuse" in refused.note and "architecture" in refused.note
+    (loki,) = [c for c in after.aggregate_cells if c.attack == "LOKI"]
+    assert loki.status == "n/a" and "refuse" in loki.note
+    for passive, active in ((after.passive, after.active), (after.aggregate, after.aggregate_active)):
+        assert passive is not None and active is not None
+        assert [r.leaks for r in active.rows] == [r.leaks for r in passive.rows]
+        assert active.verdict == passive.verdict

@@ -80,6 +80,10 @@ class DefenseSetting:
             the raw image's ATS-R, which stays the privacy verdict).
         architecture: changes the model itself (PRECODE's bottleneck): the server sends, the
             clients train and the attacks see the changed model, its own parameters included.
+        model_checks: the clients replay the public record and refuse any other model
+            (:class:`~lightning_gp.federated.ModelProvenance`): an active attack whose model is not the
+            honest one (Robbing the Fed's and LOKI's imprints) is refused, an ``n/a`` cell that names the
+            check, and the active views then rest on the passive attacks and the active ones that pass it.
     """
 
     name: str
@@ -96,6 +100,7 @@ class DefenseSetting:
     declared: Any = None
     trained_inputs: Callable[[TappedGradient, Any], Tensor] | None = None
     architecture: Callable[[nn.Module], nn.Module] | None = None
+    model_checks: bool = False
 
     def __post_init__(self) -> None:
         if self.runner not in ("simulation", "trainer"):
@@ -146,6 +151,13 @@ class DefenseSetting:
         if changed.batchnorm == "eval":
             notes.append("BatchNorm eval")
         return dataclasses.replace(changed, name=f"{self.name} [{', '.join(notes)}]") if notes else changed
+
+    def with_model_checks(self) -> DefenseSetting:
+        """This setting with clients that refuse any model the public record does not explain
+        (:attr:`model_checks`), its name saying so."""
+        if self.model_checks:
+            return self
+        return dataclasses.replace(self, model_checks=True, name=f"{self.name} +model checks")
 
     @property
     def local_training(self) -> bool:

@@ -25,13 +25,13 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Subset
 
-from lightning_gp.attacks import GradientAttack
+from lightning_gp.attacks import AttackNotApplicable, GradientAttack
 from lightning_gp.audit.catalog import DefenseSetting
 from lightning_gp.audit.quiet import internal_trainer, quiet_lightning
 from lightning_gp.audit.training import trainer_runner
 from lightning_gp.callbacks import GradientDefense, GradientTap
 from lightning_gp.defenses.base import Gradients
-from lightning_gp.federated import FederatedSimulation, weighted_mean
+from lightning_gp.federated import FederatedSimulation, ModelProvenance, ModelRejected, weighted_mean
 from lightning_gp.records import TappedGradient
 from lightning_gp.validation import as_int, check_int, check_positive_int
 
@@ -65,19 +65,35 @@ def public_examples(datamodule: L.LightningDataModule, size: int = 1000) -> tupl
 
 
 def malicious_server_model(
-    attack: GradientAttack | None, model: nn.Module, datamodule: L.LightningDataModule
+    attack: GradientAttack | None,
+    model: nn.Module,
+    datamodule: L.LightningDataModule,
+    *,
+    model_checks: bool = False,
 ) -> tuple[nn.Module, dict[str, Any]]:
     """The model a server running ``attack`` sends, and the secrets it keeps for the attack.
 
     An active attack (one with ``modify_model``, e.g. Robbing the Fed's imprint block) replaces the
     model, knowing the data's shape and normalisation and holding public images (the test split);
-    a passive one (or ``None``) sends ``model`` unchanged, with no secrets.
+    a passive one (or ``None``) sends ``model`` unchanged, with no secrets. With ``model_checks`` the
+    clients accept only ``model`` itself, the public record's model
+    (:class:`~lightning_gp.federated.ModelProvenance`): any other model raises
+    :class:`~lightning_gp.attacks.AttackNotApplicable` saying what the check found.
     """
     modify_model = getattr(attack, "modify_model", None)
     if modify_model is None:
         return model, {}
     data = cast(Any, datamodule)
-    return modify_model(model, data.image_shape, data.mean, data.std, public_data=public_batch(datamodule))
+    sent, secrets = modify_model(model, data.image_shape, data.mean, data.std, public_data=public_batch(datamodule))
+    if model_checks:
+        try:
+            ModelProvenance(model).check(sent)
+        except ModelRejected as err:
+            raise AttackNotApplicable(
+                f"the clients refuse the model {type(attack).__name__} sends (they replay the public record: "
+                f"ModelProvenance): {err}"
+            ) from err
+    return sent, secrets
 
 
 def _chosen_lists(value: Any, name: str, high: int | None) -> list[list[int]]:
@@ -339,7 +355,9 @@ def tap_defended_round(
             "(active_replay_blocker says where that is exact)"
         )
     datamodule.setup("fit")
-    model, secrets = malicious_server_model(attack, setting.server_model(copy.deepcopy(model)), datamodule)
+    model, secrets = malicious_server_model(
+        attack, setting.server_model(copy.deepcopy(model)), datamodule, model_checks=setting.model_checks
+    )
     if setting.runner == "trainer":
         if round > 0:
             batch_size = max(num_clients, len(indices)) * len(indices[0])

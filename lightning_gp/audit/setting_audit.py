@@ -860,15 +860,21 @@ class _Campaign:
             self.active_gaps.append(f"the active attack {name} was not run at round {round}: {blocker}")
             return
         if threat == "active":  # the server sends its own model this round, built on the weights it holds
-            records, active_model, secrets = tap_defended_round(
-                setting,
-                self._weights_at_round(),
-                self.datamodule,
-                indices=self.indices,
-                num_clients=self.num_clients,
-                attack=attacks[0],
-                seed=self.seed,
-            )
+            try:
+                records, active_model, secrets = tap_defended_round(
+                    setting,
+                    self._weights_at_round(),
+                    self.datamodule,
+                    indices=self.indices,
+                    num_clients=self.num_clients,
+                    attack=attacks[0],
+                    seed=self.seed,
+                )
+            except AttackNotApplicable as err:  # the attack cannot build its model, or the clients refuse it
+                self.log(f"   {name} on {setting.name}: n/a ({err})")
+                sok = threat_class_of(attacks[0]).id
+                self.cells.append(Cell(setting.name, name, kind, "n/a", str(err), threat=threat, sok_class=sok))
+                return
             attacks = [attacks[0]] * len(self.indices)  # one malicious model, its secrets shared by every client
         else:
             records, active_model, secrets = self.passive_records, self.passive_model, {}
@@ -1048,7 +1054,15 @@ def _audit_aggregate(
                     f"the active attack {spec.name} was not run on the aggregate at round {round}: {blocker}"
                 )
                 continue
-            target, target_model, secrets = _isolated_aggregate(campaign, attack, combine)
+            try:
+                target, target_model, secrets = _isolated_aggregate(campaign, attack, combine)
+            except AttackNotApplicable as err:  # the clients refuse the models it sends (model_checks)
+                campaign.log(f"   {spec.name} on the aggregate of {setting.name}: n/a ({err})")
+                sok = threat_class_of(attack).id
+                audit.aggregate_cells.append(
+                    Cell(setting.name, spec.name, spec.kind, "n/a", str(err), threat="active", sok_class=sok)
+                )
+                continue
         campaign.log(f"   {spec.name} on the aggregate of {setting.name} ...")
         cell, out = _run_attack(
             spec.name, spec.kind, [attack], [target], target_model, setting, campaign.datamodule, secrets,
