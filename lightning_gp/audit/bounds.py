@@ -13,7 +13,11 @@ what no informed adversary can exceed. Only a mechanism with a formal guarantee 
   parameters (replace-one with clipping norm ``c sqrt(d)``), noise ``scale``, one release per round.
 - :class:`~lightning_gp.defenses.LocalGaussianMechanism`: the client clips its whole update to L2 norm
   ``C`` and adds ``N(0, (z C)^2 I)``; replacing one image (or the whole client batch) moves the clipped
-  update by at most ``2 C`` (replace-one, clipping norm ``C``), one release per round.
+  update by at most ``2 C`` (replace-one, clipping norm ``C``), one release per round. Behind secure
+  aggregation (``aggregate_of = K'`` clients) the release is the sum of ``K'`` uploads, whose noises add
+  up to ``N(0, K' (z C)^2 I)`` while one client still moves it by ``2 C``: the sum's mechanism.
+  :class:`~lightning_gp.defenses.DistributedGaussianMechanism` (each client's share ``(z C)^2 / K`` of
+  one central noise) has noise ``z C`` on the sum of its cohort of ``K``.
 - everything else (pruning, quantisation, Soteria, PRECODE, Refiner, ATS, Laplace or Gaussian noise
   without clipping, compositions): no formal bound, with the reason; never a number.
 
@@ -81,7 +85,9 @@ class FormalBound:
         )
 
 
-def defense_mechanism(defense: Any, num_parameters: int | None = None, *, releases: int = 1) -> GaussianMechanism:
+def defense_mechanism(
+    defense: Any, num_parameters: int | None = None, *, releases: int = 1, aggregate_of: int | None = None
+) -> GaussianMechanism:
     """The Gaussian mechanism of one defense object (a :class:`DPSGD` callback, a ``GaussianNoise`` or
     ``LocalGaussianMechanism`` defense or its callback); a ``ValueError`` naming ``defense`` for one that has no formal bound.
     ``num_parameters``: the model's trainable parameter count (``GaussianNoise``'s sensitivity).
@@ -90,13 +96,18 @@ def defense_mechanism(defense: Any, num_parameters: int | None = None, *, releas
     every earlier one of the same client, each charged in full (``q = 1``: the target may be in each),
     e.g. ``r + 1`` for round ``r`` of a simulation whose clients take part in every round. A
     :class:`DPSGD` that has accounted steps (its ``privacy_history``) is charged what it accounted;
-    more ``releases`` on top of such a history cannot be composed at one rate (a ``ValueError``)."""
+    more ``releases`` on top of such a history cannot be composed at one rate (a ``ValueError``).
+
+    ``aggregate_of``: the release is the secure aggregate of that many clients' uploads (the server sees
+    only their sum); a ``LocalGaussianMechanism`` is then charged the sum's noise. For the other
+    mechanisms the bound stays the one upload's (valid for the sum by post-processing)."""
     releases = check_positive_int(releases, "releases")
+    summed = 1 if aggregate_of is None else check_positive_int(aggregate_of, "aggregate_of")
     if isinstance(defense, DPSGD):
         return _dp_sgd_mechanism(defense, releases)
     inner = defense.defense if isinstance(defense, GradientDefense) else defense
     if isinstance(inner, LocalGaussianMechanism):
-        return _local_gaussian_mechanism(inner, releases)
+        return _local_gaussian_mechanism(inner, releases, summed)
     if isinstance(inner, GaussianNoise):
         if inner.clip is None:
             raise ValueError(f"defense: {type(inner).__name__} without clip has unbounded sensitivity: no formal bound")
@@ -129,20 +140,23 @@ def _rounds_phrase(releases: int) -> str:
     )
 
 
-def _local_gaussian_mechanism(local: LocalGaussianMechanism, releases: int = 1) -> GaussianMechanism:
-    """``releases`` uploads of :class:`~lightning_gp.defenses.LocalGaussianMechanism`: the Gaussian
-    mechanism (Dwork & Roth 2014, Thm. A.1) on the update clipped to ``C`` (McMahan et al. 2018), noise
-    ``z C``, composed over the uploads; replace-one, sensitivity ``2 C`` (one image or the whole client
-    batch replaced)."""
-    C, z = local.max_update_norm, local.noise_multiplier
+def _local_gaussian_mechanism(local: LocalGaussianMechanism, releases: int = 1, summed: int = 1) -> GaussianMechanism:
+    """``releases`` uploads of :class:`~lightning_gp.defenses.LocalGaussianMechanism` (or, with
+    ``summed = K'``, of the secure sum of ``K'`` clients' uploads): the Gaussian mechanism (Dwork & Roth
+    2014, Thm. A.1) on the update clipped to ``C`` (McMahan et al. 2018), noise the upload's std times
+    ``sqrt(K')`` (independent noises add in variance), composed over the rounds; replace-one,
+    sensitivity ``2 C`` (one image or the whole client batch replaced)."""
+    C, name = local.max_update_norm, type(local).__name__
+    noise = local.noise_std * math.sqrt(summed)
+    what = "the client's whole update" if summed == 1 else f"the secure sum of {summed} clients' updates, each"
     return GaussianMechanism(
-        noise_std=local.noise_std,
+        noise_std=noise,
         clip_norm=C,
         steps=releases,
         neighbouring="replace_one",
         description=(
-            f"LocalGaussianMechanism: {_rounds_phrase(releases)}, the client's whole update clipped to C = {C:g}, "
-            f"any image (or the whole batch) replaced moves it by <= 2 C, noise std z C = {z:g} x {C:g}"
+            f"{name}: {_rounds_phrase(releases)}, {what} clipped to C = {C:g}, any image (or a whole client batch) "
+            f"replaced moves it by <= 2 C, noise std {noise:.4g} ({noise / C:.4g} C)"
         ),
     )
 
@@ -182,7 +196,9 @@ def _dp_sgd_mechanism(dp: DPSGD, releases: int = 1) -> GaussianMechanism:
     )
 
 
-def setting_bound(setting: Any, model: nn.Module | None = None, *, round: int = 0) -> FormalBound:
+def setting_bound(
+    setting: Any, model: nn.Module | None = None, *, round: int = 0, aggregate_of: int | None = None
+) -> FormalBound:
     """The formal bound of a :class:`~lightning_gp.audit.catalog.DefenseSetting` (no kappa yet): the
     mechanism of its one defense, or none. A composition is not analysed: no formal bound.
 
@@ -190,7 +206,8 @@ def setting_bound(setting: Any, model: nn.Module | None = None, *, round: int = 
     (:func:`~lightning_gp.audit.rounds.tap_defended_round`) has every client take part in every round
     (on the plain-Trainer runner, every image may be in every step), so the client audited at round
     ``r`` has released ``r + 1`` updates that shaped or are the attacked one: the bound composes all
-    ``r + 1``, each charged in full (``q = 1``)."""
+    ``r + 1``, each charged in full (``q = 1``). ``aggregate_of``: the bound of the secure aggregate of
+    that many clients (:func:`defense_mechanism`)."""
     round = check_int(round, "round", low=0)
     if setting.undefended:
         return FormalBound(None, "undefended")
@@ -201,7 +218,7 @@ def setting_bound(setting: Any, model: nn.Module | None = None, *, round: int = 
         return FormalBound(None, f"{setting.name} composes {len(defenses)} defenses; compositions are not analysed")
     size = None if model is None else sum(p.numel() for p in model.parameters() if p.requires_grad)
     try:
-        return FormalBound(defense_mechanism(defenses[0], size, releases=round + 1))
+        return FormalBound(defense_mechanism(defenses[0], size, releases=round + 1, aggregate_of=aggregate_of))
     except ValueError as err:
         return FormalBound(None, str(err).removeprefix("defense: "))
 

@@ -274,8 +274,9 @@ class SettingAudit:
             for the honest-but-curious server, over the passive ``aggregate_cells``; ``None`` when not
             audited. ``aggregate_active``: for the malicious server behind secure aggregation, over every
             aggregate cell, the attacks that send each client its own model (LOKI) included. ``aggregate_bound``: its ReRo bound
-            (DP-FedAvg's rounds ``0 .. round`` with ``client_dp``; else the setting's own, which holds for
-            the aggregate by post-processing).
+            (DP-FedAvg's rounds ``0 .. round`` with ``client_dp``; else the setting's own on the sum of the
+            round's uploads: a Gaussian mechanism per client is charged the sum's noise, ``sqrt(K)`` times
+            one upload's, any other bound holds for the aggregate by post-processing).
         skipped: the attacks not run because every image had leaked to an earlier passive attack
             (``AttackBudget(stop_when_all_leak=True)``); the worst-case PSNR is then a lower bound.
             ``partial``: attack -> how many clients it skipped (their images had leaked).
@@ -1085,7 +1086,7 @@ def _audit_aggregate(
     bound = (
         FormalBound(client_dp.mechanism(round + 1, 1.0))
         if client_dp is not None
-        else setting_bound(setting, model, round=round)
+        else setting_bound(setting, model, round=round, aggregate_of=len(records))
     )
     audit.aggregate_bound = _aggregate_bound_at_kappa(
         bound, results, combined, campaign.reference, campaign.rule, campaign.lpips_fn

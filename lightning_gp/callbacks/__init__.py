@@ -14,7 +14,13 @@ from lightning_gp.callbacks.communication import CommunicationMeter, dense_nbyte
 from lightning_gp.callbacks.data_dependent import DataDependentGradientDefense
 from lightning_gp.callbacks.dp_sgd import DPSGD
 from lightning_gp.callbacks.graddefense import GradDefense
-from lightning_gp.callbacks.noise import GaussianNoise, GradientQuantization, LaplaceNoise, LocalGaussianMechanism
+from lightning_gp.callbacks.noise import (
+    DistributedGaussianMechanism,
+    GaussianNoise,
+    GradientQuantization,
+    LaplaceNoise,
+    LocalGaussianMechanism,
+)
 from lightning_gp.callbacks.optimal import (
     OptimalDPSGD,
     OptimalGradientNoise,
@@ -38,6 +44,7 @@ __all__ = [
     "AlignedDualGradientPruning",
     "CommunicationMeter",
     "DataDependentGradientDefense",
+    "DistributedGaussianMechanism",
     "DualGradientPruning",
     "GaussianNoise",
     "GradDefense",

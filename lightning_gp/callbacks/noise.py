@@ -22,6 +22,13 @@ class LocalGaussianMechanism(GradientDefense, defense=noise.LocalGaussianMechani
     (local DP of the update). See :class:`lightning_gp.defenses.LocalGaussianMechanism`."""
 
 
+class DistributedGaussianMechanism(GradientDefense, defense=noise.DistributedGaussianMechanism):
+    """Clip the client's whole shared gradient to L2 norm ``max_update_norm`` and add its share of one
+    central noise, ``N(0, (noise_multiplier * max_update_norm)^2 / cohort_size)`` per coordinate: behind
+    secure aggregation the sum of ``cohort_size`` uploads carries DP-FedAvg's central noise.
+    See :class:`lightning_gp.defenses.DistributedGaussianMechanism`."""
+
+
 class GradientQuantization(GradientDefense, defense=quantization.GradientQuantization):
     """Quantize every layer to ``bits``-bit symmetric integers times a per-layer scale.
     See :class:`lightning_gp.defenses.GradientQuantization`."""

@@ -6,7 +6,12 @@ No Lightning imports here; :mod:`lightning_gp.callbacks` adapts these to a ``Tra
 from lightning_gp.defenses.base import Defense, Gradients, Share, share_in_process
 from lightning_gp.defenses.clipping import clip_update, dp_sgd_gradient, update_norm
 from lightning_gp.defenses.graddefense import GradDefense, root_set_sensitivity
-from lightning_gp.defenses.noise import GaussianNoise, LaplaceNoise, LocalGaussianMechanism
+from lightning_gp.defenses.noise import (
+    DistributedGaussianMechanism,
+    GaussianNoise,
+    LaplaceNoise,
+    LocalGaussianMechanism,
+)
 from lightning_gp.defenses.optimal import (
     OptimalDPSGD,
     OptimalGradientNoise,
@@ -40,6 +45,7 @@ from lightning_gp.defenses.validation import NonFiniteGradientError, check_rate
 __all__ = [
     "AlignedDualGradientPruning",
     "Defense",
+    "DistributedGaussianMechanism",
     "DualGradientPruning",
     "GaussianNoise",
     "GradDefense",

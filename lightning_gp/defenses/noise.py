@@ -3,6 +3,7 @@ Gaussian mechanism on a whole update (local DP of the client's update)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -10,7 +11,7 @@ from torch import Tensor
 
 from lightning_gp.defenses.base import Defense, DefenseCall, Gradients
 from lightning_gp.defenses.clipping import update_norm
-from lightning_gp.validation import check_nonnegative, check_positive
+from lightning_gp.validation import check_nonnegative, check_positive, check_positive_int
 
 
 def clip_coordinates(gradients: Gradients, clip: float) -> Gradients:
@@ -151,3 +152,46 @@ class LocalGaussianMechanism(Defense):
         if reuse:
             self._noise_cache = (key, flat, views)
         return flat, views
+
+
+class DistributedGaussianMechanism(LocalGaussianMechanism):
+    """:class:`LocalGaussianMechanism` with each client's share of one central noise: the update clipped
+    to L2 norm ``C`` as a whole, then ``N(0, (z C)^2 / K)`` per coordinate, ``K = cohort_size`` the
+    clients of a round. Behind secure aggregation (Bonawitz et al., CCS 2017), where the server sees
+    only the sum, the sum of ``K`` uploads carries ``N(0, (z C)^2)``: DP-FedAvg's central noise
+    (McMahan et al. 2018) without a trusted server (distributed DP: the noise is split among the
+    clients, as in Kairouz et al., ICML 2021, here in the continuous Gaussian form, not their discrete
+    one).
+
+    The guarantee is the sum's: noise multiplier ``z`` on the aggregate of ``K`` clients (replace-one:
+    ``z / 2``), :func:`~lightning_gp.audit.setting_bound` with ``aggregate_of``. A server that sees one
+    upload (no secure aggregation, or every other client colluding with it) sees noise ``z C / sqrt(K)``
+    only, the per-client view's much weaker bound; fewer than ``K`` clients in a round (dropouts) leave
+    the sum less noise than ``z C``.
+
+    Args:
+        noise_multiplier: ``z``, the central noise std over ``max_update_norm`` on the sum of ``K``.
+        max_update_norm: ``C``.
+        cohort_size: ``K``, the clients whose uploads the secure aggregate sums each round.
+        seed, nonfinite: as :class:`LocalGaussianMechanism`.
+    """
+
+    def __init__(
+        self,
+        noise_multiplier: float = 1.0,
+        max_update_norm: float = 1.0,
+        cohort_size: int = 1000,
+        *,
+        seed: int | None = None,
+        nonfinite: str = "error",
+    ) -> None:
+        super().__init__(noise_multiplier, max_update_norm, seed=seed, nonfinite=nonfinite)
+        self.cohort_size = check_positive_int(cohort_size, "cohort_size")
+
+    @property
+    def noise_std(self) -> float:
+        """The per-coordinate noise std of one client's upload, ``z C / sqrt(K)``."""
+        return self.noise_multiplier * self.max_update_norm / math.sqrt(self.cohort_size)
+
+    def config(self) -> dict[str, Any]:
+        return {**super().config(), "cohort_size": self.cohort_size}

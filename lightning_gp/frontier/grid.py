@@ -165,6 +165,7 @@ for _family in (
     _callback_family("GaussianNoise", "DLG Sec. 5"),
     _callback_family("LaplaceNoise", "DLG Sec. 5"),
     _callback_family("LocalGaussianMechanism", "McMahan et al. 2018 (clip), local"),
+    _callback_family("DistributedGaussianMechanism", "Kairouz et al. 2021 (distributed DP), continuous"),
     _callback_family("GradientQuantization", ""),
     _callback_family("Soteria", "Sun et al. CVPR 2021"),
     # the root set: public images of the validation split, never an attacked training image

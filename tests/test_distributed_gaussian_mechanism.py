@@ -1,0 +1,109 @@
+"""The distributed Gaussian mechanism: each client of a cohort of ``K`` adds its share ``(z C)^2 / K`` of
+one central noise to its clipped update, so the secure sum of the cohort carries DP-FedAvg's central
+noise ``z C``; its bound is the sum's on the aggregate view and one weak upload's on the per-client view."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_gp import callbacks
+from lightning_gp import defenses as D
+from lightning_gp.attacks import DefenseKnowledge
+from lightning_gp.attacks.resolution import composed_knowledge
+from lightning_gp.audit import AttackBudget, DefenseSetting, audit_setting, defense_mechanism, published_attacks
+from lightning_gp.data import FashionMNISTSampleDataModule
+from lightning_gp.defenses.base import DefenseCall
+from lightning_gp.models import LeNetZhu
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _upload(defense: D.DistributedGaussianMechanism, gradients: dict, client: int) -> dict:
+    call = DefenseCall(client_id=client, generator=torch.Generator().manual_seed(client))
+    shared, _ = defense.transform(gradients, {}, call)
+    return shared
+
+
+def test_the_secure_sum_of_a_cohort_carries_the_central_noise() -> None:
+    """A cohort of K = 64 clients with zero updates: each upload's entries have std z C / 8, their sum
+    z C. With 64 x 4096 draws the sample std of the sum's 4096 entries is within 5% of z C (its relative
+    standard error is 1 / sqrt(2 x 4096) = 1.1%: a 4.5-sigma margin)."""
+    z, C, K = 2.0, 0.5, 64
+    defense = D.DistributedGaussianMechanism(noise_multiplier=z, max_update_norm=C, cohort_size=K, seed=0)
+    assert defense.noise_std == pytest.approx(z * C / math.sqrt(K))
+    zeros = {"w": torch.zeros(4096)}
+    uploads = [_upload(defense, zeros, c)["w"] for c in range(K)]
+    assert float(uploads[0].std()) == pytest.approx(z * C / math.sqrt(K), rel=0.05)
+    total = torch.stack(uploads).sum(0)
+    assert float(total.std()) == pytest.approx(z * C, rel=0.05)
+
+
+def test_the_update_is_clipped_as_a_whole_before_the_share_of_noise() -> None:
+    defense = D.DistributedGaussianMechanism(noise_multiplier=0.0, max_update_norm=1.0, cohort_size=10, seed=0)
+    gradients = {"a": torch.full((3,), 4.0), "b": torch.full((4,), 3.0)}  # norm sqrt(48 + 36)
+    shared = _upload(defense, gradients, 0)
+    norm = math.sqrt(sum(float(g.pow(2).sum()) for g in shared.values()))
+    assert norm == pytest.approx(1.0, rel=1e-6)
+
+
+def test_its_bound_is_one_weak_upload_per_client_and_the_central_mechanism_on_the_cohort_s_sum() -> None:
+    z, C, K = 1.0, 1.0, 1000
+    callback = callbacks.DistributedGaussianMechanism(noise_multiplier=z, max_update_norm=C, cohort_size=K, seed=0)
+    upload = defense_mechanism(callback)
+    assert upload.noise_std == pytest.approx(z * C / math.sqrt(K)) and upload.sensitivity == pytest.approx(2 * C)
+    summed = defense_mechanism(callback, aggregate_of=K)
+    assert summed.noise_std == pytest.approx(z * C) and summed.sensitivity == pytest.approx(2 * C)
+    central = defense_mechanism(callbacks.LocalGaussianMechanism(noise_multiplier=z, max_update_norm=C))
+    kappa = 0.1
+    assert summed.eta(kappa) == pytest.approx(central.eta(kappa))  # the sum is the central mechanism
+    assert upload.eta(kappa) > 0.999 > summed.eta(kappa)  # one upload alone protects nothing
+    assert "secure sum of 1000 clients" in summed.description
+    # a sum of fewer clients than the cohort (dropouts) carries less noise: a weaker bound, never a stronger one
+    assert defense_mechanism(callback, aggregate_of=K // 4).eta(kappa) > summed.eta(kappa)
+    with pytest.raises(ValueError, match="aggregate_of"):
+        defense_mechanism(callback, aggregate_of=0)
+
+
+def test_bad_arguments_are_refused_naming_them() -> None:
+    with pytest.raises(ValueError, match="cohort_size"):
+        D.DistributedGaussianMechanism(cohort_size=0)
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        D.DistributedGaussianMechanism(noise_multiplier=-1.0)
+    with pytest.raises(ValueError, match="max_update_norm"):
+        D.DistributedGaussianMechanism(max_update_norm=0.0)
+
+
+def test_the_attacker_knows_the_upload_s_share_and_the_lift_divides_it_over_the_aggregate() -> None:
+    """The adaptive attacks are LocalGaussianMechanism's (the clip and the noise std), with the upload's
+    std ``z C / sqrt(K)``; lifted to an aggregate of ``K'`` clients' mean, that std over ``sqrt(K')``."""
+    z, C, K = 1.0, 1.0, 100
+    defense = D.DistributedGaussianMechanism(noise_multiplier=z, max_update_norm=C, cohort_size=K, seed=0)
+    knowledge = composed_knowledge([defense])
+    assert isinstance(knowledge, DefenseKnowledge) and knowledge.noise_std == pytest.approx(z * C / math.sqrt(K))
+    view = SimpleNamespace(batch_size=4)  # a number std reads nothing off the view
+    assert knowledge.over_clients(4).noise_level(view) == pytest.approx(z * C / math.sqrt(K) / 2)  # type: ignore[arg-type]
+
+
+def test_the_audit_s_aggregate_view_is_bounded_by_the_sum_of_its_clients() -> None:
+    """Two audited clients of a cohort of 4: the aggregate view's bound has the sum's noise z C sqrt(2 / 4);
+    the per-client view's, one upload's z C / 2."""
+    data = FashionMNISTSampleDataModule(batch_size=500)
+    budget = AttackBudget(ig_iterations=3, lbfgs_iterations=2)
+    setting = DefenseSetting(
+        "distributed", [callbacks.DistributedGaussianMechanism(noise_multiplier=2.0, cohort_size=4, seed=0)]
+    )
+    L.seed_everything(0, verbose=False)
+    audit = audit_setting(
+        setting, LeNetZhu(), data, indices=[[0], [1]], published=published_attacks(budget, ["IG"]), budget=budget,
+        adaptive=False, aggregate=True, log=lambda line: None,
+    )  # fmt: skip
+    assert audit.bound is not None and audit.bound.mechanism is not None
+    assert audit.bound.mechanism.noise_std == pytest.approx(2.0 / 2)
+    assert audit.aggregate_bound is not None and audit.aggregate_bound.mechanism is not None
+    assert audit.aggregate_bound.mechanism.noise_std == pytest.approx(2.0 * math.sqrt(2 / 4))
+    assert audit.aggregate_bound.eta < audit.bound.eta  # type: ignore[operator]
