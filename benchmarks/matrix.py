@@ -21,11 +21,13 @@ threat model; a defense is private only if no image leaks and the audit is compl
 fallback makes it "inconclusive"). Each row also reports the accuracy after ``--rounds`` FedSGD rounds as a
 fraction of the undefended run's (PMM) and the bytes a client uploads per round.
 
-``--defenses`` takes catalogue names or frontier points (``'TopKPruning(rate=0.8)'``); ``--model MLP``
-audits a fully connected first layer (Cocktail Party's; LeNetZhu is conv-first); ``--generative-prior``
-adds GGL with each setting's defense knowledge; ``--aggregate`` adds the secure-aggregation views, each
-with its worst case and verdict: the honest server (the passive attacks, Cocktail Party among them, on
-the round's mean of every client's defended update) and the malicious server (LOKI too).
+``--model-checks`` gives every row's clients the replay of the public record (they refuse a model it
+does not explain: Robbing the Fed's and LOKI's); ``--defenses`` takes catalogue names or frontier points
+(``'TopKPruning(rate=0.8)'``); ``--model MLP`` audits a fully connected first layer (Cocktail Party's;
+LeNetZhu is conv-first); ``--generative-prior`` adds GGL with each setting's defense knowledge;
+``--aggregate`` adds the secure-aggregation views, each with its worst case and verdict: the honest
+server (the passive attacks, Cocktail Party among them, on the round's mean of every client's defended
+update) and the malicious server (LOKI too).
 
 Writes benchmarks/results/matrix.{csv,md}, matrix_heatmap.png (mean PSNR and share leaked per cell,
 PMM and the verdicts per row) and matrix_summary.md (one screen: which setting to pick and why,
@@ -600,6 +602,8 @@ def run_defense(job: tuple) -> tuple[SettingAudit, TrainingResult | None]:
     lpips_fn = None if args.no_lpips else LPIPS()
     start = time.perf_counter()
     setting = setting_builder(name, "--defenses")(args.seed)
+    if getattr(args, "model_checks", False):  # benchmarks/baselines.py has no such option
+        setting = setting.with_model_checks()
     model = MODELS[getattr(args, "model", "LeNetZhu")]  # benchmarks/baselines.py audits LeNetZhu
     tag = f"[{setting.name}]"
     audit_round = getattr(args, "audit_round", 0)  # benchmarks/baselines.py audits round 0
@@ -660,6 +664,12 @@ def main() -> None:
         "--generative-prior",
         action="store_true",
         help="also GGL with each setting's defense knowledge (a DCGAN trained once on the public split, cached)",
+    )
+    parser.add_argument(
+        "--model-checks",
+        action="store_true",
+        help="every row's clients accept only the public record's model (DefenseSetting.with_model_checks): "
+        "an active attack that sends another model is refused",
     )
     parser.add_argument("--tag", default="", help="appended to the output files' names, e.g. new_attackers")
     parser.add_argument("--attacks", nargs="*", default=None, help="published attacks (default: all)")

@@ -90,8 +90,7 @@ def malicious_server_model(
             ModelProvenance(model).check(sent)
         except ModelRejected as err:
             raise AttackNotApplicable(
-                f"the clients refuse the model {type(attack).__name__} sends (they replay the public record: "
-                f"ModelProvenance): {err}"
+                f"the clients refuse the model the server sends (they replay the public record: ModelProvenance): {err}"
             ) from err
     return sent, secrets
 

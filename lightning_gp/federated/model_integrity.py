@@ -167,8 +167,8 @@ class ModelProvenance:
         if list(got) != list(expected):
             extra, missing = sorted(set(got) - set(expected)), sorted(set(expected) - set(got))
             raise ModelRejected(
-                f"the model's architecture is not the public one: extra entries {extra[:5]}, missing "
-                f"{missing[:5]}" + ("" if extra or missing else " (another order)")
+                f"the model's architecture is not the public one: {len(extra)} extra entries {extra[:3]}, "
+                f"{len(missing)} missing {missing[:3]}" + ("" if extra or missing else " (another order)")
             )
         for name, want in expected.items():
             have = got[name].detach().to(want.device)
