@@ -4,6 +4,8 @@ received model inside the secure aggregate (model consistency) and the replay of
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -129,6 +131,29 @@ def test_imprint_blocks_and_rewritten_weights_are_refused() -> None:
     client.advance(_aggregate(public, clients=2, seed=0))
     with pytest.raises(ModelRejected, match="1 round"):
         client.check(public)
+
+
+def test_buffers_the_server_sets_come_with_the_public_record() -> None:
+    """BatchNorm's running statistics are set by the server (FedAvg averages them), not stepped: the
+    client takes them from the round's public record; a model whose statistics differ is refused."""
+    public = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    server = copy.deepcopy(public)
+    client = ModelProvenance(public, lambda params: torch.optim.SGD(params, lr=0.1))
+    aggregate = {name: torch.ones_like(p) for name, p in server.named_parameters()}
+    buffers = {"1.running_mean": torch.full((4,), 0.5), "1.running_var": torch.full((4,), 2.0)}
+    with torch.no_grad():
+        for name, param in server.named_parameters():
+            param.sub_(0.1 * aggregate[name])
+        server[1].running_mean.copy_(buffers["1.running_mean"])
+        server[1].running_var.copy_(buffers["1.running_var"])
+    client.advance(aggregate, buffers)
+    client.check(server)
+    with torch.no_grad():
+        server[1].running_mean.add_(1.0)
+    with pytest.raises(ModelRejected, match="running_mean"):
+        client.check(server)
+    with pytest.raises(ValueError, match=r"buffers\['1.running_var'\]"):
+        client.advance(aggregate, {"1.running_var": torch.zeros(3)})
 
 
 def test_atol_admits_float_noise_and_nothing_coarser() -> None:

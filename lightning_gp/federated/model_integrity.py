@@ -115,8 +115,9 @@ class ModelProvenance:
             hardware may need a few ulps).
 
     Use: :meth:`advance` with each round's public aggregate (``{name: tensor}`` of the trainable
-    parameters, the server's ``grad``); :meth:`check` on each model received, which raises
-    :class:`ModelRejected` naming the first entry that differs.
+    parameters, the server's ``grad``) and the buffers the server sets (BatchNorm's statistics);
+    :meth:`check` on each model received, which raises :class:`ModelRejected` naming the first entry
+    that differs.
     """
 
     def __init__(
@@ -142,9 +143,15 @@ class ModelProvenance:
         """The state the next model must have."""
         return {n: t.detach().clone() for n, t in self._model.state_dict().items()}
 
-    def advance(self, aggregate: Mapping[str, Tensor]) -> None:
-        """Replay the server's step on one round's public ``aggregate``."""
+    def advance(self, aggregate: Mapping[str, Tensor], buffers: Mapping[str, Tensor] | None = None) -> None:
+        """Replay the server's step on one round's public ``aggregate``; ``buffers``: the round's public
+        values of the model's buffers that the server sets rather than steps (BatchNorm's running
+        statistics, averaged over the clients under FedAvg), each named as in the state dict."""
         named = {n: p for n, p in self._model.named_parameters() if p.requires_grad}
+        own = dict(self._model.named_buffers())
+        for name, value in (buffers or {}).items():
+            if name not in own or not isinstance(value, Tensor) or value.shape != own[name].shape:
+                raise ValueError(f"buffers[{name!r}] must be a tensor shaped like the model's buffer of that name")
         if not isinstance(aggregate, Mapping) or set(aggregate) != set(named):
             got = sorted(aggregate) if isinstance(aggregate, Mapping) else type(aggregate).__name__
             raise ValueError(f"aggregate must hold one tensor per trainable parameter {sorted(named)}, got {got}")
@@ -158,6 +165,9 @@ class ModelProvenance:
             param.grad = aggregate[name].detach().to(device=param.device, dtype=param.dtype).clone()
         self._optimizer.step()
         self._optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for name, value in (buffers or {}).items():
+                own[name].copy_(value)
         self.rounds += 1
 
     def check(self, received: nn.Module | Mapping[str, Tensor]) -> None:
