@@ -31,6 +31,7 @@ def test_every_named_defense_callback_is_declared_on_its_defense():
         sorted(
             [
                 "AlignedDualGradientPruning",
+                "DistributedGaussianMechanism",
                 "DualGradientPruning",
                 "GaussianNoise",
                 "GradDefense",
