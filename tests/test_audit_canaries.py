@@ -267,19 +267,32 @@ class PassThrough(Defense):
         return dict(gradients), state
 
 
-def _campaign(sample, batch: int, leaking: int, position: int, kind: str, first: int = 0, model_checks: bool = False):
+def _campaign(
+    sample,
+    batch: int,
+    leaking: int,
+    position: int,
+    kind: str,
+    first: int = 0,
+    model_checks: bool = False,
+    aggregate: bool = False,
+):
+    """The audit of two clients with the canary of ``kind`` (with ``aggregate``: the canary that plants
+    its leak in the secure aggregate's reconstruction, and the audit's secure-aggregation views)."""
     indices = [[37 * k + c for k in range(batch)] for c in range(first, first + 2)]
     clients = [_train(sample, picks) for picks in indices]
     public = public_batch(sample, 16 + 8 * 12)
     target = (position + 1) % batch
+    per_client = {
+        "published": PlantedLeak,
+        "prior": PlantedLeakWithPrior,
+        "active": PlantedLeakActive,
+        "dummy labels": PlantedLeakOnDummyLabels,
+    }
+    on_aggregate = {"published": PlantedLeakOnAggregate, "active": PlantedLeakIsolating, "adaptive": PlantedLeakLifted}
 
     def build(seed: int, model: nn.Module) -> GradientAttack:
-        cls = {
-            "published": PlantedLeak,
-            "prior": PlantedLeakWithPrior,
-            "active": PlantedLeakActive,
-            "dummy labels": PlantedLeakOnDummyLabels,
-        }.get(kind, PlantedLeak)
+        cls = (on_aggregate if aggregate else per_client).get(kind, PlantedLeak)
         return cls(clients, leaking, target, position, public)
 
     published = [] if kind == "adaptive" else [AttackSpec(f"canary-{kind}", "published", build)]
@@ -297,6 +310,7 @@ def _campaign(sample, batch: int, leaking: int, position: int, kind: str, first:
             budget=AttackBudget(ig_iterations=2, lbfgs_iterations=2),
             adaptive=kind == "adaptive",
             num_clients=2,
+            aggregate=aggregate,
             log=lambda line: None,
         )
     finally:
@@ -370,43 +384,14 @@ class PlantedLeakLifted(PlantedLeakOnAggregate):
         self.knowledge = DefenseKnowledge(defense="pass-through", support=False)
 
 
-@pytest.mark.parametrize("kind", ["passive", "active", "adaptive"])
+@pytest.mark.parametrize("kind", ["published", "active", "adaptive"])
 def test_a_planted_leak_on_the_secure_aggregate_reads_leaks_in_its_threat_model(sample, kind) -> None:
     """Behind secure aggregation the leak planted in the aggregate's reconstruction reads "leaks" in the
     view of its threat model: a passive published attack in both (the malicious server can do what the
     honest one does), the model-inconsistency attack only for the malicious server, and the lifted
     adaptive attack in both; no per-client view is credited with it."""
-    batch, leaking, position = 4, 1, 2
-    indices = [[37 * k + c for k in range(batch)] for c in range(2)]
-    clients = [_train(sample, picks) for picks in indices]
-    public = public_batch(sample, 16)
-    target = (position + 1) % batch
-    cls = {"passive": PlantedLeakOnAggregate, "active": PlantedLeakIsolating, "adaptive": PlantedLeakLifted}[kind]
-
-    def build(seed: int, model: nn.Module) -> GradientAttack:
-        return cls(clients, leaking, target, position, public)
-
-    published = [] if kind == "adaptive" else [AttackSpec(f"canary-{kind}", "published", build)]
-    if kind == "adaptive":
-        register_adaptive_attack(PassThrough, lambda defense, kwargs: [build(0, None)])  # type: ignore[arg-type]
-    L.seed_everything(0, verbose=False)
-    try:
-        audit = audit_setting(
-            DefenseSetting("pass-through", [GradientDefense(PassThrough(seed=0))]),
-            LeNetZhu(),
-            sample,
-            indices=indices,
-            published=published,
-            budget=AttackBudget(ig_iterations=2, lbfgs_iterations=2),
-            adaptive=kind == "adaptive",
-            num_clients=2,
-            aggregate=True,
-            log=lambda line: None,
-        )
-    finally:
-        _DECLARATIONS.pop(PassThrough, None)
-    image = batch * leaking + target
-    views = {"passive": ("aggregate", "aggregate_active"), "active": ("aggregate_active",)}
+    audit, image = _campaign(sample, 4, 1, 2, kind, aggregate=True)
+    views = {"active": ("aggregate_active",)}
     for view in views.get(kind, ("aggregate", "aggregate_active")):
         worst = getattr(audit, view)
         assert worst is not None and worst.rows[image].leaks, (view, [c.note for c in audit.aggregate_cells])
