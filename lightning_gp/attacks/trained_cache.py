@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Generic, Protocol, TypeVar, cast
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 
 class CacheKey(Protocol):
@@ -124,6 +124,23 @@ def tensor_state(state: Any) -> dict[str, Tensor]:
 
 
 C = TypeVar("C")
+
+
+def training_payload(
+    key: Any, file_format: str, network: nn.Module, held_out: Tensor, cost: Any, **fields: Any
+) -> dict[str, Any]:
+    """What a file holds of a network trained on public data with some images held out: the format and
+    the key's ``repr``, the network's constructor ``fields``, its state dict on the CPU, the held-out
+    indices and the training cost (a dataclass); read back by :func:`checked_payload`,
+    :func:`tensor_state` and :func:`training_record`."""
+    return {
+        "format": file_format,
+        "key": repr(key),
+        **fields,
+        "state": {n: t.detach().cpu() for n, t in network.state_dict().items()},
+        "held_out": held_out.cpu(),
+        "cost": dataclasses.asdict(cost),
+    }
 
 
 def training_record(payload: dict[str, Any], cost_type: type[C]) -> tuple[C, Tensor]:

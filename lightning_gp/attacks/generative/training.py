@@ -28,14 +28,21 @@ import copy
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from lightning_gp.attacks.generative.networks import Discriminator, Generator, check_image_shape
-from lightning_gp.attacks.trained_cache import DigestedKey, TrainedCache, checked_payload, tensor_state, training_record
+from lightning_gp.attacks.trained_cache import (
+    DigestedKey,
+    TrainedCache,
+    checked_payload,
+    tensor_state,
+    training_payload,
+    training_record,
+)
 from lightning_gp.seeding import seeded_generator
 from lightning_gp.validation import check_number, check_positive, check_positive_int
 
@@ -308,16 +315,10 @@ class GeneratorCache(TrainedCache[GeneratorKey, TrainedGenerator]):
 
 def _payload(key: GeneratorKey, trained: TrainedGenerator) -> dict[str, Any]:
     net = trained.generator
-    return {
-        "format": CACHE_FORMAT,
-        "key": repr(key),
-        "shape": list(net.image_shape),
-        "latent_dim": int(net.latent_dim),
-        "width": int(net.width),
-        "state": {n: t.detach().cpu() for n, t in net.state_dict().items()},
-        "held_out": trained.held_out.cpu(),
-        "cost": asdict(trained.cost),
-    }
+    return training_payload(
+        key, CACHE_FORMAT, net, trained.held_out, trained.cost,
+        shape=list(net.image_shape), latent_dim=int(net.latent_dim), width=int(net.width),
+    )  # fmt: skip
 
 
 def _from_payload(payload: Any, key: GeneratorKey) -> TrainedGenerator:

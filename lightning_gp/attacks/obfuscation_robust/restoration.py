@@ -39,7 +39,7 @@ import copy
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,7 +47,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_gp.attacks.generative.training import split_public
-from lightning_gp.attacks.trained_cache import DigestedKey, TrainedCache, checked_payload, tensor_state, training_record
+from lightning_gp.attacks.trained_cache import (
+    DigestedKey,
+    TrainedCache,
+    checked_payload,
+    tensor_state,
+    training_payload,
+    training_record,
+)
 from lightning_gp.seeding import seeded_generator
 from lightning_gp.validation import check_int, check_number, check_positive, check_positive_int
 
@@ -319,16 +326,10 @@ class RestorationCache(TrainedCache[RestorationKey, TrainedRestoration]):
 
     def _payload(self, key: RestorationKey, value: TrainedRestoration) -> dict[str, Any]:
         network = value.network
-        return {
-            "format": CACHE_FORMAT,
-            "key": repr(key),
-            "shape": list(network.image_shape),
-            "num_classes": int(network.num_classes),
-            "width": int(network.width),
-            "state": {n: t.detach().cpu() for n, t in network.state_dict().items()},
-            "held_out": value.held_out.cpu(),
-            "cost": asdict(value.cost),
-        }
+        return training_payload(
+            key, CACHE_FORMAT, network, value.held_out, value.cost,
+            shape=list(network.image_shape), num_classes=int(network.num_classes), width=int(network.width),
+        )  # fmt: skip
 
     def _from_payload(self, payload: Any, key: RestorationKey) -> TrainedRestoration:
         payload = checked_payload(payload, key, CACHE_FORMAT, "restoration")
