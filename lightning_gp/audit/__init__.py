@@ -10,6 +10,8 @@ One idea per module, layered bottom-up (no module imports one above it):
 - :mod:`.engine`: the attack-and-score engine (:func:`attack_record`, the attacker's loss);
 - :mod:`.verdict`: the one leak rule (:class:`LeakRule`), the worst case over attacks and the verdict
   ("private", "leaks", "inconclusive");
+- :mod:`.advantage`: the reconstruction advantage over the prior (:func:`reconstruction_advantage`: how
+  much more often the attacks identify an original than the best prior-only guess does, with its interval);
 - :mod:`.setting_audit`: every attack against one setting, judged per threat model
   (:func:`audit_setting`, the engine of the matrix and the demo);
 - :mod:`.training`: what a setting costs (:func:`train_setting`);
@@ -33,6 +35,7 @@ import importlib
 import warnings
 from typing import Any
 
+from lightning_gp.audit.advantage import ReconstructionAdvantage, identifying_rule, reconstruction_advantage
 from lightning_gp.audit.bounds import FormalBound, defense_mechanism, prior_only_kappa, setting_bound
 from lightning_gp.audit.callback import AuditResult, PrivacyAudit
 from lightning_gp.audit.catalog import CatalogEntry, DefenseSetting, defense_catalog, register_defense
@@ -92,6 +95,7 @@ __all__ = [
     "LeakRule",
     "NoPublicSplitError",
     "PrivacyAudit",
+    "ReconstructionAdvantage",
     "SettingAudit",
     "TrainingResult",
     "WorstCaseReport",
@@ -106,6 +110,7 @@ __all__ = [
     "defense_catalog",
     "defense_mechanism",
     "internal_trainer",
+    "identifying_rule",
     "learned_inversion_attacks",
     "library_noise_silenced",
     "malicious_server_model",
@@ -114,6 +119,7 @@ __all__ = [
     "public_examples",
     "published_attacks",
     "quiet_lightning",
+    "reconstruction_advantage",
     "recognition_tests",
     "register_defense",
     "save_audit_figure",

@@ -47,6 +47,7 @@ from lightning_gp.audit.verdict import BaselineScores, LeakRule, guess_floors, t
 from lightning_gp.callbacks import DPSGD, GradientDefense
 from lightning_gp.defenses import GaussianNoise, LocalGaussianMechanism
 from lightning_gp.metrics.image_quality import check_pixel_range
+from lightning_gp.metrics.recognition import RecognitionTests
 from lightning_gp.metrics.report import METRICS, pair_scores
 from lightning_gp.privacy import GaussianMechanism, clopper_pearson
 from lightning_gp.validation import check_int, check_positive_int
@@ -269,6 +270,7 @@ def prior_only_leaks(
     lpips_fn: nn.Module | None = None,
     dataset_mean: Sequence[float] | None = None,
     baselines: Sequence[BaselineScores] | None = None,
+    identification: bool = False,
 ) -> Tensor:
     """Which originals each fixed prior-only guess leaks under ``rule``: ``[B, G]`` bool, column ``j``
     the guess ``prior_only_guesses(originals, reference, dataset_mean)[j]``.
@@ -288,6 +290,12 @@ def prior_only_leaks(
     evaluation network takes, the semantic test for images or labels its classifier was not built
     for) cannot fire in the verdict either and is left out; a score the rule needs from the caller is
     an error naming the argument: ``labels`` for the semantic test, ``lpips_fn`` for an LPIPS line.
+
+    ``identification=True`` also scores the guesses by the rule's identification test (``rule.tests``),
+    so the gate applies to them as to any output. A public guess then competes with its own copy in the
+    test's pool, which only raises its p-value: fewer successes, a count from below, for a comparison
+    that must not overstate the prior (:mod:`~lightning_gp.audit.advantage`). By default the guesses
+    are judged ungated (:data:`UNSCORED_GUESS_IDENTIFICATION`: more successes, kappa from above).
     """
     rule = rule if rule is not None else LeakRule()
     if not isinstance(originals, Tensor) or originals.ndim != 4 or originals.shape[0] == 0:
@@ -306,7 +314,7 @@ def prior_only_leaks(
         baselines = trivial_baselines(originals, reference_images=reference, dataset_mean=dataset_mean)
     floors = guess_floors(originals, baselines)
     assert floors is not None
-    scores = _guess_scores(guesses, originals, rule, classes, lpips_fn)
+    scores = _guess_scores(guesses, originals, rule, classes, lpips_fn, identification)
     leaks = torch.zeros(originals.shape[0], guesses.shape[0], dtype=torch.bool)
     for i in range(originals.shape[0]):
         for j in range(guesses.shape[0]):
@@ -335,7 +343,12 @@ UNSCORED_GUESS_IDENTIFICATION = (
 
 
 def _guess_scores(
-    guesses: Tensor, originals: Tensor, rule: LeakRule, classes: Tensor | None, lpips_fn: nn.Module | None
+    guesses: Tensor,
+    originals: Tensor,
+    rule: LeakRule,
+    classes: Tensor | None,
+    lpips_fn: nn.Module | None,
+    identification: bool = False,
 ) -> dict[str, Tensor]:
     """Every guess scored against every original by the reports' own scoring
     (:func:`~lightning_gp.metrics.report.reconstruction_report` scores every output against every
@@ -350,9 +363,16 @@ def _guess_scores(
             None,
             "semantic" in rule.thresholds,
             classes,
-            None if rule.tests is None else rule.tests.without("identification", UNSCORED_GUESS_IDENTIFICATION),
+            _guess_tests(rule, identification),
         )
     return scores
+
+
+def _guess_tests(rule: LeakRule, identification: bool) -> RecognitionTests | None:
+    """The rule's tests the fixed guesses are scored by: without identification unless asked for."""
+    if rule.tests is None or identification:
+        return rule.tests
+    return rule.tests.without("identification", UNSCORED_GUESS_IDENTIFICATION)
 
 
 def prior_only_successes(
@@ -364,6 +384,7 @@ def prior_only_successes(
     lpips_fn: nn.Module | None = None,
     dataset_mean: Sequence[float] | None = None,
     baselines: Sequence[BaselineScores] | None = None,
+    identification: bool = False,
 ) -> int:
     """How many of the originals the best prior-only guess succeeds on, under ``rule``: the most any
     fixed guess of :func:`prior_only_leaks` leaks, and, where the rule has the semantic test, at
@@ -378,6 +399,7 @@ def prior_only_successes(
         lpips_fn=lpips_fn,
         dataset_mean=dataset_mean,
         baselines=baselines,
+        identification=identification,
     )
     best = int(leaks.sum(0).max())
     if "semantic" in rule.thresholds and labels is not None:

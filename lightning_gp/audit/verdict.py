@@ -419,6 +419,8 @@ class WorstCaseReport:
         leak_fraction: fraction of images that leak; ``leaked``: how many.
         verdict: "private", "leaks" or "inconclusive" (see :func:`judge`).
         verdict_reasons: why the verdict is what it is: the leaks, or what made the audit incomplete.
+        gaps: what made the audit incomplete, recorded whatever the verdict (:func:`audit_gaps`; a
+            "leaks" verdict does not name them in its reasons); ``None`` on a report stored before it was kept.
         rule: the leak rule in words; ``noise_ratio_line``: its paired noise-ratio line (``None``: off).
         threat_model: "passive" or "active" when the report judges one threat model (``None``: not said).
         control_false_alarm: the stated family-wise level of the prior-only controls in the worst case:
@@ -456,6 +458,7 @@ class WorstCaseReport:
     mean_lines_at_guess: list[str] = field(default_factory=list)
     mean_lines_unidentified: list[str] = field(default_factory=list)
     original_pixels: Tensor | None = field(default=None, repr=False, compare=False)
+    gaps: list[str] | None = None
     best_psnr_pixels: Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -524,6 +527,7 @@ class WorstCaseReport:
             "leaked": self.leaked,
             "verdict": self.verdict,
             "verdict_reasons": list(self.verdict_reasons),
+            "gaps": None if self.gaps is None else list(self.gaps),
             "rule": self.rule,
             "noise_ratio_line": self.noise_ratio_line,
             "threat_model": self.threat_model,
@@ -755,6 +759,7 @@ def worst_case_report(
     verdict, reasons = judge(
         rows, reports, names, counted, rule, max_leak_fraction=float(max_leak_fraction), incomplete=incomplete
     )
+    gaps = reasons if verdict == "inconclusive" else audit_gaps(rows, reports, names, rule, incomplete)
 
     below = None if floors is None else _mark_below_baselines(rows, floors, means, baselines)
     best_pixels = None if floors is None else _best_psnr_pixels(reports, best_psnr_source)
@@ -773,6 +778,7 @@ def worst_case_report(
         baselines=baselines,
         below_trivial_baseline=below,
         verdict_reasons=reasons,
+        gaps=gaps,
         rule=rule.describe(),
         noise_ratio_line=rule.noise_ratio_line,
         threat_model=threat_model,
@@ -977,6 +983,22 @@ def judge(
         leaks.append(f"worst-case mean {', '.join(crossed)} on the leaking side of the verdict thresholds")
     if leaks:
         return "leaks", leaks
+    gaps = audit_gaps(rows, reports, names, rule, incomplete)
+    return ("inconclusive", gaps) if gaps else ("private", [])
+
+
+def audit_gaps(
+    rows: Sequence[WorstImage],
+    reports: Sequence[ReconstructionReport],
+    names: Sequence[str],
+    rule: LeakRule,
+    incomplete: Sequence[str] = (),
+) -> list[str]:
+    """What the audit behind a worst case did not cover (``incomplete``, non-finite reconstructions, a
+    rule metric or the paired noise-ratio test not computed): empty for a complete audit. The reasons
+    of an "inconclusive" verdict; a "leaks" verdict holds whatever they are, but a question other than
+    "does it leak" (e.g. :mod:`~lightning_gp.audit.advantage`) still needs them.
+    """
     gaps = list(incomplete)
     for name, report in zip(names, reports):
         if report.not_reconstructed:
@@ -1006,7 +1028,7 @@ def judge(
             gaps.append(
                 "the noise-ratio test needs the originals' pixels to place the trivial guesses; a report has none"
             )
-    return ("inconclusive", gaps) if gaps else ("private", [])
+    return gaps
 
 
 def worst_case_of_reconstructions(
