@@ -18,9 +18,11 @@ from lightning_gp.audit import (
     published_attacks,
     setting_bound,
 )
-from lightning_gp.audit.bounds import prior_only_guesses, prior_only_leaks, prior_only_successes
+from lightning_gp.audit.bounds import KAPPA_IMAGES, prior_only_guesses, prior_only_leaks, prior_only_successes
 from lightning_gp.audit.catalog import DefenseSetting
+from lightning_gp.audit.recognition import datamodule_recognition_tests
 from lightning_gp.audit.rounds import public_examples
+from lightning_gp.audit.setting_audit import _kappa_sample
 from lightning_gp.audit.verdict import LeakRule, worst_case_report
 from lightning_gp.callbacks import DPSGD, GaussianNoise, TopKPruning
 from lightning_gp.data import FashionMNISTSampleDataModule
@@ -193,6 +195,17 @@ def test_the_audit_reports_eta_beside_the_measured_leaks(datamodule):
     assert audit.bound is not None and audit.bound.kappa is not None and audit.bound.eta is not None
     assert audit.bound.kappa <= audit.bound.eta <= 1.0
     assert any(line.startswith("ReRo bound") for line in audit.summary_lines())
+    # kappa is measured on the 2 audited images and more training images, not on the 2 alone
+    originals = audit.passive.original_pixels
+    labels = torch.as_tensor([int(datamodule.train_dataset[i][1]) for i in (0, 1)])
+    pixels, kappa_labels = _kappa_sample(datamodule, originals, labels, 0)
+    assert pixels.shape[0] == min(KAPPA_IMAGES, len(datamodule.train_dataset)) == kappa_labels.shape[0]
+    assert torch.equal(pixels[:2], originals) and torch.equal(kappa_labels[:2], labels)
+    assert torch.unique(pixels.flatten(1), dim=0).shape[0] == pixels.shape[0]  # no image counted twice
+    rule = LeakRule().calibrated(datamodule_recognition_tests(datamodule, log=lambda line: None))
+    reference = denormalize(public_examples(datamodule)[0], datamodule.mean, datamodule.std)
+    assert audit.bound.kappa == prior_only_kappa(pixels, reference, labels=kappa_labels, rule=rule)
+    assert audit.bound.kappa < clopper_pearson(0, 2)[1]
 
 
 def test_a_bound_at_round_r_composes_the_r_plus_1_releases_of_the_client():

@@ -69,6 +69,19 @@ def test_its_bound_is_one_weak_upload_per_client_and_the_central_mechanism_on_th
         defense_mechanism(callback, aggregate_of=0)
 
 
+def test_client_sampling_is_accounted_as_the_rate_of_the_rounds_a_client_takes_part_in() -> None:
+    callback = callbacks.DistributedGaussianMechanism(noise_multiplier=2.0, max_update_norm=1.0, cohort_size=1000)
+    sampled = defense_mechanism(callback, releases=100, aggregate_of=1000, participation=1000 / 60000)
+    assert sampled.sample_rate == pytest.approx(1 / 60) and sampled.steps == 100
+    assert sampled.noise_std == pytest.approx(2.0) and "probability q = 0.01667" in sampled.description
+    every_round = defense_mechanism(callback, releases=100, aggregate_of=1000)
+    assert sampled.eta(0.1) < every_round.eta(0.1)  # amplification by sampling
+    with pytest.raises(ValueError, match="participation"):
+        defense_mechanism(callback, participation=0.0)
+    with pytest.raises(ValueError, match="participation"):
+        defense_mechanism(callbacks.DPSGD(noise_multiplier=1.0), participation=0.5)
+
+
 def test_bad_arguments_are_refused_naming_them() -> None:
     with pytest.raises(ValueError, match="cohort_size"):
         D.DistributedGaussianMechanism(cohort_size=0)

@@ -63,7 +63,7 @@ from lightning_gp.attacks.learned import REFINED_DECOYS, LearnedInversion, Refin
 from lightning_gp.attacks.resolution import composed_knowledge
 from lightning_gp.attacks.threat_models import SoKThreatModel, attack_requirements, threat_class_of
 from lightning_gp.attacks.threat_models import threat_model as sok_threat_model
-from lightning_gp.audit.bounds import FormalBound, lpips_for_rule, prior_only_kappa, setting_bound
+from lightning_gp.audit.bounds import KAPPA_IMAGES, FormalBound, lpips_for_rule, prior_only_kappa, setting_bound
 from lightning_gp.audit.catalog import DefenseSetting
 from lightning_gp.audit.engine import AttackResult, attack_record, attacker_loss
 from lightning_gp.audit.learned import (
@@ -748,7 +748,15 @@ def _judged_audit(
         for threat in THREAT_MODELS
     }
     bound = _formal_bound(
-        setting, campaign.model, results, reference, rule, round=campaign.round, lpips_fn=campaign.lpips_fn
+        setting,
+        campaign.model,
+        results,
+        reference,
+        rule,
+        campaign.datamodule,
+        round=campaign.round,
+        seed=campaign.seed,
+        lpips_fn=campaign.lpips_fn,
     )
     restricted = campaign.sok_class
     audit = SettingAudit(
@@ -1088,9 +1096,7 @@ def _audit_aggregate(
         if client_dp is not None
         else setting_bound(setting, model, round=round, aggregate_of=len(records))
     )
-    audit.aggregate_bound = _aggregate_bound_at_kappa(
-        bound, results, combined, campaign.reference, campaign.rule, campaign.lpips_fn
-    )
+    audit.aggregate_bound = _aggregate_bound_at_kappa(bound, results, combined, campaign)
 
 
 def _run_aggregate_adaptive(
@@ -1222,20 +1228,18 @@ def _isolated_aggregate(
 
 
 def _aggregate_bound_at_kappa(
-    bound: FormalBound,
-    results: dict[str, list[AttackResult]],
-    combined: TappedGradient,
-    reference: Tensor,
-    rule: LeakRule,
-    lpips_fn: nn.Module | None,
+    bound: FormalBound, results: dict[str, list[AttackResult]], combined: TappedGradient, campaign: _Campaign
 ) -> FormalBound:
-    """The aggregate view's ``bound`` at the kappa of ``rule`` on every image of the aggregate."""
+    """The aggregate view's ``bound`` at the kappa of the campaign's rule on every image of the aggregate
+    and more training images (:func:`_kappa_sample`)."""
     scored = next(iter(results.values()), None)
     originals = None if not scored else concatenate_reports([r.report for r in scored]).original_pixels
-    if bound.mechanism is None or originals is None:
+    if bound.mechanism is None or originals is None or combined.targets is None:
         return bound
+    pixels, labels = _kappa_sample(campaign.datamodule, originals, combined.targets, campaign.seed)
+    rule = campaign.rule
     kappa = prior_only_kappa(
-        originals, reference, labels=combined.targets, rule=rule, lpips_fn=lpips_for_rule(rule, lpips_fn)
+        pixels, campaign.reference, labels=labels, rule=rule, lpips_fn=lpips_for_rule(rule, campaign.lpips_fn)
     )
     return bound.at(kappa)
 
@@ -1246,12 +1250,14 @@ def _formal_bound(
     results: dict[str, list[AttackResult]],
     reference: Tensor,
     rule: LeakRule,
+    datamodule: Any,
     *,
     round: int = 0,
+    seed: int = 0,
     lpips_fn: nn.Module | None = None,
 ) -> FormalBound:
     """The setting's ReRo bound over rounds ``0 .. round`` at the kappa of ``rule`` on the audited
-    images (none without a mechanism)."""
+    images and more training images (:func:`_kappa_sample`; none without a mechanism)."""
     bound = setting_bound(setting, model, round=round)
     scored = next(iter(results.values()), None)
     if bound.mechanism is None or not scored:
@@ -1261,9 +1267,32 @@ def _formal_bound(
         return bound
     # the labels of the images scored (an attack spared on clients whose images had leaked scored fewer)
     labels = torch.cat([r.record.targets.reshape(-1) for r in scored if r.record.targets is not None])
+    pixels, labels = _kappa_sample(datamodule, originals, labels, seed)
     return bound.at(
-        prior_only_kappa(originals, reference, labels=labels, rule=rule, lpips_fn=lpips_for_rule(rule, lpips_fn))
+        prior_only_kappa(pixels, reference, labels=labels, rule=rule, lpips_fn=lpips_for_rule(rule, lpips_fn))
     )
+
+
+def _kappa_sample(datamodule: Any, originals: Tensor, labels: Tensor, seed: int) -> tuple[Tensor, Tensor]:
+    """The images kappa is measured on: the audited ``originals`` (pixels) with their ``labels``, then
+    training images drawn with ``seed`` up to :data:`~lightning_gp.audit.bounds.KAPPA_IMAGES` (every one
+    where the training set is smaller; the bound's kappa is then the less certain)."""
+    if labels.is_floating_point() or labels.numel() != originals.shape[0]:
+        return originals, labels  # soft labels: the audited images alone, as before
+    labels = labels.reshape(-1).long().cpu()
+    train = datamodule.train_dataset
+    wanted = KAPPA_IMAGES - originals.shape[0]
+    if wanted <= 0:
+        return originals, labels
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))[: wanted + originals.shape[0]]
+    extra = [train[int(i)] for i in order]
+    extra_pixels = denormalize(torch.stack([x for x, _ in extra]), datamodule.mean, datamodule.std).clamp(0, 1)
+    extra_labels = torch.as_tensor([int(y) for _, y in extra])
+    # a drawn image equal to an audited one would be counted twice
+    gaps = (extra_pixels.flatten(1)[:, None, :] - originals.cpu().flatten(1)[None]).abs().amax(-1)
+    keep = ~(gaps < 1e-4).any(-1)
+    extra_pixels, extra_labels = extra_pixels[keep][:wanted], extra_labels[keep][:wanted]
+    return torch.cat([originals.cpu(), extra_pixels]), torch.cat([labels, extra_labels])
 
 
 def _learned_attacks(
