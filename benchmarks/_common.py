@@ -70,15 +70,16 @@ def parse_call(spec: str, option: str, hint: str) -> tuple[str, dict[str, Any]]:
     return call.func.id, {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg is not None}
 
 
-def setting_builder(spec: str, option: str = "--setting") -> Callable[[int], Any]:
+def setting_builder(spec: str, option: str = "--setting", channels: int = 1) -> Callable[[int], Any]:
     """``seed -> setting``: the catalogue entry named ``spec``, or for ``"Name(keyword=literal, ...)"``
-    the frontier family ``Name`` at those arguments (the frontier's point of that name)."""
+    the frontier family ``Name`` at those arguments (the frontier's point of that name), for images of
+    ``channels`` channels."""
     from lightning_gp.audit import defense_catalog
     from lightning_gp.frontier import frontier_families
 
     if "(" not in spec:
         entry = defense_catalog([spec])[0]
-        return lambda seed: entry.build(seed, 1)
+        return lambda seed: entry.build(seed, channels)
     try:
         name, keywords = parse_call(spec, option, "Name(keyword=literal, ...) or a catalogue name")
     except (ValueError, SyntaxError) as err:
@@ -86,7 +87,7 @@ def setting_builder(spec: str, option: str = "--setting") -> Callable[[int], Any
     families = frontier_families()
     if name not in families:
         raise SystemExit(f"{option} {spec!r}: {name!r} is no frontier family; they are {sorted(families)}")
-    return lambda seed: families[name].build(keywords, seed, 1)
+    return lambda seed: families[name].build(keywords, seed, channels)
 
 
 def attack_outcome(audit: Any, name: str, rule: Any, reference: Any) -> tuple[Any, list[Any], Any, int]:

@@ -309,43 +309,50 @@ def interleaved_ratio(
     )
 
 
+def client_step_ratio(
+    defense: defenses.Defense, batch_size: int, repeats: int, clock: Callable[[], float], device: torch.device
+) -> tuple[float, float, float]:
+    """``(undefended, defended, ratio)`` of a LeNetZhu FedSGD client step (forward, backward, the update
+    written into ``.grad``, SGD step) without and with ``defense``, in interleaved blocks of 64 steps
+    (:func:`interleaved_ratio`) timed by ``clock``."""
+    batches = sample_batches(8, batch_size, device)
+    torch.manual_seed(0)
+    model = LeNetZhu().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    names = [n for n, _ in model.named_parameters()]
+    grads = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    counter = {"step": 0}
+
+    def step(with_defense: defenses.Defense | None) -> None:
+        x, y = batches[counter["step"] % len(batches)]
+        optimizer.zero_grad()
+        gradients = dict(zip(names, torch.autograd.grad(CE(model(x), y), list(model.parameters()))))
+        if with_defense is None:
+            for name in names:
+                grads[name].copy_(gradients[name])
+        else:
+            with_defense(gradients, 0, out=grads)
+        for name, p in model.named_parameters():
+            p.grad = grads[name]
+        optimizer.step()
+        counter["step"] += 1
+
+    return interleaved_ratio(lambda: step(None), lambda: step(defense), 64, repeats, clock)
+
+
 def client_rows(device: torch.device, repeats: int) -> list[dict]:
-    """Issue 28's cost: a client's FedSGD step (forward, backward, the update written into ``.grad``,
-    SGD step) with and without LocalGaussianMechanism (clip the whole update, add its noise). Measured
-    on the CPU as the process's CPU time (on a shared machine other processes' load moves wall time,
-    not the step's own work; one torch thread) and as wall time, in interleaved blocks of 64 steps."""
+    """Issue 28's cost: a client's FedSGD step with and without LocalGaussianMechanism (clip the whole
+    update, add its noise; :func:`client_step_ratio`). Measured on the CPU as the process's CPU time (on
+    a shared machine other processes' load moves wall time, not the step's own work; one torch thread)
+    and as wall time."""
     if device.type != "cpu":
         raise SystemExit("--parts client measures a CPU client step: run it without --device cuda")
     rows = []
     for batch_size in (1, 8):
-        batches = sample_batches(8, batch_size, device)
-        torch.manual_seed(0)
-        model = LeNetZhu().to(device)
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-        names = [n for n, _ in model.named_parameters()]
-        grads = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
-        counter = {"step": 0}
         mechanism = defenses.LocalGaussianMechanism(noise_multiplier=0.5, max_update_norm=1.0, seed=0)
-
-        def step(defense: defenses.Defense | None) -> None:
-            x, y = batches[counter["step"] % len(batches)]
-            optimizer.zero_grad()
-            gradients = dict(zip(names, torch.autograd.grad(CE(model(x), y), list(model.parameters()))))
-            if defense is None:
-                for name in names:
-                    grads[name].copy_(gradients[name])
-            else:
-                defense(gradients, 0, out=grads)
-            for name, p in model.named_parameters():
-                p.grad = grads[name]
-            optimizer.step()
-            counter["step"] += 1
-
         label = "LocalGaussianMechanism(z=0.5, C=1)"
         for clock_name, clock in (("CPU time", time.process_time), ("wall time", time.perf_counter)):
-            undefended, defended, ratio = interleaved_ratio(
-                lambda: step(None), lambda: step(mechanism), 64, 3 * repeats, clock
-            )
+            undefended, defended, ratio = client_step_ratio(mechanism, batch_size, 3 * repeats, clock, device)
             measured = f"LeNetZhu b{batch_size}, {clock_name}"
             rows.append(cost_row("client", measured, label, undefended, defended, 1.2, "<= 1.2x", ratio=ratio))
             print(f"client {label}, batch {batch_size}, {clock_name}: {ratio:.2f}x a step", flush=True)

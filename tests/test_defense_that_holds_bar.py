@@ -1,0 +1,103 @@
+"""``benchmarks/prior_bar.py``: issue 49's bar on one audit. The deployment's bound charges client
+sampling, the PMM comes from many_clients.py's CSV by the setting's name, and a row lists every limit
+it misses (a gap in the audit is never a met bar)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers import BENCHMARKS
+
+from lightning_gp.attacks import Reconstruction
+from lightning_gp.audit.verdict import LeakRule, worst_case_report
+from lightning_gp.data import FashionMNISTSampleDataModule
+from lightning_gp.metrics import reconstruction_report
+from lightning_gp.privacy import GaussianMechanism
+
+
+@pytest.fixture
+def bar(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import prior_bar
+
+    return prior_bar
+
+
+def test_the_deployment_bound_is_the_secure_sum_over_the_rounds_a_client_is_sampled_in(bar) -> None:
+    from _common import setting_builder
+
+    setting = setting_builder("DistributedGaussianMechanism(noise_multiplier=2.0, cohort_size=1000)")(0)
+    deployment = bar.Deployment(cohort=1000, population=60000, rounds=100)
+    eta, text = bar.deployment_bound(setting, deployment, 0.25)
+    expected = GaussianMechanism(
+        noise_std=2.0, clip_norm=1.0, steps=100, sample_rate=1 / 60, neighbouring="replace_one"
+    ).eta(0.25)
+    assert eta == pytest.approx(expected) and "q = 0.01667" in text
+    assert bar.Deployment(cohort=1000, population=125, rounds=1).participation == 1.0  # a cohort above the population
+    undefended = setting_builder("undefended")(0)
+    assert bar.deployment_bound(undefended, deployment, 0.25) == (None, "no single formal mechanism")
+    eta, why = bar.deployment_bound(setting_builder("TopKPruning(rate=0.8)")(0), deployment, 0.25)
+    assert eta is None and "participation" in why
+
+
+def test_the_smallest_population_is_where_the_bound_first_meets_the_bar(bar) -> None:
+    from _common import setting_builder
+
+    setting = setting_builder("DistributedGaussianMechanism(noise_multiplier=8.0, cohort_size=1000)")(0)
+    kappa = 0.262
+    needed = bar.smallest_population(setting, 1000, 100, kappa)
+
+    def eta(population: int) -> float:
+        return bar.deployment_bound(setting, bar.Deployment(1000, population, 100), kappa)[0]
+
+    assert eta(needed) <= kappa + bar.ETA_MARGIN < eta(int(needed / 1.05))
+    assert bar.smallest_population(setting_builder("undefended")(0), 1000, 100, kappa) is None
+
+
+def test_the_pmm_is_read_by_any_name_of_the_setting(bar, tmp_path: Path) -> None:
+    path = tmp_path / "many_clients.csv"
+    path.write_text(
+        "defense,batch_size,clients_per_round,num_clients,rounds,test_acc,undefended_acc,PMM,s_per_round,undefended_s_per_round\n"
+        '"DistributedGaussianMechanism(noise_multiplier=2.0, cohort_size=1000)",8,1000,1000,100,0.67,0.67,1.0,1,1\n'
+        '"DistributedGaussianMechanism(noise_multiplier=2.0, cohort_size=1000)",1,1000,1000,100,0.57,0.67,0.85,1,1\n'
+    )
+    names = ("DistributedGaussianMechanism(noise_multiplier=2.0, cohort_size=1000)", "other")
+    assert bar.read_pmm(path, names, 1, 1000) == pytest.approx(0.85)
+    assert bar.read_pmm(path, names, 8, 100) is None and bar.read_pmm(None, names, 8, 1000) is None
+    with pytest.raises(SystemExit, match="--utility"):
+        bar.read_pmm(tmp_path / "missing.csv", names, 8, 1000)
+
+
+@pytest.fixture(scope="module")
+def private_worst():
+    """A complete worst case that identifies no one: flat images at the data's mean."""
+    data = FashionMNISTSampleDataModule(seed=0)
+    data.setup("fit")
+    pairs = [data.train_dataset[i] for i in range(4)]
+    originals, labels = torch.stack([x for x, _ in pairs]), torch.as_tensor([int(y) for _, y in pairs])
+    flat = torch.zeros_like(originals)  # normalised zeros: the data's mean image
+    report = reconstruction_report(Reconstruction(flat, None, attack="flat"), originals, (data.mean, data.std), labels)
+    rule = LeakRule(thresholds={"psnr": 20.0, "ssim": 0.5})
+    return worst_case_report([report], leak_thresholds=rule.thresholds, noise_ratio_line=None)
+
+
+def test_a_row_lists_every_limit_it_misses_and_meets_the_bar_only_when_none(bar, private_worst) -> None:
+    prior = bar.PriorCounts(identified=10, images=256, kappa=0.26)
+    complete = dataclasses.replace(private_worst, gaps=[])
+    audit = SimpleNamespace(passive=complete, active=None, aggregate=None, aggregate_active=None)
+    point = {"batch": 8, "algorithm": "fedsgd", "round": 0}
+    (met,) = bar.bar_rows(audit, point, prior, eta=0.30, pmm=0.98, step_ratio=1.1)
+    assert met["bar"] == "met" and met["threat model"] == "passive" and met["identified"] == "0/4"
+    (missed,) = bar.bar_rows(audit, point, prior, eta=0.40, pmm=0.90, step_ratio=None)
+    assert missed["bar"] == "eta 0.400 > kappa + 0.1 = 0.360; PMM 0.90 < 0.97; step not measured"
+    gap = SimpleNamespace(passive=dataclasses.replace(private_worst, gaps=["an attack errored"]), active=complete)
+    rows = bar.bar_rows(gap, point, prior, eta=0.30, pmm=0.98, step_ratio=1.1)
+    assert [r["bar"] for r in rows] == ["advantage inconclusive", "met"]
+    assert bar.closest(rows) == "1 of 2 rows meet the bar"
+    assert bar.closest([rows[0], missed]) == (
+        "no row meets the bar; the 1 closest miss 1 limit: advantage inconclusive"
+    )
