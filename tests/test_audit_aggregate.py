@@ -91,8 +91,8 @@ def test_dp_fedavg_behind_secure_aggregation_reports_its_round_bound(datamodule)
 
 
 def test_a_requested_learned_inverter_is_a_gap_of_the_aggregate_view_too(datamodule):
-    """The learned inverter does not attack the aggregate: with ``learned_inversion=True`` the aggregate
-    view names it, as the per-client views do where it did not run (here: clients below its batch)."""
+    """A learned inverter asked for and not run on the aggregate (here: an aggregate of 6 images, below
+    its ``learned_min_batch``) is a gap of the aggregate view, as of the per-client views."""
     torch.manual_seed(0)
     budget = dataclasses.replace(TINY, learned_inversion=True, learned_min_batch=99)
     audit = audit_setting(
@@ -108,3 +108,60 @@ def test_a_requested_learned_inverter_is_a_gap_of_the_aggregate_view_too(datamod
     assert audit.aggregate is not None
     assert audit.verdict("aggregate") == "inconclusive"  # IG at 5 iterations rebuilds nothing of the mean
     assert any("learned inverter" in r and "aggregate" in r for r in audit.aggregate.verdict_reasons)
+
+
+def test_the_aggregate_simulator_releases_the_mean_of_its_clients_shares(datamodule):
+    """The learned inverter on the aggregate trains on what the server sees of ``K`` simulated clients:
+    undefended FedSGD, the mean of their batch gradients, which is the gradient of all ``K x B`` images
+    as one batch."""
+    from lightning_gp.audit.learned import aggregate_simulator, setting_simulator
+
+    torch.manual_seed(0)
+    model = LeNetZhu()
+    pairs = [datamodule.train_dataset[i] for i in range(12)]
+    images = torch.stack([x for x, _ in pairs]).reshape(2, 6, 1, 28, 28)
+    labels = torch.as_tensor([int(y) for _, y in pairs]).reshape(2, 6)
+    simulate = setting_simulator(DefenseSetting("undefended"), num_clients=3)
+    aggregate = aggregate_simulator(simulate, 3)(model, images, labels, 0)
+    for n in range(2):
+        whole = client_gradients(model, nn.CrossEntropyLoss(), images[n : n + 1], labels[n : n + 1], vectorize=False)[0]
+        for name, gradient in whole.items():
+            torch.testing.assert_close(aggregate[name][n], gradient[0], rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="does not split among 4 clients"):
+        aggregate_simulator(simulate, 4)(model, images, labels, 0)
+
+
+def test_a_leak_through_the_learned_inverter_on_the_aggregate_reads_leaks_and_lifts_its_gap(datamodule, monkeypatch):
+    """The learned inverter now attacks the secure aggregate: its cells join the aggregate view, the gap
+    "not run" is gone, and a leak planted in its output on the aggregate (a copy of one image among flat
+    ones; its prior-only guesses flat) reads "leaks" in both secure-aggregation views."""
+    import lightning_gp.audit.learned as learned_module
+    from lightning_gp.attacks.base import Reconstruction
+    from lightning_gp.attacks.learned import LearnedInversion
+
+    pairs = [datamodule.train_dataset[i] for c in INDICES for i in c]
+    originals = torch.stack([x for x, _ in pairs])
+
+    class PlantedInverter(LearnedInversion):
+        def reconstruct(self, view):
+            output = torch.zeros(view.batch_size, *originals.shape[1:])
+            if view.batch_size == originals.shape[0]:  # the aggregate: a copy of image 4 at output 1
+                output[1] = originals[4]
+            return Reconstruction(output, None, attack=type(self).__name__)
+
+        def prior_only_guesses(self, view, count):
+            return torch.zeros(count, view.batch_size, *originals.shape[1:])
+
+    monkeypatch.setattr(learned_module, "LearnedInversion", PlantedInverter)
+    torch.manual_seed(0)
+    budget = dataclasses.replace(TINY, learned_inversion=True, learned_max_epochs=1)
+    setting = DefenseSetting("noise", [GaussianNoise(scale=1e-4, seed=0)])
+    audit = audit_setting(
+        setting, LeNetZhu(), datamodule, indices=INDICES, published=published_attacks(budget, ["IG"]),
+        budget=budget, aggregate=True, log=lambda line: None,
+    )  # fmt: skip
+    assert {"adaptive:PlantedInverter", "adaptive:RefinedLearnedInversion"} <= {c.attack for c in audit.aggregate_cells}
+    for view in (audit.aggregate, audit.aggregate_active):
+        assert view is not None and view.rows[4].leaks and "PlantedInverter" in view.rows[4].leaked_by
+        assert not any("learned inverter" in g for g in view.gaps), view.gaps
+    assert "PlantedInverter" not in audit.passive.rows[4].leaked_by  # per client it returns flat images only

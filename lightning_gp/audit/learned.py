@@ -200,6 +200,27 @@ def setting_simulator(
     return simulate
 
 
+def aggregate_simulator(simulate: DefenseSimulator, clients: int) -> DefenseSimulator:
+    """What a server behind secure aggregation sees of ``clients`` simulated clients: ``simulate`` on each
+    client's share of a batch of ``clients x B`` images (client ``k`` the ``k``-th ``B``, the order of
+    :func:`~lightning_gp.audit.rounds.aggregate_record`), their shared updates averaged as the audit's
+    round combines them (the uniform mean of equal batches)."""
+    check_positive_int(clients, "clients")
+
+    def simulated(model: nn.Module, images: Tensor, labels: Tensor, seed: int) -> dict[str, Tensor]:
+        _check_client_batches(images, labels)
+        count, total = labels.shape[0], labels.shape[1]
+        if total % clients:
+            raise ValueError(f"images: a batch of {total} images does not split among {clients} clients")
+        per = total // clients
+        shared = simulate(
+            model, images.reshape(count * clients, per, *images.shape[2:]), labels.reshape(count * clients, per), seed
+        )
+        return {n: g.reshape(count, clients, *g.shape[1:]).mean(1) for n, g in shared.items()}
+
+    return simulated
+
+
 def learned_inversion_attacks(
     setting: DefenseSetting,
     datamodule: Any,
@@ -213,6 +234,7 @@ def learned_inversion_attacks(
     cache: InverterCache | None = None,
     seed: int = 0,
     round: int = 0,
+    aggregate_of: int | None = None,
 ) -> list[GradientAttack]:
     """The learned inverter of ``setting`` and its refined variant, trained on the public split
     (:func:`~lightning_gp.audit.rounds.public_examples`: the test split, at most ``public_size``
@@ -232,7 +254,12 @@ def learned_inversion_attacks(
     state in the simulation, while the attacked client at a trained round carries ``round`` rounds of
     it. The inverter then learns the defense as a fresh client applies it, which is not what that
     client shares: an attack that still runs (its leaks are real leaks), but weaker there than one
-    trained on the client's own state, which the server does not hold."""
+    trained on the client's own state, which the server does not hold.
+
+    ``aggregate_of=K``: the inverters attack the secure aggregate of ``K`` clients (one simulated round of
+    ``K``): trained on the mean of ``K`` simulated clients' shared updates (:func:`aggregate_simulator`),
+    they output all ``K x B`` images of the aggregate (``adaptive``: the setting's adaptive attacks lifted
+    to the aggregate, one of which the refinement matches with)."""
     if simulation_refusal(setting) is not None:
         return []
     check_positive_int(public_size, "public_size")
@@ -242,10 +269,14 @@ def learned_inversion_attacks(
         if callable(resolve):
             resolve(datamodule)
     images, labels = public_examples(datamodule, public_size)
-    simulate = setting_simulator(setting, num_clients=num_clients, round=round)
+    if aggregate_of is None:
+        simulate = setting_simulator(setting, num_clients=num_clients, round=round)
+    else:
+        num_clients = check_positive_int(aggregate_of, "aggregate_of")
+        simulate = aggregate_simulator(setting_simulator(setting, num_clients=num_clients, round=round), num_clients)
     key = (
         f"{setting.name}|{[repr(cb) for cb in setting.callbacks]}|architecture={setting.architecture is not None}"
-        f"|round={round}|num_clients={num_clients}"
+        f"|round={round}|num_clients={num_clients}" + ("" if aggregate_of is None else f"|aggregate_of={aggregate_of}")
     )
     matching = next((a for a in adaptive or [] if isinstance(a, InvertingGradients)), None)
     common: dict[str, Any] = {"defense_key": key, "config": config, "cache": cache, "seed": seed}

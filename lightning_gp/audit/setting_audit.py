@@ -116,11 +116,13 @@ class AttackBudget:
         rtf_bins: bins of Robbing the Fed's imprint block.
         learned_inversion: also run the learned inverter and its refined variant
             (:func:`~lightning_gp.audit.learned.learned_inversion_attacks`) on every setting the
-            server can replay, the undefended one included; off by default (it trains a network
-            per setting, minutes on a CPU). Where it was asked for and does not run (the server
-            cannot replay the setting, :func:`~lightning_gp.audit.learned.simulation_refusal`; a
-            client below ``learned_min_batch``; ``audit_setting(adaptive=False)``), both verdicts
-            name that gap (:data:`LEARNED_NOT_RUN`) and are never "private".
+            server can replay, the undefended one included, and with ``audit_setting(aggregate=True)``
+            on the secure aggregate too (trained on the mean of as many simulated clients); off by
+            default (it trains a network per setting, minutes on a CPU). Where it was asked for and
+            does not run (the server cannot replay the setting,
+            :func:`~lightning_gp.audit.learned.simulation_refusal`; a client, or the aggregate, below
+            ``learned_min_batch``; ``audit_setting(adaptive=False)``; DP-FedAvg's aggregate), the
+            verdicts name that gap (:data:`LEARNED_NOT_RUN`) and are never "private".
         learned_max_epochs: cap on the learned inverter's epochs (it stops earlier on convergence).
         learned_min_batch: with ``learned_inversion``, run the learned inverter only on clients of at
             least this many images. Raising it above 1 saves minutes per setting (at batch 1 the
@@ -1036,8 +1038,9 @@ def _audit_aggregate(
     update (:attr:`SettingAudit.aggregate`), and, for the active server, also each published attack
     that sends every client its own model (``client_models``, e.g. :class:`~lightning_gp.attacks.LOKI`)
     on the combination of the updates of the models it sent (:attr:`SettingAudit.aggregate_active`).
-    ``learned``: the learned inverter was asked for; it does not attack the aggregate, a named gap. The
-    bound (DP-FedAvg's with ``client_dp``, else the setting's) composes rounds ``0 .. round``: every
+    ``learned``: the learned inverter was asked for: it attacks the aggregate too, trained on the mean of
+    simulated clients (:func:`~lightning_gp.audit.learned.aggregate_simulator`); where it cannot, a named
+    gap. The bound (DP-FedAvg's with ``client_dp``, else the setting's) composes rounds ``0 .. round``: every
     client of the audit's simulation takes part in every round (``q = 1``)."""
     setting, records, model, round = campaign.setting, campaign.passive_records, campaign.passive_model, campaign.round
     combine = None
@@ -1081,10 +1084,9 @@ def _audit_aggregate(
         audit.aggregate_cells.append(cell)
         if out:
             results[spec.name] = out
-    unmodelled = _run_aggregate_adaptive(audit, campaign, combined, results, budget, client_dp, adaptive=adaptive)
-    gaps = [] if unmodelled is None else [unmodelled]
-    if learned:
-        gaps.append(LEARNED_NOT_RUN.format("it does not attack the secure aggregate"))
+    gaps = _run_aggregate_adaptive(
+        audit, campaign, combined, results, budget, client_dp, adaptive=adaptive, learned=learned
+    )
     passive = {c.attack for c in audit.aggregate_cells if c.threat == "passive"}
     passive_results = {k: v for k, v in results.items() if k in passive}
     audit.aggregate = _judge_aggregate(audit, campaign, passive_results, gaps, threats=("passive",))
@@ -1108,21 +1110,74 @@ def _run_aggregate_adaptive(
     client_dp: ClientLevelDP | None,
     *,
     adaptive: bool = True,
-) -> str | None:
+    learned: bool = False,
+) -> list[str]:
     """The setting's adaptive attacks on the secure aggregate: each one's defense knowledge lifted to the
     mean of the round's clients (:meth:`~lightning_gp.attacks.DefenseKnowledge.over_clients`), the
     attacker granted the labels in client order (which client holds which label is what each client's
-    clip and pruning act on: a guessed assignment would err for the defense). Their cells join
-    ``audit.aggregate_cells``, their results ``results``. Returns the gap that keeps the aggregate's
-    verdicts from "private" where some adaptive attack does not carry over (``None``: none)."""
+    clip and pruning act on: a guessed assignment would err for the defense); with ``learned``, the
+    learned inverter and its refined variant trained on the aggregate of as many simulated clients
+    (matching with the lifted attacks). Their cells join ``audit.aggregate_cells``, their results
+    ``results``. Returns the gaps that keep the aggregate's verdicts from "private": an adaptive attack
+    that does not carry over, a learned inverter asked for and not run."""
     setting = campaign.setting
+    why_not_learned = _aggregate_learned_not_run(campaign, budget, client_dp, adaptive)
+    gaps = [LEARNED_NOT_RUN.format(why_not_learned or "no learned attack was built")] if learned else []
     if client_dp is not None:
-        return "no adaptive attack models DP-FedAvg's clipped, noised mean of the updates"
-    if setting.undefended:
-        return None
+        return [*gaps, "no adaptive attack models DP-FedAvg's clipped, noised mean of the updates"]
     if not adaptive:
-        return "the adaptive attacks were not run on the aggregate (adaptive=False)"
-    attacks = setting.adaptive_attacks(
+        return (
+            gaps
+            if setting.undefended
+            else [*gaps, "the adaptive attacks were not run on the aggregate (adaptive=False)"]
+        )
+    lifted, unmodelled = _lifted_adaptive_attacks(campaign, budget) if not setting.undefended else ([], [])
+    learned_attacks: list[GradientAttack] = []
+    if learned and why_not_learned is None:
+        learned_attacks = _learned_attacks(
+            setting, campaign.datamodule, budget, lifted, campaign.seed, campaign.log, round=campaign.round,
+            aggregate_of=len(campaign.passive_records),
+        )  # fmt: skip
+        gaps = [] if learned_attacks else gaps
+    for attack in [*lifted, *learned_attacks]:
+        name = f"adaptive:{type(attack).__name__}"
+        if (reason := _forbidden(campaign.sok_class, f"{name} on the aggregate", attack)) is not None:
+            audit.forbidden.append(reason)
+            continue
+        campaign.log(f"   {name} on the aggregate of {setting.name} ...")
+        cell, out = _run_attack(
+            name, "adaptive", [attack], [combined], campaign.passive_model, setting, campaign.datamodule, {},
+            campaign.lpips_fn, campaign.log, campaign.rule, campaign.reference, public_data=campaign.public,
+            labels_known=True,
+        )  # fmt: skip
+        cell.sok_class, cell.threat = threat_class_of(attack).id, "passive"
+        audit.aggregate_cells.append(cell)
+        if out:
+            results[name] = out
+    if not setting.undefended and (unmodelled or not lifted):
+        why = "; ".join(unmodelled) or f"{setting.name} declares no adaptive attack"
+        gaps.append(f"no adaptive attack models the aggregate of {setting.name}: {why}")
+    return gaps
+
+
+def _aggregate_learned_not_run(
+    campaign: _Campaign, budget: AttackBudget, client_dp: ClientLevelDP | None, adaptive: bool
+) -> str | None:
+    """Why the learned inverter cannot attack the secure aggregate of ``campaign`` (``None``: it can)."""
+    if client_dp is not None:
+        return "the server cannot simulate DP-FedAvg's clipped, noised mean"
+    if not adaptive:
+        return "adaptive=False (the learned inverter is an adaptive attack)"
+    images = len(campaign.passive_records) * min(map(len, campaign.indices))
+    if images < budget.learned_min_batch:
+        return f"the aggregate holds {images} image(s), below learned_min_batch={budget.learned_min_batch}"
+    return simulation_refusal(campaign.setting)
+
+
+def _lifted_adaptive_attacks(campaign: _Campaign, budget: AttackBudget) -> tuple[list[GradientAttack], list[str]]:
+    """The setting's adaptive attacks with their defense knowledge lifted to the mean of the round's
+    clients, and why each one that does not carry over does not."""
+    attacks = campaign.setting.adaptive_attacks(
         campaign.model,
         campaign.datamodule,
         iterations=budget.ig_iterations,
@@ -1142,25 +1197,7 @@ def _run_aggregate_adaptive(
             unmodelled.append(f"{type(attack).__name__}: {err}")
             continue
         lifted.append(attack)
-    for attack in lifted:
-        name = f"adaptive:{type(attack).__name__}"
-        if (reason := _forbidden(campaign.sok_class, f"{name} on the aggregate", attack)) is not None:
-            audit.forbidden.append(reason)
-            continue
-        campaign.log(f"   {name} on the aggregate of {setting.name} ...")
-        cell, out = _run_attack(
-            name, "adaptive", [attack], [combined], campaign.passive_model, setting, campaign.datamodule, {},
-            campaign.lpips_fn, campaign.log, campaign.rule, campaign.reference, public_data=campaign.public,
-            labels_known=True,
-        )  # fmt: skip
-        cell.sok_class, cell.threat = threat_class_of(attack).id, "passive"
-        audit.aggregate_cells.append(cell)
-        if out:
-            results[name] = out
-    if unmodelled or not lifted:
-        why = "; ".join(unmodelled) or f"{setting.name} declares no adaptive attack"
-        return f"no adaptive attack models the aggregate of {setting.name}: {why}"
-    return None
+    return lifted, unmodelled
 
 
 def _judge_aggregate(
@@ -1305,11 +1342,12 @@ def _learned_attacks(
     *,
     round: int = 0,
     num_clients: int = 10,
+    aggregate_of: int | None = None,
 ) -> list[GradientAttack]:
     """The learned inverter and its refined variant of ``setting`` (one object each for every
     client: the inverter is trained once, with the audit's seed), trained on the clients' behaviour
-    at round ``round`` in rounds of ``num_clients`` clients; none, with the reason logged, where
-    the server cannot replay the setting."""
+    at round ``round`` in rounds of ``num_clients`` clients (``aggregate_of=K``: on the secure
+    aggregate of ``K`` clients); none, with the reason logged, where the server cannot replay the setting."""
     refusal = simulation_refusal(setting)
     if refusal is not None:
         log(f"   LearnedInversion not run on {setting.name}: {refusal}")
