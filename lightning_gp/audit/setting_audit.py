@@ -1323,8 +1323,11 @@ def _kappa_sample(datamodule: Any, originals: Tensor, labels: Tensor, seed: int)
         return originals, labels
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))[: wanted + originals.shape[0]]
     extra = [train[int(i)] for i in order]
+    try:
+        extra_labels = torch.as_tensor([int(y) for _, y in extra])
+    except (TypeError, ValueError, RuntimeError):  # labels that are not one class each: the audited images alone
+        return originals, labels
     extra_pixels = denormalize(torch.stack([x for x, _ in extra]), datamodule.mean, datamodule.std).clamp(0, 1)
-    extra_labels = torch.as_tensor([int(y) for _, y in extra])
     # a drawn image equal to an audited one would be counted twice
     gaps = (extra_pixels.flatten(1)[:, None, :] - originals.cpu().flatten(1)[None]).abs().amax(-1)
     keep = ~(gaps < 1e-4).any(-1)
