@@ -142,7 +142,13 @@ def test_a_leak_through_the_learned_inverter_on_the_aggregate_reads_leaks_and_li
     pairs = [datamodule.train_dataset[i] for c in INDICES for i in c]
     originals = torch.stack([x for x, _ in pairs])
 
+    built: list[str] = []
+
     class PlantedInverter(LearnedInversion):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            built.append(self.defense_key)
+
         def reconstruct(self, view):
             output = torch.zeros(view.batch_size, *originals.shape[1:])
             if view.batch_size == originals.shape[0]:  # the aggregate: a copy of image 4 at output 1
@@ -161,6 +167,7 @@ def test_a_leak_through_the_learned_inverter_on_the_aggregate_reads_leaks_and_li
         budget=budget, aggregate=True, log=lambda line: None,
     )  # fmt: skip
     assert {"adaptive:PlantedInverter", "adaptive:RefinedLearnedInversion"} <= {c.attack for c in audit.aggregate_cells}
+    assert any("aggregate_of=3" in key for key in built), built  # trained on the aggregate of the 3 clients
     for view in (audit.aggregate, audit.aggregate_active):
         assert view is not None and view.rows[4].leaks and "PlantedInverter" in view.rows[4].leaked_by
         assert not any("learned inverter" in g for g in view.gaps), view.gaps

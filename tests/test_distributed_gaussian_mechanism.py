@@ -16,6 +16,7 @@ from lightning_gp import defenses as D
 from lightning_gp.attacks import DefenseKnowledge
 from lightning_gp.attacks.resolution import composed_knowledge
 from lightning_gp.audit import AttackBudget, DefenseSetting, audit_setting, defense_mechanism, published_attacks
+from lightning_gp.audit.setting_audit import honest_cohort, with_absent_shares
 from lightning_gp.data import FashionMNISTSampleDataModule
 from lightning_gp.defenses.base import DefenseCall
 from lightning_gp.models import LeNetZhu
@@ -102,9 +103,10 @@ def test_the_attacker_knows_the_upload_s_share_and_the_lift_divides_it_over_the_
     assert knowledge.over_clients(4).noise_level(view) == pytest.approx(z * C / math.sqrt(K) / 2)  # type: ignore[arg-type]
 
 
-def test_the_audit_s_aggregate_view_is_bounded_by_the_sum_of_its_clients() -> None:
-    """Two audited clients of a cohort of 4: the aggregate view's bound has the sum's noise z C sqrt(2 / 4);
-    the per-client view's, one upload's z C / 2."""
+def test_the_audit_s_aggregate_view_carries_the_honest_cohort_s_noise_and_its_bound() -> None:
+    """Two audited clients of a cohort of 4: the aggregate view is their mean plus the other two clients'
+    noise shares (honest: kept secret), so its noise is the central z C over the 2 summed, and its bound
+    is the sum of the whole cohort's (noise z C); the per-client view's, one upload's z C / 2."""
     data = FashionMNISTSampleDataModule(batch_size=500)
     budget = AttackBudget(ig_iterations=3, lbfgs_iterations=2)
     setting = DefenseSetting(
@@ -118,5 +120,24 @@ def test_the_audit_s_aggregate_view_is_bounded_by_the_sum_of_its_clients() -> No
     assert audit.bound is not None and audit.bound.mechanism is not None
     assert audit.bound.mechanism.noise_std == pytest.approx(2.0 / 2)
     assert audit.aggregate_bound is not None and audit.aggregate_bound.mechanism is not None
-    assert audit.aggregate_bound.mechanism.noise_std == pytest.approx(2.0 * math.sqrt(2 / 4))
+    assert audit.aggregate_bound.mechanism.noise_std == pytest.approx(2.0)
     assert audit.aggregate_bound.eta < audit.bound.eta  # type: ignore[operator]
+
+
+def test_the_absent_shares_make_the_mean_s_noise_the_central_one_and_the_knowledge_knows_it() -> None:
+    """On the mean of 4 present clients of a cohort of 100 (upload noise 0.1), the others' shares add
+    std 0.1 sqrt(96) / 4: with the present clients' own, the central z C / 4 = 0.25, which the lifted
+    knowledge models; the draw is the same on every call (one round's noise)."""
+    cohort = D.DistributedGaussianMechanism(noise_multiplier=1.0, cohort_size=100)
+    combine = with_absent_shares(cohort, 4, seed=0)
+    zeros = [{"w": torch.zeros(40_000)} for _ in range(4)]
+    added = combine(zeros)["w"]
+    assert added.std().item() == pytest.approx(0.1 * math.sqrt(96) / 4, rel=0.02)
+    assert torch.equal(added, combine(zeros)["w"])
+    lifted = DefenseKnowledge(noise_std=cohort.noise_std, support=False).over_clients(4, noise_shares=100)
+    total = math.hypot(0.1 * math.sqrt(96) / 4, 0.1 * math.sqrt(4) / 4)
+    assert lifted.noise_level(None) == pytest.approx(total) == pytest.approx(0.25)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="noise_shares"):
+        DefenseKnowledge(noise_std=0.1, support=False).over_clients(4, noise_shares=3)
+    assert honest_cohort(DefenseSetting("d", [callbacks.DistributedGaussianMechanism(cohort_size=10)])) is not None
+    assert honest_cohort(DefenseSetting("l", [callbacks.LocalGaussianMechanism()])) is None

@@ -203,6 +203,10 @@ class DefenseKnowledge:
             defense on an equal batch (the mean of their defended updates): the dummy batch is that
             many equal chunks in client order, each through the defense's known part on its own, then
             averaged; the noise std is one client's over ``sqrt(clients)`` (:meth:`over_clients`).
+        noise_shares: on an aggregate, how many clients' noises its sum carries (``None``: one per
+            client); more than ``clients`` where the other members of a distributed mechanism's cohort,
+            honest and not attacked, add their shares: the noise std is then one client's times
+            ``sqrt(noise_shares) / clients``.
     """
 
     defense: str = ""
@@ -220,9 +224,12 @@ class DefenseKnowledge:
     noise_variance: NoiseVariance | None = None
     client_selection: KnownTransform | None = None
     clients: int = 1
+    noise_shares: int | None = None
 
     def __post_init__(self) -> None:
         self.clients = check_positive_int(self.clients, "clients")
+        if self.noise_shares is not None and check_positive_int(self.noise_shares, "noise_shares") < self.clients:
+            raise ValueError(f"noise_shares: {self.noise_shares} noises cannot be summed by {self.clients} clients")
         self.models = tuple(str(m) for m in self.models)
         self.skip_layers = tuple(str(s) for s in self.skip_layers)
         self.caveats = tuple(str(c) for c in self.caveats)
@@ -253,9 +260,11 @@ class DefenseKnowledge:
         parts += [f"clients={self.clients}"] if self.clients > 1 else []
         return ", ".join(parts)
 
-    def over_clients(self, clients: int) -> DefenseKnowledge:
+    def over_clients(self, clients: int, noise_shares: int | None = None) -> DefenseKnowledge:
         """This knowledge on the secure aggregate of ``clients`` clients that each ran the defense on an
-        equal batch (Bonawitz et al., CCS 2017: the server sees only the mean of the defended updates).
+        equal batch (Bonawitz et al., CCS 2017: the server sees only the mean of the defended updates);
+        ``noise_shares``: the noises the sum carries where more clients than those attacked add theirs
+        (:attr:`noise_shares`).
         Raises ``ValueError`` where the defense's model does not carry over to the mean: a transform
         read off one client's shared gradient (``view_transform``), a data-dependent noise variance, or
         a pruning whose choice of entries is not a known function of the gradient (``client_selection``)."""
@@ -286,7 +295,7 @@ class DefenseKnowledge:
             caveats += (f"each client's mask is recomputed on its chunk of the dummy gradient: {residual}",)
         if self.noise_law == "laplace" and clients > 1 and self.noise_std is not None:
             caveats += (f"the mean of {clients} Laplace noises is not Laplace: the likelihood is approximate",)
-        return replace(self, clients=clients, caveats=caveats)
+        return replace(self, clients=clients, caveats=caveats, noise_shares=noise_shares)
 
     def unmodelled(self, view: ServerView) -> list[str]:
         """Defenses recorded with the view that this knowledge does not cover."""
@@ -310,17 +319,19 @@ class DefenseKnowledge:
 
     def noise_level(self, view: ServerView) -> float | None:
         """The per-coordinate noise std of the shared gradient; for an aggregate, one client's (a noise
-        read off the view, as DP-SGD's ``sigma C / B``, at one client's batch) over ``sqrt(clients)``."""
+        read off the view, as DP-SGD's ``sigma C / B``, at one client's batch) over ``sqrt(clients)``
+        (times ``sqrt(noise_shares / clients)`` where more noises than clients are summed)."""
         if self.noise_std is None:
             return None
+        scale = math.sqrt(self.noise_shares or self.clients) / self.clients
         if not callable(self.noise_std):
-            return float(self.noise_std) / math.sqrt(self.clients)
+            return float(self.noise_std) * scale
         if self.clients > 1:
             if view.batch_size % self.clients:
                 raise ValueError(f"an aggregate batch of {view.batch_size} does not split into {self.clients} clients")
             view = copy.copy(view)  # one client's view: its batch (the view's tensors are not touched)
             view.batch_size //= self.clients
-        return float(self.noise_std(view)) / math.sqrt(self.clients)
+        return float(self.noise_std(view)) * scale
 
     def plan(self, view: ServerView) -> MatchPlan:
         """The layers, entries and per-layer weights of the match, from the shared gradient alone."""

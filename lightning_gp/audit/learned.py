@@ -55,7 +55,7 @@ from lightning_gp.federated.client_updates import client_gradients
 from lightning_gp.functional import trainable_parameters, updates_running_stats
 from lightning_gp.pipeline import ClientSetup, ClientStepRunner, DefenseStage, SharedGradientPipeline, StageCall
 from lightning_gp.seeding import seeded_generator
-from lightning_gp.validation import check_int, check_positive_int
+from lightning_gp.validation import check_int, check_nonnegative, check_positive_int
 
 
 class _ServerSimulatedClients(ClientStepRunner):
@@ -200,12 +200,15 @@ def setting_simulator(
     return simulate
 
 
-def aggregate_simulator(simulate: DefenseSimulator, clients: int) -> DefenseSimulator:
+def aggregate_simulator(simulate: DefenseSimulator, clients: int, absent_noise_std: float = 0.0) -> DefenseSimulator:
     """What a server behind secure aggregation sees of ``clients`` simulated clients: ``simulate`` on each
     client's share of a batch of ``clients x B`` images (client ``k`` the ``k``-th ``B``, the order of
     :func:`~lightning_gp.audit.rounds.aggregate_record`), their shared updates averaged as the audit's
-    round combines them (the uniform mean of equal batches)."""
+    round combines them (the uniform mean of equal batches); ``absent_noise_std``: the std of the noise
+    shares of a cohort's other clients in the sum (fresh per draw, over ``clients`` on the mean;
+    :func:`~lightning_gp.audit.setting_audit.with_absent_shares`)."""
     check_positive_int(clients, "clients")
+    check_nonnegative(absent_noise_std, "absent_noise_std")
 
     def simulated(model: nn.Module, images: Tensor, labels: Tensor, seed: int) -> dict[str, Tensor]:
         _check_client_batches(images, labels)
@@ -216,7 +219,15 @@ def aggregate_simulator(simulate: DefenseSimulator, clients: int) -> DefenseSimu
         shared = simulate(
             model, images.reshape(count * clients, per, *images.shape[2:]), labels.reshape(count * clients, per), seed
         )
-        return {n: g.reshape(count, clients, *g.shape[1:]).mean(1) for n, g in shared.items()}
+        generator = torch.Generator().manual_seed(seed)
+        out = {}
+        for n, g in shared.items():
+            mean = g.reshape(count, clients, *g.shape[1:]).mean(1)
+            if absent_noise_std > 0:
+                noise = torch.randn(mean.shape, generator=generator, dtype=mean.dtype).to(mean.device)
+                mean = mean + noise * (absent_noise_std / clients)
+            out[n] = mean
+        return out
 
     return simulated
 
@@ -235,6 +246,7 @@ def learned_inversion_attacks(
     seed: int = 0,
     round: int = 0,
     aggregate_of: int | None = None,
+    absent_noise_std: float = 0.0,
 ) -> list[GradientAttack]:
     """The learned inverter of ``setting`` and its refined variant, trained on the public split
     (:func:`~lightning_gp.audit.rounds.public_examples`: the test split, at most ``public_size``
@@ -259,7 +271,8 @@ def learned_inversion_attacks(
     ``aggregate_of=K``: the inverters attack the secure aggregate of ``K`` clients (one simulated round of
     ``K``): trained on the mean of ``K`` simulated clients' shared updates (:func:`aggregate_simulator`),
     they output all ``K x B`` images of the aggregate (``adaptive``: the setting's adaptive attacks lifted
-    to the aggregate, one of which the refinement matches with)."""
+    to the aggregate, one of which the refinement matches with; ``absent_noise_std``: the noise shares
+    of a distributed mechanism's other cohort members in the sum)."""
     if simulation_refusal(setting) is not None:
         return []
     check_positive_int(public_size, "public_size")
@@ -273,10 +286,13 @@ def learned_inversion_attacks(
         simulate = setting_simulator(setting, num_clients=num_clients, round=round)
     else:
         num_clients = check_positive_int(aggregate_of, "aggregate_of")
-        simulate = aggregate_simulator(setting_simulator(setting, num_clients=num_clients, round=round), num_clients)
+        simulate = aggregate_simulator(
+            setting_simulator(setting, num_clients=num_clients, round=round), num_clients, absent_noise_std
+        )
     key = (
         f"{setting.name}|{[repr(cb) for cb in setting.callbacks]}|architecture={setting.architecture is not None}"
-        f"|round={round}|num_clients={num_clients}" + ("" if aggregate_of is None else f"|aggregate_of={aggregate_of}")
+        f"|round={round}|num_clients={num_clients}"
+        + ("" if aggregate_of is None else f"|aggregate_of={aggregate_of}|absent_noise={absent_noise_std:g}")
     )
     matching = next((a for a in adaptive or [] if isinstance(a, InvertingGradients)), None)
     common: dict[str, Any] = {"defense_key": key, "config": config, "cache": cache, "seed": seed}

@@ -82,8 +82,9 @@ from lightning_gp.audit.rounds import (
     tap_defended_round,
 )
 from lightning_gp.audit.verdict import BaselineScores, LeakRule, WorstCaseReport, trivial_baselines, worst_case_report
+from lightning_gp.defenses import DistributedGaussianMechanism
 from lightning_gp.defenses.base import Gradients
-from lightning_gp.federated import ClientLevelDP
+from lightning_gp.federated import ClientLevelDP, weighted_mean
 from lightning_gp.metrics import ReconstructionReport, concatenate_reports, reconstruction_report
 from lightning_gp.metrics.recognition import RecognitionTests
 from lightning_gp.normalization import denormalize
@@ -1044,9 +1045,12 @@ def _audit_aggregate(
     client of the audit's simulation takes part in every round (``q = 1``)."""
     setting, records, model, round = campaign.setting, campaign.passive_records, campaign.passive_model, campaign.round
     combine = None
+    cohort = honest_cohort(setting)
     if client_dp is not None:
         round_idx, count = records[0].round, len(records)
         combine = lambda grads: client_dp.noised_mean([client_dp.clip(g) for g in grads], count, round_idx)  # noqa: E731
+    elif cohort is not None:
+        combine = with_absent_shares(cohort, len(records), campaign.seed)
     combined = aggregate_record(records, combine)
     results: dict[str, list[AttackResult]] = {}
     active_gaps: list[str] = []
@@ -1096,9 +1100,47 @@ def _audit_aggregate(
     bound = (
         FormalBound(client_dp.mechanism(round + 1, 1.0))
         if client_dp is not None
-        else setting_bound(setting, model, round=round, aggregate_of=len(records))
+        else setting_bound(setting, model, round=round, aggregate_of=_summed_uploads(cohort, len(records)))
     )
     audit.aggregate_bound = _aggregate_bound_at_kappa(bound, results, combined, campaign)
+
+
+def honest_cohort(setting: DefenseSetting) -> DistributedGaussianMechanism | None:
+    """The distributed Gaussian mechanism that is ``setting``'s one defense, else ``None``. Its secure sum
+    also carries the noise shares of the cohort's clients the audit does not attack: the aggregate view
+    takes them as honest (they add their shares and keep them secret; their data may be known to the
+    server, which then subtracts their updates), the threat model of distributed DP (Kairouz et al.,
+    ICML 2021). A server colluding with them sees less noise: the per-client views bound that case."""
+    defenses = [setting.declared] if setting.declared is not None else list(setting.callbacks)
+    if len(defenses) != 1:
+        return None
+    inner = getattr(defenses[0], "defense", defenses[0])
+    return inner if isinstance(inner, DistributedGaussianMechanism) else None
+
+
+def _summed_uploads(cohort: DistributedGaussianMechanism | None, present: int) -> int | None:
+    """The uploads whose noise the aggregate of ``present`` clients carries: the whole cohort's for a
+    distributed mechanism, else ``present`` (``None`` for knowledge: one per client)."""
+    return present if cohort is None else max(present, cohort.cohort_size)
+
+
+def with_absent_shares(
+    cohort: DistributedGaussianMechanism, present: int, seed: int
+) -> Callable[[list[Gradients]], Gradients]:
+    """The secure aggregate of ``present`` clients of ``cohort`` as the server sees it in a round of the
+    whole cohort with the others' updates subtracted: the mean of the present clients' uploads plus
+    the other clients' noise shares over ``present`` (:meth:`DistributedGaussianMechanism.absent_noise_std`;
+    drawn with ``seed``: the same for every call)."""
+    std = cohort.absent_noise_std(present) / present
+
+    def combine(updates: list[Gradients]) -> Gradients:
+        mean = weighted_mean(updates)
+        generator = torch.Generator().manual_seed(seed)
+        return {
+            n: v + torch.randn(v.shape, generator=generator, dtype=v.dtype).to(v.device) * std for n, v in mean.items()
+        }
+
+    return combine
 
 
 def _run_aggregate_adaptive(
@@ -1134,9 +1176,10 @@ def _run_aggregate_adaptive(
     lifted, unmodelled = _lifted_adaptive_attacks(campaign, budget) if not setting.undefended else ([], [])
     learned_attacks: list[GradientAttack] = []
     if learned and why_not_learned is None:
+        cohort, clients = honest_cohort(setting), len(campaign.passive_records)
         learned_attacks = _learned_attacks(
             setting, campaign.datamodule, budget, lifted, campaign.seed, campaign.log, round=campaign.round,
-            aggregate_of=len(campaign.passive_records),
+            aggregate_of=clients, absent_noise_std=0.0 if cohort is None else cohort.absent_noise_std(clients),
         )  # fmt: skip
         gaps = [] if learned_attacks else gaps
     for attack in [*lifted, *learned_attacks]:
@@ -1192,7 +1235,9 @@ def _lifted_adaptive_attacks(campaign: _Campaign, budget: AttackBudget) -> tuple
             unmodelled.append(f"{type(attack).__name__} is not built on a defense knowledge that carries over")
             continue
         try:
-            cast(Any, attack).knowledge = knowledge.over_clients(len(campaign.passive_records))
+            clients = len(campaign.passive_records)
+            shares = _summed_uploads(honest_cohort(campaign.setting), clients)
+            cast(Any, attack).knowledge = knowledge.over_clients(clients, noise_shares=shares)
         except ValueError as err:
             unmodelled.append(f"{type(attack).__name__}: {err}")
             continue
@@ -1346,6 +1391,7 @@ def _learned_attacks(
     round: int = 0,
     num_clients: int = 10,
     aggregate_of: int | None = None,
+    absent_noise_std: float = 0.0,
 ) -> list[GradientAttack]:
     """The learned inverter and its refined variant of ``setting`` (one object each for every
     client: the inverter is trained once, with the audit's seed), trained on the clients' behaviour
@@ -1368,6 +1414,8 @@ def _learned_attacks(
         refined_decoys=budget.refined_decoys,
         seed=seed,
         round=round,
+        aggregate_of=aggregate_of,
+        absent_noise_std=absent_noise_std,
     )
 
 

@@ -193,5 +193,12 @@ class DistributedGaussianMechanism(LocalGaussianMechanism):
         """The per-coordinate noise std of one client's upload, ``z C / sqrt(K)``."""
         return self.noise_multiplier * self.max_update_norm / math.sqrt(self.cohort_size)
 
+    def absent_noise_std(self, present: int) -> float:
+        """The per-coordinate std of the summed noise shares of the cohort's other ``K - present``
+        clients: what the secure sum carries beyond ``present`` clients' uploads when those others are
+        honest (their shares stay secret, whatever else the server knows of them)."""
+        present = check_positive_int(present, "present")
+        return self.noise_std * math.sqrt(max(self.cohort_size - present, 0))
+
     def config(self) -> dict[str, Any]:
         return {**super().config(), "cohort_size": self.cohort_size}
