@@ -120,6 +120,16 @@ def test_a_point_equals_audit_setting_on_the_same_setting() -> None:
         assert point.pmm is None  # no undefended reference in this run: PMM is not invented
 
 
+def test_a_frontier_with_the_clients_model_checks_names_them_and_keeps_its_pmm_reference() -> None:
+    """``model_checks: true``: every setting (the undefended reference's too) carries the checks and says
+    so, so its jobs never mix with a frontier's without them, and PMM still divides by that reference."""
+    result = frontier(config(grids=[Grid("TopKPruning", "rate", [0.5])], model_checks=True), log=silent)
+    assert result.points and all(p.setting.endswith("+model checks") for p in result.points)
+    undefended = [p for p in result.points if p.family == "undefended"]
+    assert undefended and all(p.pmm == 1.0 for p in undefended)
+    assert all(p.pmm is not None for p in result.points)
+
+
 def test_an_interrupted_run_resumes_to_the_same_results(tmp_path: Path) -> None:
     """Killed after 2 of its 6 jobs, a rerun runs only the 4 left and ends with the results of an
     uninterrupted run (wall-clock fields aside); a line cut short by the kill is run again."""

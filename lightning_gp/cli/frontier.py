@@ -68,6 +68,13 @@ def build_parser() -> ArgumentParser:
         help="how clients train before they share, each a frontier of its own: FedSGD (one gradient), or FedAvg "
         "(e.g. {algorithm: fedavg, local_epochs: 5, local_batch_size: 8})",
     )
+    parser.add_argument(
+        "--model_checks",
+        type=bool,
+        default=False,
+        help="the clients check every model they receive (its digest in the secure sum, its provenance); "
+        "an active attack whose model they refuse is an n/a cell",
+    )
     parser.add_argument("--output_dir", type=str, default="frontier", help="where results go (a rerun resumes)")
     parser.add_argument("--workers", type=int, default=1, help="jobs in parallel (worker processes or Ray tasks)")
     parser.add_argument("--backend", type=str, default="local", help="'local' (processes) or 'ray'")

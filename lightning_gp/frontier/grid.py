@@ -274,6 +274,11 @@ class FrontierConfig:
             a separate frontier of every setting (default: FedSGD only). A setting that cannot train so
             (DP-SGD's plain-Trainer runner takes one step per round) is left out of that entry's
             frontier, and the report says so (:func:`not_applicable`).
+        model_checks: the clients check every model they receive
+            (:meth:`~lightning_gp.audit.DefenseSetting.with_model_checks`: the digest of the model in the
+            secure sum, its provenance from the public record); an active attack whose model they refuse
+            is an ``n/a`` cell. Every point's setting (the undefended reference's too) is named
+            ``"... +model checks"``, so its jobs never mix with those of a frontier without the checks.
     """
 
     model: dict[str, Any]
@@ -291,6 +296,7 @@ class FrontierConfig:
     seed: int = 0
     threads: int = 1
     client_training: list[ClientTraining] = field(default_factory=lambda: [ClientTraining()])
+    model_checks: bool = False
 
 
 @dataclass(frozen=True)
@@ -304,11 +310,14 @@ class PointSpec:
     index: int  # position of the value in its grid (the line's order)
 
     def setting(self, config: FrontierConfig, channels: int) -> DefenseSetting:
-        """The point's setting (the undefended reference when ``family == "undefended"``)."""
+        """The point's setting (the undefended reference when ``family == "undefended"``), with the
+        clients' model checks where the config asks for them."""
         if self.family == "undefended":
-            return DefenseSetting("undefended")
-        grid = next(g for g in config.grids if g.name == self.grid)
-        return compose_setting(grid, self.value, config.seed, channels)
+            setting = DefenseSetting("undefended")
+        else:
+            grid = next(g for g in config.grids if g.name == self.grid)
+            setting = compose_setting(grid, self.value, config.seed, channels)
+        return setting.with_model_checks() if config.model_checks else setting
 
     @property
     def key(self) -> str:
@@ -420,6 +429,7 @@ def check_frontier_config(config: FrontierConfig) -> tuple[Any, nn.Module]:
     check_int(config.seed, "seed", low=0)
     check_bool(config.lpips, "lpips")
     check_bool(config.undefended, "undefended")
+    check_bool(config.model_checks, "model_checks")
     if not isinstance(config.budget, AttackBudget):
         raise TypeError(f"budget must be an AttackBudget, got {type(config.budget).__name__}")
     _check_int_list(config.batch_sizes, "batch_sizes", low=1)

@@ -25,7 +25,6 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from lightning_gp.audit.catalog import DefenseSetting
 from lightning_gp.audit.setting_audit import THREAT_MODELS
 from lightning_gp.audit.summary import Candidate, Choice, choice_sentence, choose, combined_verdict, format_score
 from lightning_gp.audit.verdict import LeakRule
@@ -113,13 +112,19 @@ def _finite(value: Any) -> float | None:
 def frontier_points(jobs: Sequence[Any], records: dict[str, dict[str, Any]]) -> list[FrontierPoint]:
     """The points of ``jobs`` from their finished ``records`` (by job key), Pareto flags set."""
     trained = {(j.setting, j.batch_size): records[j.key] for j in jobs if j.kind == "train" and j.key in records}
+    # the undefended reference of each client training and batch size (named "+model checks" with the checks)
+    references = {
+        (j.training.label, j.batch_size): records[j.key]
+        for j in jobs
+        if j.kind == "train" and j.point.family == "undefended" and j.key in records
+    }
     points = []
     for job in jobs:
         if job.kind != "audit" or job.key not in records:
             continue
         record = records[job.key]
         training = trained.get((job.setting, job.batch_size))
-        base = trained.get((job.training.apply(DefenseSetting("undefended")).name, job.batch_size))
+        base = references.get((job.training.label, job.batch_size))
         for threat in THREAT_MODELS:
             scores: dict[str, Any] = record["threats"][threat]
             points.append(
