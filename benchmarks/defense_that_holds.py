@@ -36,6 +36,14 @@ highest PMM over every audited round, else its point closest to private;
     python benchmarks/defense_that_holds.py --beside-frontier benchmarks/results/frontier.csv
 
 writes benchmarks/results/defense_that_holds_beside_frontier.{csv,md,png}.
+
+``--beside-matrix`` attacks nothing either: issue 49's bar on every row a matrix run finished (its
+stored audits of 16 images; the bound, PMM and step of each row's setting as above):
+
+    python benchmarks/defense_that_holds.py --beside-matrix benchmarks/results/.matrix_batch8_new_attackers_rows.jsonl \
+        --batch-sizes 8 --rounds 0 --name defense_that_holds_matrix_batch8
+
+writes benchmarks/results/<name>_beside_matrix.{csv,md}.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from __future__ import annotations
 import argparse
 import base64
 import csv
+import json
 import pickle
 import time
 from collections.abc import Callable
@@ -252,6 +261,13 @@ def parse_args() -> argparse.Namespace:
         help="attack nothing: the shipped point beside every family's best in this frontier CSV",
     )
     parser.add_argument("--shipped", default=SHIPPED, help="the shipped setting's name in the frontier")
+    parser.add_argument(
+        "--beside-matrix",
+        type=Path,
+        default=None,
+        help="attack nothing: issue 49's bar on every row of this matrix row store "
+        "(benchmarks/results/.matrix*_rows.jsonl, audited at the first --batch-sizes and --rounds)",
+    )
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args()
     for name in ("images", "cohort", "deployment_rounds", "local_steps"):
@@ -341,6 +357,9 @@ def main() -> None:
     make_data, _, channels = DATASETS[args.dataset]
     datamodule = make_data(args.sample)
     datamodule.setup("fit")
+    if args.beside_matrix is not None:
+        bar_beside_matrix(args, datamodule, channels)
+        return
     plain = setting_builder(args.setting, channels=channels)
     build = (lambda seed: plain(seed).with_model_checks()) if args.model_checks else plain
     rule = LeakRule().calibrated(datamodule_recognition_tests(datamodule, log=lambda line: None))
@@ -376,6 +395,38 @@ def main() -> None:
                 images += image_rows(audit, point)
                 print(rows[-1], flush=True)
     write_bar_results(args, rows, images, prior, time.perf_counter() - start)
+
+
+def bar_beside_matrix(args: argparse.Namespace, datamodule: Any, channels: int) -> None:
+    """Issue 49's bar on every finished row of a matrix row store (its audits, unchanged; the bound, PMM
+    and step of each row's setting as for the measured configuration)."""
+    if not args.beside_matrix.is_file():
+        raise SystemExit(f"--beside-matrix: {args.beside_matrix} does not exist; run benchmarks/matrix.py first")
+    audits = {}
+    for line in args.beside_matrix.read_text().splitlines():  # the last record of each row wins
+        entry = json.loads(line)
+        audits[entry["key"]] = entry["record"]
+    rule = LeakRule().calibrated(datamodule_recognition_tests(datamodule, log=lambda line: None))
+    prior = prior_counts(datamodule, rule, args.seed)
+    batch, round_ = args.batch_sizes[0], args.rounds[0]
+    population = len(datamodule.train_dataset) // batch
+    rows: list[dict[str, Any]] = []
+    for spec, record in audits.items():
+        audit = pickle.loads(base64.b64decode(record["pickle"]))[0]
+        setting = setting_builder(spec, channels=channels)(args.seed)
+        eta, _ = deployment_bound(setting, Deployment(args.cohort, population, args.deployment_rounds), prior.kappa)
+        pmm = read_pmm(args.utility, (spec, setting.name), batch, args.cohort)
+        point = {"setting": spec, "batch": batch, "round": round_, "clients": population}
+        rows += bar_rows(audit, point, prior, eta, pmm, step_ratio(setting, batch))
+    preamble = (
+        f"Issue 49's bar on the audits of `{args.beside_matrix}` (every row the matrix finished; batch {batch}, round "
+        f"{round_}): the advantage over the prior (the best fixed guess identifies {prior.identified} of {prior.images} "
+        f"training images), eta over {args.deployment_rounds} rounds of {args.cohort} of {population} clients at kappa "
+        f"{prior.kappa:.3f}, PMM from {args.utility or 'no --utility CSV'}, the LeNetZhu client step. {closest(rows)}.\n\n"
+        f"Run: `python benchmarks/defense_that_holds.py --beside-matrix {args.beside_matrix} --batch-sizes {batch} "
+        f"--rounds {round_}{f' --utility {args.utility}' if args.utility else ''}`"
+    )
+    write_results(f"{args.name}_beside_matrix", rows, preamble, args.output_dir)
 
 
 def write_bar_results(

@@ -79,8 +79,11 @@ def test_client_sampling_is_accounted_as_the_rate_of_the_rounds_a_client_takes_p
     assert sampled.eta(0.1) < every_round.eta(0.1)  # amplification by sampling
     with pytest.raises(ValueError, match="participation"):
         defense_mechanism(callback, participation=0.0)
+    # DP-SGD's one step per round on the client's batch: each example is in it exactly when its client is
+    dp_sgd = defense_mechanism(callbacks.DPSGD(noise_multiplier=1.0), releases=100, participation=0.5)
+    assert (dp_sgd.sample_rate, dp_sgd.steps, dp_sgd.neighbouring) == (0.5, 100, "add_remove")
     with pytest.raises(ValueError, match="participation"):
-        defense_mechanism(callbacks.DPSGD(noise_multiplier=1.0), participation=0.5)
+        defense_mechanism(callbacks.TopKPruning(rate=0.5), participation=0.5)
 
 
 def test_bad_arguments_are_refused_naming_them() -> None:

@@ -115,19 +115,20 @@ def defense_mechanism(
     ``participation``: the chance ``q`` that the client takes part in each of the ``releases`` rounds,
     drawn independently per round (Poisson client sampling, McMahan et al., ICLR 2018: the cohort of
     ``K`` of ``N`` clients, ``q = K / N``), as the accountant's sampling rate; for the client-level
-    mechanisms (``LocalGaussianMechanism`` and its distributed variant). 1: every round, as the
-    audit's simulation runs."""
+    mechanisms (``LocalGaussianMechanism`` and its distributed variant) and a ``DPSGD`` without
+    accounted steps of its own (one step on the client's batch per round: each example is in the
+    step exactly when its client is). 1: every round, as the audit's simulation runs."""
     releases = check_positive_int(releases, "releases")
     summed = 1 if aggregate_of is None else check_positive_int(aggregate_of, "aggregate_of")
     check_number(participation, "participation", low=0.0, high=1.0, low_open=True)
     inner = defense.defense if isinstance(defense, GradientDefense) else defense
-    if participation < 1.0 and not isinstance(inner, LocalGaussianMechanism):
+    if participation < 1.0 and not isinstance(inner, (LocalGaussianMechanism, DPSGD)):
         raise ValueError(
-            f"participation: client sampling is accounted for the client-level Gaussian mechanisms, not "
-            f"{type(inner).__name__}"
+            f"participation: client sampling is accounted for the client-level Gaussian mechanisms and DP-SGD, "
+            f"not {type(inner).__name__}"
         )
     if isinstance(defense, DPSGD):
-        return _dp_sgd_mechanism(defense, releases)
+        return _dp_sgd_mechanism(defense, releases, participation)
     if isinstance(inner, LocalGaussianMechanism):
         return _local_gaussian_mechanism(inner, releases, summed, participation)
     if isinstance(inner, GaussianNoise):
@@ -191,8 +192,12 @@ def _local_gaussian_mechanism(
     )
 
 
-def _dp_sgd_mechanism(dp: DPSGD, releases: int = 1) -> GaussianMechanism:
+def _dp_sgd_mechanism(dp: DPSGD, releases: int = 1, participation: float = 1.0) -> GaussianMechanism:
     history = [(float(s), float(q), int(n)) for s, q, n in dp.privacy_history]
+    if history and participation < 1.0:
+        raise ValueError(
+            "participation: DPSGD accounted its own steps (privacy_history); client sampling is not composed"
+        )
     if history:
         settings = {(s, q) for s, q, _ in history}
         if len(settings) > 1:
@@ -209,12 +214,15 @@ def _dp_sgd_mechanism(dp: DPSGD, releases: int = 1) -> GaussianMechanism:
             raise ValueError(
                 "defense: DPSGD(target_epsilon=...) picks its noise at fit start; no bound before training"
             )
-        sigma, rate, steps = dp.noise_multiplier, 1.0, releases
+        sigma, rate, steps = dp.noise_multiplier, participation, releases
         counted = (
             "the audited step on a fixed batch (q = 1)"
-            if releases == 1
+            if releases == 1 and participation == 1.0
             else f"{releases} steps composed (the audited step on a fixed batch and the {releases - 1} training "
             "steps before it, each charged in full, q = 1)"
+            if participation == 1.0
+            else f"{releases} rounds of one step on the client's batch, the client in each with probability "
+            f"q = {participation:.4g} (Poisson client sampling)"
         )
     return GaussianMechanism(
         noise_std=sigma * dp.max_grad_norm,
