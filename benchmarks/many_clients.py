@@ -14,7 +14,9 @@ round, batch size and rounds. The wall time per round of each run is reported be
 A defense is a catalogue name (``GaussianNoise``: its catalogue setting) or a pure defense of
 ``lightning_gp.defenses`` with literal arguments (``"GaussianNoise(scale=0.05)"``,
 ``"LaplaceNoise(scale=0.1)"``); its ``seed`` defaults to ``--seed``. Data: full Fashion-MNIST when
-installed, else the built-in sample (``--sample`` forces it).
+installed, else the built-in sample (``--sample`` forces it); ``--dataset photo-crops``: RGB 3x32x32 crops
+of photographs (``PhotoCropsDataModule``, 11 classes, as many training crops as the largest round needs),
+LeNetZhu sized to them.
 
 Writes benchmarks/results/<name>.{csv,md,png} (``--name``, default ``many_clients``).
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +36,8 @@ from _common import RESULTS_DIR, fashion_mnist_datasets, parse_call, write_resul
 
 from lightning_gp import defenses as pure_defenses
 from lightning_gp.audit import DefenseSetting, defense_catalog
+from lightning_gp.data import PhotoCropsDataModule
+from lightning_gp.data.photo_crops import PHOTO_CLASSES
 from lightning_gp.defenses import Defense
 from lightning_gp.federated import ManyClientsRound, ManyClientsRun, accuracy_on_test_split, fedsgd_many_clients
 from lightning_gp.models import LeNetZhu
@@ -82,7 +87,8 @@ def train_once(
             )
 
     torch.manual_seed(args.seed)
-    model = LeNetZhu()
+    channels, size, _ = datamodule.image_shape
+    model = LeNetZhu(num_classes=datamodule.num_classes, in_channels=channels, image_size=size)
     run = fedsgd_many_clients(
         model,
         datamodule,
@@ -175,20 +181,34 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=int, default=1000, help="clients differentiated at once")
     parser.add_argument("--progress-every", type=int, default=10, help="rounds between progress lines")
     parser.add_argument("--sample", action="store_true", help="the built-in sample, not the full Fashion-MNIST")
+    parser.add_argument(
+        "--dataset",
+        choices=("fashion-mnist", "photo-crops"),
+        default="fashion-mnist",
+        help="photo-crops: RGB 3x32x32 crops of photographs (PhotoCropsDataModule), enough training crops per "
+        "class for the largest round (clients per round x batch size)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--name", default="many_clients", help="output file stem")
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    datasets = fashion_mnist_datasets(full=not args.sample)
-    data_name = "fashion-mnist" if "fashion-mnist" in datasets else "sample"
+    if args.dataset == "photo-crops":
+        per_class = math.ceil(max(args.clients_per_round) * max(args.batch_sizes) / len(PHOTO_CLASSES))
+        datasets, data_name = (
+            {"photo-crops": PhotoCropsDataModule(per_class_train=per_class, seed=args.seed)},
+            "photo-crops",
+        )
+    else:
+        datasets = fashion_mnist_datasets(full=not args.sample)
+        data_name = "fashion-mnist" if "fashion-mnist" in datasets else "sample"
     start = time.perf_counter()
     rows = measure(datasets[data_name], args)
     minutes = (time.perf_counter() - start) / 60
     clients = "every client in every round" if args.num_clients is None else f"of {args.num_clients} clients"
     preamble = (
-        f"FedSGD on {data_name}, LeNetZhu (initialised from seed {args.seed}), {args.rounds} rounds, {clients}, "
+        f"FedSGD on {data_name}, LeNetZhu sized to the data (initialised from seed {args.seed}), {args.rounds} rounds, {clients}, "
         "each client defending its own gradient before the server averages (fedsgd_many_clients: the clients, "
         "batches, defense streams and server optimizer of FederatedSimulation / train_setting). PMM: test accuracy "
         "over the undefended run's with the same clients per round, batch size and rounds. s_per_round: wall time "
@@ -196,6 +216,7 @@ def main() -> None:
         f"Total {minutes:.1f} min.\n\n    python benchmarks/many_clients.py --defenses {' '.join(map(repr, args.defenses))} "
         f"--clients-per-round {' '.join(map(str, args.clients_per_round))} "
         f"--batch-sizes {' '.join(map(str, args.batch_sizes))} --rounds {args.rounds}"
+        + (" --dataset photo-crops" if args.dataset == "photo-crops" else "")
     )
     write_results(args.name, rows, preamble, args.output_dir)
     plot(rows, args.output_dir / f"{args.name}.png", f"FedSGD on {data_name}, {args.rounds} rounds, LeNetZhu")
