@@ -22,8 +22,8 @@ aggregation. Each row holds issue 49's bar (``benchmarks/prior_bar.py``):
     python benchmarks/defense_that_holds.py --setting 'DistributedGaussianMechanism(noise_multiplier=2.0, cohort_size=1000)' \
         --batch-sizes 1 8 --algorithms fedsgd fedavg --rounds 0 50 --utility benchmarks/results/many_clients_distributed_dp_z2_z4.csv
 
-``--dataset photo-crops`` audits RGB 3x32x32 crops of photographs with the ConvNet (the step ratio stays
-LeNetZhu's). Each audit is stored as it finishes (``.<name>_audits.jsonl``): an interrupted run resumes.
+``--dataset photo-crops`` audits RGB 3x32x32 crops of photographs with LeNetZhu sized to them, the model
+``benchmarks/many_clients.py --dataset photo-crops`` measures PMM with (the step ratio stays the 28x28 one's). Each audit is stored as it finishes (``.<name>_audits.jsonl``): an interrupted run resumes.
 Writes benchmarks/results/<name>.{csv,md} (a row per batch, algorithm, round and threat model, and which
 limit binds) and <name>_images.csv (per image: why it leaks, whether it is identified).
 
@@ -85,7 +85,7 @@ from lightning_gp.audit.summary import Candidate, format_score
 from lightning_gp.data import FashionMNISTDataModule, FashionMNISTSampleDataModule, PhotoCropsDataModule
 from lightning_gp.frontier.report import PSNR_CAP, family_bests, read_csv, setting_candidates
 from lightning_gp.frontier.run import ResultStore, attacked_images, run_fingerprint
-from lightning_gp.models import ConvNet, LeNetZhu
+from lightning_gp.models import LeNetZhu
 
 #: Issue 28's per-image PSNR line (its bar, which no defense can meet: an uninformed guess fails it),
 #: drawn in the beside-the-frontier figure for reference.
@@ -288,7 +288,7 @@ DATASETS: dict[str, tuple[Callable[[bool], Any], Callable[[], nn.Module], int]] 
         lambda: LeNetZhu(),
         1,
     ),
-    "photo-crops": (lambda sample: PhotoCropsDataModule(seed=0), lambda: ConvNet(11, 3, 32), 3),
+    "photo-crops": (lambda sample: PhotoCropsDataModule(seed=0), lambda: LeNetZhu(11, 3, 32), 3),
 }
 
 
