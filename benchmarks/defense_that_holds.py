@@ -23,7 +23,8 @@ aggregation. Each row holds issue 49's bar (``benchmarks/prior_bar.py``):
         --batch-sizes 1 8 --algorithms fedsgd fedavg --rounds 0 50 --utility benchmarks/results/many_clients_distributed_dp_z2_z4.csv
 
 ``--dataset photo-crops`` audits RGB 3x32x32 crops of photographs with LeNetZhu sized to them, the model
-``benchmarks/many_clients.py --dataset photo-crops`` measures PMM with (the step ratio stays the 28x28 one's). Each audit is stored as it finishes (``.<name>_audits.jsonl``): an interrupted run resumes.
+``benchmarks/many_clients.py --dataset photo-crops`` measures PMM with (the step ratio stays the 28x28
+one's). Each audit is stored as it finishes (``.<name>_audits.jsonl``): an interrupted run resumes.
 Writes benchmarks/results/<name>.{csv,md} (a row per batch, algorithm, round and threat model, and which
 limit binds) and <name>_images.csv (per image: why it leaks, whether it is identified).
 
