@@ -4,6 +4,7 @@ it misses (a gap in the audit is never a met bar)."""
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
@@ -101,3 +102,39 @@ def test_a_row_lists_every_limit_it_misses_and_meets_the_bar_only_when_none(bar,
     assert bar.closest([rows[0], missed]) == (
         "no row meets the bar; the 1 closest miss 1 limit: advantage inconclusive"
     )
+
+
+def test_beside_matrix_holds_every_stored_row_to_the_bar(tmp_path: Path) -> None:
+    """``--beside-matrix``: a matrix row store (one audit pickled per row, as matrix.py keeps them) gives a
+    row per threat model with the advantage over the prior; nothing is attacked again."""
+    import base64
+    import json
+    import pickle
+
+    import lightning as L
+    from helpers import run_benchmark
+
+    from lightning_gp.audit import AttackBudget, DefenseSetting, audit_setting, published_attacks
+    from lightning_gp.models import LeNetZhu
+
+    data = FashionMNISTSampleDataModule(seed=0)
+    budget = AttackBudget(ig_iterations=2, lbfgs_iterations=2)
+    L.seed_everything(0, verbose=False)
+    audit = audit_setting(
+        DefenseSetting("undefended"), LeNetZhu(), data, indices=[[0, 1]], published=published_attacks(budget, ["IG"]),
+        budget=budget, adaptive=False, log=lambda line: None,
+    )  # fmt: skip
+    store = tmp_path / ".matrix_batch2_rows.jsonl"
+    record = {"pickle": base64.b64encode(pickle.dumps((audit, None))).decode("ascii")}
+    store.write_text(json.dumps({"fingerprint": "f", "key": "undefended", "record": record}) + "\n")
+    done = run_benchmark(
+        "defense_that_holds.py", "--beside-matrix", str(store), "--batch-sizes", "2", "--rounds", "0", "--sample",
+        "--name", "bar", "--output-dir", str(tmp_path),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    with open(tmp_path / "bar_beside_matrix.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [r["threat model"] for r in rows] == ["passive", "active"]
+    assert all(r["setting"] == "undefended" and r["eta"] == "-" and "no formal bound" in r["bar"] for r in rows)
+    missing = run_benchmark("defense_that_holds.py", "--beside-matrix", str(tmp_path / "none.jsonl"), "--sample")
+    assert missing.returncode != 0 and "--beside-matrix" in missing.stderr
