@@ -21,11 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from lightning_gp.audit import WorstCaseReport, identifying_rule, reconstruction_advantage
 from lightning_gp.audit.bounds import KAPPA_IMAGES, defense_mechanism, prior_only_kappa, prior_only_successes
-from lightning_gp.audit.rounds import public_examples
+from lightning_gp.audit.rounds import public_examples, training_examples
 from lightning_gp.audit.verdict import LeakRule
 from lightning_gp.normalization import denormalize
 
@@ -57,18 +55,14 @@ class PriorCounts:
 def prior_counts(datamodule: Any, rule: LeakRule, seed: int, count: int = KAPPA_IMAGES) -> PriorCounts:
     """:class:`PriorCounts` on ``count`` training images of ``datamodule`` drawn with ``seed``, against its
     public split's images as the guesses (``rule`` calibrated on that split)."""
-    datamodule.setup("fit")
-    train = datamodule.train_dataset
-    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))[:count]
-    pairs = [train[int(i)] for i in order]
-    originals = denormalize(torch.stack([x for x, _ in pairs]), datamodule.mean, datamodule.std).clamp(0, 1)
-    labels = torch.as_tensor([int(y) for _, y in pairs])
+    images, labels = training_examples(datamodule, count, seed)
+    originals = denormalize(images, datamodule.mean, datamodule.std).clamp(0, 1)
     public = denormalize(public_examples(datamodule)[0], datamodule.mean, datamodule.std).clamp(0, 1)
     identified = prior_only_successes(
         originals, public, labels=labels, rule=identifying_rule(rule), identification=True
     )
     kappa = prior_only_kappa(originals, public, labels=labels, rule=rule)
-    return PriorCounts(identified, len(pairs), kappa)
+    return PriorCounts(identified, len(labels), kappa)
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,30 @@ def public_examples(datamodule: L.LightningDataModule, size: int = 1000) -> tupl
     return images, torch.as_tensor([int(label) for _, label in pairs])
 
 
+def training_order(datamodule: L.LightningDataModule, seed: int) -> Tensor:
+    """The training split's indices in the order ``seed`` draws them: the audit's one draw of training
+    images (the attacked clients', :func:`~lightning_gp.frontier.run.attacked_images`, and kappa's)."""
+    datamodule.setup("fit")
+    size = len(cast(Any, datamodule).train_dataset)
+    return torch.randperm(size, generator=torch.Generator().manual_seed(seed))
+
+
+def training_examples(datamodule: L.LightningDataModule, count: int, seed: int) -> tuple[Tensor, Tensor]:
+    """The first ``count`` labelled training images of :func:`training_order` (fewer where the split is
+    smaller), ``(inputs [N, C, H, W], labels [N])``. Raises ``ValueError`` naming ``datamodule`` where a
+    label is not one class per image."""
+    check_positive_int(count, "count")
+    train = cast(Any, datamodule).train_dataset
+    pairs = [train[int(i)] for i in training_order(datamodule, seed)[:count]]
+    try:
+        labels = torch.as_tensor([int(label) for _, label in pairs])
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise ValueError(
+            f"datamodule: {type(datamodule).__name__}'s training labels are not one class per image"
+        ) from err
+    return torch.stack([image for image, _ in pairs]), labels
+
+
 def malicious_server_model(
     attack: GradientAttack | None,
     model: nn.Module,

@@ -80,6 +80,7 @@ from lightning_gp.audit.rounds import (
     public_batch,
     public_examples,
     tap_defended_round,
+    training_examples,
 )
 from lightning_gp.audit.verdict import BaselineScores, LeakRule, WorstCaseReport, trivial_baselines, worst_case_report
 from lightning_gp.defenses import DistributedGaussianMechanism
@@ -1089,7 +1090,7 @@ def _audit_aggregate(
         if out:
             results[spec.name] = out
     gaps = _run_aggregate_adaptive(
-        audit, campaign, combined, results, budget, client_dp, adaptive=adaptive, learned=learned
+        audit, campaign, combined, results, budget, client_dp, cohort, adaptive=adaptive, learned=learned
     )
     passive = {c.attack for c in audit.aggregate_cells if c.threat == "passive"}
     passive_results = {k: v for k, v in results.items() if k in passive}
@@ -1118,9 +1119,9 @@ def honest_cohort(setting: DefenseSetting) -> DistributedGaussianMechanism | Non
     return inner if isinstance(inner, DistributedGaussianMechanism) else None
 
 
-def _summed_uploads(cohort: DistributedGaussianMechanism | None, present: int) -> int | None:
+def _summed_uploads(cohort: DistributedGaussianMechanism | None, present: int) -> int:
     """The uploads whose noise the aggregate of ``present`` clients carries: the whole cohort's for a
-    distributed mechanism, else ``present`` (``None`` for knowledge: one per client)."""
+    distributed mechanism, else ``present``."""
     return present if cohort is None else max(present, cohort.cohort_size)
 
 
@@ -1150,6 +1151,7 @@ def _run_aggregate_adaptive(
     results: dict[str, list[AttackResult]],
     budget: AttackBudget,
     client_dp: ClientLevelDP | None,
+    cohort: DistributedGaussianMechanism | None,
     *,
     adaptive: bool = True,
     learned: bool = False,
@@ -1159,8 +1161,9 @@ def _run_aggregate_adaptive(
     attacker granted the labels in client order (which client holds which label is what each client's
     clip and pruning act on: a guessed assignment would err for the defense); with ``learned``, the
     learned inverter and its refined variant trained on the aggregate of as many simulated clients
-    (matching with the lifted attacks). Their cells join ``audit.aggregate_cells``, their results
-    ``results``. Returns the gaps that keep the aggregate's verdicts from "private": an adaptive attack
+    (matching with the lifted attacks); ``cohort``: the distributed mechanism whose other clients'
+    noise shares the aggregate carries (:func:`honest_cohort`). Their cells join
+    ``audit.aggregate_cells``, their results ``results``. Returns the gaps that keep the aggregate's verdicts from "private": an adaptive attack
     that does not carry over, a learned inverter asked for and not run."""
     setting = campaign.setting
     why_not_learned = _aggregate_learned_not_run(campaign, budget, client_dp, adaptive)
@@ -1173,10 +1176,11 @@ def _run_aggregate_adaptive(
             if setting.undefended
             else [*gaps, "the adaptive attacks were not run on the aggregate (adaptive=False)"]
         )
-    lifted, unmodelled = _lifted_adaptive_attacks(campaign, budget) if not setting.undefended else ([], [])
+    clients = len(campaign.passive_records)
+    shares = _summed_uploads(cohort, clients)
+    lifted, unmodelled = ([], []) if setting.undefended else _lifted_adaptive_attacks(campaign, budget, shares)
     learned_attacks: list[GradientAttack] = []
     if learned and why_not_learned is None:
-        cohort, clients = honest_cohort(setting), len(campaign.passive_records)
         learned_attacks = _learned_attacks(
             setting, campaign.datamodule, budget, lifted, campaign.seed, campaign.log, round=campaign.round,
             aggregate_of=clients, absent_noise_std=0.0 if cohort is None else cohort.absent_noise_std(clients),
@@ -1217,9 +1221,12 @@ def _aggregate_learned_not_run(
     return simulation_refusal(campaign.setting)
 
 
-def _lifted_adaptive_attacks(campaign: _Campaign, budget: AttackBudget) -> tuple[list[GradientAttack], list[str]]:
+def _lifted_adaptive_attacks(
+    campaign: _Campaign, budget: AttackBudget, noise_shares: int
+) -> tuple[list[GradientAttack], list[str]]:
     """The setting's adaptive attacks with their defense knowledge lifted to the mean of the round's
-    clients, and why each one that does not carry over does not."""
+    clients (whose sum carries ``noise_shares`` noises), and why each one that does not carry over does not."""
+    clients = len(campaign.passive_records)
     attacks = campaign.setting.adaptive_attacks(
         campaign.model,
         campaign.datamodule,
@@ -1235,9 +1242,7 @@ def _lifted_adaptive_attacks(campaign: _Campaign, budget: AttackBudget) -> tuple
             unmodelled.append(f"{type(attack).__name__} is not built on a defense knowledge that carries over")
             continue
         try:
-            clients = len(campaign.passive_records)
-            shares = _summed_uploads(honest_cohort(campaign.setting), clients)
-            cast(Any, attack).knowledge = knowledge.over_clients(clients, noise_shares=shares)
+            cast(Any, attack).knowledge = knowledge.over_clients(clients, noise_shares=noise_shares)
         except ValueError as err:
             unmodelled.append(f"{type(attack).__name__}: {err}")
             continue
@@ -1362,17 +1367,14 @@ def _kappa_sample(datamodule: Any, originals: Tensor, labels: Tensor, seed: int)
     if labels.is_floating_point() or labels.numel() != originals.shape[0]:
         return originals, labels  # soft labels: the audited images alone, as before
     labels = labels.reshape(-1).long().cpu()
-    train = datamodule.train_dataset
     wanted = KAPPA_IMAGES - originals.shape[0]
     if wanted <= 0:
         return originals, labels
-    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))[: wanted + originals.shape[0]]
-    extra = [train[int(i)] for i in order]
     try:
-        extra_labels = torch.as_tensor([int(y) for _, y in extra])
-    except (TypeError, ValueError, RuntimeError):  # labels that are not one class each: the audited images alone
+        extra, extra_labels = training_examples(datamodule, wanted + originals.shape[0], seed)
+    except ValueError:  # labels that are not one class each: the audited images alone
         return originals, labels
-    extra_pixels = denormalize(torch.stack([x for x, _ in extra]), datamodule.mean, datamodule.std).clamp(0, 1)
+    extra_pixels = denormalize(extra, datamodule.mean, datamodule.std).clamp(0, 1)
     # a drawn image equal to an audited one would be counted twice
     gaps = (extra_pixels.flatten(1)[:, None, :] - originals.cpu().flatten(1)[None]).abs().amax(-1)
     keep = ~(gaps < 1e-4).any(-1)

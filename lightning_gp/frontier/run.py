@@ -36,6 +36,7 @@ from lightning_gp.attacks import ATTACK_REVISION, LABEL_RECOVERY_REVISION
 from lightning_gp.audit.catalog import DefenseSetting
 from lightning_gp.audit.learned import simulation_refusal
 from lightning_gp.audit.quiet import library_noise_silenced
+from lightning_gp.audit.rounds import training_order
 from lightning_gp.audit.setting_audit import (
     LEARNED_NOT_RUN,
     THREAT_MODELS,
@@ -356,9 +357,7 @@ def attacked_images(datamodule: Any, images: int, batch_size: int, seed: int) ->
     """``ceil(images / batch_size)`` clients of ``batch_size`` training images each, drawn by ``seed``
     (the same images for every setting at one batch size)."""
     clients = math.ceil(images / batch_size)
-    datamodule.setup("fit")
-    order = torch.randperm(len(datamodule.train_dataset), generator=torch.Generator().manual_seed(seed))
-    chosen = [int(i) for i in order[: clients * batch_size]]
+    chosen = [int(i) for i in training_order(datamodule, seed)[: clients * batch_size]]
     return [chosen[c * batch_size : (c + 1) * batch_size] for c in range(clients)]
 
 
