@@ -375,11 +375,12 @@ def main() -> None:
     done, rows, images, start = store.load(), [], [], time.perf_counter()
     for batch in args.batch_sizes:
         population = len(datamodule.train_dataset) // batch
-        needed = smallest_population(build(args.seed), args.cohort, args.deployment_rounds, prior.kappa)
+        reference = build(args.seed)  # read for its bound and cost; each audit builds a fresh one
+        needed = smallest_population(reference, args.cohort, args.deployment_rounds, prior.kappa)
         eta, bound_text = deployment_bound(
-            build(args.seed), Deployment(args.cohort, population, args.deployment_rounds), prior.kappa
+            reference, Deployment(args.cohort, population, args.deployment_rounds), prior.kappa
         )
-        ratio = step_ratio(build(args.seed), batch)
+        ratio = step_ratio(reference, batch)
         pmm = read_pmm(args.utility, (args.setting, plain(args.seed).name), batch, args.cohort)
         print(f"batch {batch}: eta {eta} ({bound_text}); step {ratio}; PMM {pmm}", flush=True)
         for algorithm in args.algorithms:
