@@ -43,3 +43,26 @@ def sample_tests(data):
     from lightning_gp.audit.recognition import datamodule_recognition_tests
 
     return datamodule_recognition_tests(data, log=lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def crops():
+    """Small RGB 3x32x32 photo crops (16 training and 48 public images a class), set up."""
+    from lightning_gp.data.photo_crops import PhotoCropsDataModule
+
+    datamodule = PhotoCropsDataModule(per_class_train=16, per_class_test=48)
+    datamodule.setup("fit")
+    return datamodule
+
+
+@pytest.fixture(scope="module")
+def crop_tests(crops):
+    """The identification test on the crops' public split; the semantic test left out, named as missing."""
+    from lightning_gp.audit.rounds import public_examples
+    from lightning_gp.metrics import IdentificationTest
+    from lightning_gp.metrics.recognition import RecognitionTests
+    from lightning_gp.normalization import denormalize
+
+    public, labels = public_examples(crops)
+    identification = IdentificationTest(denormalize(public, crops.mean, crops.std), labels)
+    return RecognitionTests(None, identification, {"semantic": "not under test here"})

@@ -13,28 +13,12 @@ from lightning_gp.audit.rounds import NoPublicSplitError, public_examples
 from lightning_gp.audit.verdict import IDENTIFICATION_GATE, LeakRule, worst_case_report
 from lightning_gp.data import ArrayDataModule
 from lightning_gp.data.photo_crops import PhotoCropsDataModule
-from lightning_gp.metrics import IdentificationTest, reconstruction_report
+from lightning_gp.metrics import reconstruction_report
 from lightning_gp.metrics.recognition import RecognitionTests
 from lightning_gp.metrics.semantic import SEMANTIC_LINE
 from lightning_gp.normalization import denormalize
 
 IDENTITY = ((0.0,), (1.0,))
-
-
-@pytest.fixture(scope="module")
-def crops():
-    datamodule = PhotoCropsDataModule(per_class_train=16, per_class_test=48)
-    datamodule.setup("fit")
-    return datamodule
-
-
-@pytest.fixture(scope="module")
-def crop_tests(crops):
-    """The identification test on the crops' public split (the semantic test is fitted in the test of
-    its own below; here it is left out, named as missing)."""
-    public, labels = public_examples(crops)
-    identification = IdentificationTest(denormalize(public, crops.mean, crops.std), labels)
-    return RecognitionTests(None, identification, {"semantic": "not under test here"})
 
 
 def _training_batch(datamodule, count: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,24 +20,8 @@ from lightning_gp.audit.advantage import (
 from lightning_gp.audit.bounds import prior_only_successes
 from lightning_gp.audit.rounds import public_examples
 from lightning_gp.audit.verdict import LeakRule, worst_case_report
-from lightning_gp.data.photo_crops import PhotoCropsDataModule
-from lightning_gp.metrics import IdentificationTest, reconstruction_report
-from lightning_gp.metrics.recognition import RecognitionTests
+from lightning_gp.metrics import reconstruction_report
 from lightning_gp.normalization import denormalize
-
-
-@pytest.fixture(scope="module")
-def crops():
-    datamodule = PhotoCropsDataModule(per_class_train=16, per_class_test=48)
-    datamodule.setup("fit")
-    return datamodule
-
-
-@pytest.fixture(scope="module")
-def tests(crops):
-    public, labels = public_examples(crops)
-    identification = IdentificationTest(denormalize(public, crops.mean, crops.std), labels)
-    return RecognitionTests(None, identification, {"semantic": "not under test here"})
 
 
 @pytest.fixture(scope="module")
@@ -81,11 +65,11 @@ def test_newcombe_interval_reproduces_the_published_example() -> None:
     assert low == pytest.approx(-0.1611, abs=5e-4) and high == pytest.approx(0.2775, abs=5e-4)
 
 
-def test_a_planted_copy_is_identified_and_fails_the_bar(crops, tests, batch) -> None:
+def test_a_planted_copy_is_identified_and_fails_the_bar(crops, crop_tests, batch) -> None:
     originals, labels = batch
     planted = _flat(originals)
     planted[3] = originals[3]
-    worst = _worst(crops, tests, originals, labels, {"flat": _flat(originals), "planted": planted})
+    worst = _worst(crops, crop_tests, originals, labels, {"flat": _flat(originals), "planted": planted})
     assert identified_images(worst) == {3: ["planted"]}
     advantage = reconstruction_advantage(worst, 0, MIN_PRIOR_IMAGES)
     assert advantage.successes == 1 and advantage.by_attack == {"flat": 0, "planted": 1}
@@ -93,9 +77,9 @@ def test_a_planted_copy_is_identified_and_fails_the_bar(crops, tests, batch) -> 
     assert advantage.worst_attack == "planted" and "planted (1)" in advantage.describe()
 
 
-def test_nothing_identified_holds_only_on_a_complete_audit(crops, tests, batch) -> None:
+def test_nothing_identified_holds_only_on_a_complete_audit(crops, crop_tests, batch) -> None:
     originals, labels = batch
-    worst = _worst(crops, tests, originals, labels, {"flat": _flat(originals)})
+    worst = _worst(crops, crop_tests, originals, labels, {"flat": _flat(originals)})
     assert worst.verdict == "private" and worst.gaps == []
     advantage = reconstruction_advantage(worst, 4, MIN_PRIOR_IMAGES)
     assert advantage.advantage == pytest.approx(-4 / MIN_PRIOR_IMAGES) and advantage.status == "holds"
@@ -109,20 +93,20 @@ def test_nothing_identified_holds_only_on_a_complete_audit(crops, tests, batch) 
     assert "not recorded" in reconstruction_advantage(unknown, 0, 256).describe()
 
 
-def test_a_found_identification_fails_however_incomplete_the_audit(crops, tests, batch) -> None:
+def test_a_found_identification_fails_however_incomplete_the_audit(crops, crop_tests, batch) -> None:
     originals, labels = batch
     planted = _flat(originals)
     planted[:2] = originals[:2]
     diverged = torch.full_like(originals, float("nan"))
-    worst = _worst(crops, tests, originals, labels, {"planted": planted, "diverged": diverged})
+    worst = _worst(crops, crop_tests, originals, labels, {"planted": planted, "diverged": diverged})
     # the verdict names the leak; the gap the diverged attack left is still recorded
     assert worst.verdict == "leaks" and any("diverged" in gap for gap in worst.gaps), worst.gaps
     assert reconstruction_advantage(worst, 0, 256).status == "fails"
 
 
-def test_a_class_level_semantic_leak_is_not_an_identification(crops, tests, batch) -> None:
+def test_a_class_level_semantic_leak_is_not_an_identification(crops, crop_tests, batch) -> None:
     originals, labels = batch
-    worst = _worst(crops, tests, originals, labels, {"flat": _flat(originals)})
+    worst = _worst(crops, crop_tests, originals, labels, {"flat": _flat(originals)})
     rows = list(worst.rows)
     rows[0] = dataclasses.replace(rows[0], leaks=True, criteria={"flat": ["semantic > 0.7"]})
     rows[1] = dataclasses.replace(rows[1], leaks=True, criteria={"flat": ["semantic > 0.7", "ssim > 0.5"]})
@@ -139,7 +123,7 @@ def test_identifying_rule_drops_the_class_level_line_and_refuses_a_rule_with_not
 
 
 def test_the_prior_path_finds_a_planted_guess_and_gates_smooth_guesses_that_identify_no_one(
-    crops, tests, batch
+    crops, crop_tests, batch
 ) -> None:
     """A public "guess" that is a copy of an original identifies it: the prior path counts it. Blurred
     public images cross SSIM 0.5 on flat crops without identifying anyone: judged ungated (kappa's
@@ -147,7 +131,7 @@ def test_the_prior_path_finds_a_planted_guess_and_gates_smooth_guesses_that_iden
     originals, labels = batch
     pixels = denormalize(originals, crops.mean, crops.std)
     public = denormalize(public_examples(crops)[0], crops.mean, crops.std)
-    rule = identifying_rule(LeakRule().calibrated(tests))
+    rule = identifying_rule(LeakRule().calibrated(crop_tests))
     kwargs = {"labels": labels, "rule": rule}
     planted = torch.cat([pixels[5:6], public[:40]])
     assert prior_only_successes(pixels, planted, identification=True, **kwargs) >= 1
@@ -156,9 +140,9 @@ def test_the_prior_path_finds_a_planted_guess_and_gates_smooth_guesses_that_iden
     assert ungated >= 2 and prior_only_successes(pixels, blurred, identification=True, **kwargs) < ungated
 
 
-def test_bad_counts_are_refused_naming_the_argument(crops, tests, batch) -> None:
+def test_bad_counts_are_refused_naming_the_argument(crops, crop_tests, batch) -> None:
     originals, labels = batch
-    worst = _worst(crops, tests, originals, labels, {"flat": _flat(originals)})
+    worst = _worst(crops, crop_tests, originals, labels, {"flat": _flat(originals)})
     with pytest.raises(ValueError, match="prior_images"):
         reconstruction_advantage(worst, 0, 16)
     with pytest.raises(ValueError, match="prior_successes"):
