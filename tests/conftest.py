@@ -66,3 +66,13 @@ def crop_tests(crops):
     public, labels = public_examples(crops)
     identification = IdentificationTest(denormalize(public, crops.mean, crops.std), labels)
     return RecognitionTests(None, identification, {"semantic": "not under test here"})
+
+
+@pytest.fixture
+def flower_process(monkeypatch):
+    """Flower builds messages inside a process that knows its run and node; a test that calls the apps
+    and mods directly plays that process."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for attribute, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
+        monkeypatch.setattr(TaskIdentity, attribute, value)

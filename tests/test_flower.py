@@ -56,13 +56,8 @@ def server_model() -> ImageClassifier:
 
 
 @pytest.fixture(autouse=True)
-def task_identity(monkeypatch):
-    """Messages are built inside a Flower process, which knows its run and node; the tests that
-    call the apps directly play that process."""
-    from flwr.supercore.task_identity import TaskIdentity
-
-    for attribute, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
-        monkeypatch.setattr(TaskIdentity, attribute, value)
+def task_identity(flower_process):
+    """The tests that call the apps directly play the Flower process that builds the messages."""
 
 
 def context(client: int, node: int = 11) -> Context:

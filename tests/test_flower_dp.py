@@ -183,7 +183,7 @@ def reply(sent: ArrayRecord, update_norm_: float, weight: int = 1, node: int = 7
     )
 
 
-def test_server_refuses_unclipped_unequal_or_missing_updates_with_client_side_clipping(task_identity):
+def test_server_refuses_unclipped_unequal_or_missing_updates_with_client_side_clipping(flower_process):
     sent = ArrayRecord({n: Array(t.detach().numpy()) for n, t in server_model().state_dict().items()})
     strategy = ClientLevelDPStrategy(FedAvg(), ClientLevelDP(Z, C), clients_per_round=2)
     strategy.check_replies(1, sent, [reply(sent, C), reply(sent, C / 2)])  # within C: accepted
@@ -197,17 +197,8 @@ def test_server_refuses_unclipped_unequal_or_missing_updates_with_client_side_cl
     server_side.check_replies(1, sent, [reply(sent, 10 * C), reply(sent, C)])  # the server clips them itself
 
 
-@pytest.fixture
-def task_identity(monkeypatch):
-    """Messages are built inside a Flower process that knows its run and node; this test plays it."""
-    from flwr.supercore.task_identity import TaskIdentity
-
-    for attribute, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
-        monkeypatch.setattr(TaskIdentity, attribute, value)
-
-
 @pytest.mark.filterwarnings("ignore:.*val_dataloader")
-def test_lightning_client_app_with_fixedclipping_mod_sends_an_update_the_dp_server_accepts(task_identity):
+def test_lightning_client_app_with_fixedclipping_mod_sends_an_update_the_dp_server_accepts(flower_process):
     from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
     from lightning_gp.data import FashionMNISTSampleDataModule

@@ -92,14 +92,55 @@ def consistent_digest_sum(digest_sum: Tensor, clients: int, own: Tensor) -> bool
     only if all are 1 and to 0 only if all are 0, so one client with another model breaks it at every
     position where its bits differ."""
     clients = check_positive_int(clients, "clients")
-    for name, value in (("digest_sum", digest_sum), ("own", own)):
+    _check_digest_pair(digest_sum, own, "digest_sum")
+    return bool(torch.equal(digest_sum.to(torch.float64), clients * own.to(torch.float64)))
+
+
+def consistent_digest_mean(digest_mean: Tensor, own: Tensor, *, atol: float = 1e-4) -> bool:
+    """Whether a weighted mean of clients' :func:`digest_bits` (FedAvg's aggregate of the digest entries,
+    e.g. behind Flower's SecAgg+) says every client of the round received the model whose bits are
+    ``own``: each position within ``atol`` of ``own``'s bit. One client with another model moves every
+    position where its bits differ by its weight's share of the round (``1 / K`` for ``K`` equally
+    weighted clients), so ``atol`` must stay below the smallest client's share and above the
+    aggregation's rounding. SecAgg+ (Flower's ``SecAggPlusWorkflow``) scales each upload by
+    ``num_examples / max_weight`` and rounds it to steps of ``2 clipping_range / quantization_range``,
+    so the mean is off by up to ``2 clipping_range max_weight / (quantization_range num_examples)``:
+    ``3.8e-6`` with ``max_weight`` equal to the clients' ``num_examples``, but ``3.8e-3`` at its default
+    ``max_weight = 1000`` with one example each. The default ``1e-4`` serves rounds of up to 5,000
+    equally weighted clients with ``max_weight`` set to their ``num_examples``."""
+    atol = check_nonnegative(atol, "atol")
+    _check_digest_pair(digest_mean, own, "digest_mean")
+    gap = (digest_mean.to(torch.float64) - own.to(torch.float64)).abs()
+    return bool((gap <= atol).all())
+
+
+def _check_digest_pair(combined: Tensor, own: Tensor, name: str) -> None:
+    for argument, value in ((name, combined), ("own", own)):
         if not isinstance(value, Tensor) or value.shape != (DIGEST_BITS,):
-            raise ValueError(f"{name} must be a tensor of shape ({DIGEST_BITS},), got {getattr(value, 'shape', value)}")
+            raise ValueError(
+                f"{argument} must be a tensor of shape ({DIGEST_BITS},), got {getattr(value, 'shape', value)}"
+            )
     if not bool(((own == 0) | (own == 1)).all()):
         raise ValueError("own must hold the bits of digest_bits (zeros and ones)")
-    if not bool(torch.isfinite(digest_sum).all()):
-        raise ValueError("digest_sum holds NaN or inf: it is not a sum of digest bits")
-    return bool(torch.equal(digest_sum.to(torch.float64), clients * own.to(torch.float64)))
+    if not bool(torch.isfinite(combined).all()):
+        raise ValueError(f"{name} holds NaN or inf: it is not a combination of digest bits")
+
+
+def check_architecture(expected: Mapping[str, Tensor], received: Mapping[str, Tensor]) -> None:
+    """Refuse ``received`` unless it has ``expected``'s entries in order with their shapes and dtypes:
+    raises :class:`ModelRejected` saying what differs (an imprint block, a changed layer)."""
+    if list(received) != list(expected):
+        extra, missing = sorted(set(received) - set(expected)), sorted(set(expected) - set(received))
+        raise ModelRejected(
+            f"the model's architecture is not the public one: {len(extra)} extra entries {extra[:3]}, "
+            f"{len(missing)} missing {missing[:3]}" + ("" if extra or missing else " (another order)")
+        )
+    for name, want in expected.items():
+        have = received[name]
+        if have.shape != want.shape or have.dtype != want.dtype:
+            raise ModelRejected(
+                f"{name}: {tuple(have.shape)} {have.dtype}, the public model has {tuple(want.shape)} {want.dtype}"
+            )
 
 
 class ModelProvenance:
@@ -174,18 +215,9 @@ class ModelProvenance:
         """Refuse ``received`` unless it is the replayed model (same entries, shapes, dtypes; values
         within ``atol``): raises :class:`ModelRejected` saying what differs."""
         expected, got = self.expected_state, _state(received, "received")
-        if list(got) != list(expected):
-            extra, missing = sorted(set(got) - set(expected)), sorted(set(expected) - set(got))
-            raise ModelRejected(
-                f"the model's architecture is not the public one: {len(extra)} extra entries {extra[:3]}, "
-                f"{len(missing)} missing {missing[:3]}" + ("" if extra or missing else " (another order)")
-            )
+        check_architecture(expected, got)
         for name, want in expected.items():
             have = got[name].detach().to(want.device)
-            if have.shape != want.shape or have.dtype != want.dtype:
-                raise ModelRejected(
-                    f"{name}: {tuple(have.shape)} {have.dtype}, the public model has {tuple(want.shape)} {want.dtype}"
-                )
             gap = (have.to(torch.float64) - want.to(torch.float64)).abs()
             if gap.numel() and not bool((gap <= self.atol).all()):
                 raise ModelRejected(

@@ -138,12 +138,7 @@ def _defend(defense: Defense, update: dict[str, Tensor], client: int, record: An
 
 
 def _single_array_record(msg: Message, where: str) -> tuple[str, ArrayRecord]:
-    records = msg.content.array_records
-    if len(records) != 1:
-        raise ValueError(
-            f"UpdateDefenseMod expects exactly one ArrayRecord (the model) in {where}, found {len(records)}"
-        )
-    return next(iter(records.items()))
+    return protocol.single_array_record(msg, where, "UpdateDefenseMod")
 
 
 def _defended_names(info: Any, arrays: ArrayRecord) -> Sequence[str]:
@@ -154,4 +149,5 @@ def _defended_names(info: Any, arrays: ArrayRecord) -> Sequence[str]:
         if missing:
             raise ValueError(f"the reply lists parameters {missing[:5]} that its ArrayRecord does not hold")
         return names
-    return [n for n, a in arrays.items() if np.dtype(a.dtype).kind == "f"]
+    # the legacy API's arrays carry no dtype of their own (an .npy payload): read it from the array
+    return [n for n, a in arrays.items() if a.numpy().dtype.kind == "f"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from flwr.app import ConfigRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 
 #: the reply's config record written by the client app and the update-defense mod
 REPLY_RECORD = "lightning_gp"
@@ -40,3 +40,12 @@ def described_defenses(record: ConfigRecord | None) -> list[dict[str, Any]]:
         return []
     described: list[dict[str, Any]] = json.loads(str(record[DEFENSES]))
     return described
+
+
+def single_array_record(msg: Message, where: str, reader: str) -> tuple[str, ArrayRecord]:
+    """The one ``ArrayRecord`` (the model) of ``msg`` and its key; a clear error naming ``reader`` (the mod
+    that needs it) and ``where`` otherwise."""
+    records = msg.content.array_records
+    if len(records) != 1:
+        raise ValueError(f"{reader} expects exactly one ArrayRecord (the model) in {where}, found {len(records)}")
+    return next(iter(records.items()))
