@@ -14,9 +14,11 @@ SecAgg+ runs on in flwr 1.41):
 Five rounds, the server honest in the first and malicious after it:
 
 1. honest: the tap keeps the aggregate (the server's whole view). It is checked against the audit's
-   model of it (the mean of the clients' defended uploads, computed here with the same seeds), and every
-   passive attack of the suite that runs on an aggregate attacks it, judged by the audit's leak rule with
-   the prior-only controls (``--attacks`` to choose), with the advantage over the prior;
+   model of it (the mean of the clients' defended uploads, computed here with the same seeds), and the
+   attacks ``audit_setting(aggregate=True)`` runs on an aggregate attack it: every passive published
+   attack, the adaptive attacks with the mechanism's knowledge lifted to the mean, the learned inverter
+   trained on the mean of simulated clients (``--attacks`` runs only the published ones named, and says
+   so), judged by the audit's leak rule with the prior-only controls, with the advantage over the prior;
 2. Robbing the Fed: the server sends every client its imprinted model;
 3. LOKI: the server sends each client its own imprinted model;
 4. model inconsistency without another architecture (as Fishing's per-client variant needs): one client
@@ -42,15 +44,17 @@ from typing import Any
 
 import numpy as np
 import torch
-from _common import markdown_table, write_results
+from _common import markdown_table, setting_builder, write_results
 from prior_bar import prior_counts
 from torch import Tensor, nn
 
 from lightning_gp.attacks import LOKI, RobbingTheFed, parameter_gradients
 from lightning_gp.attacks.base import AttackNotApplicable
+from lightning_gp.attacks.learned import InverterConfig
 from lightning_gp.attacks.threat_models import threat_class_of
 from lightning_gp.audit import AttackBudget, LeakRule, attack_record, datamodule_recognition_tests, published_attacks
 from lightning_gp.audit.advantage import reconstruction_advantage
+from lightning_gp.audit.learned import REFINE_ITERATIONS, learned_inversion_attacks, simulation_refusal
 from lightning_gp.audit.prior_control import with_prior_only_control
 from lightning_gp.audit.rounds import public_examples, training_examples
 from lightning_gp.audit.setting_audit import reference_pixels
@@ -62,10 +66,6 @@ from lightning_gp.models import LeNetZhu
 from lightning_gp.records import TappedGradient
 
 ROUNDS = ("honest", "Robbing the Fed", "LOKI", "one client nudged", "honest")
-NOT_ON_THE_TAP = (
-    "the adaptive attacks and the learned inverter did not attack the Flower tap (they run in "
-    "audit_setting(aggregate=True) on its model of this aggregate: benchmarks/defense_that_holds.py)"
-)
 
 
 def parse_args() -> argparse.Namespace:
@@ -252,9 +252,43 @@ def tapped_aggregate(
     )
 
 
+def tap_attacks(args: argparse.Namespace, datamodule: Any, budget: AttackBudget) -> list[tuple[str, Any, bool]]:
+    """``(name, attack, labels known)``: the passive published attacks (or ``--attacks``) and, unless
+    ``--attacks`` names a subset, the setting's adaptive attacks with their knowledge lifted to the mean of
+    the round's clients (the noise shares of all of them) and the learned inverter trained on that mean,
+    as ``audit_setting(aggregate=True)`` builds them."""
+    attacks = []
+    for spec in published_attacks(budget, args.attacks):
+        attack = spec.build(args.seed, LeNetZhu())
+        if not threat_class_of(attack).active:  # the active ones' models are the server's moves (rounds 2-3)
+            attacks.append((spec.name, attack, False))
+    if args.attacks is not None:
+        return attacks
+    setting = setting_builder(
+        f"DistributedGaussianMechanism(noise_multiplier={args.noise_multiplier}, "
+        f"max_update_norm={args.max_update_norm}, cohort_size={args.clients})"
+    )(args.seed)
+    adaptive = setting.adaptive_attacks(
+        LeNetZhu(), datamodule, iterations=budget.ig_iterations, lbfgs_iterations=budget.lbfgs_iterations,
+        restarts=budget.adaptive_restarts, seed=args.seed,
+    )  # fmt: skip
+    for attack in adaptive:
+        attack.knowledge = attack.knowledge.over_clients(args.clients, noise_shares=args.clients)
+        attacks.append((f"adaptive:{type(attack).__name__}", attack, True))
+    learned = learned_inversion_attacks(
+        setting, datamodule, adaptive=adaptive, config=InverterConfig(max_epochs=budget.learned_max_epochs),
+        refine_iterations=min(REFINE_ITERATIONS, budget.ig_iterations), seed=args.seed, aggregate_of=args.clients,
+    )  # fmt: skip
+    if not learned:
+        raise SystemExit(f"the learned inverter cannot simulate {setting.name}: {simulation_refusal(setting)}")
+    attacks += [(f"adaptive:{type(a).__name__}", a, True) for a in learned]
+    return attacks
+
+
 def attack_the_tap(args: argparse.Namespace, record: TappedGradient, datamodule: Any, rule: LeakRule):
-    """Every passive published attack on the tap (or ``--attacks``), each with its prior-only control; the
-    cells and the worst case by the audit's leak rule (a gap for any attack that errs or does not apply)."""
+    """Every attack of :func:`tap_attacks` on the tap, each with its prior-only control; the cells and the
+    worst case by the audit's leak rule (a gap for any attack that errs or falls back; a published attack
+    that does not apply is named, as the audit's cells name it)."""
     budget = audit_budget(args.quick)
     public = public_examples(datamodule)
     reference = reference_pixels(datamodule, images=public[0])
@@ -272,39 +306,42 @@ def attack_the_tap(args: argparse.Namespace, record: TappedGradient, datamodule:
             }
         )
 
-    for spec in published_attacks(budget, args.attacks):
-        attack = spec.build(args.seed, LeNetZhu())
-        if threat_class_of(attack).active:
-            continue  # its model is the server's move: rounds 2-3 send it, the clients refuse it
+    for name, attack, labels_known in tap_attacks(args, datamodule, budget):
+        print(f"   {name} on the Flower tap ...", flush=True)
         start = time.perf_counter()
         try:
             result = attack_record(
                 record, LeNetZhu(), attack, num_classes=10, mean=datamodule.mean, std=datamodule.std,
-                public_data=public, tests=rule.tests,
+                public_data=public, tests=rule.tests, labels_known=labels_known,
             )  # fmt: skip
             (result,), errors = with_prior_only_control([attack], [result], rule=rule, reference=reference)
         except AttackNotApplicable as err:
-            gaps.append(f"{spec.name}: n/a ({err})")
-            row(spec.name, "n/a", str(err), seconds=time.perf_counter() - start)
+            if name.startswith("adaptive:"):
+                gaps.append(f"{name}: could not apply ({err})")
+            else:
+                gaps.append(f"{name}: n/a ({err})")
+            row(name, "n/a", str(err), seconds=time.perf_counter() - start)
             continue
         except Exception as err:  # an attack that errs is a gap in the verdict, named
-            gaps.append(f"{spec.name}: error ({type(err).__name__}: {err})")
-            row(spec.name, "error", f"{type(err).__name__}: {err}", seconds=time.perf_counter() - start)
+            gaps.append(f"{name}: error ({type(err).__name__}: {err})")
+            row(name, "error", f"{type(err).__name__}: {err}", seconds=time.perf_counter() - start)
             continue
-        gaps += [f"{spec.name}: {e}" for e in errors]
+        if result.reconstruction.meta.get("fallback"):
+            errors.append(f"fell back ({result.reconstruction.meta.get('fallback_reason', '')})")
+        gaps += [f"{name}: {e}" for e in errors]
         report = result.report
         reports.append(report)
         row(
-            spec.name,
+            name,
             "error" if errors else "ok",
             "; ".join(errors),
             psnr=f"{report.means.get('psnr', float('nan')):.2f}",
             leaked=f"{sum(rule.leaked(report))}/{record.targets.numel()}",
             seconds=time.perf_counter() - start,
         )
-    # the adaptive attacks and the learned inverter are built from the audit's campaign (the setting, its
-    # simulated clients); they attack the audit's model of this aggregate, not this tap: a gap here
-    incomplete = [g for g in gaps if ": n/a" not in g] + [NOT_ON_THE_TAP]
+    if args.attacks is not None:
+        gaps.append(f"only the attacks {args.attacks} were run (--attacks)")
+    incomplete = [g for g in gaps if ": n/a (" not in g]
     worst = worst_case_report(
         [concatenate_reports([r]) for r in reports],
         leak_thresholds=rule.thresholds,
@@ -379,7 +416,7 @@ def main() -> None:
         f"{advantage.successes}/{images_total}; advantage over the prior (the best fixed guess "
         f"identifies {prior.identified}/{prior.images}) {advantage.advantage:+.3f} "
         f"[{advantage.interval[0]:+.3f}, {advantage.interval[1]:+.3f}]: {advantage.status}. "
-        f"Gaps: {'; '.join([*gaps, NOT_ON_THE_TAP])}. {(time.time() - started) / 60:.0f} min."
+        f"Gaps and n/a cells: {'; '.join(gaps) or 'none'}. {(time.time() - started) / 60:.0f} min."
     )
     body = "\n\n## The attacks on round 1's aggregate\n\n" + markdown_table(attack_rows) + "\n\n## The rounds"
     path = write_results(name, rounds, preamble + body)

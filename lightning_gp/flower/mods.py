@@ -149,5 +149,5 @@ def _defended_names(info: Any, arrays: ArrayRecord) -> Sequence[str]:
         if missing:
             raise ValueError(f"the reply lists parameters {missing[:5]} that its ArrayRecord does not hold")
         return names
-    # the legacy API's arrays carry no dtype of their own (an .npy payload): read it from the array
-    return [n for n, a in arrays.items() if a.numpy().dtype.kind == "f"]
+    # the legacy API's arrays carry no dtype of their own (an .npy payload): read it from the array there
+    return [n for n, a in arrays.items() if (np.dtype(a.dtype) if a.dtype else a.numpy().dtype).kind == "f"]
