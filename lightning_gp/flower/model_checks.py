@@ -23,7 +23,8 @@ What it cannot do, as the checks themselves (docs/guide/bounds.md): it detects a
 inconsistency after the server has that round's aggregate; it reads the averaged digest from the server,
 so a server that tells each client its own average (equivocation) defeats it unless the clients compare
 what they received; a client checks only a round it took part in (``metadata.group_id``, Flower's server
-round, tells them apart). On Flower's FedAvg the aggregate reaches the clients only as the next model, so
+round, tells them apart); it refuses the round and does not remember it (Flower keeps no
+``Context.state`` from a ClientApp that raises): acting on a refusal is the deployment's. On Flower's FedAvg the aggregate reaches the clients only as the next model, so
 the value replay of the public record (:class:`~lightning_gp.federated.ModelProvenance`) has no aggregate
 of its own to replay and is not run here: a same-architecture model (Fishing's rewritten last layer) sent
 identically to every client passes this mod.
