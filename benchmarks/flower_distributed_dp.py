@@ -39,7 +39,6 @@ import argparse
 import csv
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -61,6 +60,7 @@ from lightning_gp.audit.setting_audit import reference_pixels
 from lightning_gp.audit.verdict import worst_case_report
 from lightning_gp.data import FashionMNISTDataModule, FashionMNISTSampleDataModule
 from lightning_gp.defenses import DistributedGaussianMechanism
+from lightning_gp.flower import RefusalLog
 from lightning_gp.metrics import concatenate_reports
 from lightning_gp.models import LeNetZhu
 from lightning_gp.records import TappedGradient
@@ -106,21 +106,20 @@ def run_flower(
     batches: list[tuple[Tensor, Tensor]],
     public_images: Tensor,
     normalization: tuple[Any, Any],
-    refusals: Path,
+    refusals: RefusalLog,
 ) -> tuple[dict[int, list[np.ndarray]], dict[int, list[np.ndarray]]]:
     """The five rounds on Flower's simulation engine: the arrays the strategy was handed per round and
     what it sent each round (``public_images``: the server's public data, the imprint's bins; ``normalization``:
-    the data's mean and std)."""
+    the data's mean and std; ``refusals``: the clients' :class:`~lightning_gp.flower.RefusalLog`)."""
     from flwr.client import ClientApp, NumPyClient
     from flwr.client.mod import secaggplus_mod
     from flwr.common import Context, FitIns, ndarrays_to_parameters, parameters_to_ndarrays
     from flwr.server import LegacyContext, ServerApp, ServerConfig
     from flwr.server.strategy import FedAvg
-    from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
+    from flwr.server.workflow import DefaultWorkflow
     from flwr.simulation import run_simulation
 
-    from lightning_gp.federated import ModelRejected
-    from lightning_gp.flower import ModelChecksMod, UpdateDefenseMod
+    from lightning_gp.flower import ModelChecksMod, UpdateDefenseMod, secaggplus_workflow
 
     names = list(public.state_dict())
     shape = tuple(batches[0][0].shape[1:])
@@ -173,14 +172,6 @@ def run_flower(
     def client_fn(context: Context):
         return Client(int(context.node_config["partition-id"])).to_client()
 
-    def record_refusals(msg, context, call_next):
-        try:
-            return call_next(msg, context)
-        except ModelRejected as err:
-            client = context.node_config["partition-id"]
-            (refusals / f"round{msg.metadata.group_id}_client{client}.txt").write_text(f"{type(err).__name__}: {err}")
-            raise
-
     server_app = ServerApp()
 
     @server_app.main()
@@ -192,13 +183,10 @@ def run_flower(
             initial_parameters=ndarrays_to_parameters([t.numpy() for t in public.state_dict().values()]),
         )
         legacy = LegacyContext(context=context, config=ServerConfig(num_rounds=len(ROUNDS)), strategy=strategy)
-        shares = min(args.clients - (args.clients + 1) % 2, 5)  # odd, as SecAgg+ asks
-        secagg = SecAggPlusWorkflow(
-            num_shares=shares, reconstruction_threshold=shares // 2 + 1, max_weight=float(args.batch_size)
-        )
+        secagg = secaggplus_workflow(args.clients, max_weight=float(args.batch_size))
         DefaultWorkflow(fit_workflow=secagg)(grid, legacy)
 
-    mods = [secaggplus_mod, record_refusals, ModelChecksMod(public), UpdateDefenseMod(mechanism(args))]
+    mods = [secaggplus_mod, refusals, ModelChecksMod(public), UpdateDefenseMod(mechanism(args))]
     run_simulation(
         server_app=server_app,
         client_app=ClientApp(client_fn=client_fn, mods=mods),
@@ -211,12 +199,12 @@ def run_flower(
     return seen, sent
 
 
-def round_rows(args: argparse.Namespace, seen: dict[int, Any], refusals: Path) -> list[dict[str, Any]]:
+def round_rows(args: argparse.Namespace, seen: dict[int, Any], refusals: RefusalLog) -> list[dict[str, Any]]:
     rows = []
     for index, plan in enumerate(ROUNDS, start=1):
-        refused = sorted(refusals.glob(f"round{index}_client*.txt"))
-        reasons = sorted({p.read_text().split(":", 1)[0] for p in refused})
-        example = refused[0].read_text()[:160] if refused else ""
+        refused = refusals.refusals(index)
+        reasons = sorted({text.split(":", 1)[0] for text in refused.values()})
+        example = refused[min(refused)][:160] if refused else ""
         rows.append(
             {
                 "round": index,
@@ -378,7 +366,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     public = LeNetZhu()
     with tempfile.TemporaryDirectory() as tmp:
-        refusals = Path(tmp)
+        refusals = RefusalLog(tmp)
         seen, sent = run_flower(
             args, public, batches, public_examples(datamodule)[0], (datamodule.mean, datamodule.std), refusals
         )

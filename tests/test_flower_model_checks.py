@@ -13,7 +13,7 @@ pytest.importorskip("flwr", reason="the Flower integration is optional: pip inst
 from flwr.app import Array, ArrayRecord, Context, Message, RecordDict
 
 from lightning_gp.federated import DIGEST_BITS, ModelRejected, consistent_digest_mean, digest_bits
-from lightning_gp.flower import ModelChecksMod, ModelInconsistency
+from lightning_gp.flower import ModelChecksMod, ModelInconsistency, RefusalLog, secaggplus_workflow
 
 SIZE = 5
 
@@ -138,3 +138,24 @@ def test_bad_arguments_are_named() -> None:
         ModelChecksMod(nn.ReLU())
     with pytest.raises(ValueError, match="atol"):
         ModelChecksMod(Public(), atol=float("nan"))
+
+
+def test_the_refusal_log_writes_each_refusal_down_and_lets_it_propagate(tmp_path) -> None:
+    log, mod, app = RefusalLog(tmp_path), ModelChecksMod(Public()), _ClientApp()
+    imprinted = [*_model(), np.zeros((4, SIZE), dtype=np.float32), np.zeros(4, dtype=np.float32)]
+    with pytest.raises(ModelRejected):
+        log(_train(imprinted, 7), _context(client=2), lambda msg, context: mod(msg, context, app))
+    log(_train(_model(), 7), _context(client=1), lambda msg, context: mod(msg, context, app))  # accepted
+    assert list(log.refusals(7)) == [2] and log.refusals(7)[2].startswith("ModelRejected: the model's architecture")
+    assert log.refusals(8) == {}
+
+
+def test_the_secaggplus_workflow_has_an_odd_share_count_a_majority_threshold_and_the_given_max_weight() -> None:
+    for clients, shares in ((3, 3), (4, 3), (5, 5), (1000, 5)):
+        workflow = secaggplus_workflow(clients, max_weight=8.0)
+        assert (workflow.num_shares, workflow.reconstruction_threshold) == (shares, shares // 2 + 1)
+        assert workflow.max_weight == 8.0
+    with pytest.raises(ValueError, match="clients"):
+        secaggplus_workflow(2, max_weight=1.0)
+    with pytest.raises(ValueError, match="max_weight"):
+        secaggplus_workflow(3, max_weight=0.0)

@@ -50,11 +50,11 @@ def test_distributed_dp_behind_secaggplus_with_the_model_checks(tmp_path: Path) 
     from flwr.common import Context, FitIns, ndarrays_to_parameters, parameters_to_ndarrays
     from flwr.server import LegacyContext, ServerApp, ServerConfig
     from flwr.server.strategy import FedAvg
-    from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
+    from flwr.server.workflow import DefaultWorkflow
     from flwr.simulation import run_simulation
 
-    from lightning_gp.federated import ModelRejected, digest_bits
-    from lightning_gp.flower import ModelChecksMod, UpdateDefenseMod
+    from lightning_gp.federated import digest_bits
+    from lightning_gp.flower import ModelChecksMod, RefusalLog, UpdateDefenseMod, secaggplus_workflow
 
     seen: dict[int, list[list[np.ndarray]]] = {}
     sent: dict[int, np.ndarray] = {}
@@ -89,14 +89,7 @@ def test_distributed_dp_behind_secaggplus_with_the_model_checks(tmp_path: Path) 
     def client_fn(context: Context):
         return Client(int(context.node_config["partition-id"])).to_client()
 
-    def refusals(msg, context, call_next):
-        """The test's window into the clients: a refusal is written down, then raised as before."""
-        try:
-            return call_next(msg, context)
-        except ModelRejected as err:
-            client = context.node_config["partition-id"]
-            (tmp_path / f"round{msg.metadata.group_id}_client{client}.txt").write_text(f"{type(err).__name__}: {err}")
-            raise
+    refusals = RefusalLog(tmp_path)  # the test's window into the clients
 
     server_app = ServerApp()
 
@@ -110,10 +103,8 @@ def test_distributed_dp_behind_secaggplus_with_the_model_checks(tmp_path: Path) 
             on_fit_config_fn=lambda server_round: {"round": server_round},
         )
         legacy = LegacyContext(context=context, config=ServerConfig(num_rounds=ROUNDS), strategy=strategy)
-        # max_weight = the clients' num_examples: SecAgg+ scales each upload by num_examples / max_weight
-        # before it quantises, so its default 1000 would coarsen the step 1000-fold here
-        secagg = SecAggPlusWorkflow(num_shares=NODES, reconstruction_threshold=2, max_weight=1.0)
-        DefaultWorkflow(fit_workflow=secagg)(grid, legacy)
+        # max_weight = the clients' num_examples: its default 1000 would coarsen SecAgg+'s step 1000-fold
+        DefaultWorkflow(fit_workflow=secaggplus_workflow(NODES, max_weight=1.0))(grid, legacy)
 
     mods = [secaggplus_mod, refusals, ModelChecksMod(Public()), UpdateDefenseMod(defense())]
     run_simulation(
@@ -146,9 +137,11 @@ def test_distributed_dp_behind_secaggplus_with_the_model_checks(tmp_path: Path) 
     # round 2 went through (its model was inconsistent, which no client can see yet), round 3 did not:
     # every client read round 2's averaged digest and refused
     assert INCONSISTENT in seen and 3 not in seen
-    refused = {p.name: p.read_text() for p in tmp_path.glob("round3_*.txt")}
-    assert len(refused) == NODES and all(t.startswith("ModelInconsistency") for t in refused.values())
+    refused = refusals.refusals(3)
+    assert sorted(refused) == list(range(NODES)) and all(t.startswith("ModelInconsistency") for t in refused.values())
     # round 4: the imprint's extra block is refused by every client before it trains
     assert IMPRINT not in seen
-    imprinted = {p.name: p.read_text() for p in tmp_path.glob(f"round{IMPRINT}_*.txt")}
-    assert len(imprinted) == NODES and all("architecture is not the public one" in t for t in imprinted.values())
+    imprinted = refusals.refusals(IMPRINT)
+    assert sorted(imprinted) == list(range(NODES)) and all(
+        "architecture is not the public one" in t for t in imprinted.values()
+    )

@@ -5,7 +5,8 @@
 * :class:`UpdateDefenseMod`: update-level defenses (pruning, quantisation, noise of the FedAvg
   update) as a Flower client mod;
 * :class:`ModelChecksMod`: the clients' model checks (the received model's digest in the secure
-  aggregate, the public architecture) as a Flower client mod, inside ``secaggplus_mod``;
+  aggregate, the public architecture) as a Flower client mod, inside ``secaggplus_mod``
+  (:func:`secaggplus_workflow` on the server), :class:`RefusalLog` to write the refusals down;
 * :class:`TappedStrategy`: wraps a server strategy, taps every client's update for the attacks and
   audits (:class:`~lightning_gp.records.TappedGradient`) and counts bytes;
 * :class:`ClientLevelDPStrategy`: client-level DP (DP-FedAvg) with Flower's fixed-clipping
@@ -26,7 +27,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
 
 from lightning_gp.flower.client import ClientData, FederatedData, lightning_client_app
 from lightning_gp.flower.client_dp import ClientLevelDPStrategy
-from lightning_gp.flower.model_checks import ModelChecksMod, ModelInconsistency
+from lightning_gp.flower.model_checks import ModelChecksMod, ModelInconsistency, RefusalLog, secaggplus_workflow
 from lightning_gp.flower.mods import UpdateDefenseMod, update_level_defense
 from lightning_gp.flower.server import ClientTraffic, TappedStrategy, lightning_server_app
 from lightning_gp.flower.state import partition_id
@@ -38,10 +39,12 @@ __all__ = [
     "FederatedData",
     "ModelChecksMod",
     "ModelInconsistency",
+    "RefusalLog",
     "TappedStrategy",
     "UpdateDefenseMod",
     "lightning_client_app",
     "lightning_server_app",
     "partition_id",
+    "secaggplus_workflow",
     "update_level_defense",
 ]

@@ -24,8 +24,9 @@ inconsistency after the server has that round's aggregate; it reads the averaged
 so a server that tells each client its own average (equivocation) defeats it unless the clients compare
 what they received; a client checks only a round it took part in (``metadata.group_id``, Flower's server
 round, tells them apart); it refuses the round and does not remember it (Flower keeps no
-``Context.state`` from a ClientApp that raises): acting on a refusal is the deployment's. On Flower's FedAvg the aggregate reaches the clients only as the next model, so
-the value replay of the public record (:class:`~lightning_gp.federated.ModelProvenance`) has no aggregate
+``Context.state`` from a ClientApp that raises): acting on a refusal is the deployment's
+(:class:`RefusalLog` writes each one down). On Flower's FedAvg the aggregate reaches the clients only as
+the next model, so the value replay of the public record (:class:`~lightning_gp.federated.ModelProvenance`) has no aggregate
 of its own to replay and is not run here: a same-architecture model (Fishing's rewritten last layer) sent
 identically to every client passes this mod.
 """
@@ -33,12 +34,14 @@ identically to every client passes this mod.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import cast
 
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MessageType
 from flwr.clientapp.typing import ClientAppCallable
+from flwr.server.workflow import SecAggPlusWorkflow
 from torch import Tensor, nn
 
 from lightning_gp.federated.model_integrity import (
@@ -50,7 +53,7 @@ from lightning_gp.federated.model_integrity import (
 )
 from lightning_gp.flower import protocol
 from lightning_gp.flower.state import client_record, partition_id
-from lightning_gp.validation import check_nonnegative
+from lightning_gp.validation import check_nonnegative, check_positive
 
 #: the node's Context.state record of the model checks
 STATE_RECORD = "lightning_gp.model_checks"
@@ -94,14 +97,14 @@ class ModelChecksMod:
         if kind not in (MessageType.TRAIN, MessageType.EVALUATE):
             return call_next(msg, context)
         key, arrays = _single_array_record(msg, "the message")
-        model, digest_mean = self._split(arrays)
-        msg.content[key] = ArrayRecord(model)
+        keys, model, digest_mean = self._split(arrays)
+        msg.content[key] = ArrayRecord({k: Array(v.numpy()) for k, v in zip(keys, model.values())})
         if kind != MessageType.TRAIN:
             return call_next(msg, context)
         record = client_record(context, STATE_RECORD, self.client_id(context))
         current = _server_round(msg)
         self._check_previous_round(record, digest_mean, current)
-        own = digest_bits(self._named(model))
+        own = digest_bits(model)
         reply = call_next(msg, context)
         if reply.has_error():
             return reply
@@ -114,9 +117,10 @@ class ModelChecksMod:
         record[_ROUND] = -1 if current is None else current
         return reply
 
-    def _split(self, arrays: ArrayRecord) -> tuple[dict[str, Array], Tensor | None]:
-        """The model's arrays (checked against the public architecture, floating arrays in the public
-        model's precision) and the averaged digest, if any."""
+    def _split(self, arrays: ArrayRecord) -> tuple[list[str], dict[str, Tensor], Tensor | None]:
+        """The model's array keys, the model as a state dict under the public names (checked against the
+        public architecture, floating arrays in the public model's precision) and the averaged digest, if
+        any."""
         entries = dict(arrays.items())
         count = len(self.architecture)
         if all(k.isdigit() for k in entries) and len(entries) not in (count, count + 1):
@@ -136,7 +140,7 @@ class ModelChecksMod:
             digest_mean = digest
         named = self._named(entries)
         check_architecture(self.architecture, named)
-        return {k: Array(v.numpy()) for k, v in zip(entries, named.values())}, digest_mean
+        return list(entries), named, digest_mean
 
     def _named(self, entries: dict[str, Array]) -> dict[str, Tensor]:
         """The arrays as a state dict under the public model's names (positional arrays in order). A
@@ -172,6 +176,46 @@ class ModelChecksMod:
                 "the previous round's averaged model digest differs from the digest of the model this client "
                 f"received (largest gap {worst:.3g} > atol {self.atol}): not every client received the same model"
             )
+
+
+class RefusalLog:
+    """A client mod, listed just outside :class:`ModelChecksMod`, that writes each refusal of the checks
+    (:class:`~lightning_gp.federated.ModelRejected`, :class:`ModelInconsistency` included) to
+    ``directory/round{r}_client{c}.txt`` and lets it propagate: the clients' record of which rounds they
+    refused and why (the server gets only Flower's error reply). :meth:`refusals` reads it back."""
+
+    def __init__(self, directory: str | Path, *, client_id: Callable[[Context], int] = partition_id) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.client_id = client_id
+
+    def __call__(self, msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+        try:
+            return call_next(msg, context)
+        except ModelRejected as err:
+            path = self.directory / f"round{msg.metadata.group_id}_client{self.client_id(context)}.txt"
+            path.write_text(f"{type(err).__name__}: {err}")
+            raise
+
+    def refusals(self, server_round: int) -> dict[int, str]:
+        """Client id -> ``"<exception class>: <reason>"`` of every client that refused ``server_round``."""
+        found = self.directory.glob(f"round{server_round}_client*.txt")
+        return {int(p.stem.rsplit("client", 1)[1]): p.read_text() for p in sorted(found)}
+
+
+def secaggplus_workflow(clients: int, max_weight: float) -> SecAggPlusWorkflow:
+    """Flower's SecAgg+ workflow for rounds of ``clients`` clients: an odd number of shares (at most 5) and
+    a majority of them to reconstruct. ``max_weight``: the clients' ``num_examples``. SecAgg+ scales each
+    upload by ``num_examples / max_weight`` before it quantises, so a larger one coarsens the rounding
+    (its default 1000 rounds one-example uploads to 3.8e-3, above :class:`ModelChecksMod`'s tolerance)."""
+    if isinstance(clients, bool) or not isinstance(clients, int) or clients < 3:
+        raise ValueError(f"clients must be an int of at least 3 (SecAgg+ needs 3 shares), got {clients!r}")
+    shares = min(clients - (clients + 1) % 2, 5)
+    return SecAggPlusWorkflow(
+        num_shares=shares,
+        reconstruction_threshold=shares // 2 + 1,
+        max_weight=check_positive(max_weight, "max_weight"),
+    )
 
 
 def _server_round(msg: Message) -> int | None:
