@@ -157,6 +157,37 @@ def test_the_latent_search_through_a_known_defense_beats_every_prior_only_guess(
     assert torch.equal(again.prior_only_guesses(view, 3), attack.prior_only_guesses(view, 3))
 
 
+@pytest.mark.parametrize(
+    "defense", [None, D.TopKPruning(0.8, error_feedback=False)], ids=["published", "top-k known to the server"]
+)
+def test_the_searches_side_by_side_are_the_searches_one_by_one(public, data, cache, monkeypatch, defense) -> None:
+    """A client's restarts and the decoys' searches share one vmapped loop (lightning_gp.attacks.searches),
+    through the match plan where the server knows a pruning; with the model forced through the
+    one-problem-at-a-time match they give the same reconstruction and guesses (float32 kernels sum in
+    another order: to 1e-3 in pixels) and stop at the same steps."""
+    import lightning_gp.attacks.generative.attack as ggl
+
+    view, _ = _view(data, public, index=6, defense=defense)
+    knowledge = None if defense is None else defense_knowledge(defense)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, dict]:
+        ggl._PRIOR_ONLY_MEMO.clear()
+        attack = GenerativeGradientLeakage(
+            knowledge=knowledge, generator_config=TINY, cache=cache, decoys=4, iterations=80, restarts=2,
+            plateau_steps=30,
+        )  # fmt: skip
+        client = attack.reconstruct(view)
+        return client.images, attack.prior_only_guesses(view, 255), client.meta
+
+    images, guesses, meta = run()
+    monkeypatch.setattr(ggl, "mappable", lambda match, view: False)
+    images_alone, guesses_alone, meta_alone = run()
+    assert meta["batched"] and not meta_alone["batched"]
+    assert (meta["restart"], meta["steps"]) == (meta_alone["restart"], meta_alone["steps"])
+    assert meta["objective"] == pytest.approx(meta_alone["objective"], rel=1e-3)
+    assert torch.allclose(images, images_alone, atol=1e-3) and torch.allclose(guesses, guesses_alone, atol=1e-3)
+
+
 def test_the_decoys_are_defended_as_the_server_models_the_defense(public, data) -> None:
     """Top-k: each layer keeps as many entries as the client sent (its largest); Gaussian noise: the
     decoy differs from its clean gradient by noise of the known std (0.5; over 13,426 coordinates the

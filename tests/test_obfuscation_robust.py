@@ -172,6 +172,7 @@ def test_the_cache_trains_once_and_reuses_in_memory_and_on_disk(public, data, tm
 
 # ------------------------------------------------------------------------------ the prior-only control
 def test_prior_only_guesses_attack_held_out_public_decoys_once_per_setting(public, data, cache) -> None:
+    import lightning_gp.attacks.obfuscation_robust.attack as rog
     from lightning_gp.audit.prior_control import HasDataPrior
 
     view, _ = _view(data, public, index=2, defense=D.TopKPruning(0.8, error_feedback=False))
@@ -182,10 +183,37 @@ def test_prior_only_guesses_attack_held_out_public_decoys_once_per_setting(publi
     other_seed = ObfuscationRobustInversion(
         restoration_config=TINY, cache=cache, decoys=3, iterations=60, restarts=1, seed=7
     )
-    assert torch.equal(other_seed.prior_only_guesses(view, 2), guesses[:2])  # shared: seeded by prior_seed alone
+    rog._PRIOR_ONLY_MEMO.clear()  # computed again: shared by every client's attack, seeded by prior_seed alone
+    assert torch.equal(other_seed.prior_only_guesses(view, 255), guesses)
     decoy = attack.decoy_gradients(view, public[0][:1], public[1][:1])
     for name, shared in view.gradients.items():  # cut to the upload's support size
         assert int((decoy[name] != 0).sum()) == int((shared != 0).sum()), name
+
+
+def test_the_decoys_searched_side_by_side_are_the_decoys_searched_one_by_one(public, data, cache, monkeypatch) -> None:
+    """The decoys' inversions and their restarts share one vmapped loop (lightning_gp.attacks.searches);
+    with the model forced through the one-problem-at-a-time match they give the same guesses (float32
+    kernels sum in another order: to 1e-3 in pixels) and the same stopping steps."""
+    import lightning_gp.attacks.obfuscation_robust.attack as rog
+
+    view, _ = _view(data, public, index=4, defense=D.TopKPruning(0.8, error_feedback=False))
+
+    def guesses() -> tuple[torch.Tensor, list]:
+        rog._PRIOR_ONLY_MEMO.clear()
+        attack = ObfuscationRobustInversion(restoration_config=TINY, cache=cache, decoys=4, iterations=80, restarts=2)
+        client = attack.reconstruct(view)
+        return attack.prior_only_guesses(view, 255), [
+            client.meta["steps"],
+            client.meta["objectives"],
+            client.meta["batched"],
+        ]
+
+    side_by_side, (steps, objectives, batched) = guesses()
+    monkeypatch.setattr(rog, "mappable", lambda match, view: False)
+    one_by_one, (steps_alone, objectives_alone, batched_alone) = guesses()
+    assert batched and not batched_alone
+    assert steps == steps_alone and objectives == pytest.approx(objectives_alone, rel=1e-3)
+    assert torch.allclose(side_by_side, one_by_one, atol=1e-3)
 
 
 @pytest.mark.parametrize("rgb", [False, True], ids=["fashion-mnist sample", "rgb 32x32 photo crops"])

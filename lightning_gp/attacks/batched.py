@@ -26,6 +26,10 @@ from torch.func import functional_call, grad, vmap
 
 from lightning_gp.attacks.gradient_matching import cosine_distance, total_variation
 from lightning_gp.attacks.view import ServerView
+from lightning_gp.validation import check_positive_int
+
+#: ``distance(guess, target, names) -> scalar``: a gradient distance of :mod:`~lightning_gp.attacks.gradient_matching`.
+Distance = Callable[[Mapping[str, Tensor], Mapping[str, Tensor], Sequence[str]], Tensor]
 
 
 @dataclass
@@ -61,7 +65,7 @@ class ProblemBatch:
     def size(self) -> int:
         return int(self.labels.shape[0])
 
-    def rows(self, index: slice) -> ProblemBatch:
+    def rows(self, index: slice | Tensor) -> ProblemBatch:
         """The problems in ``index`` (a chunk of the batch)."""
         return ProblemBatch(
             model=self.model,
@@ -200,11 +204,7 @@ def inverting_gradients_objective(problems: ProblemBatch, tv_weight: float) -> C
         support: Mapping[str, Tensor] | None,
         labels: Tensor,
     ) -> Tensor:
-        def training_loss(weights: Mapping[str, Tensor], own_buffers: Mapping[str, Tensor]) -> Tensor:
-            return loss_fn(functional_call(model, {**weights, **own_buffers}, (images,)), labels)
-
-        # fresh buffer copies, passed in (grad refuses in-place updates of captured tensors)
-        guess = grad(training_loss)(params, {n: b.clone() for n, b in buffers.items()})
+        guess = _guess_gradient(model, loss_fn, images, params, buffers, labels)
         if support is not None:
             guess = {n: g * support[n] for n, g in guess.items()}
         return cosine_distance(guess, shared) + tv_weight * total_variation(images)
@@ -216,3 +216,109 @@ def inverting_gradients_objective(problems: ProblemBatch, tv_weight: float) -> C
         return mapped(images, problems.params, problems.buffers, problems.shared, problems.support, problems.labels)
 
     return objective
+
+
+def _guess_gradient(
+    model: nn.Module,
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    images: Tensor,
+    params: Mapping[str, Tensor],
+    buffers: Mapping[str, Tensor],
+    labels: Tensor,
+) -> dict[str, Tensor]:
+    """One problem's parameter gradient at ``images`` (inside the map), differentiable for autograd
+    outside it, as :func:`~lightning_gp.attacks.parameter_gradients` computes it alone."""
+
+    def training_loss(weights: Mapping[str, Tensor], own_buffers: Mapping[str, Tensor]) -> Tensor:
+        return loss_fn(functional_call(model, {**weights, **own_buffers}, (images,)), labels)
+
+    # fresh buffer copies, passed in (grad refuses in-place updates of captured tensors)
+    return grad(training_loss)(dict(params), {n: b.clone() for n, b in buffers.items()})
+
+
+def gradient_match_rows(
+    views: Sequence[ServerView],
+    labels: Sequence[Tensor],
+    distance: Distance,
+    *,
+    names: Sequence[str] | None = None,
+    targets: Sequence[Mapping[str, Tensor]] | None = None,
+    support: Sequence[Mapping[str, Tensor]] | None = None,
+    scale: Sequence[Mapping[str, float | Tensor]] | None = None,
+    repeats: int = 1,
+) -> Callable[[Tensor, Tensor], Tensor]:
+    """The gradient match of ``repeats`` problems per view (restarts), view-major, for any subset of
+    them at once: ``(images [A, B, C, H, W], rows [A]) -> [A]``, row ``a`` the ``distance`` between
+    the gradient of ``images[a]`` and its view's target over ``names``, the view ``rows[a] // repeats``
+    (its labels ``labels[rows[a] // repeats]``); for :func:`~lightning_gp.attacks.searches.adam_searches`.
+    Each view's target is held once, however many problems share it.
+
+    Without ``targets`` each view's shared gradient is the target (every layer unless ``names``).
+    With a defense-aware match plan (:meth:`~lightning_gp.attacks.DefenseKnowledge.plan`), its
+    pieces per view: ``targets``, ``support`` (the guess is zero off it) and ``scale`` (each layer's
+    weight, a number or a tensor), as :meth:`~lightning_gp.attacks.adaptive.MatchPlan.restrict`
+    applies them; a plan with a known transform is not a stacked match (run such problems one by one).
+    """
+    problems = stack_problems(views, labels)
+    repeats = check_positive_int(repeats, "repeats")
+    names = list(views[0].gradients) if names is None else list(names)
+    for label, given in (("targets", targets), ("support", support), ("scale", scale)):
+        if given is not None and len(given) != len(views):
+            raise ValueError(f"{label} needs one entry per view: {len(given)} for {len(views)} views")
+    stacked_targets = (
+        {n: problems.shared[n] for n in names}
+        if targets is None
+        else {n: torch.stack([t[n] for t in targets]) for n in names}
+    )
+    stacked_support = None if support is None else {n: torch.stack([s[n] for s in support]) for n in names}
+    stacked_scale = (
+        None if scale is None else {n: _stacked_scale([s[n] for s in scale], views[0].gradients[n]) for n in names}
+    )
+    model, loss_fn = problems.model, problems.loss_fn
+
+    def one(
+        images: Tensor,
+        params: Mapping[str, Tensor],
+        buffers: Mapping[str, Tensor],
+        target: Mapping[str, Tensor],
+        sent: Mapping[str, Tensor] | None,
+        weight: Mapping[str, Tensor] | None,
+        labels: Tensor,
+    ) -> Tensor:
+        guess = _guess_gradient(model, loss_fn, images, params, buffers, labels)
+        if sent is not None:
+            guess = {n: torch.where(sent[n], guess[n], torch.zeros_like(guess[n])) for n in names}
+        if weight is not None:
+            guess = {n: guess[n] * weight[n] for n in names}
+        return distance(guess, target, names)
+
+    mapped = vmap(
+        one,
+        in_dims=(
+            0, 0 if problems.params_batched else None, 0, 0,
+            None if stacked_support is None else 0, None if stacked_scale is None else 0, 0,
+        ),
+    )  # fmt: skip
+
+    def value_of(images: Tensor, rows: Tensor) -> Tensor:
+        owners = rows // repeats
+
+        def take(stacked: Mapping[str, Tensor]) -> dict[str, Tensor]:
+            return {n: t[owners] for n, t in stacked.items()}
+
+        return mapped(
+            images, take(problems.params) if problems.params_batched else problems.params, take(problems.buffers),
+            take(stacked_targets), None if stacked_support is None else take(stacked_support),
+            None if stacked_scale is None else take(stacked_scale), problems.labels[owners],
+        )  # fmt: skip
+
+    return value_of
+
+
+def _stacked_scale(weights: Sequence[float | Tensor], like: Tensor) -> Tensor:
+    """``[P, ...]`` layer weights: numbers as ``[P, 1, ..., 1]`` (broadcast over the layer), tensors stacked."""
+    if all(not isinstance(w, Tensor) for w in weights):
+        return torch.tensor([float(w) for w in weights], dtype=like.dtype, device=like.device).reshape(
+            -1, *([1] * like.ndim)
+        )
+    return torch.stack([torch.as_tensor(w, dtype=like.dtype, device=like.device).expand_as(like) for w in weights])

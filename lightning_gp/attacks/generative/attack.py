@@ -49,6 +49,7 @@ from torch import Tensor, nn
 
 from lightning_gp.attacks.adaptive import DefenseKnowledge
 from lightning_gp.attacks.base import AttackNotApplicable, GradientAttack, Reconstruction
+from lightning_gp.attacks.batched import gradient_match_rows
 from lightning_gp.attacks.generative.cmaes import cma_es
 from lightning_gp.attacks.generative.networks import Generator, check_image_shape
 from lightning_gp.attacks.generative.training import (
@@ -64,6 +65,7 @@ from lightning_gp.attacks.learned import DefenseSimulator, model_fingerprint, te
 from lightning_gp.attacks.monitor import tick
 from lightning_gp.attacks.optimization import known_or_recovered_labels, plateaued
 from lightning_gp.attacks.registry import Budget, register_attack
+from lightning_gp.attacks.searches import BATCHED_IMAGES, adam_searches, decoys_per_search, mappable, step_decay
 from lightning_gp.attacks.threat_models import requirements
 from lightning_gp.attacks.view import ServerView, checked_public_data
 from lightning_gp.normalization import normalize
@@ -276,7 +278,7 @@ class GenerativeGradientLeakage(GradientAttack):
         self._check_shape(view)
         knowledge, reason = self._knowledge_for(view, warn=True)
         prepared, generator = self._prepare(view)
-        result = self._attack(prepared, generator, knowledge)
+        (result,) = self._attack([prepared], [generator], knowledge)
         return self._marked(result, prepared, knowledge, reason)
 
     def _knowledge_for(self, view: ServerView, *, warn: bool) -> tuple[DefenseKnowledge | None, str | None]:
@@ -317,31 +319,42 @@ class GenerativeGradientLeakage(GradientAttack):
         transform = None if knowledge is None else knowledge.transform
         return "cmaes" if transform is not None and getattr(transform, "straight_through", False) else "adam"
 
-    def _attack(self, view: ServerView, rng: torch.Generator, knowledge: DefenseKnowledge | None) -> Reconstruction:
-        """Latent search (and, with ``refine_generator``, GIAS' second stage) on a prepared view."""
-        key = self.generator_key(view)
-        trained = self.generator(view, key)
+    def _attack(
+        self, views: Sequence[ServerView], rngs: Sequence[torch.Generator], knowledge: DefenseKnowledge | None
+    ) -> list[Reconstruction]:
+        """Latent search (and, with ``refine_generator``, GIAS' second stage) on prepared views of one
+        model and public data (a client's, or the decoys'), view ``i`` seeded by ``rngs[i]``; the
+        Adam searches of all views and restarts run side by side (:meth:`_adam_searches`)."""
+        key = self.generator_key(views[0])
+        trained = self.generator(views[0], key)
         net = trained.generator
-        labels = known_or_recovered_labels(view)
+        labels = [known_or_recovered_labels(view) for view in views]
         method = self.method(knowledge)
-        match = self._matcher(view, labels, knowledge, differentiable=method == "adam")
-        search = self._adam_search if method == "adam" else self._cma_search
-        z, objective, trace, info = search(view, net, match, rng)
-        with torch.no_grad():
-            images = self._images(net, z, view)
-        refined: dict[str, Any] = {}
-        if self.refine_generator:
-            refined_match = match if method == "adam" else self._matcher(view, labels, knowledge, differentiable=True)
-            images, objective, refined = self._refine(view, net, z, refined_match, images, objective)
-        meta = {
-            "objective": objective,
-            "optimizer": method,
-            **info,
-            **refined,
-            "generator": asdict(trained.cost),
-            "generator_key": key.digest(),
-        }
-        return Reconstruction(images.detach(), labels, trace, attack=type(self).__name__, meta=meta)
+        if method == "adam":
+            found = self._adam_searches(views, labels, net, knowledge, rngs)
+        else:
+            found = [
+                self._cma_search(view, net, self._matcher(view, y, knowledge, differentiable=False), rng)
+                for view, y, rng in zip(views, labels, rngs)
+            ]
+        results = []
+        for view, y, (z, objective, trace, info) in zip(views, labels, found):
+            with torch.no_grad():
+                images = self._images(net, z, view)
+            refined: dict[str, Any] = {}
+            if self.refine_generator:
+                match = self._matcher(view, y, knowledge, differentiable=True)
+                images, objective, refined = self._refine(view, net, z, match, images, objective)
+            meta = {
+                "objective": objective,
+                "optimizer": method,
+                **info,
+                **refined,
+                "generator": asdict(trained.cost),
+                "generator_key": key.digest(),
+            }
+            results.append(Reconstruction(images.detach(), y, trace, attack=type(self).__name__, meta=meta))
+        return results
 
     def _images(self, net: nn.Module, z: Tensor, view: ServerView) -> Tensor:
         """``G(z)`` in the model's normalised input space."""
@@ -377,25 +390,78 @@ class GenerativeGradientLeakage(GradientAttack):
         return (-0.5 * (1 + var.log() - mean.pow(2) - var)).sum(-1)
 
     # ------------------------------------------------------------------------------------ searches
-    def _adam_search(
-        self, view: ServerView, net: Generator, match: Match, rng: torch.Generator
-    ) -> tuple[Tensor, float, list[float], dict[str, Any]]:
-        """``restarts`` Adam searches of ``z`` from the prior; the best match (objective included) wins."""
-        best: tuple[Tensor, float, list[float], dict[str, Any]] | None = None
-        for restart in range(self.restarts):
-            z = torch.randn(view.batch_size, net.latent_dim, generator=rng, device=view.device).requires_grad_(True)
+    def _adam_searches(
+        self,
+        views: Sequence[ServerView],
+        labels: Sequence[Tensor],
+        net: Generator,
+        knowledge: DefenseKnowledge | None,
+        rngs: Sequence[torch.Generator],
+    ) -> list[tuple[Tensor, float, list[float], dict[str, Any]]]:
+        """Per view, ``restarts`` Adam searches of ``z`` from the prior (drawn from its ``rng``), all
+        views' in one loop (:func:`~lightning_gp.attacks.searches.adam_searches`); per view the best
+        match (objective included) wins."""
+        batch, shape = views[0].batch_size, tuple(views[0].input_shape)
+        starts = torch.stack(
+            [
+                torch.randn(batch, net.latent_dim, generator=rng, device=view.device)
+                for view, rng in zip(views, rngs)
+                for _ in range(self.restarts)
+            ]
+        )
+        match_rows, rows_per_call, batched = self._row_match(views, labels, knowledge)
 
-            def objective(z: Tensor = z) -> Tensor:
-                return match(self._images(net, z, view)) + self.latent_weight * self._latent_penalty(z)
+        def value_of(z: Tensor, rows: Tensor) -> Tensor:
+            images = self._images(net, z.reshape(-1, net.latent_dim), views[0]).reshape(len(z), batch, *shape)
+            return match_rows(images, rows) + self.latent_weight * self._latent_penalty(z)
 
-            def snapshot(z: Tensor = z) -> Tensor:
-                return z.detach().clone()
+        searched = adam_searches(
+            starts, value_of, iterations=self.iterations, lr=self.lr, schedule=step_decay(self.iterations),
+            plateau_steps=self.plateau_steps, plateau_rtol=self.plateau_rtol, rows_per_call=rows_per_call,
+            report=self._report,
+        )  # fmt: skip
+        found = []
+        for i in range(len(views)):
+            runs = searched[i * self.restarts : (i + 1) * self.restarts]
+            restart = min(range(self.restarts), key=lambda r: runs[r].value)  # the first of equal ones
+            run = runs[restart]
+            info = {"restart": restart, "steps": len(run.trace), "stopped": run.stopped, "batched": batched}
+            found.append((run.best, run.value, run.trace, info))
+        return found
 
-            found, value, trace, stopped = self._adam([z], objective, snapshot, self.iterations, self.lr)
-            if best is None or value < best[1]:
-                best = (found, value, trace, {"restart": restart, "steps": len(trace), "stopped": stopped})
-        assert best is not None
-        return best
+    def _row_match(
+        self, views: Sequence[ServerView], labels: Sequence[Tensor], knowledge: DefenseKnowledge | None
+    ) -> tuple[Callable[[Tensor, Tensor], Tensor], int, bool]:
+        """``(images [A, B, C, H, W], rows) -> [A]``: the match of problems ``rows`` (``restarts`` per
+        view, view-major), the problems per call, and whether it is vmapped. Vmapped
+        (:func:`~lightning_gp.attacks.batched.gradient_match_rows`) where the match is the plain
+        gradient through a match plan; one problem at a time through :meth:`_matcher` where the
+        knowledge transforms the dummy gradient (a clip, DP-SGD's per-example clip, an aggregate's
+        clients) or the model does not map."""
+        plans = None
+        stackable = knowledge is None or (
+            knowledge.clients == 1 and knowledge.per_example_clip is None and knowledge.transform is None
+        )
+        if stackable and knowledge is not None:
+            plans = [knowledge.plan(view) for view in views]
+            stackable = all(p.transform is None and p.names == plans[0].names for p in plans)
+        if stackable:
+            distance = cosine_distance if self.distance == "cosine" else squared_l2_distance
+            stacked = gradient_match_rows(
+                views, labels, distance, repeats=self.restarts,
+                names=None if plans is None else plans[0].names,
+                targets=None if plans is None else [p.target for p in plans],
+                support=None if plans is None else [p.support for p in plans],
+                scale=None if plans is None else [p.scale for p in plans],
+            )  # fmt: skip
+            if mappable(stacked, views[0]):
+                return stacked, max(1, BATCHED_IMAGES // views[0].batch_size), True
+        matchers = [self._matcher(view, y, knowledge, differentiable=True) for view, y in zip(views, labels)]
+
+        def one_by_one(images: Tensor, rows: Tensor) -> Tensor:
+            return torch.stack([matchers[int(row) // self.restarts](x) for x, row in zip(images, rows)])
+
+        return one_by_one, 1, False
 
     def _adam(
         self,
@@ -558,18 +624,23 @@ class GenerativeGradientLeakage(GradientAttack):
                 "give more public images or a larger generator_config.val_fraction"
             )
         draws = seeded_generator(self.prior_seed, 0xDEC0)
-        guesses = []
-        for k in range(count):
-            rows = held_out[torch.randperm(len(held_out), generator=draws)[: view.batch_size].to(view.device)]
-            gradients = self.decoy_gradients(view, images[rows], labels[rows], k)
-            decoy = dataclasses.replace(
-                view,
-                gradients=gradients,
-                labels=None if view.labels is None else labels[rows],
-                public_data=(images, labels),
-            )
-            rng = seeded_generator(self.prior_seed, 0xDEC1, k, device=view.device)
-            guesses.append(self._attack(decoy, rng, knowledge).images.detach())
+        guesses: list[Tensor] = []
+        group = decoys_per_search(view, count)
+        for first in range(0, count, group):
+            decoys, rngs = [], []
+            for k in range(first, min(first + group, count)):
+                rows = held_out[torch.randperm(len(held_out), generator=draws)[: view.batch_size].to(view.device)]
+                gradients = self.decoy_gradients(view, images[rows], labels[rows], k)
+                decoys.append(
+                    dataclasses.replace(
+                        view,
+                        gradients=gradients,
+                        labels=None if view.labels is None else labels[rows],
+                        public_data=(images, labels),
+                    )
+                )
+                rngs.append(seeded_generator(self.prior_seed, 0xDEC1, k, device=view.device))
+            guesses += [result.images.detach() for result in self._attack(decoys, rngs, knowledge)]
         return torch.stack(guesses).cpu()
 
     def decoy_gradients(self, view: ServerView, images: Tensor, labels: Tensor, index: int) -> dict[str, Tensor]:

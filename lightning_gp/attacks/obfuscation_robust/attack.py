@@ -40,9 +40,8 @@ sparsified like the client's upload where it holds exact zeros).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -50,6 +49,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_gp.attacks.base import AttackNotApplicable, GradientAttack, Reconstruction
+from lightning_gp.attacks.batched import gradient_match_rows
 from lightning_gp.attacks.generative.attack import sparsified_like
 from lightning_gp.attacks.gradient_matching import parameter_gradients, squared_l2_distance
 from lightning_gp.attacks.learned import model_fingerprint, tensor_fingerprint
@@ -64,8 +64,9 @@ from lightning_gp.attacks.obfuscation_robust.restoration import (
     train_restoration,
     upsample,
 )
-from lightning_gp.attacks.optimization import known_or_recovered_labels, plateaued
+from lightning_gp.attacks.optimization import known_or_recovered_labels
 from lightning_gp.attacks.registry import Budget, register_attack
+from lightning_gp.attacks.searches import BATCHED_IMAGES, adam_searches, cosine_to, decoys_per_search, mappable
 from lightning_gp.attacks.threat_models import requirements
 from lightning_gp.attacks.view import ServerView, checked_public_data
 from lightning_gp.normalization import normalize
@@ -241,24 +242,29 @@ class ObfuscationRobustInversion(GradientAttack):
         self.scale_factor_for(view)
         self._check_gradients(view)
         prepared, generator = self._prepare(view)
-        return self._attack(prepared, generator)
+        (result,) = self._attack([prepared], [generator])
+        return result
 
-    def _attack(self, view: ServerView, rng: torch.Generator) -> Reconstruction:
-        """The low-resolution inversion, then (``postprocess``) the restoration, on a prepared view."""
-        scale = self.scale_factor_for(view)
+    def _attack(self, views: Sequence[ServerView], rngs: Sequence[torch.Generator]) -> list[Reconstruction]:
+        """The low-resolution inversion, then (``postprocess``) the restoration, on prepared views of
+        one model and public data (a client's, or the decoys'), view ``i`` seeded by ``rngs[i]``; the
+        inversions of all views and restarts run side by side (:meth:`_invert`)."""
+        scale = self.scale_factor_for(views[0])
         network: nn.Module | None = None
-        meta: dict[str, Any] = {"scale_factor": scale, "postprocessed": self.postprocess}
+        common: dict[str, Any] = {"scale_factor": scale, "postprocessed": self.postprocess}
         if self.postprocess:  # first: without public data the attack does not apply, and says so at once
-            key = self.restoration_key(view)
-            trained = self.restoration(view, key)
+            key = self.restoration_key(views[0])
+            trained = self.restoration(views[0], key)
             network = trained.network
-            meta.update(restoration=asdict(trained.cost), restoration_key=key.digest())
-        labels = known_or_recovered_labels(view)
-        low, objective, trace, info = self._invert(view, labels, scale, rng)
-        meta = {"objective": objective, **info, **meta}
-        with torch.no_grad():
-            images = self._restored(view, low, labels, network)
-        return Reconstruction(images, labels, trace, attack=type(self).__name__, meta=meta)
+            common.update(restoration=asdict(trained.cost), restoration_key=key.digest())
+        labels = [known_or_recovered_labels(view) for view in views]
+        results = []
+        for view, y, (low, objective, trace, info) in zip(views, labels, self._invert(views, labels, scale, rngs)):
+            with torch.no_grad():
+                images = self._restored(view, low, y, network)
+            meta = {"objective": objective, **info, **common}
+            results.append(Reconstruction(images, y, trace, attack=type(self).__name__, meta=meta))
+        return results
 
     def _dummy(self, view: ServerView, low: Tensor) -> Tensor:
         """``U_s(r)`` in the model's normalised input space."""
@@ -273,59 +279,66 @@ class ObfuscationRobustInversion(GradientAttack):
         return normalize(pixels, view.mean, view.std, sample_ndim=3)
 
     def _invert(
-        self, view: ServerView, labels: Tensor, scale: int, rng: torch.Generator
-    ) -> tuple[Tensor, float, list[float], dict[str, Any]]:
-        """``restarts`` low-resolution inversions; the lowest objective wins: ``(r, objective, trace, info)``."""
-        channels, height, width = (int(s) for s in view.input_shape)
-        shape = (view.batch_size, channels, height // scale, width // scale)
-
-        def objective(low: Tensor) -> Tensor:
-            guess = parameter_gradients(view.model, view.loss_fn, self._dummy(view, low), labels)
-            return squared_l2_distance(guess, view.gradients)
-
-        best: tuple[Tensor, float, list[float], dict[str, Any]] | None = None
-        objectives = []
-        for restart in range(self.restarts):
-            start = torch.rand(shape, generator=rng, device=view.device)
-            low, value, trace, stopped = self._descend(start, objective)
-            objectives.append(value)
-            if best is None or value < best[1]:
-                best = (low, value, trace, {"restart": restart, "steps": len(trace), "stopped": stopped})
-        assert best is not None
-        best[3]["objectives"] = objectives
-        return best
-
-    def _descend(self, start: Tensor, objective: Callable[[Tensor], Tensor]) -> tuple[Tensor, float, list[float], str]:
-        """Adam on ``r`` from ``start``, cosine-annealed to ``0.1 lr`` over ``iterations``, ``r`` boxed
-        to [0, 1] after each step, until the cap, a plateau or a non-finite objective: the best ``r``
-        seen, its objective, the trace and why it stopped."""
-        low = start.clone().requires_grad_(True)
-        optimizer = torch.optim.Adam([low], lr=self.lr)
-        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(
-            optimizer, T_max=self.iterations, eta_min=FINAL_LR_FRACTION * self.lr
+        self, views: Sequence[ServerView], labels: Sequence[Tensor], scale: int, rngs: Sequence[torch.Generator]
+    ) -> list[tuple[Tensor, float, list[float], dict[str, Any]]]:
+        """Per view, ``restarts`` low-resolution inversions from ``r ~ U[0, 1]`` (drawn from its
+        ``rng``): Adam on ``r``, cosine-annealed to ``0.1 lr`` over ``iterations``, ``r`` boxed to
+        [0, 1] after each step, until the cap, a plateau or a non-finite objective, every view's and
+        restart's side by side (:func:`~lightning_gp.attacks.searches.adam_searches`). Per view the
+        lowest objective wins: ``(r, objective, trace, info)``."""
+        channels, height, width = (int(s) for s in views[0].input_shape)
+        shape = (views[0].batch_size, channels, height // scale, width // scale)
+        starts = torch.stack(
+            [
+                torch.rand(shape, generator=rng, device=view.device)
+                for view, rng in zip(views, rngs)
+                for _ in range(self.restarts)
+            ]
         )
-        best, best_value, trace, stopped = low.detach().clone(), math.inf, [], "iterations"
-        for step in range(self.iterations):
-            optimizer.zero_grad(set_to_none=True)
-            with torch.enable_grad():
-                loss = objective(low)
-            value = float(loss.detach())
-            self._report(step, self.iterations, value)
-            if not math.isfinite(value):
-                stopped = "non-finite objective"
-                break
-            trace.append(value)
-            if value < best_value:
-                best, best_value = low.detach().clone(), value
-            if plateaued(trace, self.plateau_steps, self.plateau_rtol):
-                stopped = f"plateau (best fell by < {self.plateau_rtol:g} in {self.plateau_steps} steps)"
-                break
-            loss.backward()
-            optimizer.step()
-            schedule.step()
-            with torch.no_grad():
-                low.clamp_(0, 1)
-        return best, best_value, trace, stopped
+        match_rows, rows_per_call, batched = self._row_match(views, labels)
+
+        def value_of(low: Tensor, rows: Tensor) -> Tensor:
+            dummy = self._dummy(views[0], low.reshape(-1, *shape[1:]))
+            return match_rows(dummy.reshape(len(low), *shape[:1], channels, height, width), rows)
+
+        searched = adam_searches(
+            starts, value_of, iterations=self.iterations, lr=self.lr,
+            schedule=cosine_to(FINAL_LR_FRACTION, self.iterations), plateau_steps=self.plateau_steps,
+            plateau_rtol=self.plateau_rtol, rows_per_call=rows_per_call, project=lambda low: low.clamp(0, 1),
+            report=self._report,
+        )  # fmt: skip
+        found = []
+        for i in range(len(views)):
+            runs = searched[i * self.restarts : (i + 1) * self.restarts]
+            restart = min(range(self.restarts), key=lambda r: runs[r].value)  # the first of equal ones
+            run = runs[restart]
+            info = {
+                "restart": restart, "steps": len(run.trace), "stopped": run.stopped,
+                "objectives": [r.value for r in runs], "batched": batched,
+            }  # fmt: skip
+            found.append((run.best, run.value, run.trace, info))
+        return found
+
+    def _row_match(
+        self, views: Sequence[ServerView], labels: Sequence[Tensor]
+    ) -> tuple[Callable[[Tensor, Tensor], Tensor], int, bool]:
+        """``(dummies [A, B, C, H, W], rows) -> [A]``: the squared-L2 match of problems ``rows``
+        (``restarts`` per view, view-major), the problems per call and whether it is vmapped
+        (:func:`~lightning_gp.attacks.batched.gradient_match_rows`; one problem at a time where the
+        model does not map)."""
+        stacked = gradient_match_rows(views, labels, squared_l2_distance, repeats=self.restarts)
+        if mappable(stacked, views[0]):
+            return stacked, max(1, BATCHED_IMAGES // views[0].batch_size), True
+
+        def one_by_one(dummies: Tensor, rows: Tensor) -> Tensor:
+            values = []
+            for dummy, row in zip(dummies, rows):
+                view = views[int(row) // self.restarts]
+                guess = parameter_gradients(view.model, view.loss_fn, dummy, labels[int(row) // self.restarts])
+                values.append(squared_l2_distance(guess, view.gradients))
+            return torch.stack(values)
+
+        return one_by_one, 1, False
 
     # ------------------------------------------------------------------------ prior-only guesses
     def prior_only_guesses(self, view: ServerView, count: int) -> Tensor:
@@ -369,17 +382,22 @@ class ObfuscationRobustInversion(GradientAttack):
                 f"{view.batch_size}: give more public images or a larger restoration_config.val_fraction"
             )
         draws = seeded_generator(self.prior_seed, 0x20C0)
-        guesses = []
-        for k in range(count):
-            rows = held_out[torch.randperm(len(held_out), generator=draws)[: view.batch_size].to(view.device)]
-            decoy = dataclasses.replace(
-                view,
-                gradients=self.decoy_gradients(view, images[rows], labels[rows]),
-                labels=None if view.labels is None else labels[rows],
-                public_data=(images, labels),
-            )
-            rng = seeded_generator(self.prior_seed, 0x20C1, k, device=view.device)
-            guesses.append(self._attack(decoy, rng).images.detach())
+        guesses: list[Tensor] = []
+        group = decoys_per_search(view, count)
+        for first in range(0, count, group):
+            decoys, rngs = [], []
+            for k in range(first, min(first + group, count)):
+                rows = held_out[torch.randperm(len(held_out), generator=draws)[: view.batch_size].to(view.device)]
+                decoys.append(
+                    dataclasses.replace(
+                        view,
+                        gradients=self.decoy_gradients(view, images[rows], labels[rows]),
+                        labels=None if view.labels is None else labels[rows],
+                        public_data=(images, labels),
+                    )
+                )
+                rngs.append(seeded_generator(self.prior_seed, 0x20C1, k, device=view.device))
+            guesses += [result.images.detach() for result in self._attack(decoys, rngs)]
         return torch.stack(guesses).cpu()
 
     def decoy_gradients(self, view: ServerView, images: Tensor, labels: Tensor) -> dict[str, Tensor]:
