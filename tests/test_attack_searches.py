@@ -12,10 +12,11 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from lightning_gp.attacks import ServerView, cosine_distance, parameter_gradients, squared_l2_distance
+from lightning_gp.attacks import ServerView, cosine_distance, parameter_gradients, squared_l2_distance, update_clip
 from lightning_gp.attacks.batched import gradient_match_rows
 from lightning_gp.attacks.optimization import plateaued
 from lightning_gp.attacks.searches import adam_searches, cosine_to, mappable, step_decay
+from lightning_gp.defenses import clip_update
 from lightning_gp.models import LeNetZhu
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -230,3 +231,26 @@ def test_row_wise_match_arguments_of_the_wrong_length_are_refused_naming_them() 
         gradient_match_rows(views, labels, cosine_distance, targets=[views[0].gradients])
     with pytest.raises(ValueError, match="repeats"):
         gradient_match_rows(views, labels, cosine_distance, repeats=0)
+
+
+@pytest.mark.parametrize("norm", [0.0, 0.4, 1.0, 3.0], ids=["zero", "inside", "on the sphere", "outside"])
+def test_the_known_clip_is_the_defense_s_clip_in_value_and_gradient_and_maps(norm: float) -> None:
+    """update_clip (what the attacks model the Gaussian mechanism's clip with) gives clip_update's values
+    bit for bit and its gradient (none inside the ball, finite at zero), without a branch on the norm."""
+    torch.manual_seed(5)
+    raw = {"a": torch.randn(3, 4), "b": torch.randn(5)}
+    scale = norm / float(sum(t.pow(2).sum() for t in raw.values()).sqrt()) if norm else 0.0
+    update = {n: (t * scale).requires_grad_(True) for n, t in raw.items()}
+    known, reference = update_clip(1.0)(update), clip_update(update, 1.0)
+    assert all(torch.equal(known[n], reference[n]) for n in update)
+    weights = {n: torch.randn_like(t) for n, t in update.items()}
+    grads = torch.autograd.grad(sum((known[n] * weights[n]).sum() for n in update), list(update.values()))
+    expected = torch.autograd.grad(sum((reference[n] * weights[n]).sum() for n in update), list(update.values()))
+    if norm != 1.0:  # on the sphere itself the two one-sided derivatives differ (a set of measure zero)
+        assert all(torch.allclose(g, e, atol=1e-6) for g, e in zip(grads, expected))
+    assert all(bool(torch.isfinite(g).all()) for g in grads)
+    stacked = {n: torch.stack([t.detach(), 2 * t.detach()]) for n, t in update.items()}
+    mapped = torch.func.vmap(update_clip(1.0))(stacked)
+    for i in range(2):
+        alone = clip_update({n: t[i] for n, t in stacked.items()}, 1.0)
+        assert all(torch.allclose(mapped[n][i], alone[n]) for n in update)

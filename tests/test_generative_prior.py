@@ -158,7 +158,9 @@ def test_the_latent_search_through_a_known_defense_beats_every_prior_only_guess(
 
 
 @pytest.mark.parametrize(
-    "defense", [None, D.TopKPruning(0.8, error_feedback=False)], ids=["published", "top-k known to the server"]
+    "defense",
+    [None, D.TopKPruning(0.8, error_feedback=False), D.LocalGaussianMechanism(0.03, max_update_norm=1.0, seed=0)],
+    ids=["published", "top-k known to the server", "the Gaussian mechanism's clip known to the server"],
 )
 def test_the_searches_side_by_side_are_the_searches_one_by_one(public, data, cache, monkeypatch, defense) -> None:
     """A client's restarts and the decoys' searches share one vmapped loop (lightning_gp.attacks.searches),

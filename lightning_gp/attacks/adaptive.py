@@ -64,7 +64,7 @@ from lightning_gp.attacks.registry import register_defense_knowledge
 from lightning_gp.attacks.sgi import recover_mask
 from lightning_gp.attacks.threat_models import requirements
 from lightning_gp.attacks.view import ServerView
-from lightning_gp.defenses.clipping import clip_update, clipped_example_sum
+from lightning_gp.defenses.clipping import clipped_example_sum, squared_update_norm
 from lightning_gp.defenses.optimal import OptimalGradientPruning
 from lightning_gp.defenses.quantization import GradientQuantization, quantize
 from lightning_gp.defenses.soteria import Soteria
@@ -105,11 +105,16 @@ def coordinate_clip(clip: float) -> KnownTransform:
 def update_clip(max_update_norm: float) -> KnownTransform:
     """Scale the whole gradient, every layer together, onto the L2 ball of radius ``max_update_norm``
     (:class:`~lightning_gp.defenses.LocalGaussianMechanism`; McMahan et al. 2018, Alg. 1 ``ClipFn``):
-    :func:`~lightning_gp.defenses.clip_update`, differentiable through the norm."""
+    :func:`~lightning_gp.defenses.clip_update`'s values, differentiable through the norm and without a
+    branch on it, so that it maps over many dummy batches (:func:`torch.func.vmap`): the factor
+    ``C / sqrt(max(||g||^2, C^2))`` is exactly 1 inside the ball (``sqrt(C^2) = C`` in floating point)
+    and carries no gradient there, as the unchanged update does."""
     max_update_norm = check_positive(max_update_norm, "max_update_norm")
 
     def transform(gradients: dict[str, Tensor]) -> dict[str, Tensor]:
-        return clip_update(gradients, max_update_norm)
+        squared = squared_update_norm(gradients)
+        factor = max_update_norm / squared.clamp_min(max_update_norm**2).sqrt()
+        return {name: g * factor.to(g.dtype) for name, g in gradients.items()}
 
     return transform
 

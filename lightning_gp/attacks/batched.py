@@ -245,6 +245,7 @@ def gradient_match_rows(
     targets: Sequence[Mapping[str, Tensor]] | None = None,
     support: Sequence[Mapping[str, Tensor]] | None = None,
     scale: Sequence[Mapping[str, float | Tensor]] | None = None,
+    transform: Callable[[dict[str, Tensor]], dict[str, Tensor]] | None = None,
     repeats: int = 1,
 ) -> Callable[[Tensor, Tensor], Tensor]:
     """The gradient match of ``repeats`` problems per view (restarts), view-major, for any subset of
@@ -257,7 +258,10 @@ def gradient_match_rows(
     With a defense-aware match plan (:meth:`~lightning_gp.attacks.DefenseKnowledge.plan`), its
     pieces per view: ``targets``, ``support`` (the guess is zero off it) and ``scale`` (each layer's
     weight, a number or a tensor), as :meth:`~lightning_gp.attacks.adaptive.MatchPlan.restrict`
-    applies them; a plan with a known transform is not a stacked match (run such problems one by one).
+    applies them, after ``transform`` (the defense's known deterministic part, the same for every view,
+    e.g. :func:`~lightning_gp.attacks.update_clip`; it must map: no branch on a tensor's value, see
+    :func:`~lightning_gp.attacks.searches.mappable`). A plan whose transform depends on its view is not
+    a stacked match (run such problems one by one).
     """
     problems = stack_problems(views, labels)
     repeats = check_positive_int(repeats, "repeats")
@@ -286,6 +290,8 @@ def gradient_match_rows(
         labels: Tensor,
     ) -> Tensor:
         guess = _guess_gradient(model, loss_fn, images, params, buffers, labels)
+        if transform is not None:
+            guess = transform(guess)
         if sent is not None:
             guess = {n: torch.where(sent[n], guess[n], torch.zeros_like(guess[n])) for n in names}
         if weight is not None:

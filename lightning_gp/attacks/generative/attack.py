@@ -434,14 +434,13 @@ class GenerativeGradientLeakage(GradientAttack):
     ) -> tuple[Callable[[Tensor, Tensor], Tensor], int, bool]:
         """``(images [A, B, C, H, W], rows) -> [A]``: the match of problems ``rows`` (``restarts`` per
         view, view-major), the problems per call, and whether it is vmapped. Vmapped
-        (:func:`~lightning_gp.attacks.batched.gradient_match_rows`) where the match is the plain
-        gradient through a match plan; one problem at a time through :meth:`_matcher` where the
-        knowledge transforms the dummy gradient (a clip, DP-SGD's per-example clip, an aggregate's
-        clients) or the model does not map."""
+        (:func:`~lightning_gp.attacks.batched.gradient_match_rows`) where the match is the gradient
+        through the knowledge's transform (a clip) and match plan; one problem at a time through
+        :meth:`_matcher` where the dummy gradient is more than that (DP-SGD's per-example clip, an
+        aggregate's clients), the plan's transform depends on the view, or the model or the transform
+        does not map."""
         plans = None
-        stackable = knowledge is None or (
-            knowledge.clients == 1 and knowledge.per_example_clip is None and knowledge.transform is None
-        )
+        stackable = knowledge is None or (knowledge.clients == 1 and knowledge.per_example_clip is None)
         if stackable and knowledge is not None:
             plans = [knowledge.plan(view) for view in views]
             stackable = all(p.transform is None and p.names == plans[0].names for p in plans)
@@ -453,6 +452,7 @@ class GenerativeGradientLeakage(GradientAttack):
                 targets=None if plans is None else [p.target for p in plans],
                 support=None if plans is None else [p.support for p in plans],
                 scale=None if plans is None else [p.scale for p in plans],
+                transform=None if knowledge is None else knowledge.transform,
             )  # fmt: skip
             if mappable(stacked, views[0]):
                 return stacked, max(1, BATCHED_IMAGES // views[0].batch_size), True
