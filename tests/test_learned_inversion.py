@@ -322,3 +322,47 @@ def test_the_audit_runs_the_learned_inverter_and_logs_its_training_cost(one_thre
         for result in audit.results[name]:
             assert result.report.prior_only is not None and "psnr" in result.report.prior_only[0]
     assert all(r.report.prior_only is None for r in audit.results["adaptive:DefenseAwareInversion"])
+
+
+@pytest.mark.parametrize("knowing", [False, True], ids=["published IG refines", "top-k-aware IG refines"])
+def test_the_refined_inverter_s_decoys_refined_side_by_side_are_those_refined_one_by_one(
+    data, one_thread, monkeypatch, knowing
+) -> None:
+    """The refined inverter's prior-only guesses: its decoys' refinements share one vmapped
+    optimisation (InvertingGradients.stacked_objective and the defense-aware one through the match plan);
+    forced one decoy at a time they are the same guesses (float32 kernels sum in another order: to 1e-3)."""
+    from lightning_gp.attacks import DefenseAwareInversion, InvertingGradients, defense_knowledge
+    from lightning_gp.defenses import TopKPruning
+
+    torch.manual_seed(0)
+    model = LeNetZhu()
+    images, labels = _public(data, 300)
+    pruning = TopKPruning(0.8, error_feedback=False)
+    image, label = data.train_dataset[3]
+    view = _view(model, image, torch.as_tensor(label), data)
+    view = ServerView(**{**view.__dict__, "gradients": pruning(dict(view.gradients), 0)}) if knowing else view
+    matching = (
+        DefenseAwareInversion(defense_knowledge(pruning), iterations=60)
+        if knowing
+        else InvertingGradients(iterations=60)
+    )
+
+    def simulate(model, x, y, seed):
+        grads = [parameter_gradients(model, nn.CrossEntropyLoss(), xi, yi, create_graph=False) for xi, yi in zip(x, y)]
+        if knowing:
+            grads = [pruning(dict(g), 0) for g in grads]
+        return {n: torch.stack([g[n] for g in grads]) for n in grads[0]}
+
+    attack = RefinedLearnedInversion(
+        simulate, images, labels, defense_key=f"topk={knowing}", config=TINY, cache=InverterCache(), seed=0,
+        matching=matching, refine_iterations=40, refined_decoys=5,
+    )  # fmt: skip
+    decoys = [attack._prepare(view)[0]]  # the stacked objective is built for these views
+    assert matching.stacked_objective(decoys, [torch.as_tensor([label])]) is not None
+    side_by_side = attack._prior_only_guesses(view, 255)
+    monkeypatch.setattr(type(matching), "stacked_objective", lambda self, views, labels: None)
+    one_by_one = attack._prior_only_guesses(view, 255)
+    assert side_by_side.shape == one_by_one.shape == (5, 1, 1, 28, 28)
+    assert torch.allclose(side_by_side, one_by_one, atol=1e-3)
+    unrefined = LearnedInversion._prior_only_guesses(attack, view, 5)
+    assert (side_by_side - unrefined).abs().amax(dim=(1, 2, 3, 4)).gt(1e-2).any()  # some refinement was kept

@@ -53,6 +53,7 @@ import torch
 from torch import Tensor
 
 from lightning_gp.attacks.base import GradientAttack, Reconstruction
+from lightning_gp.attacks.batched import gradient_match_rows
 from lightning_gp.attacks.gradient_matching import (
     cosine_distance,
     parameter_gradients,
@@ -61,6 +62,7 @@ from lightning_gp.attacks.gradient_matching import (
 )
 from lightning_gp.attacks.optimization import IDLG, InvertingGradients
 from lightning_gp.attacks.registry import register_defense_knowledge
+from lightning_gp.attacks.searches import mappable
 from lightning_gp.attacks.sgi import recover_mask
 from lightning_gp.attacks.threat_models import requirements
 from lightning_gp.attacks.view import ServerView
@@ -504,6 +506,35 @@ class DefenseAwareInversion(_KnowsTheDefense, InvertingGradients):
             return cosine_distance(guess, plan.target, plan.names) + self.tv_weight * total_variation(images)
 
         return loss
+
+    def stacked_objective(
+        self, views: Sequence[ServerView], labels: Sequence[Tensor]
+    ) -> Callable[[Tensor], Tensor] | None:
+        """:meth:`objective` of every view at once (``[P, B, C, H, W] -> [P]``), vmapped through the
+        knowledge's transform and each view's match plan
+        (:func:`~lightning_gp.attacks.batched.gradient_match_rows`); ``None`` where the dummy gradient is
+        more than the gradient through a transform (DP-SGD's per-example clip, an aggregate's clients),
+        the plans differ in their layers or carry a view's own transform, or the model or the
+        transform does not map."""
+        knowledge = self.knowledge
+        if knowledge.clients != 1 or knowledge.per_example_clip is not None:
+            return None
+        plans = [knowledge.plan(view) for view in views]
+        if any(p.transform is not None or p.names != plans[0].names for p in plans):
+            return None
+        match = gradient_match_rows(
+            views, labels, cosine_distance, names=plans[0].names, targets=[p.target for p in plans],
+            support=[p.support for p in plans], scale=[p.scale for p in plans], transform=knowledge.transform,
+        )  # fmt: skip
+        if not mappable(match, views[0]):
+            return None
+        rows = torch.arange(len(views), device=views[0].device)
+        tv = torch.func.vmap(total_variation)
+
+        def objective(images: Tensor) -> Tensor:
+            return match(images, rows) + self.tv_weight * tv(images)
+
+        return objective
 
     def reconstruct(self, view: ServerView) -> Reconstruction:
         def published() -> GradientAttack:

@@ -51,7 +51,13 @@ import torch
 from torch import Tensor, nn
 
 from lightning_gp.attacks.base import GradientAttack, Reconstruction
-from lightning_gp.attacks.optimization import InvertingGradients, known_or_recovered_labels, optimize_images
+from lightning_gp.attacks.optimization import (
+    InvertingGradients,
+    known_or_recovered_labels,
+    optimize_image_batch,
+    optimize_images,
+)
+from lightning_gp.attacks.searches import BATCHED_IMAGES, decoys_per_search
 from lightning_gp.attacks.threat_models import requirements
 from lightning_gp.attacks.trained_cache import DigestedKey, TrainedCache, tensor_state
 from lightning_gp.attacks.view import ServerView
@@ -615,15 +621,45 @@ class RefinedLearnedInversion(LearnedInversion):
         prepared, _ = self._prepare(view)
         model, images, labels, batches = self._decoy_batches(prepared, min(count, self.refined_decoys))
         shared = self._simulate(model, images, labels, batches, stream=4)
-        refined = []
-        for k in range(batches.shape[0]):
-            decoy = dataclasses.replace(
+        decoys = [
+            dataclasses.replace(
                 prepared,
                 gradients={n: g[k] for n, g in shared.items()},
                 labels=None if prepared.labels is None else labels[batches[k]],
             )
-            refined.append(self.reconstruct(decoy).images.detach())
-        return torch.stack(refined)
+            for k in range(batches.shape[0])
+        ]
+        group = min(decoys_per_search(prepared, len(decoys)), max(1, BATCHED_IMAGES // prepared.batch_size))
+        guesses = []
+        for first in range(0, len(decoys), group):
+            part = decoys[first : first + group]
+            side_by_side = self._refined_side_by_side(part)
+            if side_by_side is None:
+                side_by_side = torch.stack([self.reconstruct(decoy).images.detach() for decoy in part])
+            guesses.append(side_by_side)
+        return torch.cat(guesses)
+
+    def _refined_side_by_side(self, decoys: list[ServerView]) -> Tensor | None:
+        """:meth:`reconstruct`'s images of every decoy, the refinements in one vmapped optimisation
+        (:func:`~lightning_gp.attacks.optimization.optimize_image_batch`: each follows the trajectory it
+        follows alone, to float rounding); ``None`` where the matching's objective does not stack
+        (:meth:`~lightning_gp.attacks.InvertingGradients.stacked_objective`)."""
+        labels = [known_or_recovered_labels(decoy) for decoy in decoys]
+        objective = self.matching.stacked_objective(decoys, labels)
+        if objective is None:
+            return None
+        learned = torch.stack([LearnedInversion.reconstruct(self, decoy).images for decoy in decoys])
+        with torch.enable_grad():
+            start = objective(learned).detach()
+        bounds = decoys[0].data_bounds() if self.matching.boxed else None
+        images, _ = optimize_image_batch(
+            objective, learned, iterations=self.refine_iterations, lr=self.refine_lr, signed=self.matching.signed,
+            bounds=bounds, lr_decay=self.matching.lr_decay, report=self._report,
+        )  # fmt: skip
+        with torch.enable_grad():
+            final = objective(images).detach()
+        kept = torch.isfinite(final) & (final <= start)
+        return torch.where(kept.reshape(-1, *[1] * (images.ndim - 1)), images, learned).detach()
 
     def reconstruct(self, view: ServerView) -> Reconstruction:
         learned = super().reconstruct(view)

@@ -554,6 +554,19 @@ class InvertingGradients(GradientAttack):
             )
         return results
 
+    def stacked_objective(
+        self, views: Sequence[ServerView], labels: Sequence[Tensor]
+    ) -> Callable[[Tensor], Tensor] | None:
+        """:meth:`objective` of every view at once: ``images [P, B, C, H, W] -> [P]``, row ``i`` the
+        objective of ``views[i]`` (labels ``labels[i]``), for :func:`optimize_image_batch`; ``None``
+        where this attack cannot be stacked (:meth:`_not_batchable_because`)."""
+        if self._not_batchable_because() is not None:
+            return None
+        check_batchable(views)
+        return inverting_gradients_objective(
+            stack_problems(views, labels, support_only=self.support_only), self.tv_weight
+        )
+
     def _not_batchable_because(self) -> str | None:
         """Why the batched path cannot run this attack (``None`` when it can): it maps Inverting
         Gradients' own objective, so an attack that changes it must run its own code per view."""
