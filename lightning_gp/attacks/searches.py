@@ -18,8 +18,9 @@ loop (its Adam moments are dropped with it), so the cost of a step falls as prob
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -160,6 +161,25 @@ def adam_searches(
     return [SearchResult(best[p], values[p], traces[p], stopped[p]) for p in range(count)]
 
 
+def best_restarts(results: Sequence[SearchResult], restarts: int) -> list[tuple[SearchResult, dict[str, Any]]]:
+    """Per view (``restarts`` consecutive problems each, view-major): the search of the lowest
+    objective (the first of equal ones) and what to report of it (``restart``, ``steps``,
+    ``stopped``, ``objectives`` of every restart)."""
+    best = []
+    for first in range(0, len(results), restarts):
+        runs = results[first : first + restarts]
+        restart = min(range(len(runs)), key=lambda r: runs[r].value)
+        run = runs[restart]
+        info = {
+            "restart": restart,
+            "steps": len(run.trace),
+            "stopped": run.stopped,
+            "objectives": [r.value for r in runs],
+        }
+        best.append((run, info))
+    return best
+
+
 def _values_and_gradients(
     iterates: Tensor, rows: Tensor, value_of: RowObjective, rows_per_call: int
 ) -> tuple[Tensor, Tensor]:
@@ -199,6 +219,7 @@ __all__ = [
     "RowObjective",
     "SearchResult",
     "adam_searches",
+    "best_restarts",
     "cosine_to",
     "decoys_per_search",
     "mappable",

@@ -65,7 +65,14 @@ from lightning_gp.attacks.learned import DefenseSimulator, model_fingerprint, te
 from lightning_gp.attacks.monitor import tick
 from lightning_gp.attacks.optimization import known_or_recovered_labels, plateaued
 from lightning_gp.attacks.registry import Budget, register_attack
-from lightning_gp.attacks.searches import BATCHED_IMAGES, adam_searches, decoys_per_search, mappable, step_decay
+from lightning_gp.attacks.searches import (
+    BATCHED_IMAGES,
+    adam_searches,
+    best_restarts,
+    decoys_per_search,
+    mappable,
+    step_decay,
+)
 from lightning_gp.attacks.threat_models import requirements
 from lightning_gp.attacks.view import ServerView, checked_public_data
 from lightning_gp.normalization import normalize
@@ -420,14 +427,10 @@ class GenerativeGradientLeakage(GradientAttack):
             plateau_steps=self.plateau_steps, plateau_rtol=self.plateau_rtol, rows_per_call=rows_per_call,
             report=self._report,
         )  # fmt: skip
-        found = []
-        for i in range(len(views)):
-            runs = searched[i * self.restarts : (i + 1) * self.restarts]
-            restart = min(range(self.restarts), key=lambda r: runs[r].value)  # the first of equal ones
-            run = runs[restart]
-            info = {"restart": restart, "steps": len(run.trace), "stopped": run.stopped, "batched": batched}
-            found.append((run.best, run.value, run.trace, info))
-        return found
+        return [
+            (run.best, run.value, run.trace, {**info, "batched": batched})
+            for run, info in best_restarts(searched, self.restarts)
+        ]
 
     def _row_match(
         self, views: Sequence[ServerView], labels: Sequence[Tensor], knowledge: DefenseKnowledge | None

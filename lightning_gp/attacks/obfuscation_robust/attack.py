@@ -66,7 +66,14 @@ from lightning_gp.attacks.obfuscation_robust.restoration import (
 )
 from lightning_gp.attacks.optimization import known_or_recovered_labels
 from lightning_gp.attacks.registry import Budget, register_attack
-from lightning_gp.attacks.searches import BATCHED_IMAGES, adam_searches, cosine_to, decoys_per_search, mappable
+from lightning_gp.attacks.searches import (
+    BATCHED_IMAGES,
+    adam_searches,
+    best_restarts,
+    cosine_to,
+    decoys_per_search,
+    mappable,
+)
 from lightning_gp.attacks.threat_models import requirements
 from lightning_gp.attacks.view import ServerView, checked_public_data
 from lightning_gp.normalization import normalize
@@ -307,17 +314,10 @@ class ObfuscationRobustInversion(GradientAttack):
             plateau_rtol=self.plateau_rtol, rows_per_call=rows_per_call, project=lambda low: low.clamp(0, 1),
             report=self._report,
         )  # fmt: skip
-        found = []
-        for i in range(len(views)):
-            runs = searched[i * self.restarts : (i + 1) * self.restarts]
-            restart = min(range(self.restarts), key=lambda r: runs[r].value)  # the first of equal ones
-            run = runs[restart]
-            info = {
-                "restart": restart, "steps": len(run.trace), "stopped": run.stopped,
-                "objectives": [r.value for r in runs], "batched": batched,
-            }  # fmt: skip
-            found.append((run.best, run.value, run.trace, info))
-        return found
+        return [
+            (run.best, run.value, run.trace, {**info, "batched": batched})
+            for run, info in best_restarts(searched, self.restarts)
+        ]
 
     def _row_match(
         self, views: Sequence[ServerView], labels: Sequence[Tensor]
