@@ -198,6 +198,47 @@ def test_the_vmapped_match_of_any_rows_is_each_view_s_own_match_restarts_sharing
         assert float(planned[a].detach()) == pytest.approx(expected, rel=1e-4)
 
 
+def test_the_vmapped_match_through_dp_sgd_s_per_example_clip_is_the_knowledge_s_dummy_gradient() -> None:
+    """Batch 3: each example's gradient clipped to 0.05 on its own, then averaged (what the server
+    knows a DP-SGD client computed), through the vmapped match as through DefenseKnowledge.dummy_gradient."""
+    from lightning_gp.attacks import DefenseKnowledge
+
+    views, labels = _views(2, 3)
+    knowledge = DefenseKnowledge(defense="DPSGD", models=(), support=False, per_example_clip=0.05)
+    torch.manual_seed(6)
+    images = torch.randn(2, 3, 1, 28, 28)
+    values = gradient_match_rows(views, labels, cosine_distance, per_example_clip=0.05)(images, torch.tensor([1, 0]))
+    for a, v in enumerate([1, 0]):
+        guess = knowledge.dummy_gradient(views[v], images[a], labels[v])
+        expected = float(cosine_distance(guess, views[v].gradients).detach())
+        assert float(values[a].detach()) == pytest.approx(expected, rel=1e-4)
+    plain = gradient_match_rows(views, labels, cosine_distance)(images, torch.tensor([1, 0]))
+    assert not torch.allclose(plain, values)  # the clip binds here
+
+
+def test_views_whose_plans_keep_other_layers_stack_over_the_union_with_the_left_out_layers_weighing_nothing() -> None:
+    """Known Gaussian noise: the Wiener gain zeroes a layer where the noise swamps it, so two views'
+    plans keep different layers; stacked over the union, each row is still its own plan's match."""
+    from lightning_gp.attacks import DefenseKnowledge
+    from lightning_gp.attacks.adaptive import stacked_match
+
+    views, labels = _views(2, 1)
+    views[1] = ServerView(
+        **{**views[1].__dict__, "gradients": {**views[1].gradients, "fc.bias": 1e-6 * views[1].gradients["fc.bias"]}}
+    )
+    knowledge = DefenseKnowledge(defense="GaussianNoise", models=(), support=False, noise_std=1e-3)
+    plans = [knowledge.plan(view) for view in views]
+    assert plans[0].names != plans[1].names  # the noise swamps view 1's bias only
+    match = stacked_match(knowledge, views, labels, cosine_distance, repeats=2)
+    assert match is not None
+    images = torch.randn(3, 1, 1, 28, 28)
+    values = match(images, torch.tensor([3, 0, 2]))
+    for a, v in enumerate([1, 0, 1]):
+        guess = plans[v].restrict(knowledge.dummy_gradient(views[v], images[a], labels[v]))
+        expected = float(cosine_distance(guess, plans[v].target, plans[v].names).detach())
+        assert float(values[a].detach()) == pytest.approx(expected, rel=1e-4)
+
+
 def test_the_match_is_differentiable_per_row_and_a_model_that_does_not_map_is_told_apart() -> None:
     views, labels = _views(2, 1)
     match = gradient_match_rows(views, labels, cosine_distance)

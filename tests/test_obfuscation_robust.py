@@ -194,6 +194,7 @@ def test_the_decoys_searched_side_by_side_are_the_decoys_searched_one_by_one(pub
     """The decoys' inversions and their restarts share one vmapped loop (lightning_gp.attacks.searches);
     with the model forced through the one-problem-at-a-time match they give the same guesses (float32
     kernels sum in another order: to 1e-3 in pixels) and the same stopping steps."""
+    import lightning_gp.attacks.adaptive as adaptive
     import lightning_gp.attacks.obfuscation_robust.attack as rog
 
     view, _ = _view(data, public, index=4, defense=D.TopKPruning(0.8, error_feedback=False))
@@ -209,7 +210,7 @@ def test_the_decoys_searched_side_by_side_are_the_decoys_searched_one_by_one(pub
         ]
 
     side_by_side, (steps, objectives, batched) = guesses()
-    monkeypatch.setattr(rog, "mappable", lambda match, view: False)
+    monkeypatch.setattr(adaptive, "mappable", lambda match, view: False)
     one_by_one, (steps_alone, objectives_alone, batched_alone) = guesses()
     assert batched and not batched_alone
     assert steps == steps_alone and objectives == pytest.approx(objectives_alone, rel=1e-3)

@@ -475,6 +475,42 @@ class _KnowsTheDefense:
         return _mark(result, self.knowledge, prepared, plan, None)
 
 
+def stacked_match(
+    knowledge: DefenseKnowledge | None,
+    views: Sequence[ServerView],
+    labels: Sequence[Tensor],
+    distance: Callable[..., Tensor],
+    *,
+    repeats: int = 1,
+) -> Callable[[Tensor, Tensor], Tensor] | None:
+    """The match of ``repeats`` problems per view through what the server knows, every problem in one
+    vmapped call (:func:`~lightning_gp.attacks.batched.gradient_match_rows`): ``knowledge``'s clips
+    (the update's, DP-SGD's per example) and each view's match plan, over the union of the plans'
+    layers (a layer a view's plan leaves out, e.g. one its Wiener gain zeroes, weighs 0 in that
+    view's rows: no term of either distance). Without knowledge: every layer of the plain gradient.
+    ``None`` where it does not stack: on an aggregate (the dummy batch is its clients' chunks), where
+    a plan carries a transform of its own view, or where the model or the transform does not map
+    (:func:`~lightning_gp.attacks.searches.mappable`)."""
+    if knowledge is None:
+        match = gradient_match_rows(views, labels, distance, repeats=repeats)
+        return match if mappable(match, views[0]) else None
+    if knowledge.clients != 1:
+        return None
+    plans = [knowledge.plan(view) for view in views]
+    if any(plan.transform is not None for plan in plans):
+        return None
+    names = [n for n in views[0].gradients if any(n in plan.names for plan in plans)]
+    match = gradient_match_rows(
+        views, labels, distance, repeats=repeats, names=names,
+        targets=[{n: plan.target[n] if n in plan.names else torch.zeros_like(view.gradients[n]) for n in names}
+                 for plan, view in zip(plans, views)],
+        support=[plan.support for plan in plans],
+        scale=[{n: plan.scale[n] if n in plan.names else 0.0 for n in names} for plan in plans],
+        transform=knowledge.transform, per_example_clip=knowledge.per_example_clip,
+    )  # fmt: skip
+    return match if mappable(match, views[0]) else None
+
+
 class DefenseAwareInversion(_KnowsTheDefense, InvertingGradients):
     """Inverting Gradients that models the defense the client ran (see the module docstring).
 
@@ -511,22 +547,10 @@ class DefenseAwareInversion(_KnowsTheDefense, InvertingGradients):
         self, views: Sequence[ServerView], labels: Sequence[Tensor]
     ) -> Callable[[Tensor], Tensor] | None:
         """:meth:`objective` of every view at once (``[P, B, C, H, W] -> [P]``), vmapped through the
-        knowledge's transform and each view's match plan
-        (:func:`~lightning_gp.attacks.batched.gradient_match_rows`); ``None`` where the dummy gradient is
-        more than the gradient through a transform (DP-SGD's per-example clip, an aggregate's clients),
-        the plans differ in their layers or carry a view's own transform, or the model or the
-        transform does not map."""
-        knowledge = self.knowledge
-        if knowledge.clients != 1 or knowledge.per_example_clip is not None:
-            return None
-        plans = [knowledge.plan(view) for view in views]
-        if any(p.transform is not None or p.names != plans[0].names for p in plans):
-            return None
-        match = gradient_match_rows(
-            views, labels, cosine_distance, names=plans[0].names, targets=[p.target for p in plans],
-            support=[p.support for p in plans], scale=[p.scale for p in plans], transform=knowledge.transform,
-        )  # fmt: skip
-        if not mappable(match, views[0]):
+        knowledge's clips and each view's match plan (:func:`stacked_match`); ``None`` where that
+        does not stack."""
+        match = stacked_match(self.knowledge, views, labels, cosine_distance)
+        if match is None:
             return None
         rows = torch.arange(len(views), device=views[0].device)
         tv = torch.func.vmap(total_variation)

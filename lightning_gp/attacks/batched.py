@@ -26,6 +26,7 @@ from torch.func import functional_call, grad, vmap
 
 from lightning_gp.attacks.gradient_matching import cosine_distance, total_variation
 from lightning_gp.attacks.view import ServerView
+from lightning_gp.defenses.clipping import clipped_example_sum
 from lightning_gp.validation import check_positive_int
 
 #: ``distance(guess, target, names) -> scalar``: a gradient distance of :mod:`~lightning_gp.attacks.gradient_matching`.
@@ -246,6 +247,7 @@ def gradient_match_rows(
     support: Sequence[Mapping[str, Tensor]] | None = None,
     scale: Sequence[Mapping[str, float | Tensor]] | None = None,
     transform: Callable[[dict[str, Tensor]], dict[str, Tensor]] | None = None,
+    per_example_clip: float | None = None,
     repeats: int = 1,
 ) -> Callable[[Tensor, Tensor], Tensor]:
     """The gradient match of ``repeats`` problems per view (restarts), view-major, for any subset of
@@ -260,8 +262,10 @@ def gradient_match_rows(
     weight, a number or a tensor), as :meth:`~lightning_gp.attacks.adaptive.MatchPlan.restrict`
     applies them, after ``transform`` (the defense's known deterministic part, the same for every view,
     e.g. :func:`~lightning_gp.attacks.update_clip`; it must map: no branch on a tensor's value, see
-    :func:`~lightning_gp.attacks.searches.mappable`). A plan whose transform depends on its view is not
-    a stacked match (run such problems one by one).
+    :func:`~lightning_gp.attacks.searches.mappable`). ``per_example_clip``: DP-SGD's, the guess the mean
+    of its examples' gradients each clipped to that L2 norm
+    (:meth:`~lightning_gp.attacks.DefenseKnowledge.dummy_gradient`). A plan whose transform depends on
+    its view is not a stacked match (run such problems one by one).
     """
     problems = stack_problems(views, labels)
     repeats = check_positive_int(repeats, "repeats")
@@ -289,7 +293,13 @@ def gradient_match_rows(
         weight: Mapping[str, Tensor] | None,
         labels: Tensor,
     ) -> Tensor:
-        guess = _guess_gradient(model, loss_fn, images, params, buffers, labels)
+        if per_example_clip is None:
+            guess = _guess_gradient(model, loss_fn, images, params, buffers, labels)
+        else:  # each example alone, clipped, averaged: as DP-SGD's client computed it (its noise aside)
+            examples = vmap(lambda x, y: _guess_gradient(model, loss_fn, x[None], params, buffers, y[None]))(
+                images, labels
+            )
+            guess = {n: t / len(images) for n, t in clipped_example_sum(examples, per_example_clip).items()}
         if transform is not None:
             guess = transform(guess)
         if sent is not None:

@@ -47,9 +47,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from lightning_gp.attacks.adaptive import DefenseKnowledge
+from lightning_gp.attacks.adaptive import DefenseKnowledge, stacked_match
 from lightning_gp.attacks.base import AttackNotApplicable, GradientAttack, Reconstruction
-from lightning_gp.attacks.batched import gradient_match_rows
 from lightning_gp.attacks.generative.cmaes import cma_es
 from lightning_gp.attacks.generative.networks import Generator, check_image_shape
 from lightning_gp.attacks.generative.training import (
@@ -70,7 +69,6 @@ from lightning_gp.attacks.searches import (
     adam_searches,
     best_restarts,
     decoys_per_search,
-    mappable,
     step_decay,
 )
 from lightning_gp.attacks.threat_models import requirements
@@ -437,28 +435,13 @@ class GenerativeGradientLeakage(GradientAttack):
     ) -> tuple[Callable[[Tensor, Tensor], Tensor], int, bool]:
         """``(images [A, B, C, H, W], rows) -> [A]``: the match of problems ``rows`` (``restarts`` per
         view, view-major), the problems per call, and whether it is vmapped. Vmapped
-        (:func:`~lightning_gp.attacks.batched.gradient_match_rows`) where the match is the gradient
-        through the knowledge's transform (a clip) and match plan; one problem at a time through
-        :meth:`_matcher` where the dummy gradient is more than that (DP-SGD's per-example clip, an
-        aggregate's clients), the plan's transform depends on the view, or the model or the transform
-        does not map."""
-        plans = None
-        stackable = knowledge is None or (knowledge.clients == 1 and knowledge.per_example_clip is None)
-        if stackable and knowledge is not None:
-            plans = [knowledge.plan(view) for view in views]
-            stackable = all(p.transform is None and p.names == plans[0].names for p in plans)
-        if stackable:
-            distance = cosine_distance if self.distance == "cosine" else squared_l2_distance
-            stacked = gradient_match_rows(
-                views, labels, distance, repeats=self.restarts,
-                names=None if plans is None else plans[0].names,
-                targets=None if plans is None else [p.target for p in plans],
-                support=None if plans is None else [p.support for p in plans],
-                scale=None if plans is None else [p.scale for p in plans],
-                transform=None if knowledge is None else knowledge.transform,
-            )  # fmt: skip
-            if mappable(stacked, views[0]):
-                return stacked, max(1, BATCHED_IMAGES // views[0].batch_size), True
+        (:func:`~lightning_gp.attacks.adaptive.stacked_match`: through the knowledge's clips and each
+        view's match plan); one problem at a time through :meth:`_matcher` where that does not stack
+        (an aggregate, a plan's transform of its own view, a model or transform that does not map)."""
+        distance = cosine_distance if self.distance == "cosine" else squared_l2_distance
+        stacked = stacked_match(knowledge, views, labels, distance, repeats=self.restarts)
+        if stacked is not None:
+            return stacked, max(1, BATCHED_IMAGES // views[0].batch_size), True
         matchers = [self._matcher(view, y, knowledge, differentiable=True) for view, y in zip(views, labels)]
 
         def one_by_one(images: Tensor, rows: Tensor) -> Tensor:

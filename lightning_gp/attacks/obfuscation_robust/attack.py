@@ -48,8 +48,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_gp.attacks.adaptive import stacked_match
 from lightning_gp.attacks.base import AttackNotApplicable, GradientAttack, Reconstruction
-from lightning_gp.attacks.batched import gradient_match_rows
 from lightning_gp.attacks.generative.attack import sparsified_like
 from lightning_gp.attacks.gradient_matching import parameter_gradients, squared_l2_distance
 from lightning_gp.attacks.learned import model_fingerprint, tensor_fingerprint
@@ -72,7 +72,6 @@ from lightning_gp.attacks.searches import (
     best_restarts,
     cosine_to,
     decoys_per_search,
-    mappable,
 )
 from lightning_gp.attacks.threat_models import requirements
 from lightning_gp.attacks.view import ServerView, checked_public_data
@@ -324,10 +323,10 @@ class ObfuscationRobustInversion(GradientAttack):
     ) -> tuple[Callable[[Tensor, Tensor], Tensor], int, bool]:
         """``(dummies [A, B, C, H, W], rows) -> [A]``: the squared-L2 match of problems ``rows``
         (``restarts`` per view, view-major), the problems per call and whether it is vmapped
-        (:func:`~lightning_gp.attacks.batched.gradient_match_rows`; one problem at a time where the
-        model does not map)."""
-        stacked = gradient_match_rows(views, labels, squared_l2_distance, repeats=self.restarts)
-        if mappable(stacked, views[0]):
+        (:func:`~lightning_gp.attacks.adaptive.stacked_match`; one problem at a time where the model
+        does not map)."""
+        stacked = stacked_match(None, views, labels, squared_l2_distance, repeats=self.restarts)
+        if stacked is not None:
             return stacked, max(1, BATCHED_IMAGES // views[0].batch_size), True
 
         def one_by_one(dummies: Tensor, rows: Tensor) -> Tensor:
