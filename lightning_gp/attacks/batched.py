@@ -270,18 +270,7 @@ def gradient_match_rows(
     problems = stack_problems(views, labels)
     repeats = check_positive_int(repeats, "repeats")
     names = list(views[0].gradients) if names is None else list(names)
-    for label, given in (("targets", targets), ("support", support), ("scale", scale)):
-        if given is not None and len(given) != len(views):
-            raise ValueError(f"{label} needs one entry per view: {len(given)} for {len(views)} views")
-    stacked_targets = (
-        {n: problems.shared[n] for n in names}
-        if targets is None
-        else {n: torch.stack([t[n] for t in targets]) for n in names}
-    )
-    stacked_support = None if support is None else {n: torch.stack([s[n] for s in support]) for n in names}
-    stacked_scale = (
-        None if scale is None else {n: _stacked_scale([s[n] for s in scale], views[0].gradients[n]) for n in names}
-    )
+    stacked_targets, stacked_support, stacked_scale = _stacked_plans(problems, views, names, targets, support, scale)
     model, loss_fn = problems.model, problems.loss_fn
 
     def one(
@@ -293,13 +282,7 @@ def gradient_match_rows(
         weight: Mapping[str, Tensor] | None,
         labels: Tensor,
     ) -> Tensor:
-        if per_example_clip is None:
-            guess = _guess_gradient(model, loss_fn, images, params, buffers, labels)
-        else:  # each example alone, clipped, averaged: as DP-SGD's client computed it (its noise aside)
-            examples = vmap(lambda x, y: _guess_gradient(model, loss_fn, x[None], params, buffers, y[None]))(
-                images, labels
-            )
-            guess = {n: t / len(images) for n, t in clipped_example_sum(examples, per_example_clip).items()}
+        guess = _dummy_gradient(model, loss_fn, images, params, buffers, labels, per_example_clip)
         if transform is not None:
             guess = transform(guess)
         if sent is not None:
@@ -329,6 +312,48 @@ def gradient_match_rows(
         )  # fmt: skip
 
     return value_of
+
+
+def _stacked_plans(
+    problems: ProblemBatch,
+    views: Sequence[ServerView],
+    names: Sequence[str],
+    targets: Sequence[Mapping[str, Tensor]] | None,
+    support: Sequence[Mapping[str, Tensor]] | None,
+    scale: Sequence[Mapping[str, float | Tensor]] | None,
+) -> tuple[dict[str, Tensor], dict[str, Tensor] | None, dict[str, Tensor] | None]:
+    """Each view's target, support and layer weights on ``names``, stacked ``[V, ...]`` (the shared
+    gradients where no targets are given), after checking one entry per view."""
+    for label, given in (("targets", targets), ("support", support), ("scale", scale)):
+        if given is not None and len(given) != len(views):
+            raise ValueError(f"{label} needs one entry per view: {len(given)} for {len(views)} views")
+    stacked_targets = (
+        {n: problems.shared[n] for n in names}
+        if targets is None
+        else {n: torch.stack([t[n] for t in targets]) for n in names}
+    )
+    stacked_support = None if support is None else {n: torch.stack([s[n] for s in support]) for n in names}
+    stacked_scale = (
+        None if scale is None else {n: _stacked_scale([s[n] for s in scale], views[0].gradients[n]) for n in names}
+    )
+    return stacked_targets, stacked_support, stacked_scale
+
+
+def _dummy_gradient(
+    model: nn.Module,
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    images: Tensor,
+    params: Mapping[str, Tensor],
+    buffers: Mapping[str, Tensor],
+    labels: Tensor,
+    per_example_clip: float | None,
+) -> dict[str, Tensor]:
+    """One problem's gradient at ``images``; with ``per_example_clip``, each example's alone, clipped to
+    that norm and averaged, as DP-SGD's client computed it (its noise aside)."""
+    if per_example_clip is None:
+        return _guess_gradient(model, loss_fn, images, params, buffers, labels)
+    examples = vmap(lambda x, y: _guess_gradient(model, loss_fn, x[None], params, buffers, y[None]))(images, labels)
+    return {n: t / len(images) for n, t in clipped_example_sum(examples, per_example_clip).items()}
 
 
 def _stacked_scale(weights: Sequence[float | Tensor], like: Tensor) -> Tensor:
