@@ -28,7 +28,8 @@ import argparse
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -38,39 +39,56 @@ from attack_throughput import tapped_setting
 from lightning_gp.attacks import (
     GenerativeGradientLeakage,
     GeneratorCache,
+    InverterCache,
+    InvertingGradients,
     ObfuscationRobustInversion,
+    RefinedLearnedInversion,
     RestorationCache,
     ServerView,
     adaptive,
 )
 from lightning_gp.attacks.generative import attack as ggl_module
 from lightning_gp.attacks.obfuscation_robust import attack as rog_module
+from lightning_gp.audit import DefenseSetting, learned_inversion_attacks
 from lightning_gp.audit.rounds import public_examples
 from lightning_gp.data import FashionMNISTDataModule, FashionMNISTSampleDataModule
 
+#: The attacks with a prior-only control of decoys attacked end to end.
+ATTACKS = ("GGL", "ROG", "RefinedLearnedInversion")
 
-def guesses(attack: Any, module: Any, view: ServerView, one_by_one: bool) -> tuple[float, torch.Tensor]:
-    """Seconds to make the attack's prior-only guesses from nothing (its memo cleared), and the guesses."""
-    module._PRIOR_ONLY_MEMO.clear()
-    original = adaptive.mappable
-    if one_by_one:
-        adaptive.mappable = lambda match, view: False
+
+@contextmanager
+def one_at_a_time(one_by_one: bool) -> Iterator[None]:
+    """With ``one_by_one``, every match and refinement objective refuses to stack (what the attacks ran
+    before: each search alone)."""
+    if not one_by_one:
+        yield
+        return
+    saved_mappable, saved_stacked = adaptive.mappable, InvertingGradients.stacked_objective
+    adaptive.mappable = lambda match, view: False
+    InvertingGradients.stacked_objective = lambda self, views, labels: None  # type: ignore[method-assign]
     try:
+        yield
+    finally:
+        adaptive.mappable, InvertingGradients.stacked_objective = saved_mappable, saved_stacked  # type: ignore[method-assign]
+
+
+def guesses(attack: Any, forget: Callable[[], None], view: ServerView, one_by_one: bool) -> tuple[float, torch.Tensor]:
+    """Seconds to make the attack's prior-only guesses from nothing (``forget`` clears its memo), and the guesses."""
+    forget()
+    with one_at_a_time(one_by_one):
         start = time.perf_counter()
         made = attack.prior_only_guesses(view, 255)
         return time.perf_counter() - start, made
-    finally:
-        adaptive.mappable = original
 
 
-def measure(name: str, build: Callable[[], Any], module: Any, view: ServerView, repeats: int) -> list[dict[str, Any]]:
-    attack = build()
-    attack.reconstruct(view)  # trains (and caches) the generator or the restoration network: not timed
+def measure(name: str, attack: Any, forget: Callable[[], None], view: ServerView, repeats: int) -> list[dict[str, Any]]:
+    attack.reconstruct(view)  # trains (and caches) the generator, restoration network or inverter: not timed
     times: dict[bool, list[float]] = {False: [], True: []}
     made: dict[bool, torch.Tensor] = {}
     for _ in range(repeats):
         for one_by_one in (True, False):
-            seconds, made[one_by_one] = guesses(attack, module, view, one_by_one)
+            seconds, made[one_by_one] = guesses(attack, forget, view, one_by_one)
             times[one_by_one].append(seconds)
             print(
                 f"[{name} batch {view.batch_size}] {'one by one' if one_by_one else 'side by side'}: {seconds:.1f} s",
@@ -92,6 +110,26 @@ def measure(name: str, build: Callable[[], Any], module: Any, view: ServerView, 
     ]
 
 
+def attacks_of(
+    names: Sequence[str], decoys: int, iterations: int, datamodule: Any
+) -> dict[str, tuple[Any, Callable[[], None]]]:
+    """The attacks measured, each with what clears its memo of guesses."""
+    built: dict[str, tuple[Any, Callable[[], None]]] = {}
+    if "GGL" in names:
+        ggl = GenerativeGradientLeakage(iterations=iterations, decoys=decoys, cache=GeneratorCache())
+        built["GGL"] = (ggl, ggl_module._PRIOR_ONLY_MEMO.clear)
+    if "ROG" in names:
+        rog = ObfuscationRobustInversion(iterations=iterations, decoys=decoys, cache=RestorationCache())
+        built["ROG"] = (rog, rog_module._PRIOR_ONLY_MEMO.clear)
+    if "RefinedLearnedInversion" in names:
+        refined = learned_inversion_attacks(
+            DefenseSetting("undefended"), datamodule, cache=InverterCache(), refined_decoys=decoys, seed=0
+        )[1]
+        assert isinstance(refined, RefinedLearnedInversion)
+        built["RefinedLearnedInversion"] = (refined, refined._prior_only.clear)
+    return built
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4 decoys, 200 steps, batch 1 only")
@@ -101,6 +139,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="turns of the two modes")
     parser.add_argument("--dataset", choices=("sample", "fashion-mnist"), default="sample")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--attacks", nargs="+", choices=ATTACKS, default=list(ATTACKS), help="attacks measured")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     decoys = args.decoys or (4 if args.quick else 31)
@@ -108,30 +147,24 @@ def main() -> None:
     batch_sizes = args.batch_sizes or ([1] if args.quick else [1, 8])
     datamodule = FashionMNISTSampleDataModule() if args.dataset == "sample" else FashionMNISTDataModule()
     public = public_examples(datamodule, 10_000)
-    generators, restorations = GeneratorCache(), RestorationCache()
+    attacks = attacks_of(args.attacks, decoys, iterations, datamodule)
     rows: list[dict[str, Any]] = []
     for batch in batch_sizes:
         setting = tapped_setting(datamodule, 1, seed=0, indices=range(batch))
         view = dataclasses.replace(setting.views[0], public_data=public)
-        rows += measure(
-            "GGL",
-            lambda: GenerativeGradientLeakage(iterations=iterations, decoys=decoys, cache=generators),
-            ggl_module, view, args.repeats,
-        )  # fmt: skip
-        rows += measure(
-            "ROG",
-            lambda: ObfuscationRobustInversion(iterations=iterations, decoys=decoys, cache=restorations),
-            rog_module, view, args.repeats,
-        )  # fmt: skip
+        for name, (attack, forget) in attacks.items():
+            rows += measure(name, attack, forget, view, args.repeats)
     preamble = (
-        f"The prior-only guesses of GGL (published, 4 restarts) and ROG (2 restarts), {decoys} decoys, each search "
+        f"The prior-only guesses of GGL (published, 4 restarts), ROG (2 restarts) and the refined learned inverter "
+        f"(200 refinement steps of Inverting Gradients), {decoys} decoys, each GGL or ROG search "
         f"capped at {iterations} Adam steps (stopping earlier on a plateau), LeNetZhu at initialisation, "
         f"{args.dataset} Fashion-MNIST, {args.threads} thread(s), CPU; the two modes taking turns {args.repeats} "
         "time(s) in one process (seconds: the median). one_by_one: each search alone, as before; side_by_side: all "
         "decoys' searches in one vmapped loop (lightning_gp.attacks.searches). max_guess_diff: the largest difference "
         "of the two modes' guesses (normalised pixels)."
     )
-    write_results("prior_control_speed" + ("_quick" if args.quick else ""), rows, preamble)
+    subset = "" if set(args.attacks) == set(ATTACKS) else "_" + "_".join(args.attacks)
+    write_results("prior_control_speed" + subset + ("_quick" if args.quick else ""), rows, preamble)
 
 
 if __name__ == "__main__":
