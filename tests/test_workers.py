@@ -67,7 +67,11 @@ def test_a_worker_exits_when_its_parent_is_killed(tmp_path: Path) -> None:
 # a parent that runs two long jobs through the frontier's own executor and reports both workers' pids
 FRONTIER_PARENT = textwrap.dedent(
     """
-    import os, sys, time
+    import os, signal, sys, time
+    # started as a shell starts a command in the foreground: an ignored SIGINT is inherited, and
+    # Python then installs no KeyboardInterrupt handler (a test process whose earlier tests ignored
+    # SIGINT, as a Ray or Flower run can leave it, would otherwise hand that on)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from lightning_gp.frontier import run
     def slow_job(job, config):
         print(os.getpid(), flush=True)
