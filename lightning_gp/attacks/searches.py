@@ -17,6 +17,7 @@ loop (its Adam moments are dropped with it), so the cost of a step falls as prob
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_gp.attacks.base import Reconstruction
 from lightning_gp.attacks.optimization import plateaued
 from lightning_gp.attacks.view import ServerView
 from lightning_gp.validation import check_int, check_number, check_positive, check_positive_int
@@ -43,6 +45,40 @@ def decoys_per_search(view: ServerView, count: int) -> int:
     """How many of ``count`` decoys of ``view``'s shape one side-by-side search takes (:data:`DECOY_ENTRIES`)."""
     entries = sum(g.numel() for g in view.gradients.values())
     return max(1, min(count, DECOY_ENTRIES // max(1, entries)))
+
+
+def decoy_guesses(
+    view: ServerView,
+    public: tuple[Tensor, Tensor],
+    held_out: Tensor,
+    count: int,
+    draws: torch.Generator,
+    gradients_of: Callable[[Tensor, Tensor, int], dict[str, Tensor]],
+    rng_of: Callable[[int], torch.Generator],
+    attack: Callable[[list[ServerView], list[torch.Generator]], list[Reconstruction]],
+) -> Tensor:
+    """``[count, B, C, H, W]``: an attack's output on ``count`` decoys of ``view``, each a batch of
+    ``view``'s size drawn (from ``draws``) among the ``held_out`` rows of the ``public`` images, its
+    gradient ``gradients_of(images, labels, k)``, attacked seeded by ``rng_of(k)``; as many decoys per
+    call of ``attack`` as :func:`decoys_per_search` allows (they are searched side by side there)."""
+    images, labels = public
+    guesses: list[Tensor] = []
+    group = decoys_per_search(view, count)
+    for first in range(0, count, group):
+        decoys, rngs = [], []
+        for k in range(first, min(first + group, count)):
+            rows = held_out[torch.randperm(len(held_out), generator=draws)[: view.batch_size].to(view.device)]
+            decoys.append(
+                dataclasses.replace(
+                    view,
+                    gradients=gradients_of(images[rows], labels[rows], k),
+                    labels=None if view.labels is None else labels[rows],
+                    public_data=(images, labels),
+                )
+            )
+            rngs.append(rng_of(k))
+        guesses += [result.images.detach() for result in attack(decoys, rngs)]
+    return torch.stack(guesses).cpu()
 
 
 def mappable(match_rows: Callable[[Tensor, Tensor], Tensor], view: ServerView) -> bool:
@@ -161,10 +197,12 @@ def adam_searches(
     return [SearchResult(best[p], values[p], traces[p], stopped[p]) for p in range(count)]
 
 
-def best_restarts(results: Sequence[SearchResult], restarts: int) -> list[tuple[SearchResult, dict[str, Any]]]:
-    """Per view (``restarts`` consecutive problems each, view-major): the search of the lowest
-    objective (the first of equal ones) and what to report of it (``restart``, ``steps``,
-    ``stopped``, ``objectives`` of every restart)."""
+def best_restarts(
+    results: Sequence[SearchResult], restarts: int, **meta: Any
+) -> list[tuple[Tensor, float, list[float], dict[str, Any]]]:
+    """Per view (``restarts`` consecutive problems each, view-major), the search of the lowest
+    objective (the first of equal ones): ``(best iterate, objective, trace, info)``, ``info`` what to
+    report of it (``restart``, ``steps``, ``stopped``, ``objectives`` of every restart, and ``meta``)."""
     best = []
     for first in range(0, len(results), restarts):
         runs = results[first : first + restarts]
@@ -175,8 +213,9 @@ def best_restarts(results: Sequence[SearchResult], restarts: int) -> list[tuple[
             "steps": len(run.trace),
             "stopped": run.stopped,
             "objectives": [r.value for r in runs],
+            **meta,
         }
-        best.append((run, info))
+        best.append((run.best, run.value, run.trace, info))
     return best
 
 
@@ -221,6 +260,7 @@ __all__ = [
     "adam_searches",
     "best_restarts",
     "cosine_to",
+    "decoy_guesses",
     "decoys_per_search",
     "mappable",
     "step_decay",

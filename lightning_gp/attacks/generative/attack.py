@@ -37,7 +37,6 @@ from the generator's training, each defended as the server can reproduce the def
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -68,7 +67,7 @@ from lightning_gp.attacks.searches import (
     BATCHED_IMAGES,
     adam_searches,
     best_restarts,
-    decoys_per_search,
+    decoy_guesses,
     step_decay,
 )
 from lightning_gp.attacks.threat_models import requirements
@@ -425,10 +424,7 @@ class GenerativeGradientLeakage(GradientAttack):
             plateau_steps=self.plateau_steps, plateau_rtol=self.plateau_rtol, rows_per_call=rows_per_call,
             report=self._report,
         )  # fmt: skip
-        return [
-            (run.best, run.value, run.trace, {**info, "batched": batched})
-            for run, info in best_restarts(searched, self.restarts)
-        ]
+        return best_restarts(searched, self.restarts, batched=batched)
 
     def _row_match(
         self, views: Sequence[ServerView], labels: Sequence[Tensor], knowledge: DefenseKnowledge | None
@@ -609,25 +605,12 @@ class GenerativeGradientLeakage(GradientAttack):
                 f"the generator holds out {len(held_out)} public images, fewer than a batch of {view.batch_size}: "
                 "give more public images or a larger generator_config.val_fraction"
             )
-        draws = seeded_generator(self.prior_seed, 0xDEC0)
-        guesses: list[Tensor] = []
-        group = decoys_per_search(view, count)
-        for first in range(0, count, group):
-            decoys, rngs = [], []
-            for k in range(first, min(first + group, count)):
-                rows = held_out[torch.randperm(len(held_out), generator=draws)[: view.batch_size].to(view.device)]
-                gradients = self.decoy_gradients(view, images[rows], labels[rows], k)
-                decoys.append(
-                    dataclasses.replace(
-                        view,
-                        gradients=gradients,
-                        labels=None if view.labels is None else labels[rows],
-                        public_data=(images, labels),
-                    )
-                )
-                rngs.append(seeded_generator(self.prior_seed, 0xDEC1, k, device=view.device))
-            guesses += [result.images.detach() for result in self._attack(decoys, rngs, knowledge)]
-        return torch.stack(guesses).cpu()
+        return decoy_guesses(
+            view, (images, labels), held_out, count, seeded_generator(self.prior_seed, 0xDEC0),
+            lambda x, y, k: self.decoy_gradients(view, x, y, k),
+            lambda k: seeded_generator(self.prior_seed, 0xDEC1, k, device=view.device),
+            lambda decoys, rngs: self._attack(decoys, rngs, knowledge),
+        )  # fmt: skip
 
     def decoy_gradients(self, view: ServerView, images: Tensor, labels: Tensor, index: int) -> dict[str, Tensor]:
         """What a client holding the public batch ``(images, labels)`` would share, as far as the

@@ -39,7 +39,6 @@ sparsified like the client's upload where it holds exact zeros).
 
 from __future__ import annotations
 
-import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -71,7 +70,7 @@ from lightning_gp.attacks.searches import (
     adam_searches,
     best_restarts,
     cosine_to,
-    decoys_per_search,
+    decoy_guesses,
 )
 from lightning_gp.attacks.threat_models import requirements
 from lightning_gp.attacks.view import ServerView, checked_public_data
@@ -313,10 +312,7 @@ class ObfuscationRobustInversion(GradientAttack):
             plateau_rtol=self.plateau_rtol, rows_per_call=rows_per_call, project=lambda low: low.clamp(0, 1),
             report=self._report,
         )  # fmt: skip
-        return [
-            (run.best, run.value, run.trace, {**info, "batched": batched})
-            for run, info in best_restarts(searched, self.restarts)
-        ]
+        return best_restarts(searched, self.restarts, batched=batched)
 
     def _row_match(
         self, views: Sequence[ServerView], labels: Sequence[Tensor]
@@ -380,24 +376,12 @@ class ObfuscationRobustInversion(GradientAttack):
                 f"{len(held_out)} public images are held out from the restoration network, fewer than a batch of "
                 f"{view.batch_size}: give more public images or a larger restoration_config.val_fraction"
             )
-        draws = seeded_generator(self.prior_seed, 0x20C0)
-        guesses: list[Tensor] = []
-        group = decoys_per_search(view, count)
-        for first in range(0, count, group):
-            decoys, rngs = [], []
-            for k in range(first, min(first + group, count)):
-                rows = held_out[torch.randperm(len(held_out), generator=draws)[: view.batch_size].to(view.device)]
-                decoys.append(
-                    dataclasses.replace(
-                        view,
-                        gradients=self.decoy_gradients(view, images[rows], labels[rows]),
-                        labels=None if view.labels is None else labels[rows],
-                        public_data=(images, labels),
-                    )
-                )
-                rngs.append(seeded_generator(self.prior_seed, 0x20C1, k, device=view.device))
-            guesses += [result.images.detach() for result in self._attack(decoys, rngs)]
-        return torch.stack(guesses).cpu()
+        return decoy_guesses(
+            view, (images, labels), held_out, count, seeded_generator(self.prior_seed, 0x20C0),
+            lambda x, y, k: self.decoy_gradients(view, x, y),
+            lambda k: seeded_generator(self.prior_seed, 0x20C1, k, device=view.device),
+            self._attack,
+        )  # fmt: skip
 
     def decoy_gradients(self, view: ServerView, images: Tensor, labels: Tensor) -> dict[str, Tensor]:
         """What a client holding the public batch ``(images, labels)`` would share as far as a server
