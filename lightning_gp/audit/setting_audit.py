@@ -160,8 +160,9 @@ class AttackBudget:
             the latent search through the defense. Off by default. Where it was asked for and cannot
             run (a defense with no composable knowledge: Refiner, ATS, PRECODE, PriPrune;
             ``adaptive=False``) both verdicts name that gap (:data:`GENERATIVE_NOT_RUN`) and are never
-            "private". ``generative_max_steps``: the cap on its GAN training steps (it stops earlier
-            on a plateau of its held-out MMD).
+            "private".
+        generative_max_steps: with ``generative_prior``, the cap on its GAN's training steps (it
+            stops earlier on a plateau of its held-out MMD).
     """
 
     ig_iterations: int = 1000
