@@ -304,6 +304,22 @@ def test_frontier_help_shows_plain_text_and_only_its_own_options(capsys):
     assert all(len(line) <= 100 for line in text.splitlines() if not line.startswith("  lightning-gp"))
 
 
+def test_frontier_help_describes_every_budget_field():
+    # Before: --budget.generative_max_steps printed an empty description (its text sat inside
+    # generative_prior's docstring entry)
+    from dataclasses import fields
+
+    from lightning_gp.audit import AttackBudget
+    from lightning_gp.cli.help_texts import COMMAND_HELP
+
+    lines = COMMAND_HELP["frontier"].splitlines()
+    for field in fields(AttackBudget):
+        option = f"--budget.{field.name}"
+        at = next(i for i, line in enumerate(lines) if line.strip().startswith(option))
+        inline = lines[at].strip()[len(option) :].strip()
+        assert inline or (lines[at + 1].strip() and not lines[at + 1].strip().startswith("--")), option
+
+
 def test_a_config_names_a_model_class_from_a_module_in_the_working_directory(tmp_path, monkeypatch, capsys):
     # Before: `class_path: mydata.MyCNN` failed with "No module named 'mydata'" until PYTHONPATH=.
     (tmp_path / "lgp_user_models.py").write_text(
