@@ -18,8 +18,14 @@ batch sum in another order).
 
     python benchmarks/prior_control_speed.py             # 31 decoys, batch 1 and 8, the audit's 1000-step cap
     python benchmarks/prior_control_speed.py --quick     # 4 decoys, 200 steps
+    python benchmarks/prior_control_speed.py --attacks GGL --aggregate 16 --batch-sizes 1
 
-Writes benchmarks/results/prior_control_speed[_quick].{csv,md}.
+``--aggregate K`` attacks the secure aggregate of ``K`` clients of the shipped
+:class:`~lightning_gp.defenses.LocalGaussianMechanism`, each clipping its own upload, with GGL knowing
+the defense (``DefenseKnowledge.over_clients(K)``: each guess the mean of its clients' chunks through
+the clip), the secure-aggregation view of the matrix and the audit.
+
+Writes benchmarks/results/prior_control_speed[_<attacks>][_aggregate<K>][_quick].{csv,md}.
 """
 
 from __future__ import annotations
@@ -46,12 +52,15 @@ from lightning_gp.attacks import (
     RestorationCache,
     ServerView,
     adaptive,
+    defense_knowledge,
+    parameter_gradients,
 )
 from lightning_gp.attacks.generative import attack as ggl_module
 from lightning_gp.attacks.obfuscation_robust import attack as rog_module
 from lightning_gp.audit import DefenseSetting, learned_inversion_attacks
 from lightning_gp.audit.rounds import public_examples
 from lightning_gp.data import FashionMNISTDataModule, FashionMNISTSampleDataModule
+from lightning_gp.defenses import LocalGaussianMechanism
 
 #: The attacks with a prior-only control of decoys attacked end to end.
 ATTACKS = ("GGL", "ROG", "RefinedLearnedInversion")
@@ -110,13 +119,34 @@ def measure(name: str, attack: Any, forget: Callable[[], None], view: ServerView
     ]
 
 
+def aggregate_view(datamodule: Any, clients: int, batch: int, public: Any) -> tuple[ServerView, Any]:
+    """The secure aggregate of ``clients`` clients of ``batch`` training images each (images
+    ``0 .. clients * batch - 1``), each upload through the shipped Gaussian mechanism, and what the server
+    knows of it (the clip of each client, the noise of the mean)."""
+    setting = tapped_setting(datamodule, 1, seed=0, indices=range(clients * batch))
+    view, images = setting.views[0], setting.originals[0]
+    datamodule.setup("fit")
+    labels = torch.tensor([int(datamodule.train_dataset[i][1]) for i in range(clients * batch)])
+    defense = LocalGaussianMechanism(seed=0)
+    uploads = [
+        defense({n: g.detach() for n, g in parameter_gradients(view.model, view.loss_fn, x, y).items()}, client)
+        for client, (x, y) in enumerate(zip(images.chunk(clients), labels.chunk(clients)))
+    ]
+    mean = {n: torch.stack([u[n] for u in uploads]).mean(0).detach() for n in uploads[0]}
+    knowledge = defense_knowledge(defense)
+    assert knowledge is not None
+    return dataclasses.replace(view, gradients=mean, labels=labels, public_data=public), knowledge.over_clients(clients)
+
+
 def attacks_of(
-    names: Sequence[str], decoys: int, iterations: int, datamodule: Any
+    names: Sequence[str], decoys: int, iterations: int, datamodule: Any, knowledge: Any = None
 ) -> dict[str, tuple[Any, Callable[[], None]]]:
-    """The attacks measured, each with what clears its memo of guesses."""
+    """The attacks measured, each with what clears its memo of guesses (GGL with ``knowledge``)."""
     built: dict[str, tuple[Any, Callable[[], None]]] = {}
     if "GGL" in names:
-        ggl = GenerativeGradientLeakage(iterations=iterations, decoys=decoys, cache=GeneratorCache())
+        ggl = GenerativeGradientLeakage(
+            knowledge=knowledge, iterations=iterations, decoys=decoys, cache=GeneratorCache()
+        )
         built["GGL"] = (ggl, ggl_module._PRIOR_ONLY_MEMO.clear)
     if "ROG" in names:
         rog = ObfuscationRobustInversion(iterations=iterations, decoys=decoys, cache=RestorationCache())
@@ -140,19 +170,26 @@ def main() -> None:
     parser.add_argument("--dataset", choices=("sample", "fashion-mnist"), default="sample")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--attacks", nargs="+", choices=ATTACKS, default=list(ATTACKS), help="attacks measured")
+    parser.add_argument(
+        "--aggregate", type=int, default=0, help="the secure aggregate of this many clients (GGL knowing the defense)"
+    )
     args = parser.parse_args()
+    if args.aggregate and args.attacks != ["GGL"]:
+        parser.error("--aggregate: only GGL models the defense on an aggregate here (--attacks GGL)")
     torch.set_num_threads(args.threads)
     decoys = args.decoys or (4 if args.quick else 31)
     iterations = args.iterations or (200 if args.quick else 1000)
     batch_sizes = args.batch_sizes or ([1] if args.quick else [1, 8])
     datamodule = FashionMNISTSampleDataModule() if args.dataset == "sample" else FashionMNISTDataModule()
     public = public_examples(datamodule, 10_000)
-    attacks = attacks_of(args.attacks, decoys, iterations, datamodule)
     rows: list[dict[str, Any]] = []
     for batch in batch_sizes:
-        setting = tapped_setting(datamodule, 1, seed=0, indices=range(batch))
-        view = dataclasses.replace(setting.views[0], public_data=public)
-        for name, (attack, forget) in attacks.items():
+        if args.aggregate:
+            view, knowledge = aggregate_view(datamodule, args.aggregate, batch, public)
+        else:
+            setting = tapped_setting(datamodule, 1, seed=0, indices=range(batch))
+            view, knowledge = dataclasses.replace(setting.views[0], public_data=public), None
+        for name, (attack, forget) in attacks_of(args.attacks, decoys, iterations, datamodule, knowledge).items():
             rows += measure(name, attack, forget, view, args.repeats)
     preamble = (
         f"The prior-only guesses of GGL (published, 4 restarts), ROG (2 restarts) and the refined learned inverter "
@@ -163,7 +200,14 @@ def main() -> None:
         "decoys' searches in one vmapped loop (lightning_gp.attacks.searches). max_guess_diff: the largest difference "
         "of the two modes' guesses (normalised pixels)."
     )
+    if args.aggregate:
+        preamble += (
+            f" The view: the secure aggregate of {args.aggregate} clients (batch_size: the aggregate's images), each "
+            "upload through the shipped LocalGaussianMechanism, GGL knowing it (each guess the mean of its "
+            "clients' chunks, each clipped on its own)."
+        )
     subset = "" if set(args.attacks) == set(ATTACKS) else "_" + "_".join(args.attacks)
+    subset += f"_aggregate{args.aggregate}" if args.aggregate else ""
     write_results("prior_control_speed" + subset + ("_quick" if args.quick else ""), rows, preamble)
 
 

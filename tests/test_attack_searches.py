@@ -239,6 +239,38 @@ def test_views_whose_plans_keep_other_layers_stack_over_the_union_with_the_left_
         assert float(values[a].detach()) == pytest.approx(expected, rel=1e-4)
 
 
+@pytest.mark.parametrize("clip", ["update", "per example"])
+def test_the_vmapped_match_of_a_secure_aggregate_is_the_mean_of_its_clients_each_clipped_on_its_own(clip) -> None:
+    """Aggregates of 3 clients of 2 images: each row's guess is the mean of its clients' chunks, each
+    clipped on its own (the Gaussian mechanism's update clip, DP-SGD's per-example clip) as the
+    aggregate's knowledge computes it (DefenseKnowledge.over_clients), through the plan of the
+    aggregate's noise. The update clip of the whole batch at once gives other values (DP-SGD's mean of
+    clipped examples is the same over the whole batch as over its equal chunks)."""
+    from lightning_gp.attacks import DefenseKnowledge
+    from lightning_gp.attacks.adaptive import stacked_match
+
+    views, labels = _views(2, 6)
+    clips = {"transform": update_clip(0.05)} if clip == "update" else {"per_example_clip": 0.05}
+    one = DefenseKnowledge(defense="clip", models=(), support=False, noise_std=1e-3, **clips)
+    knowledge = one.over_clients(3)
+    match = stacked_match(knowledge, views, labels, squared_l2_distance, repeats=2)
+    assert match is not None
+    torch.manual_seed(7)
+    images = torch.randn(3, 6, 1, 28, 28)
+    rows = torch.tensor([3, 0, 2])
+    values = match(images, rows)
+    if clip == "update":
+        whole = stacked_match(one, views, labels, squared_l2_distance, repeats=2)
+        assert whole is not None and not torch.allclose(whole(images, rows), values, rtol=1e-3)
+    for a, v in enumerate([1, 0, 1]):
+        plan = knowledge.plan(views[v])
+        guess = plan.restrict(knowledge.dummy_gradient(views[v], images[a], labels[v]))
+        expected = float(squared_l2_distance(guess, plan.target, plan.names).detach())
+        assert float(values[a].detach()) == pytest.approx(expected, rel=1e-4)
+    with pytest.raises(ValueError, match="clients"):
+        gradient_match_rows(views, labels, squared_l2_distance, clients=4)
+
+
 def test_the_match_is_differentiable_per_row_and_a_model_that_does_not_map_is_told_apart() -> None:
     views, labels = _views(2, 1)
     match = gradient_match_rows(views, labels, cosine_distance)

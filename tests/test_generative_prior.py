@@ -208,6 +208,45 @@ def test_the_searches_side_by_side_are_the_searches_one_by_one(public, data, cac
     assert torch.allclose(guesses, guesses_alone, atol=1e-2) and float((guesses - guesses_alone).abs().mean()) < 1e-4
 
 
+def test_the_searches_on_a_secure_aggregate_side_by_side_are_the_searches_one_by_one(
+    public, data, cache, monkeypatch
+) -> None:
+    """The mean of 2 clients' uploads, each clipped to 0.05 on its own (the Gaussian mechanism, known to
+    the server): each guess is the mean of its clients' chunks through the clip, vmapped as one by one
+    (DefenseKnowledge.over_clients), to the tolerances of the single-client test."""
+    import lightning_gp.attacks.adaptive as adaptive
+    import lightning_gp.attacks.generative.attack as ggl
+
+    defense = D.LocalGaussianMechanism(0.03, max_update_norm=0.05, seed=0)
+    clients = [_view(data, public, index=i, defense=defense)[0] for i in (6, 7)]
+    view = ServerView(
+        model=clients[0].model, gradients={n: (clients[0].gradients[n] + clients[1].gradients[n]) / 2 for n in
+        clients[0].gradients}, batch_size=2, input_shape=(1, 28, 28), num_classes=10, mean=data.mean,
+        std=data.std, labels=torch.cat([c.labels for c in clients if c.labels is not None]), public_data=public,
+    )  # fmt: skip
+    knowledge = defense_knowledge(defense)
+    assert knowledge is not None
+    knowledge = knowledge.over_clients(2)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, dict]:
+        ggl._PRIOR_ONLY_MEMO.clear()
+        attack = GenerativeGradientLeakage(
+            knowledge=knowledge, generator_config=TINY, cache=cache, decoys=4, iterations=80, restarts=2,
+            plateau_steps=30,
+        )  # fmt: skip
+        client = attack.reconstruct(view)
+        return client.images, attack.prior_only_guesses(view, 255), client.meta
+
+    images, guesses, meta = run()
+    monkeypatch.setattr(adaptive, "mappable", lambda match, view: False)
+    images_alone, guesses_alone, meta_alone = run()
+    assert meta["batched"] and not meta_alone["batched"]
+    assert (meta["restart"], meta["steps"]) == (meta_alone["restart"], meta_alone["steps"])
+    assert meta["objective"] == pytest.approx(meta_alone["objective"], rel=1e-3)
+    assert torch.allclose(images, images_alone, atol=1e-3)
+    assert torch.allclose(guesses, guesses_alone, atol=1e-2) and float((guesses - guesses_alone).abs().mean()) < 1e-4
+
+
 def test_the_decoys_are_defended_as_the_server_models_the_defense(public, data) -> None:
     """Top-k: each layer keeps as many entries as the client sent (its largest); Gaussian noise: the
     decoy differs from its clean gradient by noise of the known std (0.5; over 13,426 coordinates the

@@ -488,13 +488,14 @@ def stacked_match(
     (the update's, DP-SGD's per example) and each view's match plan, over the union of the plans'
     layers (a layer a view's plan leaves out, e.g. one its Wiener gain zeroes, weighs 0 in that
     view's rows: no term of either distance). Without knowledge: every layer of the plain gradient.
-    ``None`` where it does not stack: on an aggregate (the dummy batch is its clients' chunks), where
-    a plan carries a transform of its own view, or where the model or the transform does not map
-    (:func:`~lightning_gp.attacks.searches.mappable`)."""
+    On a secure aggregate each row's guess is the mean of its clients' chunks, each through the clips.
+    ``None`` where it does not stack: on an aggregate whose clients' own choice of entries the server
+    models (``client_selection``), where a plan carries a transform of its own view, or where the
+    model or the transform does not map (:func:`~lightning_gp.attacks.searches.mappable`)."""
     if knowledge is None:
         match = gradient_match_rows(views, labels, distance, repeats=repeats)
         return match if mappable(match, views[0]) else None
-    if knowledge.clients != 1:
+    if knowledge.clients != 1 and knowledge.client_selection is not None:
         return None
     plans = [knowledge.plan(view) for view in views]
     if any(plan.transform is not None for plan in plans):
@@ -506,7 +507,7 @@ def stacked_match(
                  for plan, view in zip(plans, views)],
         support=[plan.support for plan in plans],
         scale=[{n: plan.scale[n] if n in plan.names else 0.0 for n in names} for plan in plans],
-        transform=knowledge.transform, per_example_clip=knowledge.per_example_clip,
+        transform=knowledge.transform, per_example_clip=knowledge.per_example_clip, clients=knowledge.clients,
     )  # fmt: skip
     return match if mappable(match, views[0]) else None
 

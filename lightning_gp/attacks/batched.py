@@ -248,6 +248,7 @@ def gradient_match_rows(
     scale: Sequence[Mapping[str, float | Tensor]] | None = None,
     transform: Callable[[dict[str, Tensor]], dict[str, Tensor]] | None = None,
     per_example_clip: float | None = None,
+    clients: int = 1,
     repeats: int = 1,
 ) -> Callable[[Tensor, Tensor], Tensor]:
     """The gradient match of ``repeats`` problems per view (restarts), view-major, for any subset of
@@ -264,11 +265,17 @@ def gradient_match_rows(
     e.g. :func:`~lightning_gp.attacks.update_clip`; it must map: no branch on a tensor's value, see
     :func:`~lightning_gp.attacks.searches.mappable`). ``per_example_clip``: DP-SGD's, the guess the mean
     of its examples' gradients each clipped to that L2 norm
-    (:meth:`~lightning_gp.attacks.DefenseKnowledge.dummy_gradient`). A plan whose transform depends on
-    its view is not a stacked match (run such problems one by one).
+    (:meth:`~lightning_gp.attacks.DefenseKnowledge.dummy_gradient`). ``clients``: each view is the
+    secure aggregate of that many clients of equal batches, the guess the mean of its chunks'
+    gradients, each through the clips and ``transform`` on its own, as the knowledge of an aggregate
+    computes it (:meth:`~lightning_gp.attacks.DefenseKnowledge.over_clients`). A plan whose transform
+    depends on its view is not a stacked match (run such problems one by one).
     """
     problems = stack_problems(views, labels)
     repeats = check_positive_int(repeats, "repeats")
+    clients = check_positive_int(clients, "clients")
+    if views[0].batch_size % clients:
+        raise ValueError(f"clients: an aggregate batch of {views[0].batch_size} does not split into {clients} clients")
     names = list(views[0].gradients) if names is None else list(names)
     stacked_targets, stacked_support, stacked_scale = _stacked_plans(problems, views, names, targets, support, scale)
     model, loss_fn = problems.model, problems.loss_fn
@@ -282,9 +289,15 @@ def gradient_match_rows(
         weight: Mapping[str, Tensor] | None,
         labels: Tensor,
     ) -> Tensor:
-        guess = _dummy_gradient(model, loss_fn, images, params, buffers, labels, per_example_clip)
-        if transform is not None:
-            guess = transform(guess)
+        def client_gradient(chunk: Tensor, chunk_labels: Tensor) -> dict[str, Tensor]:
+            guess = _dummy_gradient(model, loss_fn, chunk, params, buffers, chunk_labels, per_example_clip)
+            return guess if transform is None else transform(guess)
+
+        if clients == 1:
+            guess = client_gradient(images, labels)
+        else:
+            chunks = vmap(client_gradient)(images.unflatten(0, (clients, -1)), labels.unflatten(0, (clients, -1)))
+            guess = {n: g.mean(0) for n, g in chunks.items()}
         if sent is not None:
             guess = {n: torch.where(sent[n], guess[n], torch.zeros_like(guess[n])) for n in names}
         if weight is not None:

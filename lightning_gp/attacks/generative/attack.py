@@ -432,8 +432,10 @@ class GenerativeGradientLeakage(GradientAttack):
         """``(images [A, B, C, H, W], rows) -> [A]``: the match of problems ``rows`` (``restarts`` per
         view, view-major), the problems per call, and whether it is vmapped. Vmapped
         (:func:`~lightning_gp.attacks.adaptive.stacked_match`: through the knowledge's clips and each
-        view's match plan); one problem at a time through :meth:`_matcher` where that does not stack
-        (an aggregate, a plan's transform of its own view, a model or transform that does not map)."""
+        view's match plan; on a secure aggregate, the mean of its clients' chunks); one problem at a time
+        through :meth:`_matcher` where that does not stack (an aggregate whose clients' own choice of
+        entries the server models, a plan's transform of its own view, a model or transform that does
+        not map)."""
         distance = cosine_distance if self.distance == "cosine" else squared_l2_distance
         stacked = stacked_match(knowledge, views, labels, distance, repeats=self.restarts)
         if stacked is not None:
