@@ -289,15 +289,7 @@ def gradient_match_rows(
         weight: Mapping[str, Tensor] | None,
         labels: Tensor,
     ) -> Tensor:
-        def client_gradient(chunk: Tensor, chunk_labels: Tensor) -> dict[str, Tensor]:
-            guess = _dummy_gradient(model, loss_fn, chunk, params, buffers, chunk_labels, per_example_clip)
-            return guess if transform is None else transform(guess)
-
-        if clients == 1:
-            guess = client_gradient(images, labels)
-        else:
-            chunks = vmap(client_gradient)(images.unflatten(0, (clients, -1)), labels.unflatten(0, (clients, -1)))
-            guess = {n: g.mean(0) for n, g in chunks.items()}
+        guess = _shared_guess(model, loss_fn, images, params, buffers, labels, per_example_clip, transform, clients)
         if sent is not None:
             guess = {n: torch.where(sent[n], guess[n], torch.zeros_like(guess[n])) for n in names}
         if weight is not None:
@@ -325,6 +317,30 @@ def gradient_match_rows(
         )  # fmt: skip
 
     return value_of
+
+
+def _shared_guess(
+    model: nn.Module,
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    images: Tensor,
+    params: Mapping[str, Tensor],
+    buffers: Mapping[str, Tensor],
+    labels: Tensor,
+    per_example_clip: float | None,
+    transform: Callable[[dict[str, Tensor]], dict[str, Tensor]] | None,
+    clients: int,
+) -> dict[str, Tensor]:
+    """What one problem's dummy batch would share: its gradient through the clips and ``transform``; on
+    an aggregate of ``clients``, the mean of its equal chunks' gradients, each through them on its own."""
+
+    def client_gradient(chunk: Tensor, chunk_labels: Tensor) -> dict[str, Tensor]:
+        guess = _dummy_gradient(model, loss_fn, chunk, params, buffers, chunk_labels, per_example_clip)
+        return guess if transform is None else transform(guess)
+
+    if clients == 1:
+        return client_gradient(images, labels)
+    chunks = vmap(client_gradient)(images.unflatten(0, (clients, -1)), labels.unflatten(0, (clients, -1)))
+    return {n: g.mean(0) for n, g in chunks.items()}
 
 
 def _stacked_plans(
