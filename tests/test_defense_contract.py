@@ -131,6 +131,22 @@ def test_sparse_gradient_is_rejected_naming_the_layer():
         MagnitudePruning(0.5)({"fc.weight": torch.ones(2), "emb.weight": sparse})
 
 
+@pytest.mark.parametrize(
+    "defense", [defenses.LocalGaussianMechanism(seed=0), defenses.TopKPruning(0.8), defenses.GaussianNoise(0.1)]
+)
+def test_a_gradient_still_in_an_autograd_graph_is_rejected_naming_the_layer(defense):
+    # Before: the Gaussian mechanism and Top-k failed deep in torch ("A view was created in no_grad
+    # mode ...", "mul(): functions with out=... arguments don't support automatic differentiation")
+    weight = torch.randn(3, 2, requires_grad=True)
+    graph = {"fc.weight": weight * 2, "fc.bias": torch.ones(3)}
+    with pytest.raises(ValueError, match=r"gradients\['fc.weight'\] requires grad.*detach"):
+        defense(graph)
+    shared = defense({n: g.detach() for n, g in graph.items()})
+    assert not any(g.requires_grad for g in shared.values())
+    with torch.no_grad():
+        assert defense(graph).keys() == graph.keys()
+
+
 @pytest.mark.parametrize("client_id", [-1, -100])
 def test_negative_client_id_is_a_value_error(client_id):
     with pytest.raises(ValueError, match="client_id"):

@@ -61,6 +61,12 @@ def check_gradients(gradients: Mapping[str, Tensor]) -> None:
             raise ValueError(f"gradients[{name!r}] is a {grad.layout} tensor; only dense gradients are supported")
         if not grad.is_floating_point():
             raise TypeError(f"gradients[{name!r}] must be a floating-point tensor, got dtype {grad.dtype}")
+        if grad.requires_grad and torch.is_grad_enabled():
+            raise ValueError(
+                f"gradients[{name!r}] requires grad (it is part of an autograd graph, e.g. from "
+                "torch.autograd.grad(..., create_graph=True)): a defense rewrites the gradient a client shares, "
+                "pass it detached (g.detach())"
+            )
 
 
 def nonfinite_layers(gradients: Mapping[str, Tensor], norms: Tensor | None = None) -> list[str]:
