@@ -192,7 +192,7 @@ def main() -> None:
         for name, (attack, forget) in attacks_of(args.attacks, decoys, iterations, datamodule, knowledge).items():
             rows += measure(name, attack, forget, view, args.repeats)
     preamble = (
-        f"The prior-only guesses of GGL (published, 4 restarts), ROG (2 restarts) and the refined learned inverter "
+        f"The prior-only guesses of GGL (4 restarts; published unless the view below says otherwise), ROG (2 restarts) and the refined learned inverter "
         f"(200 refinement steps of Inverting Gradients), {decoys} decoys, each GGL or ROG search "
         f"capped at {iterations} Adam steps (stopping earlier on a plateau), LeNetZhu at initialisation, "
         f"{args.dataset} Fashion-MNIST, {args.threads} thread(s), CPU; the two modes taking turns {args.repeats} "
