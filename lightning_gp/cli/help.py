@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import textwrap
 from collections.abc import Sequence
@@ -106,7 +107,10 @@ def write_help_texts(path: Path | None = None) -> Path:
     <command> --help`` prints without importing torch (a test fails when it is stale)."""
     path = Path(__file__).with_name("help_texts.py") if path is None else path
     texts = {command: live_help(command) for command in STORED_HELP_COMMANDS}
-    body = "".join(f"    {command!r}: {text!r},\n" for command, text in texts.items())
+    # double-quoted, as ruff format writes them (``repr`` picks single quotes where the text has ")
+    body = "".join(
+        f"    {json.dumps(command)}: {json.dumps(text, ensure_ascii=False)},\n" for command, text in texts.items()
+    )
     path.write_text(
         '"""The short help of each command, stored so that ``--help`` prints in a fraction of a second.\n\n'
         "Generated from the parsers by ``python -m lightning_gp.cli.help``; ``tests/test_cli.py`` fails when\n"
