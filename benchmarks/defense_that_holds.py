@@ -372,7 +372,7 @@ def main() -> None:
         "model_checks": args.model_checks,
         "budget": asdict(audit_budget(args.quick)),
     }))  # fmt: skip
-    done, rows, images, start = store.load(), [], [], time.perf_counter()
+    done, rows, images, attack_seconds = store.load(), [], [], 0.0
     for batch in args.batch_sizes:
         population = len(datamodule.train_dataset) // batch
         reference = build(args.seed)  # read for its bound and cost; each audit builds a fresh one
@@ -392,11 +392,12 @@ def main() -> None:
                     done[key] = {"pickle": base64.b64encode(pickle.dumps(audit)).decode("ascii")}
                     store.append(key, done[key])
                 audit = pickle.loads(base64.b64decode(done[key]["pickle"]))
+                attack_seconds += sum(c.seconds for c in [*audit.cells, *(audit.aggregate_cells or [])])
                 deployment = {"clients": population, "clients for eta": "none" if needed is None else needed}
                 rows += bar_rows(audit, {**point, **deployment}, prior, eta, pmm, ratio)
                 images += image_rows(audit, point)
                 print(rows[-1], flush=True)
-    write_bar_results(args, rows, images, prior, time.perf_counter() - start)
+    write_bar_results(args, rows, images, prior, attack_seconds)
 
 
 def bar_beside_matrix(args: argparse.Namespace, datamodule: Any, channels: int) -> None:
@@ -436,9 +437,10 @@ def write_bar_results(
     rows: list[dict[str, Any]],
     images: list[dict[str, Any]],
     prior: PriorCounts,
-    seconds: float,
+    attack_seconds: float,
 ) -> None:
-    """The table (with the closest rows and what binds them) and the per-image CSV."""
+    """The table (with the closest rows and what binds them) and the per-image CSV; ``attack_seconds``:
+    what the audits' attacks took, whether run now or read from the store."""
     with open(args.output_dir / f"{args.name}_images.csv", "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(images[0]))
         writer.writeheader()
@@ -453,14 +455,27 @@ def write_bar_results(
         "training set at that batch size. PMM: from "
         f"{args.utility if args.utility else 'no --utility CSV'} (FedSGD at {args.cohort} clients a round). Step: "
         "LeNetZhu client step, CPU time. The bar: advantage 'holds' (<= 0.05, no gap in the audit), eta <= kappa + "
-        f"0.10, PMM >= 0.97, step <= 1.2x. {closest(rows)}. {seconds / 60:.0f} min, one torch thread.\n\n"
+        f"0.10, PMM >= 0.97, step <= 1.2x. {closest(rows)}. The audits' attacks: {attack_seconds / 60:.0f} min, one torch thread.\n\n"
         f"Run: `python benchmarks/defense_that_holds.py --setting '{args.setting}' --dataset {args.dataset} "
         f"--batch-sizes {' '.join(map(str, args.batch_sizes))} --algorithms {' '.join(args.algorithms)} --rounds "
         f"{' '.join(map(str, args.rounds))} --images {args.images}"
         f"{f' --utility {args.utility}' if args.utility else ''}{' --model-checks' if args.model_checks else ''}"
-        f"{' --sample' if args.sample else ''}{' --quick' if args.quick else ''}`"
+        f"{' --sample' if args.sample else ''}{' --quick' if args.quick else ''}{_non_default_options(args)}`"
     )
     write_results(args.name, rows, preamble, args.output_dir)
+
+
+def _non_default_options(args: argparse.Namespace) -> str:
+    """The options of the run line that differ from their defaults (the results' name among them), so
+    the line rewrites the same files."""
+    options = {"name": "defense_that_holds", "cohort": 1000, "deployment_rounds": 100, "seed": 0}
+    if "fedavg" in args.algorithms:
+        options["local_steps"] = None  # always stated where FedAvg runs
+    return "".join(
+        f" --{name.replace('_', '-')} {getattr(args, name)}"
+        for name, default in options.items()
+        if getattr(args, name) != default
+    )
 
 
 if __name__ == "__main__":
