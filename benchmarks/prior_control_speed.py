@@ -65,6 +65,14 @@ from lightning_gp.defenses import LocalGaussianMechanism
 #: The attacks with a prior-only control of decoys attacked end to end.
 ATTACKS = ("GGL", "ROG", "RefinedLearnedInversion")
 
+#: Each attack's trained networks (the generator, the restoration network, the inverter), trained once
+#: per process: an attack is built again for each view, its training is not
+CACHES: dict[str, Any] = {
+    "GGL": GeneratorCache(),
+    "ROG": RestorationCache(),
+    "RefinedLearnedInversion": InverterCache(),
+}
+
 
 @contextmanager
 def one_at_a_time(one_by_one: bool) -> Iterator[None]:
@@ -141,19 +149,22 @@ def aggregate_view(datamodule: Any, clients: int, batch: int, public: Any) -> tu
 def attacks_of(
     names: Sequence[str], decoys: int, iterations: int, datamodule: Any, knowledge: Any = None
 ) -> dict[str, tuple[Any, Callable[[], None]]]:
-    """The attacks measured, each with what clears its memo of guesses (GGL with ``knowledge``)."""
+    """The attacks measured, each with what clears its memo of guesses (GGL with ``knowledge``); their
+    trained networks kept in :data:`CACHES` across batch sizes."""
     built: dict[str, tuple[Any, Callable[[], None]]] = {}
     if "GGL" in names:
-        ggl = GenerativeGradientLeakage(
-            knowledge=knowledge, iterations=iterations, decoys=decoys, cache=GeneratorCache()
-        )
+        ggl = GenerativeGradientLeakage(knowledge=knowledge, iterations=iterations, decoys=decoys, cache=CACHES["GGL"])
         built["GGL"] = (ggl, ggl_module._PRIOR_ONLY_MEMO.clear)
     if "ROG" in names:
-        rog = ObfuscationRobustInversion(iterations=iterations, decoys=decoys, cache=RestorationCache())
+        rog = ObfuscationRobustInversion(iterations=iterations, decoys=decoys, cache=CACHES["ROG"])
         built["ROG"] = (rog, rog_module._PRIOR_ONLY_MEMO.clear)
     if "RefinedLearnedInversion" in names:
         refined = learned_inversion_attacks(
-            DefenseSetting("undefended"), datamodule, cache=InverterCache(), refined_decoys=decoys, seed=0
+            DefenseSetting("undefended"),
+            datamodule,
+            cache=CACHES["RefinedLearnedInversion"],
+            refined_decoys=decoys,
+            seed=0,
         )[1]
         assert isinstance(refined, RefinedLearnedInversion)
         built["RefinedLearnedInversion"] = (refined, refined._prior_only.clear)
