@@ -331,10 +331,18 @@ def _shared_guess(
     clients: int,
 ) -> dict[str, Tensor]:
     """What one problem's dummy batch would share: its gradient through the clips and ``transform``; on
-    an aggregate of ``clients``, the mean of its equal chunks' gradients, each through them on its own."""
+    an aggregate of ``clients``, the mean of its equal chunks' gradients, each through them on its own.
+    With ``per_example_clip``, a client's gradient is each example's alone, clipped to that norm and
+    averaged, as DP-SGD's client computed it (its noise aside)."""
 
     def client_gradient(chunk: Tensor, chunk_labels: Tensor) -> dict[str, Tensor]:
-        guess = _dummy_gradient(model, loss_fn, chunk, params, buffers, chunk_labels, per_example_clip)
+        if per_example_clip is None:
+            guess = _guess_gradient(model, loss_fn, chunk, params, buffers, chunk_labels)
+        else:
+            examples = vmap(lambda x, y: _guess_gradient(model, loss_fn, x[None], params, buffers, y[None]))(
+                chunk, chunk_labels
+            )
+            guess = {n: t / len(chunk) for n, t in clipped_example_sum(examples, per_example_clip).items()}
         return guess if transform is None else transform(guess)
 
     if clients == 1:
@@ -366,23 +374,6 @@ def _stacked_plans(
         None if scale is None else {n: _stacked_scale([s[n] for s in scale], views[0].gradients[n]) for n in names}
     )
     return stacked_targets, stacked_support, stacked_scale
-
-
-def _dummy_gradient(
-    model: nn.Module,
-    loss_fn: Callable[[Tensor, Tensor], Tensor],
-    images: Tensor,
-    params: Mapping[str, Tensor],
-    buffers: Mapping[str, Tensor],
-    labels: Tensor,
-    per_example_clip: float | None,
-) -> dict[str, Tensor]:
-    """One problem's gradient at ``images``; with ``per_example_clip``, each example's alone, clipped to
-    that norm and averaged, as DP-SGD's client computed it (its noise aside)."""
-    if per_example_clip is None:
-        return _guess_gradient(model, loss_fn, images, params, buffers, labels)
-    examples = vmap(lambda x, y: _guess_gradient(model, loss_fn, x[None], params, buffers, y[None]))(images, labels)
-    return {n: t / len(images) for n, t in clipped_example_sum(examples, per_example_clip).items()}
 
 
 def _stacked_scale(weights: Sequence[float | Tensor], like: Tensor) -> Tensor:
