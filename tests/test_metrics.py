@@ -193,14 +193,19 @@ def test_lpips_between_different_real_images_is_in_a_sensible_range(sample, lpip
 
 
 def test_pairwise_ssim_is_ssim_of_every_pair(sample):
-    """``ssim_pairwise`` (each image filtered once, each pair only its cross moment) equals ``ssim``."""
+    """``ssim_pairwise`` (each image filtered once, each pair only its cross moment, the window as two
+    banded matrix products) equals ``ssim`` (torchmetrics' 11x11 convolution): to float64 rounding in
+    float64, and in float32 within float32's rounding of the variance terms (eps 1.2e-7 amplified by up
+    to 1 / C2 = 1111: 1.3e-4)."""
     from lightning_gp.metrics.image_quality import ssim, ssim_pairwise
 
     rec, orig = sample["pixels"][:6], sample["pixels"][5:8]
-    table = ssim_pairwise(rec, orig)
-    assert table.shape == (3, 6) and float(table[0, 5]) == pytest.approx(1.0)
+    table, exact = ssim_pairwise(rec, orig), ssim_pairwise(rec.double(), orig.double())
+    assert table.shape == (3, 6) and table.dtype == torch.float32 and float(table[0, 5]) == pytest.approx(1.0)
     for i in range(3):
-        torch.testing.assert_close(table[i], ssim(rec, orig[i : i + 1].expand(6, -1, -1, -1)), rtol=1e-5, atol=1e-6)
+        reference = ssim(rec.double(), orig[i : i + 1].double().expand(6, -1, -1, -1))
+        torch.testing.assert_close(exact[i], reference, rtol=0, atol=1e-12)
+        torch.testing.assert_close(table[i].double(), reference, rtol=0, atol=1.3e-4)
     rgb = torch.rand(4, 3, 16, 16, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(ssim_pairwise(rgb, rgb).diagonal(), torch.ones(4))
     with pytest.raises(ValueError, match="11x11"):
@@ -284,6 +289,26 @@ def test_nmi_drops_for_independent_noise(sample):
     assert (nmi(x, noise, levels=16) < 0.15).all()
     # A constant image shares no information with a textured one.
     assert (nmi(x, torch.full_like(x, 0.5)) == 0).all()
+
+
+@pytest.mark.parametrize("average", ["arithmetic", "geometric", "min", "max"])
+def test_pairwise_nmi_is_nmi_of_every_pair(sample, average):
+    """``nmi_pairwise`` (each image's entropy once, each pair only its joint entropy) equals ``nmi`` pair
+    by pair, constant images, exact copies and an inverted copy included, to float64 rounding."""
+    from lightning_gp.metrics.nmi import nmi_pairwise
+
+    x = sample["pixels"][:5].clone()
+    x[3] = 0.5  # constant
+    rec = torch.cat([x, 1 - x[:1], _noisy(x[:2], 0.1, 4)])
+    table = nmi_pairwise(rec, x, average=average)
+    assert table.shape == (5, 8) and table.dtype == torch.float32
+    for i in range(5):
+        for j in range(8):
+            expected = nmi(rec[j : j + 1].double(), x[i : i + 1].double(), average=average)
+            assert float(table[i, j]) == pytest.approx(float(expected), rel=0, abs=1e-6)
+    assert table[3, 3] == 1 and table[0, 0] == 1 and table[0, 5] == 1 and table[3, 0] == 0
+    with pytest.raises(ValueError, match="levels"):
+        nmi_pairwise(rec, x, levels=1)
 
 
 # --- matching ---------------------------------------------------------------------------------

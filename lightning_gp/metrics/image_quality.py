@@ -130,29 +130,42 @@ def pair_indices(n_orig: int, n_rec: int, device: torch.device | None = None) ->
     return rows, cols
 
 
+def _band(window: Tensor, size: int) -> Tensor:
+    """``[size, size + len(window) - 1]``: row ``i`` holds ``window`` from column ``i``, so that
+    ``band @ v`` is the valid 1-D filtering of a padded ``v`` by ``window``."""
+    band = torch.zeros(size, size + window.numel() - 1, dtype=window.dtype, device=window.device)
+    for i in range(size):
+        band[i, i : i + window.numel()] = window
+    return band
+
+
 def ssim_pairwise(reconstructed: Tensor, original: Tensor, chunk: int = 512) -> Tensor:
     """``[B_orig, B_rec]``: :func:`ssim` of every reconstruction against every original (pixels in [0, 1]).
 
     The same computation as torchmetrics' (reflect padding, the 11x11 Gaussian window of sigma 1.5,
     K1 0.01, K2 0.03, the mean of the SSIM map), arranged for pairs: each image's local means and
-    second moments are filtered once, and each pair only its cross moment (one convolution a pair,
-    not five). Equal to :func:`ssim` pair by pair up to float rounding.
+    second moments are filtered once, and each pair only its cross moment (one filtering a pair, not
+    five). The window is separable (the outer product of two 1-D Gaussians), so each filtering is two
+    matrix products with a banded matrix, several times faster on a CPU than the 11x11 convolution.
+    Equal to :func:`ssim` pair by pair up to float rounding.
     """
-    from torchmetrics.functional.image.utils import _gaussian_kernel_2d
+    from torchmetrics.functional.image.utils import _gaussian
 
     check_pair_batches(reconstructed, original)
     check_pixel_range(reconstructed, "reconstructed")
     check_pixel_range(original, "original")
     if min(original.shape[-2:]) < 11:
         raise ValueError(f"ssim needs images of at least 11x11 (its Gaussian window), got {tuple(original.shape[-2:])}")
-    channels, dtype = original.shape[1], original.dtype
+    dtype = original.dtype
     size = int(3.5 * 1.5 + 0.5) * 2 + 1
     pad = (size - 1) // 2
-    kernel = _gaussian_kernel_2d(channels, [size, size], [1.5, 1.5], dtype, original.device)
+    window = _gaussian(size, 1.5, dtype, original.device)[0]
+    height, width = original.shape[-2:]
+    rows_band, cols_band = _band(window, height), _band(window, width)
     c1, c2 = 0.01**2, 0.03**2
 
-    def filtered(images: Tensor) -> Tensor:
-        return torch.nn.functional.conv2d(images, kernel, groups=channels)
+    def filtered(images: Tensor) -> Tensor:  # the valid 2-D filtering of each channel by the window
+        return rows_band @ images @ cols_band.T
 
     x = torch.nn.functional.pad(reconstructed.to(dtype), (pad, pad, pad, pad), mode="reflect")
     y = torch.nn.functional.pad(original, (pad, pad, pad, pad), mode="reflect")

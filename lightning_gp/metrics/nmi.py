@@ -31,27 +31,58 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_gp.metrics.image_quality import check_image_pair, check_pixel_range
+from lightning_gp.metrics.image_quality import check_image_pair, check_pair_batches, check_pixel_range, pair_indices
 from lightning_gp.validation import check_choice, check_int
 
 _AVERAGES = ("arithmetic", "geometric", "min", "max")
 
 
-def _entropy(p: Tensor) -> Tensor:
-    """``-sum p log p`` over the last dim (0 log 0 = 0), natural log."""
-    return -(p * torch.where(p > 0, p.log(), torch.zeros_like(p))).sum(dim=-1)
+def _plogp_table(n: int, device: torch.device) -> Tensor:
+    """``[n + 1]`` float64: entry ``c`` is ``-p log p`` at ``p = c / n`` (0 at ``c = 0``)."""
+    p = torch.arange(n + 1, dtype=torch.float64, device=device) / n
+    return -(p * torch.where(p > 0, p.log(), torch.zeros_like(p)))
 
 
 def _code_entropy(codes: Tensor) -> Tensor:
-    """``[B]`` entropy of the empirical distribution of each row of ``codes`` ``[B, N]`` (integers): the
-    rows sorted, each run of equal values one outcome with its count."""
+    """``[B]`` entropy (natural log) of the empirical distribution of each row of ``codes`` ``[B, N]``
+    (integers): each run of equal values of the sorted row is one outcome, its count read at the run's
+    last entry, its ``-p log p`` from a table (no logarithm per entry; a constant row has entropy 0)."""
+    n = codes.shape[1]
     ordered = codes.sort(dim=1).values
-    starts = torch.ones_like(ordered, dtype=torch.bool)
-    starts[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
-    run = starts.long().cumsum(dim=1) - 1
-    counts = torch.zeros(ordered.shape, dtype=torch.float64, device=codes.device)
-    counts.scatter_add_(1, run, torch.ones_like(counts))
-    return _entropy(counts / codes.shape[1])
+    position = torch.arange(n, device=codes.device).expand_as(ordered)
+    changes = ordered[:, 1:] != ordered[:, :-1]
+    starts = torch.cat([torch.ones_like(changes[:, :1]), changes], dim=1)
+    ends = torch.cat([changes, torch.ones_like(changes[:, :1])], dim=1)
+    run_start = torch.where(starts, position, torch.zeros_like(position)).cummax(dim=1).values
+    terms = _plogp_table(n, codes.device)[position - run_start + 1]
+    return torch.where(ends, terms, torch.zeros_like(terms)).sum(dim=1)
+
+
+def _levels(x: Tensor, levels: int) -> Tensor:
+    """``[B, N]`` integer intensity levels of ``[B, ...]`` pixels in [0, 1] (``round((levels - 1) x)``;
+    clamped: values within the rounding slack of ``check_pixel_range`` fall into the end levels)."""
+    return (x.detach().double().clamp(0, 1) * (levels - 1)).round().long().flatten(1)
+
+
+def _normalised(h_u: Tensor, h_v: Tensor, h_uv: Tensor, average: str) -> Tensor:
+    """NMI from the two marginal entropies and the joint one: ``MI = H(U) + H(V) - H(U, V)`` over the
+    ``average`` of the two entropies, in [0, 1]; two constant images score 1."""
+    # 0 <= MI <= min(H(U), H(V)); clamping removes rounding residue (e.g. against a constant image).
+    mi = torch.minimum((h_u + h_v - h_uv).clamp_min(0), torch.minimum(h_u, h_v))
+    if average == "arithmetic":
+        norm = (h_u + h_v) / 2
+    elif average == "geometric":
+        norm = (h_u * h_v).sqrt()
+    elif average == "min":
+        norm = torch.minimum(h_u, h_v)
+    else:
+        norm = torch.maximum(h_u, h_v)
+    score = torch.where(norm > 0, mi / norm.clamp_min(1e-300), torch.zeros_like(mi)).clamp(0, 1)
+    return torch.where((h_u == 0) & (h_v == 0), torch.ones_like(score), score)
+
+
+def _output_dtype(x: Tensor) -> torch.dtype:
+    return x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
 
 
 def nmi(x: Tensor, y: Tensor, levels: int = 256, average: str = "arithmetic") -> Tensor:
@@ -67,23 +98,34 @@ def nmi(x: Tensor, y: Tensor, levels: int = 256, average: str = "arithmetic") ->
     check_pixel_range(y, "y")
     check_int(levels, "levels", low=2)
     check_choice(average, "average", _AVERAGES)
-    # clamp: values within the rounding slack of check_pixel_range fall into the end levels.
-    qx = (x.detach().double().clamp(0, 1) * (levels - 1)).round().long().flatten(1)
-    qy = (y.detach().double().clamp(0, 1) * (levels - 1)).round().long().flatten(1)
-    # MI = H(U) + H(V) - H(U, V), each entropy from the counts of the values that occur (exact integer
-    # counts: a constant image has entropy exactly 0; no levels x levels table per pair)
-    h_u, h_v, h_uv = _code_entropy(qx), _code_entropy(qy), _code_entropy(qx * levels + qy)
-    # 0 <= MI <= min(H(U), H(V)); clamping removes rounding residue (e.g. against a constant image).
-    mi = torch.minimum((h_u + h_v - h_uv).clamp_min(0), torch.minimum(h_u, h_v))
-    if average == "arithmetic":
-        norm = (h_u + h_v) / 2
-    elif average == "geometric":
-        norm = (h_u * h_v).sqrt()
-    elif average == "min":
-        norm = torch.minimum(h_u, h_v)
-    else:
-        norm = torch.maximum(h_u, h_v)
-    score = torch.where(norm > 0, mi / norm.clamp_min(1e-300), torch.zeros_like(mi)).clamp(0, 1)
-    both_constant = (h_u == 0) & (h_v == 0)
-    score = torch.where(both_constant, torch.ones_like(score), score)
-    return score.to(x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32)
+    qx, qy = _levels(x, levels), _levels(y, levels)
+    # each entropy from the counts of the values that occur (exact integer counts; no levels x levels
+    # table per pair)
+    h_uv = _code_entropy(qx * levels + qy)
+    return _normalised(_code_entropy(qx), _code_entropy(qy), h_uv, average).to(_output_dtype(x))
+
+
+def nmi_pairwise(
+    reconstructed: Tensor, original: Tensor, levels: int = 256, average: str = "arithmetic", chunk: int = 1024
+) -> Tensor:
+    """``[B_orig, B_rec]``: :func:`nmi` of every reconstruction against every original (pixels in [0, 1]).
+
+    Each image's own entropy is computed once and each pair only its joint entropy (one sort a pair, not
+    three), in chunks of ``chunk`` pairs bounding memory. Equal to :func:`nmi` pair by pair.
+    """
+    check_pair_batches(reconstructed, original)
+    check_pixel_range(reconstructed, "reconstructed")
+    check_pixel_range(original, "original")
+    check_int(levels, "levels", low=2)
+    check_choice(average, "average", _AVERAGES)
+    check_int(chunk, "chunk", low=1)
+    q_rec, q_orig = _levels(reconstructed, levels), _levels(original, levels)
+    h_rec, h_orig = _code_entropy(q_rec), _code_entropy(q_orig)
+    rows, cols = pair_indices(original.shape[0], reconstructed.shape[0], original.device)
+    values = []
+    for start in range(0, rows.numel(), chunk):
+        r, c = rows[start : start + chunk], cols[start : start + chunk]
+        h_joint = _code_entropy(q_rec[c] * levels + q_orig[r])
+        values.append(_normalised(h_rec[c], h_orig[r], h_joint, average))
+    table = torch.cat(values) if values else torch.zeros(0, dtype=torch.float64)
+    return table.view(original.shape[0], reconstructed.shape[0]).to(_output_dtype(reconstructed))

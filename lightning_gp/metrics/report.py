@@ -23,9 +23,8 @@ from torch import Tensor
 
 from lightning_gp.attacks.base import Reconstruction
 from lightning_gp.attacks.view import ServerView
-from lightning_gp.metrics.image_quality import pair_indices
 from lightning_gp.metrics.matching import MATCH_METRICS, match_reconstructions, pairwise_scores
-from lightning_gp.metrics.nmi import nmi
+from lightning_gp.metrics.nmi import nmi_pairwise
 from lightning_gp.metrics.recognition import RecognitionTests
 from lightning_gp.normalization import denormalize, per_channel
 
@@ -495,7 +494,7 @@ def pair_scores(
     ``semantic`` (``tests``' semantic test, else the shipped one), the identification p-value with
     ``tests``; and why an asked-for score is not available."""
     pairs: dict[str, Tensor] = {m: pairwise_scores(rec_px, orig_px, m) for m in ("mse", "psnr", "ssim")}
-    pairs["nmi"] = _pairwise_nmi(rec_px, orig_px)
+    pairs["nmi"] = nmi_pairwise(rec_px, orig_px)
     if lpips_fn is not None:
         pairs["lpips"] = pairwise_scores(rec_px, orig_px, "lpips", lpips_fn)
     unavailable: dict[str, str] = {}
@@ -522,13 +521,6 @@ def pair_scores(
             else:
                 pairs["semantic"] = lift
     return {m: v.double().masked_fill(failed[None, :], math.nan) for m, v in pairs.items()}, unavailable
-
-
-def _pairwise_nmi(rec_px: Tensor, orig_px: Tensor, chunk: int = 1024) -> Tensor:
-    """``[B_orig, B_rec]`` NMI of every pair (in chunks of pairs, bounding memory)."""
-    rows, cols = pair_indices(orig_px.shape[0], rec_px.shape[0])
-    values = [nmi(rec_px[cols[k : k + chunk]], orig_px[rows[k : k + chunk]]) for k in range(0, rows.numel(), chunk)]
-    return torch.cat(values).view(orig_px.shape[0], rec_px.shape[0])
 
 
 def _true_and_matched_labels(
