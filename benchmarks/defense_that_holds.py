@@ -276,6 +276,8 @@ def parse_args() -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if min(args.batch_sizes) < 1 or min(args.rounds) < 0:
         parser.error("--batch-sizes must be at least 1 and --rounds at least 0")
+    if args.beside_matrix is not None and not args.beside_matrix.is_file():
+        parser.error(f"--beside-matrix: {args.beside_matrix} does not exist; run benchmarks/matrix.py first")
     return args
 
 
@@ -403,8 +405,6 @@ def main() -> None:
 def bar_beside_matrix(args: argparse.Namespace, datamodule: Any, channels: int) -> None:
     """Issue 49's bar on every finished row of a matrix row store (its audits, unchanged; the bound, PMM
     and step of each row's setting as for the measured configuration)."""
-    if not args.beside_matrix.is_file():
-        raise SystemExit(f"--beside-matrix: {args.beside_matrix} does not exist; run benchmarks/matrix.py first")
     audits = {}
     for line in args.beside_matrix.read_text().splitlines():  # the last record of each row wins
         entry = json.loads(line)
@@ -427,7 +427,8 @@ def bar_beside_matrix(args: argparse.Namespace, datamodule: Any, channels: int) 
         f"training images), eta over {args.deployment_rounds} rounds of {args.cohort} of {population} clients at kappa "
         f"{prior.kappa:.3f}, PMM from {args.utility or 'no --utility CSV'}, the LeNetZhu client step. {closest(rows)}.\n\n"
         f"Run: `python benchmarks/defense_that_holds.py --beside-matrix {args.beside_matrix} --batch-sizes {batch} "
-        f"--rounds {round_}{f' --utility {args.utility}' if args.utility else ''}`"
+        f"--rounds {round_}{f' --utility {args.utility}' if args.utility else ''}"
+        f"{' --sample' if args.sample else ''}`"
     )
     write_results(f"{args.name}_beside_matrix", rows, preamble, args.output_dir)
 

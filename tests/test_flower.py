@@ -103,7 +103,9 @@ def federation(tmp_path_factory):
         num_supernodes=NUM_CLIENTS,
         backend_config={
             "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-            "init_args": {"num_cpus": NUM_CLIENTS, "include_dashboard": False},
+            # one Ray worker runs the nodes one after another: a Ray worker per node imports torch again
+            # and competes with the suite's other pytest worker for the cores
+            "init_args": {"num_cpus": 1, "include_dashboard": False},
         },
     )
     return strategy

@@ -113,7 +113,9 @@ def test_distributed_dp_behind_secaggplus_with_the_model_checks(tmp_path: Path) 
         num_supernodes=NODES,
         backend_config={
             "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-            "init_args": {"num_cpus": NODES, "include_dashboard": False},
+            # one Ray worker runs the nodes one after another: a Ray worker per node imports torch again
+            # and competes with the suite's other pytest worker for the cores
+            "init_args": {"num_cpus": 1, "include_dashboard": False},
         },
     )
     # round 1: the strategy is handed the one unmasked aggregate, NODES times, never a client's upload
