@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # one thread (tests/conftest.py). `make test TEST_WORKERS=0` runs in one process.
 TEST_WORKERS ?= 2
 
-.PHONY: install test lint format demo docs bench flower-example clean
+.PHONY: install test test-simulations lint format demo docs bench flower-example clean
 
 install: $(STAMP)
 
@@ -30,7 +30,7 @@ $(STAMP): setup.cfg pyproject.toml Makefile
 	@touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -m "not slow" $(if $(filter 0,$(TEST_WORKERS)),,-n auto --maxprocesses $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow and not simulation" $(if $(filter 0,$(TEST_WORKERS)),,-n auto --maxprocesses $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 
 # ruff (lint + format check) and mypy, configured in pyproject.toml.
 lint: $(STAMP)
@@ -67,6 +67,11 @@ $(FLOWER_STAMP): $(STAMP) setup.cfg
 
 flower-example: $(FLOWER_STAMP)
 	cd examples/flower && ../../$(PY) run.py
+
+# The end-to-end runs on Flower's simulation engine and a Ray cluster (about a minute: each starts Ray),
+# with the Flower extra installed; .ci/run runs them after `make test`.
+test-simulations: $(FLOWER_STAMP)
+	$(PY) -m pytest -m simulation $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	@echo "benchmarks live in benchmarks/; run one with: $(PY) benchmarks/<name>.py --help"

@@ -133,6 +133,7 @@ def simulated():
     return sim, {(r.round, r.client_id): r for tap in taps for r in tap.records}
 
 
+@pytest.mark.simulation
 def test_flower_global_model_after_three_rounds_equals_the_in_process_simulation(federation, simulated):
     sim, _ = simulated
     assert federation.result is not None
@@ -143,6 +144,7 @@ def test_flower_global_model_after_three_rounds_equals_the_in_process_simulation
     assert moved > 1e-2  # the rounds changed the model (the comparison is not of two untouched copies)
 
 
+@pytest.mark.simulation
 def test_server_receives_exactly_the_defended_update_of_every_client_and_round(federation, simulated):
     _, shared = simulated
     assert sorted((r.round, r.client_id) for r in federation.records) == sorted(shared)
@@ -162,6 +164,7 @@ def test_server_receives_exactly_the_defended_update_of_every_client_and_round(f
         torch.testing.assert_close(record.inputs, expected.inputs)  # the audit batch is the client's data
 
 
+@pytest.mark.simulation
 def test_server_tap_files_load_as_tapped_gradients_and_traffic_is_counted(federation):
     record = federation.records[-1]
     loaded = TappedGradient.load(f"{federation.dirpath}/round{record.round}_client{record.client_id}.pt")
@@ -281,6 +284,7 @@ def test_federated_data_rejects_bad_arguments():
         lightning_client_app(client_module, copy.copy(object()))
 
 
+@pytest.mark.simulation
 def test_the_flower_tap_is_a_fedavg_update_the_fedavg_attack_reads(federation):
     """What the server taps from Flower says its local training, so the attack built for FedAvg
     simulates it and label recovery reads the update as a gradient (one epoch of local steps)."""

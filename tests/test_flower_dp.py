@@ -104,6 +104,7 @@ def run(request):
     return strategy, inner, outer
 
 
+@pytest.mark.simulation
 def test_budget_stop_ends_the_run_after_the_last_round_within_epsilon(run):
     strategy, inner, outer = run
     assert sorted(inner.sent) == [1, 2, 3]
@@ -112,6 +113,7 @@ def test_budget_stop_ends_the_run_after_the_last_round_within_epsilon(run):
     assert strategy.epsilons[3] <= strategy.dp.stop_at_epsilon < strategy.dp.epsilon(4, 1.0)
 
 
+@pytest.mark.simulation
 def test_epsilon_per_round_equals_client_level_dp_at_q_1(run):
     strategy, _, outer = run
     reference = ClientLevelDP(Z, C)
@@ -121,6 +123,7 @@ def test_epsilon_per_round_equals_client_level_dp_at_q_1(run):
     assert strategy.epsilons[1] < strategy.epsilons[2] < strategy.epsilons[3]
 
 
+@pytest.mark.simulation
 def test_every_update_the_strategy_aggregates_has_norm_at_most_c(run):
     _, inner, outer = run
     for r, replies in inner.averaged.items():
@@ -134,6 +137,7 @@ def test_every_update_the_strategy_aggregates_has_norm_at_most_c(run):
         assert all(update_norm(r.gradients) == pytest.approx(UPDATE_NORM, rel=1e-4) for r in outer.records)
 
 
+@pytest.mark.simulation
 def test_noise_on_the_aggregate_has_std_z_c_over_n(run):
     _, inner, outer = run
     final = {n: a.numpy() for n, a in outer.result.arrays.items()}

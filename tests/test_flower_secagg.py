@@ -44,6 +44,7 @@ def defense():
     return DistributedGaussianMechanism(noise_multiplier=Z, max_update_norm=C, cohort_size=NODES, seed=0)
 
 
+@pytest.mark.simulation
 def test_distributed_dp_behind_secaggplus_with_the_model_checks(tmp_path: Path) -> None:
     from flwr.client import ClientApp, NumPyClient
     from flwr.client.mod import secaggplus_mod

@@ -463,6 +463,7 @@ def test_a_failed_job_neither_ends_the_run_nor_is_stored_and_a_rerun_retries_it(
     assert {job.key for job in again.ran} == broken and again.failed == []
 
 
+@pytest.mark.simulation
 def test_a_two_worker_ray_cluster_gives_the_local_results(tmp_path: Path) -> None:
     """The same run on a local two-worker Ray cluster and in this process: the same points."""
     pytest.importorskip("ray")
