@@ -77,10 +77,41 @@ def test_a_client_below_learned_min_batch_leaves_a_named_gap() -> None:
     assert_gap_only(audit(hidden_by_noise(), budget), "1 image(s)", "learned_min_batch=2")
 
 
+class _NotAStage(L.Callback):
+    """A callback the server's simulation cannot replay: not a pipeline stage."""
+
+
 def test_a_setting_the_server_cannot_replay_leaves_a_named_gap() -> None:
-    """FedAvg updates are not one gradient the server's simulation replays (``simulation_refusal``)."""
+    """A callback that is not a pipeline stage is not replayed by the server's simulation
+    (``simulation_refusal``): the inverter's gap names it (no adaptive attack models that callback
+    either, so its fallbacks are gaps of their own)."""
     budget = AttackBudget(ig_iterations=2, lbfgs_iterations=2, learned_inversion=True)
-    assert_gap_only(audit(hidden_by_noise(algorithm="fedavg"), budget), "shares FedAvg updates")
+    setting = DefenseSetting("noise", [GaussianNoise(scale=10.0, seed=0), _NotAStage()])
+    result = audit(setting, budget)
+    assert not any("Learned" in cell.attack for cell in result.cells)
+    for threat in ("passive", "active"):
+        report = getattr(result, threat)
+        assert report is not None and report.verdict == "inconclusive", (threat, report)
+        gaps = [r for r in report.verdict_reasons if r.startswith(NOT_RUN)]
+        assert len(gaps) == 1 and "not pipeline stages" in gaps[0], report.verdict_reasons
+
+
+def test_fedavg_clients_are_replayed_and_the_learned_inverter_attacks_their_updates() -> None:
+    """FedAvg with local training (2 epochs of batches of 1): the server replays the clients' local
+    updates, so the inverter and its refined variant run on the shared update and leave no gap."""
+    budget = AttackBudget(ig_iterations=2, lbfgs_iterations=2, learned_inversion=True, learned_max_epochs=1)
+    data = FashionMNISTSampleDataModule(batch_size=500)
+    L.seed_everything(0, verbose=False)
+    result = audit_setting(
+        hidden_by_noise(), LeNetZhu(), data, indices=[[0, 1]], published=published_attacks(budget, ["iDLG"]),
+        budget=budget, num_clients=2, seed=0, log=lambda line: None, algorithm="fedavg", local_epochs=2,
+        local_batch_size=1,
+    )  # fmt: skip
+    learned = {c.attack: c.status for c in result.cells if "Learned" in c.attack}
+    assert learned == {"adaptive:LearnedInversion": "ok", "adaptive:RefinedLearnedInversion": "ok"}
+    for threat in ("passive", "active"):
+        report = getattr(result, threat)
+        assert report is not None and not any(r.startswith(NOT_RUN) for r in report.verdict_reasons)
 
 
 def test_learned_inversion_with_adaptive_false_leaves_a_named_gap() -> None:

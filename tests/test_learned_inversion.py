@@ -366,3 +366,41 @@ def test_the_refined_inverter_s_decoys_refined_side_by_side_are_those_refined_on
     assert torch.allclose(side_by_side, one_by_one, atol=1e-3)
     unrefined = LearnedInversion._prior_only_guesses(attack, view, 5)
     assert (side_by_side - unrefined).abs().amax(dim=(1, 2, 3, 4)).gt(1e-2).any()  # some refinement was kept
+
+
+def _local_sgd(model: nn.Module, steps: list[tuple[torch.Tensor, torch.Tensor]], lr: float) -> dict[str, torch.Tensor]:
+    """``w_global - w_local`` after plain SGD at ``lr`` over ``steps``, by hand."""
+    import copy
+
+    local = copy.deepcopy(model)
+    for x, y in steps:
+        local.zero_grad()
+        nn.CrossEntropyLoss()(local(x), y).backward()
+        with torch.no_grad():
+            for p in local.parameters():
+                p -= lr * p.grad
+    return {n: p.detach() - q.detach() for (n, p), q in zip(model.named_parameters(), local.parameters())}
+
+
+def test_the_server_replays_fedavg_local_training_for_the_inverter():
+    """Under FedAvg the simulated client shares ``w_global - w_local`` of its local SGD: 3 epochs over the
+    whole batch are 3 steps on it; 1 epoch in batches of 1 is one step per image, in one of the two
+    orders; to float32 rounding. A local batch that does not divide the batch is an error naming it."""
+    torch.manual_seed(0)
+    model, lr = LeNetZhu(), 0.05
+    images, labels = torch.rand(1, 2, 1, 28, 28), torch.tensor([[3, 7]])
+    whole = setting_simulator(DefenseSetting("fedavg", algorithm="fedavg", local_epochs=3, local_lr=lr))
+    shared = whole(model, images, labels, 0)
+    expected = _local_sgd(model, [(images[0], labels[0])] * 3, lr)
+    for name, value in expected.items():
+        torch.testing.assert_close(shared[name][0], value, rtol=1e-4, atol=1e-6)
+    single = DefenseSetting("fedavg b=1", algorithm="fedavg", local_batch_size=1, local_lr=lr)
+    shared = setting_simulator(single)(model, images, labels, 0)
+    orders = [[0, 1], [1, 0]]
+    candidates = [_local_sgd(model, [(images[0, [i]], labels[0, [i]]) for i in order], lr) for order in orders]
+    assert any(all(torch.allclose(shared[n][0], c[n], rtol=1e-4, atol=1e-6) for n in c) for c in candidates), (
+        "the update is not local SGD over the two images one at a time"
+    )
+    uneven = DefenseSetting("fedavg b=2", algorithm="fedavg", local_batch_size=2, local_lr=lr)
+    with pytest.raises(ValueError, match="local_batch_size=2 must divide the 3 images"):
+        setting_simulator(uneven)(model, torch.rand(1, 3, 1, 28, 28), torch.tensor([[1, 2, 3]]), 0)

@@ -6,7 +6,9 @@ exactly as its clients run it: fresh copies of the setting's own callbacks, in a
 :class:`~lightning_gp.pipeline.SharedGradientPipeline` that is given every client's batch
 (as :class:`~lightning_gp.federated.FederatedSimulation` gives it), fed the clients' FedSGD
 gradients (:func:`~lightning_gp.federated.client_updates.client_gradients`, the simulation's own
-client step), one round of ``num_clients`` fresh clients at a time (a defense that prepares its
+client step) or, under FedAvg, their local updates ``w_global - w_local`` after the setting's local
+epochs over the batch in its local batches
+(:func:`~lightning_gp.federated.client_updates.client_local_updates`), one round of ``num_clients`` fresh clients at a time (a defense that prepares its
 rounds from every client, ADGP, sees a round of the size the clients run). Every round's copies
 are reseeded from the attack's seed, so the simulated randomness is a stream of the server's own.
 
@@ -51,7 +53,7 @@ from lightning_gp.audit.catalog import DefenseSetting
 from lightning_gp.audit.rounds import public_examples
 from lightning_gp.defenses.base import share_in_process
 from lightning_gp.defenses.clipping import dp_sgd_gradient
-from lightning_gp.federated.client_updates import client_gradients
+from lightning_gp.federated.client_updates import client_gradients, client_local_updates
 from lightning_gp.functional import trainable_parameters, updates_running_stats
 from lightning_gp.pipeline import ClientSetup, ClientStepRunner, DefenseStage, SharedGradientPipeline, StageCall
 from lightning_gp.seeding import seeded_generator
@@ -77,8 +79,6 @@ def simulation_refusal(setting: DefenseSetting) -> str | None:
         return _dp_sgd_refusal(setting)
     if setting.runner != "simulation":
         return f"{setting.name} runs its own client step ({setting.runner} runner: the defense acts inside it)"
-    if setting.algorithm != "fedsgd":
-        return f"{setting.name} shares FedAvg updates, not one gradient"
     stages = [cb for cb in setting.callbacks if not isinstance(cb, DefenseStage)]
     if stages:
         return f"{setting.name} has callbacks that are not pipeline stages: {[type(s).__name__ for s in stages]}"
@@ -160,7 +160,8 @@ def setting_simulator(
 ) -> DefenseSimulator:
     """``simulate(model, images [N, B, ...], labels [N, B], seed)``: what ``N`` fresh clients of
     ``setting`` holding those batches share in round ``round`` (groups of ``num_clients`` clients
-    per simulated round; every stage is told ``round``). Fresh: no state carried from earlier
+    per simulated round; every stage is told ``round``): the defended gradient, or under FedAvg the
+    defended local update (:func:`_client_updates`). Fresh: no state carried from earlier
     rounds (an error-feedback residual, Outpost's step counter start empty; the server holds no
     client's). DP-SGD's replay keeps nothing across rounds, so its round changes nothing. Raises
     ``ValueError`` when the server cannot replay the setting (:func:`simulation_refusal`)."""
@@ -185,10 +186,10 @@ def setting_simulator(
             clients = list(range(xs.shape[0]))
             pipeline = SharedGradientPipeline(_reseeded(setting.callbacks, seed + group, loss), [])
             pipeline.bind(ClientSetup(len(clients), model, shapes), runner)
-            grads, _ = client_gradients(model, loss, xs, ys, vectorize=vectorize)
+            grads, meta = _client_updates(setting, model, loss, xs, ys, seeded_generator(seed, group), vectorize)
             local = {c: {n: g[c] for n, g in grads.items()} for c in clients}
             batches = {c: (xs[c], ys[c]) for c in clients}
-            meta = {"path": runner.execution_path, "algorithm": "fedsgd", "local_batch_size": int(xs.shape[1])}
+            meta["path"] = runner.execution_path
             pipeline.begin_round(round, clients, local, share_in_process, model=model, batches=batches, meta=meta)
             for c in clients:
                 shared = pipeline.process(local[c], StageCall(c, round, model, batches[c], meta))
@@ -198,6 +199,43 @@ def setting_simulator(
         return {n: torch.stack(parts) for n, parts in out.items()}
 
     return simulate
+
+
+def _client_updates(
+    setting: DefenseSetting,
+    model: nn.Module,
+    loss: nn.Module,
+    xs: Tensor,
+    ys: Tensor,
+    generator: torch.Generator,
+    vectorize: bool,
+) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """What clients holding the batches ``xs`` ``[C, B, ...]`` compute before their defense, and the meta
+    the stages are told: FedSGD's gradient, or FedAvg's update ``w_global - w_local`` after
+    ``local_epochs`` epochs over the ``B`` images in batches of ``local_batch_size`` (each epoch a fresh
+    order drawn from ``generator``, as :func:`~lightning_gp.audit.rounds.local_schedule` orders an
+    audited client's) at ``local_lr``."""
+    if setting.algorithm == "fedsgd":
+        grads, _ = client_gradients(model, loss, xs, ys, vectorize=vectorize)
+        return grads, {"algorithm": "fedsgd", "local_batch_size": int(xs.shape[1])}
+    images = int(xs.shape[1])
+    batch = images if setting.local_batch_size is None else setting.local_batch_size
+    if images % batch:
+        raise ValueError(
+            f"local_batch_size={batch} must divide the {images} images each simulated client holds: a FedAvg "
+            "client's epoch is n / local_batch_size full local batches"
+        )
+    epochs = setting.local_epochs if setting.local_training else 1
+    orders = torch.stack(
+        [torch.cat([torch.randperm(images, generator=generator) for _ in range(epochs)]) for _ in range(xs.shape[0])]
+    )  # [C, epochs * B]
+    steps = epochs * images // batch
+    picked = torch.arange(xs.shape[0])[:, None]
+    step_x = xs[picked, orders].reshape(xs.shape[0], steps, batch, *xs.shape[2:])
+    step_y = ys[picked, orders].reshape(xs.shape[0], steps, batch, *ys.shape[2:])
+    updates, _, _ = client_local_updates(model, loss, step_x, step_y, lr=setting.local_lr, vectorize=vectorize)
+    meta = {"algorithm": "fedavg", "local_batch_size": batch, "local_steps": steps, "local_lr": setting.local_lr}
+    return updates, meta
 
 
 def aggregate_simulator(simulate: DefenseSimulator, clients: int, absent_noise_std: float = 0.0) -> DefenseSimulator:
@@ -293,6 +331,11 @@ def learned_inversion_attacks(
         f"{setting.name}|{[repr(cb) for cb in setting.callbacks]}|architecture={setting.architecture is not None}"
         f"|round={round}|num_clients={num_clients}"
         + ("" if aggregate_of is None else f"|aggregate_of={aggregate_of}|absent_noise={absent_noise_std:g}")
+        + (
+            ""
+            if setting.algorithm == "fedsgd"
+            else f"|fedavg E={setting.local_epochs} b={setting.local_batch_size} lr={setting.local_lr:g}"
+        )
     )
     matching = next((a for a in adaptive or [] if isinstance(a, InvertingGradients)), None)
     common: dict[str, Any] = {"defense_key": key, "config": config, "cache": cache, "seed": seed}
