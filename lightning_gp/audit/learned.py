@@ -270,6 +270,23 @@ def aggregate_simulator(simulate: DefenseSimulator, clients: int, absent_noise_s
     return simulated
 
 
+def _inverter_key(
+    setting: DefenseSetting, round: int, num_clients: int, aggregate_of: int | None, absent_noise_std: float
+) -> str:
+    """The defense part of an inverter's cache key: the setting, its round and clients, the aggregate and,
+    under FedAvg, the local training it replays."""
+    return (
+        f"{setting.name}|{[repr(cb) for cb in setting.callbacks]}|architecture={setting.architecture is not None}"
+        f"|round={round}|num_clients={num_clients}"
+        + ("" if aggregate_of is None else f"|aggregate_of={aggregate_of}|absent_noise={absent_noise_std:g}")
+        + (
+            ""
+            if setting.algorithm == "fedsgd"
+            else f"|fedavg E={setting.local_epochs} b={setting.local_batch_size} lr={setting.local_lr:g}"
+        )
+    )
+
+
 def learned_inversion_attacks(
     setting: DefenseSetting,
     datamodule: Any,
@@ -327,16 +344,7 @@ def learned_inversion_attacks(
         simulate = aggregate_simulator(
             setting_simulator(setting, num_clients=num_clients, round=round), num_clients, absent_noise_std
         )
-    key = (
-        f"{setting.name}|{[repr(cb) for cb in setting.callbacks]}|architecture={setting.architecture is not None}"
-        f"|round={round}|num_clients={num_clients}"
-        + ("" if aggregate_of is None else f"|aggregate_of={aggregate_of}|absent_noise={absent_noise_std:g}")
-        + (
-            ""
-            if setting.algorithm == "fedsgd"
-            else f"|fedavg E={setting.local_epochs} b={setting.local_batch_size} lr={setting.local_lr:g}"
-        )
-    )
+    key = _inverter_key(setting, round, num_clients, aggregate_of, absent_noise_std)
     matching = next((a for a in adaptive or [] if isinstance(a, InvertingGradients)), None)
     common: dict[str, Any] = {"defense_key": key, "config": config, "cache": cache, "seed": seed}
     return [
