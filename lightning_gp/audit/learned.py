@@ -8,8 +8,9 @@ exactly as its clients run it: fresh copies of the setting's own callbacks, in a
 gradients (:func:`~lightning_gp.federated.client_updates.client_gradients`, the simulation's own
 client step) or, under FedAvg, their local updates ``w_global - w_local`` after the setting's local
 epochs over the batch in its local batches
-(:func:`~lightning_gp.federated.client_updates.client_local_updates`), one round of ``num_clients`` fresh clients at a time (a defense that prepares its
-rounds from every client, ADGP, sees a round of the size the clients run). Every round's copies
+(:func:`~lightning_gp.federated.client_updates.client_local_updates`), one round of ``num_clients``
+fresh clients at a time (a defense that prepares its rounds from every client, ADGP, sees a round of
+the size the clients run). Every round's copies
 are reseeded from the attack's seed, so the simulated randomness is a stream of the server's own.
 
 Settings whose transform the server cannot run this way (:func:`simulation_refusal` says why):
