@@ -196,3 +196,36 @@ def test_audit_setting_trains_the_learned_inverter_on_the_audited_round(monkeypa
     assert [(a["round"], a["num_clients"]) for a in asked] == [(1, 2)]
     # no attack built: that too is a gap, never a silently missing column
     assert any(r.startswith(NOT_RUN) for r in result.passive.verdict_reasons)
+
+
+def test_a_leak_planted_in_the_inverter_s_output_on_a_fedavg_update_reads_leaks(monkeypatch) -> None:
+    """The FedAvg path judges the inverter's output: an inverter that returns a copy of the client's first
+    image (its prior-only guesses flat) makes that image leak, by the planted attack, behind noise that
+    hides it from every other attack."""
+    import lightning_gp.audit.learned as learned_module
+    from lightning_gp.attacks.base import Reconstruction
+
+    data = FashionMNISTSampleDataModule(batch_size=500)
+    data.setup("fit")
+    original = data.train_dataset[0][0]
+
+    class PlantedInverter(LearnedInversion):
+        def reconstruct(self, view):
+            output = torch.zeros(view.batch_size, *original.shape)
+            output[0] = original
+            return Reconstruction(output, None, attack=type(self).__name__)
+
+        def prior_only_guesses(self, view, count):
+            return torch.zeros(count, view.batch_size, *original.shape)
+
+    monkeypatch.setattr(learned_module, "LearnedInversion", PlantedInverter)
+    budget = AttackBudget(ig_iterations=2, lbfgs_iterations=2, learned_inversion=True, learned_max_epochs=1)
+    L.seed_everything(0, verbose=False)
+    result = audit_setting(
+        hidden_by_noise(), LeNetZhu(), data, indices=[[0, 1]], published=published_attacks(budget, ["iDLG"]),
+        budget=budget, num_clients=2, seed=0, log=lambda line: None, algorithm="fedavg", local_epochs=2,
+        local_batch_size=1,
+    )  # fmt: skip
+    assert result.passive is not None and result.passive.verdict == "leaks"
+    assert result.passive.rows[0].leaks and "PlantedInverter" in result.passive.rows[0].leaked_by
+    assert not result.passive.rows[1].leaks
