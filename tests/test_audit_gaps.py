@@ -41,14 +41,25 @@ def hidden_by_noise(**fields: Any) -> DefenseSetting:
     return DefenseSetting("noise", [GaussianNoise(scale=10.0, seed=0)], **fields)
 
 
-def audit(setting: DefenseSetting, budget: AttackBudget, *, adaptive: bool = True, published=("iDLG",), round=0):
+def audit(
+    setting: DefenseSetting,
+    budget: AttackBudget,
+    *,
+    adaptive: bool = True,
+    published=("iDLG",),
+    round=0,
+    indices=((0,),),
+    **client_training: Any,
+):
+    """``audit_setting`` with client ``c`` holding the sample's training images ``indices[c]``, two clients a
+    round; ``client_training``: its ``algorithm``, ``local_epochs``, ``local_batch_size``."""
     data = FashionMNISTSampleDataModule(batch_size=500)
     L.seed_everything(0, verbose=False)
     return audit_setting(
         setting,
         LeNetZhu(),
         data,
-        indices=[[0]],
+        indices=[list(client) for client in indices],
         published=published_attacks(budget, list(published)),
         budget=budget,
         num_clients=2,
@@ -56,6 +67,7 @@ def audit(setting: DefenseSetting, budget: AttackBudget, *, adaptive: bool = Tru
         log=lambda line: None,
         adaptive=adaptive,
         round=round,
+        **client_training,
     )
 
 
@@ -96,17 +108,15 @@ def test_a_setting_the_server_cannot_replay_leaves_a_named_gap() -> None:
         assert len(gaps) == 1 and "not pipeline stages" in gaps[0], report.verdict_reasons
 
 
+#: FedAvg's local training in the tests below: 2 epochs over the client's images in batches of 1.
+FEDAVG: dict[str, Any] = {"algorithm": "fedavg", "local_epochs": 2, "local_batch_size": 1}
+
+
 def test_fedavg_clients_are_replayed_and_the_learned_inverter_attacks_their_updates() -> None:
     """FedAvg with local training (2 epochs of batches of 1): the server replays the clients' local
     updates, so the inverter and its refined variant run on the shared update and leave no gap."""
     budget = AttackBudget(ig_iterations=2, lbfgs_iterations=2, learned_inversion=True, learned_max_epochs=1)
-    data = FashionMNISTSampleDataModule(batch_size=500)
-    L.seed_everything(0, verbose=False)
-    result = audit_setting(
-        hidden_by_noise(), LeNetZhu(), data, indices=[[0, 1]], published=published_attacks(budget, ["iDLG"]),
-        budget=budget, num_clients=2, seed=0, log=lambda line: None, algorithm="fedavg", local_epochs=2,
-        local_batch_size=1,
-    )  # fmt: skip
+    result = audit(hidden_by_noise(), budget, indices=[[0, 1]], **FEDAVG)
     learned = {c.attack: c.status for c in result.cells if "Learned" in c.attack}
     assert learned == {"adaptive:LearnedInversion": "ok", "adaptive:RefinedLearnedInversion": "ok"}
     for threat in ("passive", "active"):
@@ -220,12 +230,7 @@ def test_a_leak_planted_in_the_inverter_s_output_on_a_fedavg_update_reads_leaks(
 
     monkeypatch.setattr(learned_module, "LearnedInversion", PlantedInverter)
     budget = AttackBudget(ig_iterations=2, lbfgs_iterations=2, learned_inversion=True, learned_max_epochs=1)
-    L.seed_everything(0, verbose=False)
-    result = audit_setting(
-        hidden_by_noise(), LeNetZhu(), data, indices=[[0, 1]], published=published_attacks(budget, ["iDLG"]),
-        budget=budget, num_clients=2, seed=0, log=lambda line: None, algorithm="fedavg", local_epochs=2,
-        local_batch_size=1,
-    )  # fmt: skip
+    result = audit(hidden_by_noise(), budget, indices=[[0, 1]], **FEDAVG)
     assert result.passive is not None and result.passive.verdict == "leaks"
     assert result.passive.rows[0].leaks and "PlantedInverter" in result.passive.rows[0].leaked_by
     assert not result.passive.rows[1].leaks
