@@ -27,6 +27,14 @@ if TYPE_CHECKING:
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
+#: The ``backend_config`` of the tests' Flower simulations: one Ray worker runs the nodes one after
+#: another (a Ray worker per node imports torch again and competes with the suite's other pytest
+#: worker for the cores).
+ONE_RAY_WORKER = {
+    "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+    "init_args": {"num_cpus": 1, "include_dashboard": False},
+}
+
 
 def frontier_point(
     setting: str, stage: int, threat: str, verdict: str, pmm: float, grid: str | None = None

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from helpers import quiet_trainer
+from helpers import ONE_RAY_WORKER, quiet_trainer
 
 pytest.importorskip("flwr", reason="the Flower integration is optional: pip install 'lightning-gp[flower]'")
 
@@ -101,12 +101,7 @@ def federation(tmp_path_factory):
         server_app=lightning_server_app(strategy, server_model(), num_rounds=ROUNDS),
         client_app=lightning_client_app(client_module, data, mods=[mod], trainer_kwargs={"accelerator": "cpu"}),
         num_supernodes=NUM_CLIENTS,
-        backend_config={
-            "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-            # one Ray worker runs the nodes one after another: a Ray worker per node imports torch again
-            # and competes with the suite's other pytest worker for the cores
-            "init_args": {"num_cpus": 1, "include_dashboard": False},
-        },
+        backend_config=ONE_RAY_WORKER,
     )
     return strategy
 

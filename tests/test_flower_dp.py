@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers import ONE_RAY_WORKER
 
 pytest.importorskip("flwr", reason="the Flower integration is optional: pip install 'lightning-gp[flower]'")
 
@@ -94,12 +95,7 @@ def run(request):
         server_app=lightning_server_app(outer, server_model(), num_rounds=ROUNDS),
         client_app=client_app(clipping),
         num_supernodes=NODES,
-        backend_config={
-            "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-            # one Ray worker runs the nodes one after another: a Ray worker per node imports torch again
-            # and competes with the suite's other pytest worker for the cores
-            "init_args": {"num_cpus": 1, "include_dashboard": False},
-        },
+        backend_config=ONE_RAY_WORKER,
     )
     return strategy, inner, outer
 

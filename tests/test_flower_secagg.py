@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import ONE_RAY_WORKER
 from torch import nn
 
 pytest.importorskip("flwr", reason="the Flower integration is optional: pip install 'lightning-gp[flower]'")
@@ -112,12 +113,7 @@ def test_distributed_dp_behind_secaggplus_with_the_model_checks(tmp_path: Path) 
         server_app=server_app,
         client_app=ClientApp(client_fn=client_fn, mods=mods),
         num_supernodes=NODES,
-        backend_config={
-            "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-            # one Ray worker runs the nodes one after another: a Ray worker per node imports torch again
-            # and competes with the suite's other pytest worker for the cores
-            "init_args": {"num_cpus": 1, "include_dashboard": False},
-        },
+        backend_config=ONE_RAY_WORKER,
     )
     # round 1: the strategy is handed the one unmasked aggregate, NODES times, never a client's upload
     assert len(seen[1]) == NODES and all(np.array_equal(r[0], seen[1][0][0]) for r in seen[1])
