@@ -208,16 +208,19 @@ def test_audit_setting_trains_the_learned_inverter_on_the_audited_round(monkeypa
     assert any(r.startswith(NOT_RUN) for r in result.passive.verdict_reasons)
 
 
-def test_a_leak_planted_in_the_inverter_s_output_on_a_fedavg_update_reads_leaks(monkeypatch) -> None:
-    """The FedAvg path judges the inverter's output: an inverter that returns a copy of the client's first
-    image (its prior-only guesses flat) makes that image leak, by the planted attack, behind noise that
-    hides it from every other attack."""
+@pytest.mark.parametrize("blurred", [False, True], ids=["exact copy", "blurred copy"])
+def test_a_leak_planted_in_the_inverter_s_output_on_a_fedavg_update_reads_leaks(monkeypatch, blurred) -> None:
+    """The FedAvg path judges the inverter's output: an inverter that returns a copy (exact, or blurred)
+    of the client's first image (its prior-only guesses flat) makes that image leak, by the planted
+    attack, behind noise that hides it from every other attack."""
     import lightning_gp.audit.learned as learned_module
     from lightning_gp.attacks.base import Reconstruction
 
     data = FashionMNISTSampleDataModule(batch_size=500)
     data.setup("fit")
     original = data.train_dataset[0][0]
+    if blurred:  # a 3x3 box blur of the normalised image, its borders averaged over what lies inside
+        original = torch.nn.functional.avg_pool2d(original[None], 3, stride=1, padding=1, count_include_pad=False)[0]
 
     class PlantedInverter(LearnedInversion):
         def reconstruct(self, view):
