@@ -15,12 +15,14 @@ aggregation. Each row holds issue 49's bar (``benchmarks/prior_bar.py``):
 - the per-client ReRo bound over a deployment of ``--deployment-rounds`` rounds of ``--cohort`` clients
   drawn from every client the training set makes at that batch size (Poisson client sampling), at the
   kappa measured on 256 training images: eta <= kappa + 0.10;
-- PMM at ``--cohort`` clients a round, read from ``--utility`` (``benchmarks/many_clients.py``'s CSV;
-  FedSGD): at least 0.97;
+- PMM at ``--cohort`` clients a round under the row's algorithm, read from ``--utility``
+  (``benchmarks/many_clients.py``'s CSVs; FedAvg's from its ``--algorithm fedavg --local-steps`` runs):
+  at least 0.97;
 - the client's step with the defense over the undefended step (LeNetZhu, one thread, CPU time): at most 1.2x.
 
-    python benchmarks/defense_that_holds.py --setting 'DistributedGaussianMechanism(noise_multiplier=2.0, cohort_size=1000)' \
-        --batch-sizes 1 8 --algorithms fedsgd fedavg --rounds 0 50 --utility benchmarks/results/many_clients_distributed_dp_z2_z4.csv
+    python benchmarks/defense_that_holds.py --setting 'DistributedGaussianMechanism(noise_multiplier=2.0, cohort_size=1000)' \\
+        --batch-sizes 1 8 --algorithms fedsgd fedavg --rounds 0 50 --utility benchmarks/results/many_clients_distributed_dp_z2_z4.csv \\
+        benchmarks/results/many_clients_distributed_dp_z2_fedavg.csv
 
 ``--dataset photo-crops`` audits RGB 3x32x32 crops of photographs with LeNetZhu sized to them, the model
 ``benchmarks/many_clients.py --dataset photo-crops`` measures PMM with (the step ratio stays the 28x28
@@ -41,7 +43,7 @@ writes benchmarks/results/defense_that_holds_beside_frontier.{csv,md,png}.
 ``--beside-matrix`` attacks nothing either: issue 49's bar on every row a matrix run finished (its
 stored audits of 16 images; the bound, PMM and step of each row's setting as above):
 
-    python benchmarks/defense_that_holds.py --beside-matrix benchmarks/results/.matrix_batch8_new_attackers_rows.jsonl \
+    python benchmarks/defense_that_holds.py --beside-matrix benchmarks/results/.matrix_batch8_new_attackers_rows.jsonl \\
         --batch-sizes 8 --rounds 0 --name defense_that_holds_matrix_batch8
 
 writes benchmarks/results/<name>_beside_matrix.{csv,md}.
@@ -244,7 +246,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--images", type=int, default=16)
     parser.add_argument("--cohort", type=int, default=1000, help="clients per round of the deployment")
     parser.add_argument("--deployment-rounds", type=int, default=100)
-    parser.add_argument("--utility", type=Path, default=None, help="many_clients.py's CSV with the setting's PMM")
+    parser.add_argument(
+        "--utility",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="many_clients.py's CSVs with the setting's PMM (FedSGD's; FedAvg's from --algorithm fedavg runs)",
+    )
     parser.add_argument(
         "--model-checks",
         action="store_true",
@@ -383,9 +391,11 @@ def main() -> None:
             reference, Deployment(args.cohort, population, args.deployment_rounds), prior.kappa
         )
         ratio = step_ratio(reference, batch)
-        pmm = read_pmm(args.utility, (args.setting, plain(args.seed).name), batch, args.cohort)
-        print(f"batch {batch}: eta {eta} ({bound_text}); step {ratio}; PMM {pmm}", flush=True)
+        print(f"batch {batch}: eta {eta} ({bound_text}); step {ratio}", flush=True)
         for algorithm in args.algorithms:
+            steps = args.local_steps if algorithm == "fedavg" else 1
+            pmm = read_pmm(args.utility, (args.setting, plain(args.seed).name), batch, args.cohort, algorithm, steps)
+            print(f"batch {batch}, {algorithm}: PMM {pmm}", flush=True)
             for round_ in args.rounds:
                 point = {"batch": batch, "algorithm": algorithm, "round": round_}
                 key = f"{batch}|{algorithm}|{round_}"
@@ -425,9 +435,9 @@ def bar_beside_matrix(args: argparse.Namespace, datamodule: Any, channels: int) 
         f"Issue 49's bar on the audits of `{args.beside_matrix}` (every row the matrix finished; batch {batch}, round "
         f"{round_}): the advantage over the prior (the best fixed guess identifies {prior.identified} of {prior.images} "
         f"training images), eta over {args.deployment_rounds} rounds of {args.cohort} of {population} clients at kappa "
-        f"{prior.kappa:.3f}, PMM from {args.utility or 'no --utility CSV'}, the LeNetZhu client step. {closest(rows)}.\n\n"
+        f"{prior.kappa:.3f}, PMM from {_utility_files(args)}, the LeNetZhu client step. {closest(rows)}.\n\n"
         f"Run: `python benchmarks/defense_that_holds.py --beside-matrix {args.beside_matrix} --batch-sizes {batch} "
-        f"--rounds {round_}{f' --utility {args.utility}' if args.utility else ''}"
+        f"--rounds {round_}{_utility_option(args)}"
         f"{' --sample' if args.sample else ''}`"
     )
     write_results(f"{args.name}_beside_matrix", rows, preamble, args.output_dir)
@@ -454,16 +464,26 @@ def write_bar_results(
         f"(the advantage's baseline); kappa {prior.kappa:.3f} (the full rule, ungated, 95% upper limit). eta: per "
         f"client over {args.deployment_rounds} rounds of {args.cohort} clients drawn from every client of the "
         "training set at that batch size. PMM: from "
-        f"{args.utility if args.utility else 'no --utility CSV'} (FedSGD at {args.cohort} clients a round). Step: "
+        f"{_utility_files(args)} (the row's algorithm at {args.cohort} clients a round). Step: "
         "LeNetZhu client step, CPU time. The bar: advantage 'holds' (<= 0.05, no gap in the audit), eta <= kappa + "
         f"0.10, PMM >= 0.97, step <= 1.2x. {closest(rows)}. The audits' attacks: {attack_seconds / 60:.0f} min, one torch thread.\n\n"
         f"Run: `python benchmarks/defense_that_holds.py --setting '{args.setting}' --dataset {args.dataset} "
         f"--batch-sizes {' '.join(map(str, args.batch_sizes))} --algorithms {' '.join(args.algorithms)} --rounds "
         f"{' '.join(map(str, args.rounds))} --images {args.images}"
-        f"{f' --utility {args.utility}' if args.utility else ''}{' --model-checks' if args.model_checks else ''}"
+        f"{_utility_option(args)}{' --model-checks' if args.model_checks else ''}"
         f"{' --sample' if args.sample else ''}{' --quick' if args.quick else ''}{_non_default_options(args)}`"
     )
     write_results(args.name, rows, preamble, args.output_dir)
+
+
+def _utility_files(args: argparse.Namespace) -> str:
+    """Where the rows' PMM comes from, in words."""
+    return " and ".join(map(str, args.utility)) if args.utility else "no --utility CSV"
+
+
+def _utility_option(args: argparse.Namespace) -> str:
+    """The run line's ``--utility`` option (empty without one)."""
+    return f" --utility {' '.join(map(str, args.utility))}" if args.utility else ""
 
 
 def _non_default_options(args: argparse.Namespace) -> str:

@@ -1,15 +1,20 @@
-"""Accuracy of FedSGD when thousands of clients a round each defend their own gradient.
+"""Accuracy of FedSGD or FedAvg when thousands of clients a round each defend their own update.
 
 Issue 28 allows averaging over many clients per round as a lever: a client's own noise shrinks by
 sqrt(clients) in the mean the server applies. For each defense, client batch size and number of
-clients per round, LeNetZhu trains ``--rounds`` FedSGD rounds
-(:func:`lightning_gp.federated.fedsgd_many_clients`: the clients, batches, per-client defense streams
-and server optimizer of ``FederatedSimulation`` / ``train_setting``, every client in every round by
-default) and is tested; PMM is its test accuracy over the undefended run's with the SAME clients per
-round, batch size and rounds. The wall time per round of each run is reported beside it.
+clients per round, LeNetZhu trains ``--rounds`` rounds (:func:`lightning_gp.federated.train_many_clients`:
+the clients, batches, per-client defense streams, local training and server optimizer of
+``FederatedSimulation`` / ``train_setting``, every client in every round by default) and is tested;
+PMM is its test accuracy over the undefended run's with the SAME algorithm, clients per round, batch
+size and rounds. The wall time per round of each run is reported beside it.
 
     python benchmarks/many_clients.py --defenses "GaussianNoise(scale=0.01)" \\
         --clients-per-round 10 100 1000 10000 --batch-sizes 1 8 --rounds 100
+
+``--algorithm fedavg --local-steps 5``: each client runs 5 local SGD steps a round, each on its own
+batch of ``--batch-sizes`` images, at the setting's local rate (``DefenseSetting.local_lr``, 0.1 unless
+the catalogue entry says otherwise), and shares ``w_global - w_local`` through its defense, as
+``train_setting`` trains a FedAvg setting.
 
 A defense is a catalogue name (``GaussianNoise``: its catalogue setting) or a pure defense of
 ``lightning_gp.defenses`` with literal arguments (``"GaussianNoise(scale=0.05)"``,
@@ -39,7 +44,7 @@ from lightning_gp.audit import DefenseSetting, defense_catalog
 from lightning_gp.data import PhotoCropsDataModule
 from lightning_gp.data.photo_crops import PHOTO_CLASSES
 from lightning_gp.defenses import Defense
-from lightning_gp.federated import ManyClientsRound, ManyClientsRun, accuracy_on_test_split, fedsgd_many_clients
+from lightning_gp.federated import ManyClientsRound, ManyClientsRun, accuracy_on_test_split, train_many_clients
 from lightning_gp.models import LeNetZhu
 
 #: The server optimizer every FedSGD setting trains with unless its catalogue entry says otherwise.
@@ -89,7 +94,7 @@ def train_once(
     torch.manual_seed(args.seed)
     channels, size, _ = datamodule.image_shape
     model = LeNetZhu(num_classes=datamodule.num_classes, in_channels=channels, image_size=size)
-    run = fedsgd_many_clients(
+    run = train_many_clients(
         model,
         datamodule,
         defense=defense,
@@ -97,6 +102,9 @@ def train_once(
         num_clients=args.num_clients,
         client_batch_size=batch,
         rounds=args.rounds,
+        algorithm=args.algorithm,
+        local_steps=args.local_steps,
+        local_lr=setting.local_lr,
         server_optimizer=setting.server_optimizer,
         server_lr=setting.server_lr,
         seed=args.seed,
@@ -134,6 +142,8 @@ def _row(
 ) -> dict[str, Any]:
     return {
         "defense": label,
+        "algorithm": args.algorithm,
+        "local_steps": args.local_steps,
         "batch_size": batch,
         "clients_per_round": clients,
         "num_clients": args.num_clients or clients,
@@ -177,6 +187,8 @@ def main() -> None:
     parser.add_argument("--clients-per-round", type=int, nargs="+", default=[10, 100, 1000, 10000])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument("--algorithm", choices=("fedsgd", "fedavg"), default="fedsgd")
+    parser.add_argument("--local-steps", type=int, default=1, help="FedAvg's local SGD steps (batches) a round")
     parser.add_argument("--num-clients", type=int, default=None, help="clients in all (default: every one each round)")
     parser.add_argument("--chunk-size", type=int, default=1000, help="clients differentiated at once")
     parser.add_argument("--progress-every", type=int, default=10, help="rounds between progress lines")
@@ -193,6 +205,10 @@ def main() -> None:
     parser.add_argument("--name", default="many_clients", help="output file stem")
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args()
+    if args.algorithm == "fedsgd" and args.local_steps != 1:
+        parser.error("--local-steps > 1 needs --algorithm fedavg (a FedSGD client shares one gradient)")
+    if args.local_steps < 1:
+        parser.error(f"--local-steps must be at least 1, got {args.local_steps}")
     torch.set_num_threads(args.threads)
     if args.dataset == "photo-crops":
         per_class = math.ceil(max(args.clients_per_round) * max(args.batch_sizes) / len(PHOTO_CLASSES))
@@ -207,19 +223,22 @@ def main() -> None:
     rows = measure(datasets[data_name], args)
     minutes = (time.perf_counter() - start) / 60
     clients = "every client in every round" if args.num_clients is None else f"of {args.num_clients} clients"
+    algorithm = "FedSGD" if args.algorithm == "fedsgd" else f"FedAvg ({args.local_steps} local steps a round)"
     preamble = (
-        f"FedSGD on {data_name}, LeNetZhu sized to the data (initialised from seed {args.seed}), {args.rounds} rounds, {clients}, "
-        "each client defending its own gradient before the server averages (fedsgd_many_clients: the clients, "
-        "batches, defense streams and server optimizer of FederatedSimulation / train_setting). PMM: test accuracy "
-        "over the undefended run's with the same clients per round, batch size and rounds. s_per_round: wall time "
+        f"{algorithm} on {data_name}, LeNetZhu sized to the data (initialised from seed {args.seed}), {args.rounds} rounds, {clients}, "
+        "each client defending its own update before the server averages (train_many_clients: the clients, "
+        "batches, defense streams, local training and server optimizer of FederatedSimulation / train_setting). PMM: "
+        "test accuracy over the undefended run's with the same algorithm, clients per round, batch size and rounds. "
+        "s_per_round: wall time "
         f"of a round ({args.threads} torch thread(s), CPU; separate runs, so the ratio is only indicative). "
         f"Total {minutes:.1f} min.\n\n    python benchmarks/many_clients.py --defenses {' '.join(map(repr, args.defenses))} "
         f"--clients-per-round {' '.join(map(str, args.clients_per_round))} "
         f"--batch-sizes {' '.join(map(str, args.batch_sizes))} --rounds {args.rounds}"
+        + (f" --algorithm fedavg --local-steps {args.local_steps}" if args.algorithm == "fedavg" else "")
         + (" --dataset photo-crops" if args.dataset == "photo-crops" else "")
     )
     write_results(args.name, rows, preamble, args.output_dir)
-    plot(rows, args.output_dir / f"{args.name}.png", f"FedSGD on {data_name}, {args.rounds} rounds, LeNetZhu")
+    plot(rows, args.output_dir / f"{args.name}.png", f"{algorithm} on {data_name}, {args.rounds} rounds, LeNetZhu")
 
 
 if __name__ == "__main__":

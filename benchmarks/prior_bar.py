@@ -123,21 +123,37 @@ def smallest_population(setting: Any, cohort: int, rounds: int, kappa: float, la
     return high
 
 
-def read_pmm(path: Path | None, names: Sequence[str], batch_size: int, cohort: int) -> float | None:
+def read_pmm(
+    paths: Path | Sequence[Path] | None,
+    names: Sequence[str],
+    batch_size: int,
+    cohort: int,
+    algorithm: str = "fedsgd",
+    local_steps: int = 1,
+) -> float | None:
     """The PMM ``benchmarks/many_clients.py`` measured for the setting (by any of its ``names``: the
     spec given on the command line, the setting's own name) at ``batch_size`` with ``cohort`` clients a
-    round, from its CSV (``None``: not measured there)."""
-    if path is None:
+    round under ``algorithm`` (FedAvg: with ``local_steps`` local steps), from the first of its CSVs
+    ``paths`` that holds it (``None``: not measured there). A CSV without an ``algorithm`` column is
+    FedSGD's (written before FedAvg could be measured)."""
+    if paths is None:
         return None
-    if not path.is_file():
-        raise SystemExit(f"--utility: {path} does not exist; run benchmarks/many_clients.py first")
-    with open(path, newline="") as handle:
-        for row in csv.DictReader(handle):
-            if row["defense"] in names and (int(row["batch_size"]), int(row["clients_per_round"])) == (
-                batch_size,
-                cohort,
-            ):
-                return float(row["PMM"])
+    for path in [paths] if isinstance(paths, Path) else paths:
+        if not path.is_file():
+            raise SystemExit(f"--utility: {path} does not exist; run benchmarks/many_clients.py first")
+        with open(path, newline="") as handle:
+            for row in csv.DictReader(handle):
+                measured = (row.get("algorithm", "fedsgd"), int(row.get("local_steps", 1)))
+                if (
+                    row["defense"] in names
+                    and (int(row["batch_size"]), int(row["clients_per_round"]))
+                    == (
+                        batch_size,
+                        cohort,
+                    )
+                    and measured == (algorithm, local_steps)
+                ):
+                    return float(row["PMM"])
     return None
 
 

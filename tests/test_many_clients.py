@@ -1,4 +1,4 @@
-"""FedSGD with many clients per round (fedsgd_many_clients) trains exactly what FederatedSimulation trains."""
+"""FedSGD and FedAvg with many clients per round (train_many_clients) train exactly what FederatedSimulation trains."""
 
 from __future__ import annotations
 
@@ -15,7 +15,12 @@ import lightning_gp.defenses
 from lightning_gp.audit import DefenseSetting
 from lightning_gp.data import FashionMNISTSampleDataModule
 from lightning_gp.defenses import Soteria
-from lightning_gp.federated import FederatedSimulation, accuracy_on_test_split, fedsgd_many_clients
+from lightning_gp.federated import (
+    FederatedSimulation,
+    accuracy_on_test_split,
+    fedsgd_many_clients,
+    train_many_clients,
+)
 from lightning_gp.models import LeNetZhu
 
 #: Float tolerance on the trained weights. Both runs compute the same per-client gradients and
@@ -27,7 +32,7 @@ from lightning_gp.models import LeNetZhu
 WEIGHT_ATOL = 1e-6
 
 
-def simulated(model, *, clients, per_round, batch, rounds, seed, callbacks):
+def simulated(model, *, clients, per_round, batch, rounds, seed, callbacks, **local_training):
     """The reference: ``model`` trained in place by FederatedSimulation as train_setting builds it."""
     simulation = FederatedSimulation(
         model,
@@ -35,6 +40,7 @@ def simulated(model, *, clients, per_round, batch, rounds, seed, callbacks):
         num_clients=clients,
         clients_per_round=per_round,
         local_batch_size=batch,
+        **local_training,
         server_optimizer=DefenseSetting("x").server_optimizer,
         server_lr=DefenseSetting("x").server_lr,
         seed=seed,
@@ -42,26 +48,52 @@ def simulated(model, *, clients, per_round, batch, rounds, seed, callbacks):
     quiet_trainer(max_steps=rounds, callbacks=callbacks, num_sanity_val_steps=0, limit_val_batches=0).fit(simulation)
 
 
+#: FedAvg as the simulation runs it: 3 local SGD steps a round, each on its own local batch.
+FEDAVG = {"algorithm": "fedavg", "local_steps": 3, "local_lr": 0.05}
+
+
 @pytest.mark.parametrize(
-    ("clients", "per_round", "chunk", "defense"),
+    ("clients", "per_round", "chunk", "defense", "local_training"),
     [
-        (3, 3, 2, None),
-        (4, 4, 1, "GaussianNoise"),
-        (3, 3, 1000, "GaussianNoise"),
-        (5, 3, 2, "GaussianNoise"),
-        (4, 4, 3, "AlignedDualGradientPruning"),  # prepares each round from every client's gradient
-        (4, 4, 3, "Outpost"),  # reads the current weights
+        (3, 3, 2, None, {}),
+        (4, 4, 1, "GaussianNoise", {}),
+        (3, 3, 1000, "GaussianNoise", {}),
+        (5, 3, 2, "GaussianNoise", {}),
+        (4, 4, 3, "AlignedDualGradientPruning", {}),  # prepares each round from every client's gradient
+        (4, 4, 3, "Outpost", {}),  # reads the current weights
+        (3, 3, 2, None, FEDAVG),
+        (5, 3, 2, "GaussianNoise", FEDAVG),
     ],
-    ids=["undefended-chunked", "noise-one-per-chunk", "noise-one-chunk", "noise-3-of-5-sampled", "adgp", "outpost"],
+    ids=[
+        "undefended-chunked",
+        "noise-one-per-chunk",
+        "noise-one-chunk",
+        "noise-3-of-5-sampled",
+        "adgp",
+        "outpost",
+        "fedavg-undefended-chunked",
+        "fedavg-noise-3-of-5-sampled",
+    ],
 )
-def test_many_clients_trains_the_weights_the_simulation_trains(clients, per_round, chunk, defense, one_thread):
+def test_many_clients_trains_the_weights_the_simulation_trains(
+    clients, per_round, chunk, defense, local_training, one_thread
+):
     torch.manual_seed(0)
     start = LeNetZhu()
     reference, fast = copy.deepcopy(start), copy.deepcopy(start)
     callbacks = [] if defense is None else [getattr(lightning_gp.callbacks, defense)(seed=5)]
-    simulated(reference, clients=clients, per_round=per_round, batch=2, rounds=3, seed=7, callbacks=callbacks)
+    simulated(
+        reference,
+        clients=clients,
+        per_round=per_round,
+        batch=2,
+        rounds=3,
+        seed=7,
+        callbacks=callbacks,
+        **local_training,
+    )
     pure = None if defense is None else getattr(lightning_gp.defenses, defense)(seed=5)
-    run = fedsgd_many_clients(
+    run = train_many_clients(
         fast,
         FashionMNISTSampleDataModule(),
         defense=pure,
@@ -71,6 +103,7 @@ def test_many_clients_trains_the_weights_the_simulation_trains(clients, per_roun
         rounds=3,
         seed=7,
         chunk_size=chunk,
+        **local_training,
     )
     assert [r.round for r in run.rounds] == [0, 1, 2]
     for (name, ours), theirs, before in zip(fast.named_parameters(), reference.parameters(), start.parameters()):
@@ -80,21 +113,40 @@ def test_many_clients_trains_the_weights_the_simulation_trains(clients, per_roun
         assert set(pure.clients) <= set(range(clients)) and len(pure.clients) >= per_round
 
 
-def test_the_defaults_are_the_server_optimizer_train_setting_uses_for_fedsgd():
-    defaults = inspect.signature(fedsgd_many_clients).parameters
+def test_the_defaults_are_the_server_optimizer_and_local_rate_train_setting_uses():
+    defaults = inspect.signature(train_many_clients).parameters
     setting = DefenseSetting("undefended")
     assert defaults["server_optimizer"].default == setting.server_optimizer
     assert defaults["server_lr"].default == setting.server_lr
+    assert defaults["local_lr"].default == setting.local_lr
+    assert (defaults["algorithm"].default, defaults["local_steps"].default) == ("fedsgd", 1)
 
 
-def test_a_data_dependent_defense_and_a_bad_chunk_are_refused_by_name():
+def test_a_data_dependent_defense_a_bad_chunk_and_bad_local_training_are_refused_by_name():
     data = FashionMNISTSampleDataModule()
     with pytest.raises(ValueError, match="defense: Soteria"):
-        fedsgd_many_clients(LeNetZhu(), data, defense=Soteria(seed=0), clients_per_round=2, rounds=1)
+        train_many_clients(LeNetZhu(), data, defense=Soteria(seed=0), clients_per_round=2, rounds=1)
     with pytest.raises(ValueError, match="chunk_size"):
-        fedsgd_many_clients(LeNetZhu(), data, clients_per_round=2, rounds=1, chunk_size=0)
+        train_many_clients(LeNetZhu(), data, clients_per_round=2, rounds=1, chunk_size=0)
     with pytest.raises(ValueError, match="clients_per_round"):
-        fedsgd_many_clients(LeNetZhu(), data, clients_per_round=3, num_clients=2, rounds=1)
+        train_many_clients(LeNetZhu(), data, clients_per_round=3, num_clients=2, rounds=1)
+    with pytest.raises(ValueError, match="algorithm"):
+        train_many_clients(LeNetZhu(), data, clients_per_round=2, rounds=1, algorithm="fedprox")
+    with pytest.raises(ValueError, match="local_steps > 1 needs algorithm='fedavg'"):
+        train_many_clients(LeNetZhu(), data, clients_per_round=2, rounds=1, local_steps=2)
+    with pytest.raises(ValueError, match="local_lr"):
+        train_many_clients(LeNetZhu(), data, clients_per_round=2, rounds=1, algorithm="fedavg", local_lr=0.0)
+
+
+def test_the_old_name_warns_and_trains_the_same_fedsgd(one_thread):
+    torch.manual_seed(0)
+    old, new = LeNetZhu(), LeNetZhu()
+    new.load_state_dict(old.state_dict())
+    with pytest.warns(DeprecationWarning, match="train_many_clients"):
+        fedsgd_many_clients(old, FashionMNISTSampleDataModule(), clients_per_round=2, rounds=1)
+    train_many_clients(new, FashionMNISTSampleDataModule(), clients_per_round=2, rounds=1)
+    for a, b in zip(old.parameters(), new.parameters()):
+        assert torch.equal(a, b)
 
 
 def test_accuracy_on_the_test_split_of_a_constant_classifier_is_its_class_frequency():
@@ -143,6 +195,31 @@ def test_the_benchmark_writes_pmm_against_the_same_clients_undefended_run(tmp_pa
         assert float(row["PMM"]) == pytest.approx(float(row["test_acc"]) / float(base["test_acc"]), abs=1e-4)
     assert (tmp_path / "many_clients.png").stat().st_size > 0
     assert "round 2/2" in result.stdout and "s/round" in result.stdout
+
+
+def test_the_benchmark_trains_fedavg_and_says_so(tmp_path):
+    common = [
+        "--sample",
+        "--defenses",
+        "GaussianNoise",
+        "--clients-per-round",
+        "2",
+        "--batch-sizes",
+        "1",
+        "--rounds",
+        "1",
+    ]
+    refused = run_benchmark("many_clients.py", *common, "--local-steps", "3")
+    assert refused.returncode != 0 and "--local-steps > 1 needs --algorithm fedavg" in refused.stderr
+    result = run_benchmark(
+        "many_clients.py", *common, "--algorithm", "fedavg", "--local-steps", "3", "--output-dir", str(tmp_path)
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(tmp_path / "many_clients.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert {(r["algorithm"], r["local_steps"]) for r in rows} == {("fedavg", "3")}
+    text = (tmp_path / "many_clients.md").read_text()
+    assert "FedAvg (3 local steps a round)" in text and "--algorithm fedavg --local-steps 3" in text
 
 
 def test_the_benchmark_reads_pure_defense_specs_and_refuses_what_is_not_one_fedsgd_gradient_defense(monkeypatch):

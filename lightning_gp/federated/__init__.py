@@ -10,6 +10,7 @@ from lightning_gp.federated.many_clients import (
     ManyClientsRun,
     accuracy_on_test_split,
     fedsgd_many_clients,
+    train_many_clients,
 )
 from lightning_gp.federated.model_integrity import (
     DIGEST_BITS,
@@ -58,6 +59,7 @@ __all__ = [
     "model_digest",
     "partition",
     "shard_partition",
+    "train_many_clients",
     "update_norm",
     "updates_running_stats",
     "weighted_mean",

@@ -1,19 +1,23 @@
-"""FedSGD with thousands of clients per round, each defending its own gradient, without Lightning.
+"""FedSGD and FedAvg with thousands of clients per round, each defending its own update, without Lightning.
 
 :class:`~lightning_gp.federated.FederatedSimulation` runs every client step through a ``Trainer``,
 its data loader and the defense pipeline; that is the reference, and far too slow for 1000-10000
-clients per round. :func:`fedsgd_many_clients` trains the same FedSGD (McMahan et al., AISTATS 2017,
+clients per round. :func:`train_many_clients` trains the same FedSGD (McMahan et al., AISTATS 2017,
 Algorithm "FederatedSGD": every sampled client shares the gradient of its mean loss on one local
-batch, the server averages the shared gradients and steps its optimizer) with the same clients, the
-same local batches, the same per-client defense streams and the same server optimizer, so a run
-here is a run of the simulation, only faster: the clients' gradients come from ``torch.func``
-(:func:`~lightning_gp.federated.client_updates.client_gradients`, ``vmap`` over clients), chunk
-by chunk, and each chunk's shared gradients are summed before the next is computed.
+batch, the server averages the shared gradients and steps its optimizer) or FedAvg (the same paper's
+"FederatedAveraging": every sampled client runs ``local_steps`` SGD steps from the global weights and
+shares ``w_global - w_local``) with the same clients, the same local batches, the same per-client
+defense streams and the same server optimizer, so a run here is a run of the simulation, only
+faster: the clients' updates come from ``torch.func``
+(:func:`~lightning_gp.federated.client_updates.client_gradients` and
+:func:`~lightning_gp.federated.client_updates.client_local_updates`, ``vmap`` over clients), chunk
+by chunk, and each chunk's shared updates are summed before the next is computed.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -23,7 +27,12 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_gp.defenses.base import Defense, Gradients, share_in_process
-from lightning_gp.federated.client_updates import client_gradients, trainable_parameters, updates_running_stats
+from lightning_gp.federated.client_updates import (
+    client_gradients,
+    client_local_updates,
+    trainable_parameters,
+    updates_running_stats,
+)
 from lightning_gp.federated.partition import iid_partition
 from lightning_gp.federated.rounds import ClientRounds
 from lightning_gp.validation import (
@@ -34,7 +43,13 @@ from lightning_gp.validation import (
     check_positive_int,
 )
 
-__all__ = ["ManyClientsRound", "ManyClientsRun", "accuracy_on_test_split", "fedsgd_many_clients"]
+__all__ = [
+    "ManyClientsRound",
+    "ManyClientsRun",
+    "accuracy_on_test_split",
+    "fedsgd_many_clients",
+    "train_many_clients",
+]
 
 
 @dataclass(frozen=True)
@@ -48,7 +63,7 @@ class ManyClientsRound:
 
 @dataclass
 class ManyClientsRun:
-    """What :func:`fedsgd_many_clients` did: one :class:`ManyClientsRound` per round, in order."""
+    """What :func:`train_many_clients` did: one :class:`ManyClientsRound` per round, in order."""
 
     clients_per_round: int
     client_batch_size: int
@@ -60,7 +75,7 @@ class ManyClientsRun:
         return sum(r.seconds for r in self.rounds) / max(1, len(self.rounds))
 
 
-def fedsgd_many_clients(
+def train_many_clients(
     model: nn.Module,
     datamodule: Any,
     *,
@@ -69,6 +84,9 @@ def fedsgd_many_clients(
     client_batch_size: int = 1,
     rounds: int,
     num_clients: int | None = None,
+    algorithm: Literal["fedsgd", "fedavg"] = "fedsgd",
+    local_steps: int = 1,
+    local_lr: float = 0.1,
     server_optimizer: Literal["sgd", "adam"] = "adam",
     server_lr: float = 1e-3,
     loss_fn: nn.Module | None = None,
@@ -76,70 +94,110 @@ def fedsgd_many_clients(
     chunk_size: int = 1000,
     progress: Callable[[ManyClientsRound], None] | None = None,
 ) -> ManyClientsRun:
-    """Train ``model`` in place with FedSGD, ``clients_per_round`` clients a round, each defending its gradient.
+    """Train ``model`` in place with FedSGD or FedAvg, ``clients_per_round`` clients a round, each
+    defending its update.
 
-    The same run as ``FederatedSimulation(model, datamodule, algorithm="fedsgd",
-    num_clients=num_clients, clients_per_round=clients_per_round, local_batch_size=client_batch_size,
-    server_optimizer=server_optimizer, server_lr=server_lr, seed=seed)`` under a ``Trainer`` with the
-    defense's callback and ``max_steps=rounds``: the clients split the training set IID (seeded by
-    ``seed``); round ``r`` samples its clients and each client's ``client_batch_size`` images with
-    :class:`~lightning_gp.federated.ClientRounds`; a client's gradient is that of its mean loss on
-    them; ``defense(gradient, client_id)`` rewrites it, the client's random stream keyed by
-    ``(defense.seed, client_id)`` and continued from round to round, clients in ascending order, as
-    the pipeline calls a pure defense; the server averages the shared gradients uniformly and steps
-    its optimizer. The defaults (Adam at 1e-3, every client in every round) are those
-    :func:`~lightning_gp.audit.train_setting` trains a FedSGD setting with.
+    The same run as ``FederatedSimulation`` with the same arguments (``local_batch_size=client_batch_size``)
+    under a ``Trainer`` with the defense's callback and ``max_steps=rounds``: an IID split seeded by
+    ``seed``; each round's clients and their ``local_steps`` batches of ``client_batch_size`` images from
+    :class:`~lightning_gp.federated.ClientRounds`; a FedSGD client shares the gradient of its mean loss
+    on its batch, a FedAvg client takes one SGD step at ``local_lr`` on each of its batches in turn and
+    shares ``w_global - w_local``; ``defense(update, client_id)`` rewrites it with the client's stream
+    (keyed by ``(defense.seed, client_id)``, continued from round to round, clients in ascending order,
+    as the pipeline calls a pure defense); the server steps its optimizer on the uniform mean. The
+    defaults are :func:`~lightning_gp.audit.train_setting`'s (Adam at 1e-3, every client every round).
 
     Args:
         model: the client model, an ``nn.Module`` without BatchNorm running statistics in training
             mode (``vmap`` cannot update them); trained in place.
         datamodule: its ``train_dataset`` (after ``setup("fit")``) is split among the clients.
-        defense: a pure :class:`~lightning_gp.defenses.Defense` that defends from the gradient
-            alone (or, like Outpost, also from the current weights, which it is given); ``None``
-            trains undefended. Its per-client state and streams live on in the object. A defense
-            that prepares its rounds across clients (ADGP) is given every client's gradient first,
-            so the round is held in memory whole. Data-dependent defenses (Soteria, the optimal
-            defenses, GradDefense) need their Lightning adapter's statistics and are refused.
+        defense: a pure :class:`~lightning_gp.defenses.Defense` that defends from the update alone
+            (or, like Outpost, with the current weights); ``None``: undefended. Its state lives on in
+            the object. One that prepares its rounds (ADGP) sees every client's update first; those
+            needing their Lightning adapter's statistics (Soteria, the optimal defenses) are refused.
         clients_per_round: clients sampled each round; ``num_clients``: clients in all (default:
             ``clients_per_round``, every client in every round).
-        client_batch_size: images per client per round (with replacement from a client that holds fewer).
-        rounds: FedSGD rounds.
+        client_batch_size: images per client per local batch (with replacement from a client that holds fewer).
+        rounds: rounds of training.
+        algorithm: ``"fedsgd"`` or ``"fedavg"``; ``local_steps``: FedAvg's local batches (and SGD
+            steps) per client per round (1 under FedSGD); ``local_lr``: their learning rate.
         server_optimizer, server_lr: how the server applies the mean shared gradient.
         loss_fn: the client loss (mean over its batch); default ``model.loss_fn``, else cross-entropy.
         seed: seeds the partition and every round's sampling.
         chunk_size: clients whose gradients are computed (and held) at once.
-        progress: called with each finished :class:`ManyClientsRound`.
-
-    Returns:
-        A :class:`ManyClientsRun` with each round's mean client loss and wall time.
+        progress: called with each finished :class:`ManyClientsRound` (each round's mean client loss
+            and wall time, all of them in the returned :class:`ManyClientsRun`).
     """
     num_clients = _check_arguments(
-        model, datamodule, defense, clients_per_round, client_batch_size, rounds, num_clients, chunk_size
+        model, datamodule, defense, clients_per_round, client_batch_size, rounds, num_clients, chunk_size, seed
     )
-    check_int(seed, "seed", low=0)
+    _check_local_training(algorithm, local_steps, local_lr)
     loss_fn = loss_fn if loss_fn is not None else getattr(model, "loss_fn", None) or nn.CrossEntropyLoss()
     params = trainable_parameters(model)
     optimizer = _server_optimizer(list(params.values()), server_optimizer, server_lr)
-    device = next(iter(params.values())).device
-    dataset, inputs, targets = _training_data(datamodule, device)
+    dataset, inputs, targets = _training_data(datamodule, next(iter(params.values())).device)
     split = iid_partition(len(inputs), num_clients, seed)
-    sampler = ClientRounds(dataset, split, clients_per_round, client_batch_size, local_steps=1, seed=seed)
+    sampler = ClientRounds(dataset, split, clients_per_round, client_batch_size, local_steps=local_steps, seed=seed)
     if defense is not None:  # as the defense's callback binds it at fit start
         defense.set_num_clients(num_clients)
         defense.check_layer_shapes({n: p.shape for n, p in params.items()})
     run = ManyClientsRun(clients_per_round, client_batch_size)
+    updates = _client_updates(model, loss_fn, algorithm, local_lr)
     model.train()
     for round_idx in range(rounds):
         start = time.perf_counter()
-        clients = sampler.sample_clients(round_idx).tolist()
-        local = torch.stack([sampler.sample_local_indices(round_idx, c) for c in clients]).to(device)
-        mean, loss = _round_mean(model, loss_fn, defense, round_idx, clients, inputs[local], targets[local], chunk_size)
+        clients, local = _round_indices(sampler, round_idx, inputs.device)
+        mean, loss = _round_mean(model, updates, defense, round_idx, clients, inputs[local], targets[local], chunk_size)
         _server_step(optimizer, params, mean)
         report = ManyClientsRound(round_idx, loss, time.perf_counter() - start)
         run.rounds.append(report)
         if progress is not None:
             progress(report)
     return run
+
+
+def _round_indices(sampler: ClientRounds, round_idx: int, device: torch.device) -> tuple[list[int], Tensor]:
+    """Round ``round_idx``'s clients and their images' indices, ``[C, local_steps, local_batch_size]``."""
+    clients = sampler.sample_clients(round_idx).tolist()
+    local = torch.stack([sampler.sample_local_indices(round_idx, c) for c in clients]).to(device)
+    return clients, local.reshape(len(clients), sampler.local_steps, sampler.local_batch_size)
+
+
+def fedsgd_many_clients(model: nn.Module, datamodule: Any, **kwargs: Any) -> ManyClientsRun:
+    """Deprecated: :func:`train_many_clients` (FedSGD is its default ``algorithm``)."""
+    warnings.warn(
+        "fedsgd_many_clients is deprecated; use train_many_clients (algorithm='fedsgd' is its default)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return train_many_clients(model, datamodule, **kwargs)
+
+
+def _check_local_training(algorithm: str, local_steps: int, local_lr: float) -> None:
+    """Refuse, naming the argument, local training FederatedSimulation would refuse."""
+    check_choice(algorithm, "algorithm", ("fedsgd", "fedavg"))
+    check_positive_int(local_steps, "local_steps")
+    check_positive(local_lr, "local_lr")
+    if algorithm == "fedsgd" and local_steps != 1:
+        raise ValueError("local_steps > 1 needs algorithm='fedavg' (a FedSGD client shares one gradient)")
+
+
+#: A chunk's clients' shared updates before the defense: ``(inputs [C, S, B, ...], targets [C, S, B]) ->
+#: (updates [C, ...] per layer, losses [C])``.
+ClientUpdates = Callable[[Tensor, Tensor], tuple[Gradients, Tensor]]
+
+
+def _client_updates(model: nn.Module, loss_fn: Any, algorithm: str, local_lr: float) -> ClientUpdates:
+    """What a chunk of clients shares before its defense: FedSGD's gradient of the one local batch,
+    or FedAvg's ``w_global - w_local`` after a local SGD step on each local batch."""
+    if algorithm == "fedsgd":
+        return lambda x, y: client_gradients(model, loss_fn, x[:, 0], y[:, 0], vectorize=True)
+
+    def local_training(x: Tensor, y: Tensor) -> tuple[Gradients, Tensor]:
+        deltas, losses, _ = client_local_updates(model, loss_fn, x, y, lr=local_lr, vectorize=True)
+        return deltas, losses
+
+    return local_training
 
 
 def _check_arguments(
@@ -151,6 +209,7 @@ def _check_arguments(
     rounds: int,
     num_clients: int | None,
     chunk_size: int,
+    seed: int,
 ) -> int:
     """Refuse, naming the argument, what the run cannot take; return the number of clients."""
     if not isinstance(model, nn.Module):
@@ -170,6 +229,7 @@ def _check_arguments(
     check_positive_int(client_batch_size, "client_batch_size")
     check_positive_int(rounds, "rounds")
     check_positive_int(chunk_size, "chunk_size")
+    check_int(seed, "seed", low=0)
     num_clients = clients_per_round if num_clients is None else check_positive_int(num_clients, "num_clients")
     if clients_per_round > num_clients:
         raise ValueError(f"clients_per_round ({clients_per_round}) cannot exceed num_clients ({num_clients})")
@@ -199,7 +259,7 @@ def _training_data(datamodule: Any, device: torch.device) -> tuple[Dataset, Tens
 
 def _round_mean(
     model: nn.Module,
-    loss_fn: Any,
+    updates: ClientUpdates,
     defense: Defense | None,
     round_idx: int,
     clients: list[int],
@@ -207,10 +267,10 @@ def _round_mean(
     targets: Tensor,
     chunk_size: int,
 ) -> tuple[Gradients, float]:
-    """The mean of the clients' shared gradients in one round, and their mean loss.
+    """The mean of the clients' shared updates in one round, and their mean loss.
 
-    ``inputs``: ``[C, B, ...]`` (client ``clients[i]``'s batch at ``i``). Chunks of ``chunk_size``
-    clients are differentiated at once and defended client by client into one buffer, whose sum
+    ``inputs``: ``[C, S, B, ...]`` (client ``clients[i]``'s local batches at ``i``). Chunks of ``chunk_size``
+    clients are trained at once and defended client by client into one buffer, whose sum
     joins the round's total; a defense that prepares its rounds sees every gradient first.
     """
     if defense is not None and type(defense).begin_round is not Defense.begin_round:
@@ -219,7 +279,7 @@ def _round_mean(
     loss_sum = 0.0
     for lo in range(0, len(clients), chunk_size):
         hi = min(lo + chunk_size, len(clients))
-        grads, losses = client_gradients(model, loss_fn, inputs[lo:hi], targets[lo:hi], vectorize=True)
+        grads, losses = updates(inputs[lo:hi], targets[lo:hi])
         loss_sum += float(losses.sum())
         shared = grads if defense is None else _defend_chunk(model, defense, round_idx, clients[lo:hi], grads)
         chunk_sum = {n: g.sum(0) for n, g in shared.items()}
