@@ -16,8 +16,8 @@ aggregation. Each row holds issue 49's bar (``benchmarks/prior_bar.py``):
   drawn from every client the training set makes at that batch size (Poisson client sampling), at the
   kappa measured on 256 training images: eta <= kappa + 0.10;
 - PMM at ``--cohort`` clients a round under the row's algorithm, read from ``--utility``
-  (``benchmarks/many_clients.py``'s CSVs; FedAvg's from its ``--algorithm fedavg --local-steps`` runs):
-  at least 0.97;
+  (``benchmarks/many_clients.py``'s CSVs; FedAvg's from its ``--algorithm fedavg --local-epochs`` runs,
+  the audited client: ``--local-steps`` epochs over one batch): at least 0.97;
 - the client's step with the defense over the undefended step (LeNetZhu, one thread, CPU time): at most 1.2x.
 
     python benchmarks/defense_that_holds.py --setting 'DistributedGaussianMechanism(noise_multiplier=2.0, cohort_size=1000)' \\

@@ -11,10 +11,11 @@ size and rounds. The wall time per round of each run is reported beside it.
     python benchmarks/many_clients.py --defenses "GaussianNoise(scale=0.01)" \\
         --clients-per-round 10 100 1000 10000 --batch-sizes 1 8 --rounds 100
 
-``--algorithm fedavg --local-steps 5``: each client runs 5 local SGD steps a round, each on its own
-batch of ``--batch-sizes`` images, at the setting's local rate (``DefenseSetting.local_lr``, 0.1 unless
-the catalogue entry says otherwise), and shares ``w_global - w_local`` through its defense, as
-``train_setting`` trains a FedAvg setting.
+``--algorithm fedavg --local-epochs 5``: each client draws one batch of ``--batch-sizes`` images a
+round, takes 5 local SGD steps on it (5 epochs) at the setting's local rate (``DefenseSetting.local_lr``,
+0.1 unless the catalogue entry says otherwise) and shares ``w_global - w_local`` through its defense:
+the FedAvg client the audit attacks (``defense_that_holds.py --local-steps 5``). ``--local-steps 5``
+instead draws 5 batches and steps once on each, as ``train_setting`` trains a FedAvg setting.
 
 A defense is a catalogue name (``GaussianNoise``: its catalogue setting) or a pure defense of
 ``lightning_gp.defenses`` with literal arguments (``"GaussianNoise(scale=0.05)"``,
@@ -104,6 +105,7 @@ def train_once(
         rounds=args.rounds,
         algorithm=args.algorithm,
         local_steps=args.local_steps,
+        local_epochs=args.local_epochs,
         local_lr=setting.local_lr,
         server_optimizer=setting.server_optimizer,
         server_lr=setting.server_lr,
@@ -144,6 +146,7 @@ def _row(
         "defense": label,
         "algorithm": args.algorithm,
         "local_steps": args.local_steps,
+        "local_epochs": args.local_epochs,
         "batch_size": batch,
         "clients_per_round": clients,
         "num_clients": args.num_clients or clients,
@@ -188,7 +191,8 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--algorithm", choices=("fedsgd", "fedavg"), default="fedsgd")
-    parser.add_argument("--local-steps", type=int, default=1, help="FedAvg's local SGD steps (batches) a round")
+    parser.add_argument("--local-steps", type=int, default=1, help="FedAvg's local batches a round")
+    parser.add_argument("--local-epochs", type=int, default=1, help="FedAvg's passes over its local batches")
     parser.add_argument("--num-clients", type=int, default=None, help="clients in all (default: every one each round)")
     parser.add_argument("--chunk-size", type=int, default=1000, help="clients differentiated at once")
     parser.add_argument("--progress-every", type=int, default=10, help="rounds between progress lines")
@@ -205,10 +209,12 @@ def main() -> None:
     parser.add_argument("--name", default="many_clients", help="output file stem")
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args()
-    if args.algorithm == "fedsgd" and args.local_steps != 1:
-        parser.error("--local-steps > 1 needs --algorithm fedavg (a FedSGD client shares one gradient)")
-    if args.local_steps < 1:
-        parser.error(f"--local-steps must be at least 1, got {args.local_steps}")
+    for option in ("local_steps", "local_epochs"):
+        flag = "--" + option.replace("_", "-")
+        if getattr(args, option) < 1:
+            parser.error(f"{flag} must be at least 1, got {getattr(args, option)}")
+        if args.algorithm == "fedsgd" and getattr(args, option) != 1:
+            parser.error(f"{flag} > 1 needs --algorithm fedavg (a FedSGD client shares one gradient)")
     torch.set_num_threads(args.threads)
     if args.dataset == "photo-crops":
         per_class = math.ceil(max(args.clients_per_round) * max(args.batch_sizes) / len(PHOTO_CLASSES))
@@ -223,7 +229,11 @@ def main() -> None:
     rows = measure(datasets[data_name], args)
     minutes = (time.perf_counter() - start) / 60
     clients = "every client in every round" if args.num_clients is None else f"of {args.num_clients} clients"
-    algorithm = "FedSGD" if args.algorithm == "fedsgd" else f"FedAvg ({args.local_steps} local steps a round)"
+    algorithm = (
+        "FedSGD"
+        if args.algorithm == "fedsgd"
+        else f"FedAvg ({args.local_epochs} epoch(s) over {args.local_steps} local batch(es) a round)"
+    )
     preamble = (
         f"{algorithm} on {data_name}, LeNetZhu sized to the data (initialised from seed {args.seed}), {args.rounds} rounds, {clients}, "
         "each client defending its own update before the server averages (train_many_clients: the clients, "
@@ -234,7 +244,11 @@ def main() -> None:
         f"Total {minutes:.1f} min.\n\n    python benchmarks/many_clients.py --defenses {' '.join(map(repr, args.defenses))} "
         f"--clients-per-round {' '.join(map(str, args.clients_per_round))} "
         f"--batch-sizes {' '.join(map(str, args.batch_sizes))} --rounds {args.rounds}"
-        + (f" --algorithm fedavg --local-steps {args.local_steps}" if args.algorithm == "fedavg" else "")
+        + (
+            f" --algorithm fedavg --local-steps {args.local_steps} --local-epochs {args.local_epochs}"
+            if args.algorithm == "fedavg"
+            else ""
+        )
         + (" --dataset photo-crops" if args.dataset == "photo-crops" else "")
     )
     write_results(args.name, rows, preamble, args.output_dir)

@@ -129,30 +129,29 @@ def read_pmm(
     batch_size: int,
     cohort: int,
     algorithm: str = "fedsgd",
-    local_steps: int = 1,
+    local_epochs: int = 1,
 ) -> float | None:
     """The PMM ``benchmarks/many_clients.py`` measured for the setting (by any of its ``names``: the
     spec given on the command line, the setting's own name) at ``batch_size`` with ``cohort`` clients a
-    round under ``algorithm`` (FedAvg: with ``local_steps`` local steps), from the first of its CSVs
-    ``paths`` that holds it (``None``: not measured there). A CSV without an ``algorithm`` column is
-    FedSGD's (written before FedAvg could be measured)."""
+    round under ``algorithm`` (FedAvg: the audit's client, ``local_epochs`` epochs over one batch), from
+    the first of its CSVs ``paths`` that holds it (``None``: not measured there). A CSV without an
+    ``algorithm`` column is FedSGD's (written before FedAvg could be measured)."""
     if paths is None:
         return None
+    wanted = (batch_size, cohort, algorithm, 1, local_epochs)
     for path in [paths] if isinstance(paths, Path) else paths:
         if not path.is_file():
             raise SystemExit(f"--utility: {path} does not exist; run benchmarks/many_clients.py first")
         with open(path, newline="") as handle:
             for row in csv.DictReader(handle):
-                measured = (row.get("algorithm", "fedsgd"), int(row.get("local_steps", 1)))
-                if (
-                    row["defense"] in names
-                    and (int(row["batch_size"]), int(row["clients_per_round"]))
-                    == (
-                        batch_size,
-                        cohort,
-                    )
-                    and measured == (algorithm, local_steps)
-                ):
+                measured = (
+                    int(row["batch_size"]),
+                    int(row["clients_per_round"]),
+                    row.get("algorithm", "fedsgd"),
+                    int(row.get("local_steps", 1)),
+                    int(row.get("local_epochs", 1)),
+                )
+                if row["defense"] in names and measured == wanted:
                     return float(row["PMM"])
     return None
 

@@ -74,12 +74,14 @@ def test_the_pmm_is_read_by_any_name_of_the_setting(bar, tmp_path: Path) -> None
 
 
 def test_the_pmm_is_read_for_the_rows_algorithm_from_any_of_the_csvs(bar, tmp_path: Path) -> None:
-    header = "defense,algorithm,local_steps,batch_size,clients_per_round,PMM\n"
-    (tmp_path / "fedsgd.csv").write_text(header + "Setting,fedsgd,1,8,1000,0.99\n")
-    (tmp_path / "fedavg.csv").write_text(header + "Setting,fedavg,2,8,1000,0.95\nSetting,fedavg,5,8,1000,0.93\n")
+    header = "defense,algorithm,local_steps,local_epochs,batch_size,clients_per_round,PMM\n"
+    (tmp_path / "fedsgd.csv").write_text(header + "Setting,fedsgd,1,1,8,1000,0.99\n")
+    (tmp_path / "fedavg.csv").write_text(
+        header + "Setting,fedavg,5,1,8,1000,0.98\nSetting,fedavg,1,2,8,1000,0.95\nSetting,fedavg,1,5,8,1000,0.93\n"
+    )
     paths = [tmp_path / "fedsgd.csv", tmp_path / "fedavg.csv"]
     assert bar.read_pmm(paths, ("Setting",), 8, 1000) == pytest.approx(0.99)
-    assert bar.read_pmm(paths, ("Setting",), 8, 1000, "fedavg", 5) == pytest.approx(0.93)
+    assert bar.read_pmm(paths, ("Setting",), 8, 1000, "fedavg", 5) == pytest.approx(0.93)  # 5 epochs of one batch
     assert bar.read_pmm(paths, ("Setting",), 8, 1000, "fedavg", 3) is None  # another local training
     assert bar.read_pmm(paths[:1], ("Setting",), 8, 1000, "fedavg", 5) is None  # FedSGD's PMM is not FedAvg's
 

@@ -113,6 +113,36 @@ def test_many_clients_trains_the_weights_the_simulation_trains(
         assert set(pure.clients) <= set(range(clients)) and len(pure.clients) >= per_round
 
 
+def test_fedavg_epochs_over_one_batch_train_the_client_the_audit_attacks(one_thread):
+    """local_epochs=E over one batch of B is the audit's FedAvg client (E epochs over its B images in
+    one local batch, replayed by the server's simulation): one round with the server applying the
+    mean update as is (SGD at rate 1) moves the weights by the mean of the replayed clients' updates."""
+    from lightning_gp.audit.learned import setting_simulator
+    from lightning_gp.federated import ClientRounds, iid_partition
+
+    data = FashionMNISTSampleDataModule()
+    data.setup("fit")
+    torch.manual_seed(0)
+    start = LeNetZhu()
+    trained = copy.deepcopy(start)
+    clients, batch, epochs, lr = 3, 4, 3, 0.05
+    train_many_clients(
+        trained, data, clients_per_round=clients, client_batch_size=batch, rounds=1, algorithm="fedavg",
+        local_epochs=epochs, local_lr=lr, server_optimizer="sgd", server_lr=1.0, seed=2,
+    )  # fmt: skip
+    split = iid_partition(len(data.train_dataset), clients, 2)
+    rounds = ClientRounds(data.train_dataset, split, clients, batch, seed=2)
+    items = [[data.train_dataset[int(i)] for i in rounds.sample_local_indices(0, c)] for c in range(clients)]
+    images = torch.stack([torch.stack([x for x, _ in client]) for client in items])
+    labels = torch.tensor([[int(y) for _, y in client] for client in items])
+    setting = DefenseSetting("undefended", local_lr=lr).with_client_training("fedavg", epochs, batch)
+    replayed = setting_simulator(setting, num_clients=clients)(copy.deepcopy(start), images, labels, 0)
+    for (name, ours), before in zip(trained.named_parameters(), start.parameters()):
+        expected = before - replayed[name].mean(0)
+        assert (ours - before).abs().max() > 100 * WEIGHT_ATOL, name
+        torch.testing.assert_close(ours, expected, atol=WEIGHT_ATOL, rtol=0, msg=name)
+
+
 def test_the_defaults_are_the_server_optimizer_and_local_rate_train_setting_uses():
     defaults = inspect.signature(train_many_clients).parameters
     setting = DefenseSetting("undefended")
@@ -134,6 +164,8 @@ def test_a_data_dependent_defense_a_bad_chunk_and_bad_local_training_are_refused
         train_many_clients(LeNetZhu(), data, clients_per_round=2, rounds=1, algorithm="fedprox")
     with pytest.raises(ValueError, match="local_steps > 1 needs algorithm='fedavg'"):
         train_many_clients(LeNetZhu(), data, clients_per_round=2, rounds=1, local_steps=2)
+    with pytest.raises(ValueError, match="local_epochs > 1 needs algorithm='fedavg'"):
+        train_many_clients(LeNetZhu(), data, clients_per_round=2, rounds=1, local_epochs=2)
     with pytest.raises(ValueError, match="local_lr"):
         train_many_clients(LeNetZhu(), data, clients_per_round=2, rounds=1, algorithm="fedavg", local_lr=0.0)
 
@@ -209,17 +241,18 @@ def test_the_benchmark_trains_fedavg_and_says_so(tmp_path):
         "--rounds",
         "1",
     ]
-    refused = run_benchmark("many_clients.py", *common, "--local-steps", "3")
-    assert refused.returncode != 0 and "--local-steps > 1 needs --algorithm fedavg" in refused.stderr
+    refused = run_benchmark("many_clients.py", *common, "--local-epochs", "3")
+    assert refused.returncode != 0 and "--local-epochs > 1 needs --algorithm fedavg" in refused.stderr
     result = run_benchmark(
-        "many_clients.py", *common, "--algorithm", "fedavg", "--local-steps", "3", "--output-dir", str(tmp_path)
+        "many_clients.py", *common, "--algorithm", "fedavg", "--local-epochs", "3", "--output-dir", str(tmp_path)
     )
     assert result.returncode == 0, result.stderr[-3000:]
     with open(tmp_path / "many_clients.csv") as handle:
         rows = list(csv.DictReader(handle))
-    assert {(r["algorithm"], r["local_steps"]) for r in rows} == {("fedavg", "3")}
+    assert {(r["algorithm"], r["local_steps"], r["local_epochs"]) for r in rows} == {("fedavg", "1", "3")}
     text = (tmp_path / "many_clients.md").read_text()
-    assert "FedAvg (3 local steps a round)" in text and "--algorithm fedavg --local-steps 3" in text
+    assert "FedAvg (3 epoch(s) over 1 local batch(es) a round)" in text
+    assert "--algorithm fedavg --local-steps 1 --local-epochs 3" in text
 
 
 def test_the_benchmark_reads_pure_defense_specs_and_refuses_what_is_not_one_fedsgd_gradient_defense(monkeypatch):

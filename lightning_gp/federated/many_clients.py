@@ -12,6 +12,13 @@ faster: the clients' updates come from ``torch.func``
 (:func:`~lightning_gp.federated.client_updates.client_gradients` and
 :func:`~lightning_gp.federated.client_updates.client_local_updates`, ``vmap`` over clients), chunk
 by chunk, and each chunk's shared updates are summed before the next is computed.
+
+A FedAvg client draws ``local_steps`` batches a round and, ``local_epochs`` times, takes one SGD step
+on each in the order drawn. ``local_epochs=E`` with one batch (``local_steps=1``) is the client the
+audit attacks under FedAvg (:meth:`~lightning_gp.audit.DefenseSetting.with_client_training`: ``E``
+epochs over its ``B`` images in one local batch), which ``FederatedSimulation`` has no argument for;
+``local_steps=S`` with one epoch is the simulation's (and ``train_setting``'s) FedAvg: ``S`` steps,
+each on images drawn afresh.
 """
 
 from __future__ import annotations
@@ -86,6 +93,7 @@ def train_many_clients(
     num_clients: int | None = None,
     algorithm: Literal["fedsgd", "fedavg"] = "fedsgd",
     local_steps: int = 1,
+    local_epochs: int = 1,
     local_lr: float = 0.1,
     server_optimizer: Literal["sgd", "adam"] = "adam",
     server_lr: float = 1e-3,
@@ -119,8 +127,8 @@ def train_many_clients(
             ``clients_per_round``, every client in every round).
         client_batch_size: images per client per local batch (with replacement from a client that holds fewer).
         rounds: rounds of training.
-        algorithm: ``"fedsgd"`` or ``"fedavg"``; ``local_steps``: FedAvg's local batches (and SGD
-            steps) per client per round (1 under FedSGD); ``local_lr``: their learning rate.
+        algorithm: ``"fedsgd"`` or ``"fedavg"``; ``local_steps``, ``local_epochs``: FedAvg's local
+            batches per client per round and its passes over them (module docstring); ``local_lr``.
         server_optimizer, server_lr: how the server applies the mean shared gradient.
         loss_fn: the client loss (mean over its batch); default ``model.loss_fn``, else cross-entropy.
         seed: seeds the partition and every round's sampling.
@@ -131,7 +139,7 @@ def train_many_clients(
     num_clients = _check_arguments(
         model, datamodule, defense, clients_per_round, client_batch_size, rounds, num_clients, chunk_size, seed
     )
-    _check_local_training(algorithm, local_steps, local_lr)
+    _check_local_training(algorithm, local_steps, local_epochs, local_lr)
     loss_fn = loss_fn if loss_fn is not None else getattr(model, "loss_fn", None) or nn.CrossEntropyLoss()
     params = trainable_parameters(model)
     optimizer = _server_optimizer(list(params.values()), server_optimizer, server_lr)
@@ -142,7 +150,7 @@ def train_many_clients(
         defense.set_num_clients(num_clients)
         defense.check_layer_shapes({n: p.shape for n, p in params.items()})
     run = ManyClientsRun(clients_per_round, client_batch_size)
-    updates = _client_updates(model, loss_fn, algorithm, local_lr)
+    updates = _client_updates(model, loss_fn, algorithm, local_epochs, local_lr)
     model.train()
     for round_idx in range(rounds):
         start = time.perf_counter()
@@ -173,13 +181,16 @@ def fedsgd_many_clients(model: nn.Module, datamodule: Any, **kwargs: Any) -> Man
     return train_many_clients(model, datamodule, **kwargs)
 
 
-def _check_local_training(algorithm: str, local_steps: int, local_lr: float) -> None:
+def _check_local_training(algorithm: str, local_steps: int, local_epochs: int, local_lr: float) -> None:
     """Refuse, naming the argument, local training FederatedSimulation would refuse."""
     check_choice(algorithm, "algorithm", ("fedsgd", "fedavg"))
     check_positive_int(local_steps, "local_steps")
+    check_positive_int(local_epochs, "local_epochs")
     check_positive(local_lr, "local_lr")
     if algorithm == "fedsgd" and local_steps != 1:
         raise ValueError("local_steps > 1 needs algorithm='fedavg' (a FedSGD client shares one gradient)")
+    if algorithm == "fedsgd" and local_epochs != 1:
+        raise ValueError("local_epochs > 1 needs algorithm='fedavg' (a FedSGD client shares one gradient)")
 
 
 #: A chunk's clients' shared updates before the defense: ``(inputs [C, S, B, ...], targets [C, S, B]) ->
@@ -187,14 +198,17 @@ def _check_local_training(algorithm: str, local_steps: int, local_lr: float) -> 
 ClientUpdates = Callable[[Tensor, Tensor], tuple[Gradients, Tensor]]
 
 
-def _client_updates(model: nn.Module, loss_fn: Any, algorithm: str, local_lr: float) -> ClientUpdates:
+def _client_updates(
+    model: nn.Module, loss_fn: Any, algorithm: str, local_epochs: int, local_lr: float
+) -> ClientUpdates:
     """What a chunk of clients shares before its defense: FedSGD's gradient of the one local batch,
-    or FedAvg's ``w_global - w_local`` after a local SGD step on each local batch."""
+    or FedAvg's ``w_global - w_local`` after ``local_epochs`` passes of a local SGD step on each local batch."""
     if algorithm == "fedsgd":
         return lambda x, y: client_gradients(model, loss_fn, x[:, 0], y[:, 0], vectorize=True)
 
     def local_training(x: Tensor, y: Tensor) -> tuple[Gradients, Tensor]:
-        deltas, losses, _ = client_local_updates(model, loss_fn, x, y, lr=local_lr, vectorize=True)
+        epochs_x, epochs_y = torch.cat([x] * local_epochs, dim=1), torch.cat([y] * local_epochs, dim=1)
+        deltas, losses, _ = client_local_updates(model, loss_fn, epochs_x, epochs_y, lr=local_lr, vectorize=True)
         return deltas, losses
 
     return local_training
