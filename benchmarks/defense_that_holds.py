@@ -286,6 +286,9 @@ def parse_args() -> argparse.Namespace:
         parser.error("--batch-sizes must be at least 1 and --rounds at least 0")
     if args.beside_matrix is not None and not args.beside_matrix.is_file():
         parser.error(f"--beside-matrix: {args.beside_matrix} does not exist; run benchmarks/matrix.py first")
+    for path in args.utility or []:
+        if not path.is_file():
+            parser.error(f"--utility: {path} does not exist; run benchmarks/many_clients.py first")
     return args
 
 

@@ -151,3 +151,5 @@ def test_beside_matrix_holds_every_stored_row_to_the_bar(tmp_path: Path) -> None
     assert all(r["setting"] == "undefended" and r["eta"] == "-" and "no formal bound" in r["bar"] for r in rows)
     missing = run_benchmark("defense_that_holds.py", "--beside-matrix", str(tmp_path / "none.jsonl"), "--sample")
     assert missing.returncode != 0 and "--beside-matrix" in missing.stderr
+    no_pmm = run_benchmark("defense_that_holds.py", "--utility", str(tmp_path / "none.csv"), "--sample")
+    assert no_pmm.returncode != 0 and "--utility" in no_pmm.stderr and "Traceback" not in no_pmm.stderr
