@@ -310,11 +310,19 @@ def interleaved_ratio(
 
 
 def client_step_ratio(
-    defense: defenses.Defense, batch_size: int, repeats: int, clock: Callable[[], float], device: torch.device
+    defense: defenses.Defense,
+    batch_size: int,
+    repeats: int,
+    clock: Callable[[], float],
+    device: torch.device,
+    local_steps: int = 1,
+    block: int = 64,
 ) -> tuple[float, float, float]:
-    """``(undefended, defended, ratio)`` of a LeNetZhu FedSGD client step (forward, backward, the update
-    written into ``.grad``, SGD step) without and with ``defense``, in interleaved blocks of 64 steps
-    (:func:`interleaved_ratio`) timed by ``clock``."""
+    """``(undefended, defended, ratio)`` of a LeNetZhu client's round without and with ``defense``, in
+    interleaved blocks of ``block`` rounds (:func:`interleaved_ratio`) timed by ``clock``. FedSGD
+    (``local_steps=1``): forward, backward, the update written into ``.grad``, SGD step. FedAvg
+    (``local_steps=S``): ``S`` local SGD steps on the batch, then the update ``w_global - w_local``
+    written out (through the defense, once) and the weights put back."""
     batches = sample_batches(8, batch_size, device)
     torch.manual_seed(0)
     model = LeNetZhu().to(device)
@@ -323,21 +331,39 @@ def client_step_ratio(
     grads = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
     counter = {"step": 0}
 
-    def step(with_defense: defenses.Defense | None) -> None:
+    def local_step() -> dict[str, torch.Tensor]:
         x, y = batches[counter["step"] % len(batches)]
         optimizer.zero_grad()
-        gradients = dict(zip(names, torch.autograd.grad(CE(model(x), y), list(model.parameters()))))
+        return dict(zip(names, torch.autograd.grad(CE(model(x), y), list(model.parameters()))))
+
+    def share(update: dict[str, torch.Tensor], with_defense: defenses.Defense | None) -> None:
         if with_defense is None:
             for name in names:
-                grads[name].copy_(gradients[name])
+                grads[name].copy_(update[name])
         else:
-            with_defense(gradients, 0, out=grads)
+            with_defense(update, 0, out=grads)
+
+    def fedsgd(with_defense: defenses.Defense | None) -> None:
+        share(local_step(), with_defense)
         for name, p in model.named_parameters():
             p.grad = grads[name]
         optimizer.step()
         counter["step"] += 1
 
-    return interleaved_ratio(lambda: step(None), lambda: step(defense), 64, repeats, clock)
+    def fedavg(with_defense: defenses.Defense | None) -> None:
+        start = {n: p.detach().clone() for n, p in model.named_parameters()}
+        for _ in range(local_steps):
+            for name, g in local_step().items():
+                model.get_parameter(name).grad = g
+            optimizer.step()
+        share({n: start[n] - p.detach() for n, p in model.named_parameters()}, with_defense)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(start[name])
+        counter["step"] += 1
+
+    step = fedsgd if local_steps == 1 else fedavg
+    return interleaved_ratio(lambda: step(None), lambda: step(defense), block, repeats, clock)
 
 
 def client_rows(device: torch.device, repeats: int) -> list[dict]:

@@ -6,7 +6,7 @@ import csv
 import math
 
 import pytest
-from helpers import run_benchmark
+from helpers import BENCHMARKS, run_benchmark
 
 
 # 19 s, the suite's second-longest: a benchmark's smoke run, left to the benchmarks (pytest -m slow)
@@ -45,3 +45,34 @@ def test_speed_quick_measures_every_optimal_mode_with_its_estimator_error_every_
     ]
     assert all(float(r["ratio_to_step"]) > 0 for r in client)
     assert "QUICK RUN" in (tmp_path / "speed_optimal_pruning_client_quick.md").read_text()
+
+
+@pytest.mark.parametrize("local_steps", [1, 3])
+def test_the_client_step_ratio_defends_each_round_once_and_leaves_the_model_where_it_was(local_steps, monkeypatch):
+    """A FedSGD round defends its gradient, a FedAvg round its update after ``local_steps`` local steps:
+    once a round either way, so the ratio times what the client pays for its defense per upload."""
+    import time
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import speed
+
+    from lightning_gp.defenses import DistributedGaussianMechanism
+
+    calls, norms = [], []
+
+    class Counted(DistributedGaussianMechanism):
+        def __call__(self, gradients, client_id, **kwargs):
+            calls.append(client_id)
+            norms.append(float(torch.sqrt(sum((g**2).sum() for g in gradients.values()))))
+            return super().__call__(gradients, client_id, **kwargs)
+
+    defense = Counted(noise_multiplier=1.0, cohort_size=10, seed=0)
+    undefended, defended, ratio = speed.client_step_ratio(
+        defense, 2, 1, time.process_time, torch.device("cpu"), local_steps, block=8
+    )
+    assert len(calls) == 2 * 8  # a warm-up block and one timed block of 8 rounds
+    assert min(undefended, defended, ratio) > 0
+    if local_steps > 1:  # the weights are put back after a round: the 8 batches' updates repeat exactly
+        assert norms[:8] == norms[8:]
