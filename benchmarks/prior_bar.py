@@ -166,9 +166,9 @@ def _limits(status: str, eta: float | None, kappa: float, pmm: float | None, ste
             "no formal bound" if eta is None else f"eta {eta:.3f} > kappa + {ETA_MARGIN:g} = {kappa + ETA_MARGIN:.3f}"
         )
     if pmm is None or pmm < MIN_PMM:
-        failed.append("PMM not measured" if pmm is None else f"PMM {pmm:.2f} < {MIN_PMM:g}")
+        failed.append("PMM not measured" if pmm is None else f"PMM {pmm:.3f} < {MIN_PMM:g}")
     if step_ratio is None or step_ratio > MAX_STEP_RATIO:
-        failed.append("step not measured" if step_ratio is None else f"step {step_ratio:.2f}x > {MAX_STEP_RATIO:g}x")
+        failed.append("step not measured" if step_ratio is None else f"step {step_ratio:.3f}x > {MAX_STEP_RATIO:g}x")
     return failed
 
 
@@ -201,7 +201,7 @@ def bar_rows(
                 "most by": advantage.worst_attack or "-",
                 "kappa": f"{prior.kappa:.3f}",
                 "eta": "-" if eta is None else f"{eta:.3f}",
-                "PMM": "-" if pmm is None else f"{pmm:.2f}",
+                "PMM": "-" if pmm is None else f"{pmm:.3f}",
                 "step": "-" if step_ratio is None else f"{step_ratio:.2f}x",
                 "bar": "met" if not failed else "; ".join(failed),
             }

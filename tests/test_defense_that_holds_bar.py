@@ -107,7 +107,7 @@ def test_a_row_lists_every_limit_it_misses_and_meets_the_bar_only_when_none(bar,
     (met,) = bar.bar_rows(audit, point, prior, eta=0.30, pmm=0.98, step_ratio=1.1)
     assert met["bar"] == "met" and met["threat model"] == "passive" and met["identified"] == "0/4"
     (missed,) = bar.bar_rows(audit, point, prior, eta=0.40, pmm=0.90, step_ratio=None)
-    assert missed["bar"] == "eta 0.400 > kappa + 0.1 = 0.360; PMM 0.90 < 0.97; step not measured"
+    assert missed["bar"] == "eta 0.400 > kappa + 0.1 = 0.360; PMM 0.900 < 0.97; step not measured"
     gap = SimpleNamespace(passive=dataclasses.replace(private_worst, gaps=["an attack errored"]), active=complete)
     rows = bar.bar_rows(gap, point, prior, eta=0.30, pmm=0.98, step_ratio=1.1)
     assert [r["bar"] for r in rows] == ["advantage inconclusive", "met"]
