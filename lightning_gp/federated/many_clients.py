@@ -182,7 +182,8 @@ def fedsgd_many_clients(model: nn.Module, datamodule: Any, **kwargs: Any) -> Man
 
 
 def _check_local_training(algorithm: str, local_steps: int, local_epochs: int, local_lr: float) -> None:
-    """Refuse, naming the argument, local training FederatedSimulation would refuse."""
+    """Refuse, naming the argument, local training the run cannot take: an unknown algorithm, counts
+    below 1, a rate that is not positive, and local steps or epochs beyond one under FedSGD."""
     check_choice(algorithm, "algorithm", ("fedsgd", "fedavg"))
     check_positive_int(local_steps, "local_steps")
     check_positive_int(local_epochs, "local_epochs")
