@@ -1,7 +1,7 @@
 """Issue 49's measurement: one defense configuration against every attack of the suite, judged against
 the prior, beside its formal bound, its utility at 1,000 clients a round and its cost.
 
-For each client batch size, client algorithm (FedSGD; FedAvg with ``--local-steps`` local steps) and
+For each client batch size, client algorithm (FedSGD; FedAvg with ``--local-epochs`` local epochs over the client's batch) and
 audited round, the setting ``--setting`` is audited on ``--images`` training images by every published
 attack, its adaptive attacks, the learned inverter and its refined variant, the generative image prior
 (GGL) and the obfuscation-robust inversion (each judged with its prior-only control), Robbing the Fed,
@@ -17,7 +17,7 @@ aggregation. Each row holds issue 49's bar (``benchmarks/prior_bar.py``):
   kappa measured on 256 training images: eta <= kappa + 0.10;
 - PMM at ``--cohort`` clients a round under the row's algorithm, read from ``--utility``
   (``benchmarks/many_clients.py``'s CSVs; FedAvg's from its ``--algorithm fedavg --local-epochs`` runs,
-  the audited client: ``--local-steps`` epochs over one batch): at least 0.97;
+  the audited client: ``--local-epochs`` epochs over one batch): at least 0.97;
 - the client's step with the defense over the undefended step (LeNetZhu, one thread, CPU time; FedAvg: its local
   steps and the defense on their update): at most 1.2x.
 
@@ -57,6 +57,7 @@ import base64
 import csv
 import json
 import pickle
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -242,7 +243,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dataset", choices=sorted(DATASETS), default="fashion-mnist")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--algorithms", choices=("fedsgd", "fedavg"), nargs="+", default=["fedsgd", "fedavg"])
-    parser.add_argument("--local-steps", type=int, default=5, help="FedAvg's local steps (epochs of one batch)")
+    parser.add_argument(
+        "--local-epochs",
+        type=int,
+        default=None,
+        help="FedAvg's local epochs over the client's one batch, the client the audit attacks (default 5)",
+    )
+    # the option's name before 2026-11-30: the published run lines use it
+    parser.add_argument("--local-steps", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, nargs="+", default=[0, 50])
     parser.add_argument("--images", type=int, default=16)
     parser.add_argument("--cohort", type=int, default=1000, help="clients per round of the deployment")
@@ -280,7 +288,14 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args()
-    for name in ("images", "cohort", "deployment_rounds", "local_steps"):
+    if args.local_steps is not None:
+        if args.local_epochs is not None:
+            parser.error("--local-steps is the old name of --local-epochs: give one of them")
+        print("defense_that_holds.py: --local-steps is deprecated; it is --local-epochs", file=sys.stderr)
+    args.local_epochs = (
+        args.local_steps if args.local_steps is not None else (5 if args.local_epochs is None else args.local_epochs)
+    )
+    for name in ("images", "cohort", "deployment_rounds", "local_epochs"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if min(args.batch_sizes) < 1 or min(args.rounds) < 0:
@@ -317,15 +332,15 @@ def audit_budget(quick: bool) -> AttackBudget:
     return AttackBudget(learned_inversion=True, generative_prior=True)
 
 
-def step_ratio(setting: Any, batch_size: int, local_steps: int = 1) -> float | None:
+def step_ratio(setting: Any, batch_size: int, local_epochs: int = 1) -> float | None:
     """The client's step with ``setting``'s one defense over the undefended step (LeNetZhu, CPU time;
-    FedAvg: its ``local_steps`` local steps and the defense on their update); ``None`` where the setting
+    FedAvg: its ``local_epochs`` local steps on its batch and the defense on their update); ``None`` where the setting
     is not one tensor defense."""
     callbacks = list(setting.callbacks)
     defense = getattr(callbacks[0], "defense", None) if len(callbacks) == 1 else None
     if defense is None:
         return None
-    return client_step_ratio(defense, batch_size, 9, time.process_time, torch.device("cpu"), local_steps)[2]
+    return client_step_ratio(defense, batch_size, 9, time.process_time, torch.device("cpu"), local_epochs)[2]
 
 
 def run_audit(args: argparse.Namespace, setting: Any, datamodule: Any, point: dict[str, Any]) -> Any:
@@ -338,7 +353,7 @@ def run_audit(args: argparse.Namespace, setting: Any, datamodule: Any, point: di
             setting, DATASETS[args.dataset][1](), datamodule, indices=indices,
             published=published_attacks(audit_budget(args.quick)), budget=audit_budget(args.quick), seed=args.seed,
             round=point["round"], aggregate=True, algorithm=point["algorithm"],
-            local_epochs=args.local_steps if fedavg else None, local_batch_size=point["batch"] if fedavg else None,
+            local_epochs=args.local_epochs if fedavg else None, local_batch_size=point["batch"] if fedavg else None,
             log=lambda line: print(line, flush=True),
         )  # fmt: skip
 
@@ -381,9 +396,10 @@ def main() -> None:
     rule = LeakRule().calibrated(datamodule_recognition_tests(datamodule, log=lambda line: None))
     prior = prior_counts(datamodule, rule, args.seed)
     print(f"prior: {prior.identified}/{prior.images} identified by the best fixed guess; kappa {prior.kappa:.3f}")
+    # "local_steps" is --local-epochs' key under its old name: renaming the key would make every stored audit stale
     store = ResultStore(args.output_dir / f".{args.name}_audits.jsonl", run_fingerprint({
         "script": "defense_that_holds", "setting": args.setting, "dataset": args.dataset, "sample": args.sample,
-        "images": args.images, "seed": args.seed, "local_steps": args.local_steps, "quick": args.quick,
+        "images": args.images, "seed": args.seed, "local_steps": args.local_epochs, "quick": args.quick,
         "model_checks": args.model_checks,
         "budget": asdict(audit_budget(args.quick)),
     }))  # fmt: skip
@@ -397,9 +413,9 @@ def main() -> None:
         )
         print(f"batch {batch}: eta {eta} ({bound_text})", flush=True)
         for algorithm in args.algorithms:
-            steps = args.local_steps if algorithm == "fedavg" else 1
-            pmm = read_pmm(args.utility, (args.setting, plain(args.seed).name), batch, args.cohort, algorithm, steps)
-            ratio = step_ratio(reference, batch, steps)
+            epochs = args.local_epochs if algorithm == "fedavg" else 1
+            pmm = read_pmm(args.utility, (args.setting, plain(args.seed).name), batch, args.cohort, algorithm, epochs)
+            ratio = step_ratio(reference, batch, epochs)
             print(f"batch {batch}, {algorithm}: PMM {pmm}; step {ratio}", flush=True)
             for round_ in args.rounds:
                 point = {"batch": batch, "algorithm": algorithm, "round": round_}
@@ -496,7 +512,7 @@ def _non_default_options(args: argparse.Namespace) -> str:
     the line rewrites the same files."""
     options = {"name": "defense_that_holds", "cohort": 1000, "deployment_rounds": 100, "seed": 0}
     if "fedavg" in args.algorithms:
-        options["local_steps"] = None  # always stated where FedAvg runs
+        options["local_epochs"] = None  # always stated where FedAvg runs
     return "".join(
         f" --{name.replace('_', '-')} {getattr(args, name)}"
         for name, default in options.items()

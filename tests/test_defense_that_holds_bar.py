@@ -153,3 +153,27 @@ def test_beside_matrix_holds_every_stored_row_to_the_bar(tmp_path: Path) -> None
     assert missing.returncode != 0 and "--beside-matrix" in missing.stderr
     no_pmm = run_benchmark("defense_that_holds.py", "--utility", str(tmp_path / "none.csv"), "--sample")
     assert no_pmm.returncode != 0 and "--utility" in no_pmm.stderr and "Traceback" not in no_pmm.stderr
+
+
+def test_local_epochs_is_read_under_its_old_name_too_and_bad_values_are_refused(monkeypatch, capsys) -> None:
+    """``--local-epochs`` (FedAvg's epochs over the audited client's batch) defaults to 5; ``--local-steps``,
+    its old name in published run lines, still sets it with a deprecation line; both at once, or a value
+    under 1, stop the parser."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import defense_that_holds
+
+    def parsed(*argv: str):
+        monkeypatch.setattr("sys.argv", ["defense_that_holds.py", *argv])
+        return defense_that_holds.parse_args()
+
+    assert parsed().local_epochs == 5
+    assert parsed("--local-epochs", "3").local_epochs == 3
+    assert parsed("--local-steps", "2").local_epochs == 2 and "deprecated" in capsys.readouterr().err
+    for argv, message in [
+        (("--local-epochs", "0"), "--local-epochs must be at least 1"),
+        (("--local-steps", "0"), "--local-epochs must be at least 1"),
+        (("--local-steps", "2", "--local-epochs", "2"), "old name of --local-epochs"),
+    ]:
+        with pytest.raises(SystemExit):
+            parsed(*argv)
+        assert message in capsys.readouterr().err
