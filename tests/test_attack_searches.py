@@ -13,9 +13,9 @@ import torch
 from torch import Tensor, nn
 
 from lightning_gp.attacks import ServerView, cosine_distance, parameter_gradients, squared_l2_distance, update_clip
-from lightning_gp.attacks.batched import gradient_match_rows
+from lightning_gp.attacks.batched import gradient_match_rows, mappable
 from lightning_gp.attacks.optimization import plateaued
-from lightning_gp.attacks.searches import adam_searches, cosine_to, mappable, step_decay
+from lightning_gp.attacks.searches import adam_searches, cosine_to, step_decay
 from lightning_gp.defenses import clip_update
 from lightning_gp.models import LeNetZhu
 

@@ -53,16 +53,15 @@ import torch
 from torch import Tensor
 
 from lightning_gp.attacks.base import GradientAttack, Reconstruction
-from lightning_gp.attacks.batched import gradient_match_rows
+from lightning_gp.attacks.batched import gradient_match_rows, mappable
 from lightning_gp.attacks.gradient_matching import (
     cosine_distance,
     parameter_gradients,
     squared_l2_distance,
     total_variation,
 )
-from lightning_gp.attacks.optimization import IDLG, InvertingGradients
+from lightning_gp.attacks.optimization import IDLG, InvertingGradients, inherits
 from lightning_gp.attacks.registry import register_defense_knowledge
-from lightning_gp.attacks.searches import mappable
 from lightning_gp.attacks.sgi import recover_mask
 from lightning_gp.attacks.threat_models import requirements
 from lightning_gp.attacks.view import ServerView
@@ -482,22 +481,26 @@ def stacked_match(
     distance: Callable[..., Tensor],
     *,
     repeats: int = 1,
+    plans: Sequence[MatchPlan] | None = None,
 ) -> Callable[[Tensor, Tensor], Tensor] | None:
     """The match of ``repeats`` problems per view through what the server knows, every problem in one
     vmapped call (:func:`~lightning_gp.attacks.batched.gradient_match_rows`): ``knowledge``'s clips
-    (the update's, DP-SGD's per example) and each view's match plan, over the union of the plans'
+    (the update's, DP-SGD's per example) and each view's match plan (``plans``: an attack's own, one
+    per view; else the knowledge's), over the union of the plans'
     layers (a layer a view's plan leaves out, e.g. one its Wiener gain zeroes, weighs 0 in that
     view's rows: no term of either distance). Without knowledge: every layer of the plain gradient.
     On a secure aggregate each row's guess is the mean of its clients' chunks, each through the clips.
     ``None`` where it does not stack: on an aggregate whose clients' own choice of entries the server
     models (``client_selection``), where a plan carries a transform of its own view, or where the
-    model or the transform does not map (:func:`~lightning_gp.attacks.searches.mappable`)."""
+    model or the transform does not map (:func:`~lightning_gp.attacks.batched.mappable`)."""
     if knowledge is None:
         match = gradient_match_rows(views, labels, distance, repeats=repeats)
         return match if mappable(match, views[0]) else None
     if knowledge.clients != 1 and knowledge.client_selection is not None:
         return None
-    plans = [knowledge.plan(view) for view in views]
+    plans = [knowledge.plan(view) for view in views] if plans is None else list(plans)
+    if len(plans) != len(views):
+        raise ValueError(f"plans needs one plan per view: {len(plans)} for {len(views)} views")
     if any(plan.transform is not None for plan in plans):
         return None
     names = [n for n in views[0].gradients if any(n in plan.names for plan in plans)]
@@ -595,6 +598,18 @@ class DefenseAwareIDLG(_KnowsTheDefense, IDLG):
         if plan is None:
             raise RuntimeError("DefenseAwareIDLG.gradient_distance runs inside reconstruct only")
         return squared_l2_distance(plan.restrict(guess), plan.target, plan.names)
+
+    def _stacked_objective(
+        self, view: ServerView, labels: Tensor, count: int
+    ) -> Callable[[Tensor, Tensor], Tensor] | None:
+        """The restarts' match through the knowledge (:func:`stacked_match`); ``None`` where the transform
+        is straight-through (this attack leaves that stage out, the stacked match would not) or a
+        subclass changes the objective."""
+        if not inherits(self, DefenseAwareIDLG, ("dummy_gradient", "gradient_distance", "image_prior")):
+            return None
+        if getattr(self.knowledge.transform, "straight_through", False):
+            return None
+        return stacked_match(self.knowledge, [view], [labels], squared_l2_distance, repeats=count)
 
     def _published(self) -> GradientAttack:
         """The published iDLG of this attack's budget: what runs when the knowledge does not cover the client."""

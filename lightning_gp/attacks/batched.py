@@ -263,7 +263,7 @@ def gradient_match_rows(
     weight, a number or a tensor), as :meth:`~lightning_gp.attacks.adaptive.MatchPlan.restrict`
     applies them, after ``transform`` (the defense's known deterministic part, the same for every view,
     e.g. :func:`~lightning_gp.attacks.update_clip`; it must map: no branch on a tensor's value, see
-    :func:`~lightning_gp.attacks.searches.mappable`). ``per_example_clip``: DP-SGD's, the guess the mean
+    :func:`mappable`). ``per_example_clip``: DP-SGD's, the guess the mean
     of its examples' gradients each clipped to that L2 norm
     (:meth:`~lightning_gp.attacks.DefenseKnowledge.dummy_gradient`). ``clients``: each view is the
     secure aggregate of that many clients of equal batches, the guess the mean of its chunks'
@@ -383,3 +383,16 @@ def _stacked_scale(weights: Sequence[float | Tensor], like: Tensor) -> Tensor:
             -1, *([1] * like.ndim)
         )
     return torch.stack([torch.as_tensor(w, dtype=like.dtype, device=like.device).expand_as(like) for w in weights])
+
+
+def mappable(match_rows: Callable[[Tensor, Tensor], Tensor], view: ServerView) -> bool:
+    """Whether a vmapped match evaluates on ``view``'s model: a model whose forward pass reads a value
+    out of a tensor (``.item()``) or uses an operation without a batching rule cannot be mapped, and
+    the caller then evaluates its problems one at a time (the same objective)."""
+    probe = torch.zeros(1, view.batch_size, *view.input_shape, device=view.device, requires_grad=True)
+    try:
+        with torch.enable_grad():
+            torch.autograd.grad(match_rows(probe, torch.zeros(1, dtype=torch.long, device=view.device)).sum(), probe)
+    except RuntimeError:
+        return False
+    return True

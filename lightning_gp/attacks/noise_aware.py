@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -67,6 +67,7 @@ from lightning_gp.attacks.adaptive import (
     class_knowledge,
     coordinate_clip,
     defense_aware_attacks,
+    stacked_match,
     update_clip,
 )
 from lightning_gp.attacks.base import GradientAttack, Reconstruction
@@ -76,6 +77,7 @@ from lightning_gp.attacks.gradient_matching import (
     parameter_gradients,
     total_variation,
 )
+from lightning_gp.attacks.optimization import inherits
 from lightning_gp.attacks.registry import register_defense_knowledge
 from lightning_gp.attacks.view import ServerView
 from lightning_gp.defenses.noise import GaussianNoise, LaplaceNoise, LocalGaussianMechanism
@@ -173,6 +175,30 @@ class NoiseAwareMAP(DefenseAwareIDLG):
             return laplace_nll(restricted, plan.target, self._scales, plan.names, smoothing=self.likelihood_smoothing)
         return gaussian_nll(restricted, plan.target, self._scales, plan.names)
 
+    def _stacked_objective(
+        self, view: ServerView, labels: Tensor, count: int
+    ) -> Callable[[Tensor, Tensor], Tensor] | None:
+        """The maximum-likelihood stage's restarts at once: the likelihood through the knowledge's clips
+        and this attack's plan (:func:`~lightning_gp.attacks.adaptive.stacked_match`); ``None`` in the
+        MAP stage (one run), where the transform is straight-through, or for a subclass's objective."""
+        if not inherits(self, NoiseAwareMAP, ("dummy_gradient", "gradient_distance", "image_prior")):
+            return None
+        if (
+            self._beta is not None
+            or self._scales is None
+            or getattr(self.knowledge.transform, "straight_through", False)
+        ):
+            return None
+        scales, smoothing = self._scales, self.likelihood_smoothing
+        laplace = self.knowledge.noise_law == "laplace"
+
+        def likelihood(guess: Mapping[str, Tensor], target: Mapping[str, Tensor], names: Sequence[str]) -> Tensor:
+            if laplace:
+                return laplace_nll(guess, target, scales, names, smoothing=smoothing)
+            return gaussian_nll(guess, target, scales, names)
+
+        return stacked_match(self.knowledge, [view], [labels], likelihood, repeats=count, plans=[self._require_plan()])
+
     def image_prior(self, images: Tensor) -> Tensor | None:
         """``TV(pixels) / beta`` in the MAP stage (times ``prior_weight``), nothing in the ML stage."""
         if self._beta is None or self._pixels is None:
@@ -218,6 +244,8 @@ class NoiseAwareMAP(DefenseAwareIDLG):
                 "ml_objective": ml.meta["objective"],
                 "prior_scale": None,
             }
+            if "restarts_side_by_side" in ml.meta:
+                meta["restarts_side_by_side"] = ml.meta["restarts_side_by_side"]
 
             def likelihood_only(reason: str) -> Reconstruction:
                 meta.update(objective=ml.meta["objective"], map_skipped=reason)
@@ -232,8 +260,7 @@ class NoiseAwareMAP(DefenseAwareIDLG):
             if beta <= 0:
                 return likelihood_only("a constant image: no pixel difference to estimate the prior's scale from")
             self._beta = beta
-            generator = torch.Generator(device=view.device).manual_seed(self.seed)
-            final, images, labels, trace = self._one_run(view, generator, ml.labels, -math.inf, init=ml.images)
+            final, images, labels, trace = self._one_run(view, (ml.images, None), ml.labels, -math.inf)
             if not math.isfinite(final):
                 return likelihood_only("the MAP run diverged")
             meta.update(objective=final, prior_scale=beta)

@@ -19,7 +19,13 @@ import torch
 from torch import Tensor, nn
 
 from lightning_gp.attacks.base import AttackNotApplicable, GradientAttack, Reconstruction
-from lightning_gp.attacks.batched import check_batchable, inverting_gradients_objective, stack_problems
+from lightning_gp.attacks.batched import (
+    check_batchable,
+    gradient_match_rows,
+    inverting_gradients_objective,
+    mappable,
+    stack_problems,
+)
 from lightning_gp.attacks.gradient_matching import (
     cosine_distance,
     parameter_gradients,
@@ -27,6 +33,7 @@ from lightning_gp.attacks.gradient_matching import (
     total_variation,
 )
 from lightning_gp.attacks.labels import recover_labels
+from lightning_gp.attacks.lockstep import BATCHED_IMAGES, Evaluate, RowObjective, lockstep
 from lightning_gp.attacks.registry import register_attack
 from lightning_gp.attacks.threat_models import requirements
 from lightning_gp.attacks.view import ServerView
@@ -161,31 +168,90 @@ class DLG(GradientAttack):
         view, generator = self._prepare(view)
         fixed = self._labels(view)
         stop_below = self.tolerance * float(sum(g.pow(2).sum() for g in view.gradients.values()))
-        best: tuple[float, Tensor, Tensor, list[float]] | None = None
-        for _ in range(self.restarts):
-            run = self._one_run(view, generator, fixed, stop_below)
-            if best is None or run[0] < best[0]:
-                best = run
-            if best[0] <= stop_below:  # matched to tolerance: no restart can do better by the attacker's criterion
-                break
-        assert best is not None  # restarts >= 1
-        final, images, labels, trace = best
-        return Reconstruction(
-            images=images, labels=labels, loss_trace=trace, attack=type(self).__name__, meta={"objective": final}
-        )
+        # every restart's start drawn first, in the order the restarts draw them one after another
+        starts = [self._random_start(view, generator) for _ in range(self.restarts)]
+        # a run matched to tolerance: no later restart can do better by the attacker's criterion. The
+        # first restart runs alone (on a gradient that leaks it often matches, and the rest never run);
+        # the rest side by side where their objective stacks
+        first = self._one_run(view, starts[0], fixed, stop_below)
+        runs: list[tuple[float, Tensor, Tensor, list[float]] | None] = [first]
+        later = starts[1:] if first[0] > stop_below else []
+        side_by_side = self._restarts_side_by_side(view, fixed, later) if later and fixed is not None else None
+        if side_by_side is not None:
+            runs += lockstep(
+                len(later),
+                side_by_side,
+                lambda r, evaluate: self._one_run(view, later[r], fixed, stop_below, evaluate=evaluate),
+                rows_per_call=max(1, BATCHED_IMAGES // view.batch_size),
+                cancels_later=lambda run: run[0] <= stop_below,  # type: ignore[index]  # a run's result, never None
+            )
+        else:
+            for start in later:
+                runs.append(run := self._one_run(view, start, fixed, stop_below))
+                if run[0] <= stop_below:
+                    break
+        kept = runs[_kept_restart([math.nan if run is None else run[0] for run in runs], stop_below)]
+        assert kept is not None  # only restarts after a kept one are cancelled
+        final, images, labels, trace = kept
+        meta: dict[str, object] = {"objective": final}
+        if side_by_side is not None:
+            meta["restarts_side_by_side"] = len(later)
+        return Reconstruction(images=images, labels=labels, loss_trace=trace, attack=type(self).__name__, meta=meta)
+
+    @staticmethod
+    def _random_start(view: ServerView, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        """A run's start: N(0, 1) images, then N(0, 1) label logits (drawn even where the labels are fixed)."""
+        images = random_images(view, generator)
+        return images, torch.randn((view.batch_size, view.num_classes), generator=generator, device=view.device)
+
+    def _objective(self, view: ServerView, images: Tensor, targets: Tensor) -> Tensor:
+        """The objective L-BFGS minimises: the gradient distance, plus the image prior where there is one."""
+        loss = self.gradient_distance(self.dummy_gradient(view, images, targets), view.gradients)
+        prior = self.image_prior(images)
+        return loss if prior is None else loss + prior
+
+    def _restarts_side_by_side(
+        self, view: ServerView, labels: Tensor, starts: list[tuple[Tensor, Tensor]]
+    ) -> RowObjective | None:
+        """The objective of the restarts from ``starts`` stacked, row ``r`` the run from ``starts[r]``
+        (:func:`~lightning_gp.attacks.lockstep.lockstep` runs them side by side), or ``None``: one
+        restart, an observer (it sees one run at a time), an objective that does not stack
+        (:meth:`_stacked_objective`), or one whose value at the first start differs from
+        :meth:`_objective`'s (a subclass's objective the stacked one does not model)."""
+        if len(starts) < 2 or self.observer is not None:
+            return None
+        stacked = self._stacked_objective(view, labels, len(starts))
+        if stacked is None:
+            return None
+        first = starts[0][0]
+        with torch.enable_grad():
+            alone = float(self._objective(view, first.clone().requires_grad_(True), labels).detach())
+        together = float(stacked(first[None], torch.zeros(1, dtype=torch.long, device=first.device))[0].detach())
+        if not math.isclose(alone, together, rel_tol=1e-4, abs_tol=1e-12):
+            return None
+        return stacked
+
+    def _stacked_objective(self, view: ServerView, labels: Tensor, count: int) -> RowObjective | None:
+        """:meth:`_objective` of ``count`` restarts at once, vmapped (``None`` here: DLG optimises its labels too)."""
+        return None
 
     def _one_run(
         self,
         view: ServerView,
-        generator: torch.Generator,
+        start: tuple[Tensor, Tensor | None],
         fixed: Tensor | None,
         stop_below: float,
-        init: Tensor | None = None,
+        *,
+        evaluate: Evaluate | None = None,
     ) -> tuple[float, Tensor, Tensor, list[float]]:
-        """One L-BFGS run from a random start (or from ``init``): ``(final objective, images, labels, loss trace)``."""
-        images = (random_images(view, generator) if init is None else init.detach().clone()).requires_grad_(True)
-        label_logits = torch.randn((view.batch_size, view.num_classes), generator=generator, device=view.device)
-        variables = [images] if fixed is not None else [images, label_logits.requires_grad_(True)]
+        """One L-BFGS run from ``start`` (images, label logits; the logits unused where the labels are
+        ``fixed``): ``(final objective, images, labels, loss trace)``. ``evaluate``: the objective and
+        its gradient from elsewhere (:func:`~lightning_gp.attacks.lockstep.lockstep`), fixed labels only."""
+        images = start[0].detach().clone().requires_grad_(True)
+        label_logits = start[1]
+        if fixed is None and (label_logits is None or evaluate is not None):
+            raise ValueError("DLG's soft labels need a start's label logits and its own objective")
+        variables = [images] if fixed is not None else [images, cast(Tensor, label_logits).requires_grad_(True)]
         optimizer = torch.optim.LBFGS(
             variables, lr=self.lr, max_iter=self.max_iter, history_size=100, line_search_fn=self.line_search
         )
@@ -193,11 +259,11 @@ class DLG(GradientAttack):
 
         def closure() -> Tensor:
             optimizer.zero_grad()
-            targets = fixed if fixed is not None else label_logits.softmax(dim=-1)
-            guess = self.dummy_gradient(view, images, targets)
-            loss = self.gradient_distance(guess, view.gradients)
-            prior = self.image_prior(images)
-            loss = loss if prior is None else loss + prior
+            if evaluate is not None:
+                loss, images.grad = evaluate(images)
+                return loss
+            targets = fixed if fixed is not None else cast(Tensor, label_logits).softmax(dim=-1)
+            loss = self._objective(view, images, targets)
             loss.backward()
             return loss
 
@@ -213,7 +279,7 @@ class DLG(GradientAttack):
                 break
         final = float(closure().detach())  # the objective of the images returned, not of the last iterate
         final = final if math.isfinite(final) else math.inf
-        labels = fixed if fixed is not None else label_logits.detach().argmax(dim=-1)
+        labels = fixed if fixed is not None else cast(Tensor, label_logits).detach().argmax(dim=-1)
         return final, images.detach(), labels, trace
 
     def _plateaued(self, trace: list[float]) -> bool:
@@ -229,10 +295,33 @@ class DLG(GradientAttack):
 )
 class IDLG(DLG):
     """Improved DLG (Zhao et al. 2020): recover the label analytically from the sign of the
-    last layer's gradient (Sec. 3), then run DLG on the inputs alone with that label."""
+    last layer's gradient (Sec. 3), then run DLG on the inputs alone with that label. Its restarts
+    run side by side (:func:`~lightning_gp.attacks.lockstep.lockstep`), each the run it is alone."""
 
     def _labels(self, view: ServerView) -> Tensor:
         return known_or_recovered_labels(view)
+
+    def _stacked_objective(self, view: ServerView, labels: Tensor, count: int) -> RowObjective | None:
+        if not inherits(self, IDLG, ("dummy_gradient", "gradient_distance", "image_prior")):
+            return None
+        match = gradient_match_rows([view], [labels], squared_l2_distance, repeats=count)
+        return match if mappable(match, view) else None
+
+
+def inherits(attack: object, owner: type, methods: Sequence[str]) -> bool:
+    """Whether ``attack``'s class takes ``methods`` from ``owner`` (a subclass that overrides one
+    changes the objective that ``owner``'s stacked objective models)."""
+    return all(getattr(type(attack), name) is getattr(owner, name) for name in methods)
+
+
+def _kept_restart(finals: Sequence[float], stop_below: float) -> int:
+    """The restart DLG keeps: the first whose final objective is at most ``stop_below`` (restarting
+    stops there), else the first of the lowest. A restart not run (NaN) is never kept: one is only
+    cancelled after an earlier one met ``stop_below``."""
+    for index, final in enumerate(finals):
+        if final <= stop_below:
+            return index
+    return min(range(len(finals)), key=lambda i: finals[i])
 
 
 # ----------------------------------------------------------------------- Adam image optimisation

@@ -27,15 +27,11 @@ import torch
 from torch import Tensor
 
 from lightning_gp.attacks.base import Reconstruction
+from lightning_gp.attacks.lockstep import BATCHED_IMAGES, RowObjective, values_and_gradients
 from lightning_gp.attacks.optimization import plateaued
 from lightning_gp.attacks.view import ServerView
 from lightning_gp.validation import check_int, check_number, check_positive, check_positive_int
 
-#: ``value_of(iterates [A, ...], rows [A]) -> [A]``: the objectives of problems ``rows`` at their iterates.
-RowObjective = Callable[[Tensor, Tensor], Tensor]
-#: Images per vmapped evaluation (problems x client batch): at a batch of one image on LeNetZhu a
-#: step of 31 problems together costs about a sixth of 31 steps alone; at batch 8 about as much.
-BATCHED_IMAGES = 64
 #: Gradient entries of the decoys searched side by side (their targets are held at once): 2^26
 #: floats, 256 MiB; on LeNetZhu every decoy, on ResNet-18 six at a time.
 DECOY_ENTRIES = 2**26
@@ -79,19 +75,6 @@ def decoy_guesses(
             rngs.append(rng_of(k))
         guesses += [result.images.detach() for result in attack(decoys, rngs)]
     return torch.stack(guesses).cpu()
-
-
-def mappable(match_rows: Callable[[Tensor, Tensor], Tensor], view: ServerView) -> bool:
-    """Whether a vmapped match evaluates on ``view``'s model: a model whose forward pass reads a value
-    out of a tensor (``.item()``) or uses an operation without a batching rule cannot be mapped, and
-    the caller then evaluates its problems one at a time (the same objective)."""
-    probe = torch.zeros(1, view.batch_size, *view.input_shape, device=view.device, requires_grad=True)
-    try:
-        with torch.enable_grad():
-            torch.autograd.grad(match_rows(probe, torch.zeros(1, dtype=torch.long, device=view.device)).sum(), probe)
-    except RuntimeError:
-        return False
-    return True
 
 
 @dataclass
@@ -166,7 +149,7 @@ def adam_searches(
     running = starts.detach().clone().requires_grad_(True)
     optimizer = torch.optim.Adam([running], lr=lr)
     for step in range(iterations):
-        current, gradient = _values_and_gradients(running.detach(), rows, value_of, rows_per_call)
+        current, gradient = values_and_gradients(running.detach(), rows, value_of, rows_per_call)
         listed = current.tolist()
         finite = [v for v in listed if math.isfinite(v)]
         if report is not None:
@@ -219,22 +202,6 @@ def best_restarts(
     return best
 
 
-def _values_and_gradients(
-    iterates: Tensor, rows: Tensor, value_of: RowObjective, rows_per_call: int
-) -> tuple[Tensor, Tensor]:
-    """The objectives ``[A]`` of problems ``rows`` and their gradients with respect to ``iterates``,
-    ``rows_per_call`` problems per call (the objectives are independent, so chunks do not interact)."""
-    values, gradients = [], []
-    for start in range(0, len(rows), rows_per_call):
-        chunk = iterates[start : start + rows_per_call].clone().requires_grad_(True)
-        with torch.enable_grad():
-            value = value_of(chunk, rows[start : start + rows_per_call])
-            (gradient,) = torch.autograd.grad(value.sum(), chunk)
-        values.append(value.detach())
-        gradients.append(gradient)
-    return torch.cat(values), torch.cat(gradients)
-
-
 def _kept(
     running: Tensor, optimizer: torch.optim.Adam, gradient: Tensor, keep: list[int], lr: float
 ) -> tuple[Tensor, torch.optim.Adam, Tensor]:
@@ -262,6 +229,5 @@ __all__ = [
     "cosine_to",
     "decoy_guesses",
     "decoys_per_search",
-    "mappable",
     "step_decay",
 ]
