@@ -286,6 +286,7 @@ def parse_args() -> argparse.Namespace:
         help="attack nothing: issue 49's bar on every row of this matrix row store "
         "(benchmarks/results/.matrix*_rows.jsonl, audited at the first --batch-sizes and --rounds)",
     )
+    parser.add_argument("--step-only", action="store_true", help="attack nothing: the step ratios alone, three repeats")
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args()
     if args.local_steps is not None:
@@ -385,6 +386,9 @@ def main() -> None:
         beside_the_frontier(args.beside_frontier, args.shipped, f"{args.name}_beside_frontier", args.output_dir)
         return
     torch.set_num_threads(1)
+    if args.step_only:
+        step_rows(args)
+        return
     make_data, _, channels = DATASETS[args.dataset]
     datamodule = make_data(args.sample)
     datamodule.setup("fit")
@@ -431,6 +435,28 @@ def main() -> None:
                 images += image_rows(audit, point)
                 print(rows[-1], flush=True)
     write_bar_results(args, rows, images, prior, attack_seconds)
+
+
+def step_rows(args: argparse.Namespace, repeats: int = 3) -> None:
+    """``--step-only``: the step ratio of every batch size and algorithm, ``repeats`` times each, taking
+    turns (on a shared machine, run it when nothing else does: the ratio drifts with the load)."""
+    reference = setting_builder(args.setting)(args.seed)
+    rows = []
+    for repeat in range(repeats):
+        for batch in args.batch_sizes:
+            for algorithm in args.algorithms:
+                epochs = args.local_epochs if algorithm == "fedavg" else 1
+                ratio = step_ratio(reference, batch, epochs)
+                rows.append({"repeat": repeat, "batch": batch, "algorithm": algorithm, "step": ratio})
+                print(rows[-1], flush=True)
+    preamble = (
+        f"The client's step with {args.setting} over the undefended step (LeNetZhu, one thread, CPU time; "
+        f"FedAvg: {args.local_epochs} local steps on its batch and the defense on their update), {repeats} "
+        f"repeats.\n\nRun: `python benchmarks/defense_that_holds.py --step-only --setting '{args.setting}' "
+        f"--batch-sizes {' '.join(map(str, args.batch_sizes))} --algorithms {' '.join(args.algorithms)} "
+        f"--local-epochs {args.local_epochs} --name {args.name}`"
+    )
+    write_results(f"{args.name}_step", rows, preamble, args.output_dir)
 
 
 def bar_beside_matrix(args: argparse.Namespace, datamodule: Any, channels: int) -> None:

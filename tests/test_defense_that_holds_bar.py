@@ -177,3 +177,23 @@ def test_local_epochs_is_read_under_its_old_name_too_and_bad_values_are_refused(
         with pytest.raises(SystemExit):
             parsed(*argv)
         assert message in capsys.readouterr().err
+
+
+def test_step_only_measures_every_batch_and_algorithm_three_times(monkeypatch, tmp_path: Path) -> None:
+    """``--step-only`` attacks nothing: three repeats of every (batch, algorithm) step ratio, FedAvg's
+    with its local epochs (the ratio itself: ``client_step_ratio``, tests/test_speed_benchmark.py)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import defense_that_holds
+
+    calls = []
+    monkeypatch.setattr(defense_that_holds, "step_ratio", lambda s, b, e: calls.append((b, e)) or 1.1)
+    argv = ["--step-only", "--batch-sizes", "1", "8", "--algorithms", "fedsgd", "fedavg", "--local-epochs", "2"]
+    monkeypatch.setattr("sys.argv", ["defense_that_holds.py", *argv, "--name", "bar", "--output-dir", str(tmp_path)])
+    defense_that_holds.main()
+    assert calls == [(1, 1), (1, 2), (8, 1), (8, 2)] * 3
+    with open(tmp_path / "bar_step.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(r["repeat"], r["batch"], r["algorithm"], r["step"]) for r in rows] == [
+        (str(k), b, a, "1.1") for k in range(3) for b in ("1", "8") for a in ("fedsgd", "fedavg")
+    ]
+    assert "--step-only" in (tmp_path / "bar_step.md").read_text()
