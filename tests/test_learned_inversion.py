@@ -330,7 +330,9 @@ def test_the_refined_inverter_s_decoys_refined_side_by_side_are_those_refined_on
 ) -> None:
     """The refined inverter's prior-only guesses: its decoys' refinements share one vmapped
     optimisation (InvertingGradients.stacked_objective and the defense-aware one through the match plan);
-    forced one decoy at a time they are the same guesses (float32 kernels sum in another order: to 1e-3)."""
+    forced one decoy at a time they are the same guesses (float32 kernels sum in another order, and the
+    difference grows along 40 steps by an amount that depends on the CPU's kernels: measured on two CPUs
+    at most 1.2e-3 in a pixel, 6e-7 on average; the bounds hold 4x that)."""
     from lightning_gp.attacks import DefenseAwareInversion, InvertingGradients, defense_knowledge
     from lightning_gp.defenses import TopKPruning
 
@@ -363,7 +365,9 @@ def test_the_refined_inverter_s_decoys_refined_side_by_side_are_those_refined_on
     monkeypatch.setattr(type(matching), "stacked_objective", lambda self, views, labels: None)
     one_by_one = attack._prior_only_guesses(view, 255)
     assert side_by_side.shape == one_by_one.shape == (5, 1, 1, 28, 28)
-    assert torch.allclose(side_by_side, one_by_one, atol=1e-3)
+    assert (
+        torch.allclose(side_by_side, one_by_one, atol=5e-3) and float((side_by_side - one_by_one).abs().mean()) < 3e-6
+    )
     unrefined = LearnedInversion._prior_only_guesses(attack, view, 5)
     assert (side_by_side - unrefined).abs().amax(dim=(1, 2, 3, 4)).gt(1e-2).any()  # some refinement was kept
 
