@@ -83,9 +83,10 @@ def restarts_one_by_one(active: bool) -> Iterator[None]:
         DLG._restarts_side_by_side = original  # type: ignore[method-assign]
 
 
-def audit_rows(args: argparse.Namespace, datamodule: Any) -> list[dict[str, Any]]:
-    """Issue 48's verdict check: each ``--audit`` setting's adaptive attacks both ways (module docstring)."""
-    rows = []
+def audit_rows(args: argparse.Namespace, datamodule: Any, preamble: str) -> list[dict[str, Any]]:
+    """Issue 48's verdict check: each ``--audit`` setting's adaptive attacks both ways (module docstring);
+    the results are rewritten after every (setting, batch size), so a stopped run keeps what it did."""
+    rows: list[dict[str, Any]] = []
     for spec in args.audit:
         for batch in args.batch_sizes:
             indices = attacked_images(datamodule, args.images, batch, seed=0)
@@ -113,6 +114,7 @@ def audit_rows(args: argparse.Namespace, datamodule: Any) -> list[dict[str, Any]
                     }
                 )  # fmt: skip
                 print(rows[-1], flush=True)
+            write_results(f"{args.name}_audit", rows, preamble)
     return rows
 
 
@@ -143,7 +145,7 @@ def main() -> None:
             f"--batch-sizes {' '.join(map(str, args.batch_sizes))} --images {args.images}"
             f"{' --sample' if args.sample else ''} --name {args.name}`"
         )
-        write_results(f"{args.name}_audit", audit_rows(args, datamodule), preamble)
+        audit_rows(args, datamodule, preamble)
         return
     rows = []
     for batch in args.batch_sizes:
