@@ -4,8 +4,9 @@ At a client batch of one image on LeNetZhu most of an objective evaluation is pe
 independent problems evaluated together cost little more than one (the objective of four restarts
 of iDLG at batch 1, vmapped: 4.2 ms, against 2.4 ms for one alone; :data:`BATCHED_IMAGES`). Only the
 objective is shared: each run's own L-BFGS bookkeeping (its two-loop recursion over up to 100 pairs)
-still runs per problem, about a quarter of a run alone, so four restarts side by side cost about
-three quarters of four one by one (``benchmarks/results/lbfgs_restarts.md``). Adam moves each problem
+still runs per problem, about a quarter of a run alone: the defense-aware iDLG of 4 restarts (the
+first alone, three side by side) takes 0.75-0.83 of its time one by one at batch 1, and 0.95-0.97 at
+batch 8, where three rows vmapped cost nearly three of one (``benchmarks/results/lbfgs_restarts.md``). Adam moves each problem
 elementwise and batches by stacking (:func:`~lightning_gp.attacks.searches.adam_searches`). L-BFGS
 does not: its strong-Wolfe line search asks for the objective a data-dependent number of times per
 step, differently for every problem, so stacking its problems by hand would mean a second L-BFGS with
