@@ -141,7 +141,9 @@ def main() -> None:
         preamble = (
             f"Each setting's adaptive attacks on {args.images} training images (seed 0), LeNetZhu at "
             "initialisation, the audit's default budgets, once with DLG-family restarts side by side and once "
-            f"one by one.\n\nRun: `python benchmarks/lbfgs_restarts.py --audit {' '.join(repr(a) for a in args.audit)} "
+            "one by one. The seconds are the cells' wall time, the two runs one after the other (not taking turns): "
+            "on a shared machine read the speed from the CPU-time rows of lbfgs_restarts.md, the verdicts from "
+            f"here.\n\nRun: `python benchmarks/lbfgs_restarts.py --audit {' '.join(repr(a) for a in args.audit)} "
             f"--batch-sizes {' '.join(map(str, args.batch_sizes))} --images {args.images}"
             f"{' --sample' if args.sample else ''} --name {args.name}`"
         )
