@@ -293,9 +293,9 @@ def parse_args() -> argparse.Namespace:
         if args.local_epochs is not None:
             parser.error("--local-steps is the old name of --local-epochs: give one of them")
         print("defense_that_holds.py: --local-steps is deprecated; it is --local-epochs", file=sys.stderr)
-    args.local_epochs = (
-        args.local_steps if args.local_steps is not None else (5 if args.local_epochs is None else args.local_epochs)
-    )
+        args.local_epochs = args.local_steps
+    elif args.local_epochs is None:
+        args.local_epochs = 5
     for name in ("images", "cohort", "deployment_rounds", "local_epochs"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -331,6 +331,11 @@ def audit_budget(quick: bool) -> AttackBudget:
             generative_prior=True, generative_max_steps=2,
         )  # fmt: skip
     return AttackBudget(learned_inversion=True, generative_prior=True)
+
+
+def local_epochs(args: argparse.Namespace, algorithm: str) -> int:
+    """The audited client's epochs over its batch: ``--local-epochs`` under FedAvg, one under FedSGD."""
+    return args.local_epochs if algorithm == "fedavg" else 1
 
 
 def step_ratio(setting: Any, batch_size: int, local_epochs: int = 1) -> float | None:
@@ -417,7 +422,7 @@ def main() -> None:
         )
         print(f"batch {batch}: eta {eta} ({bound_text})", flush=True)
         for algorithm in args.algorithms:
-            epochs = args.local_epochs if algorithm == "fedavg" else 1
+            epochs = local_epochs(args, algorithm)
             pmm = read_pmm(args.utility, (args.setting, plain(args.seed).name), batch, args.cohort, algorithm, epochs)
             ratio = step_ratio(reference, batch, epochs)
             print(f"batch {batch}, {algorithm}: PMM {pmm}; step {ratio}", flush=True)
@@ -445,8 +450,7 @@ def step_rows(args: argparse.Namespace, repeats: int = 3) -> None:
     for repeat in range(repeats):
         for batch in args.batch_sizes:
             for algorithm in args.algorithms:
-                epochs = args.local_epochs if algorithm == "fedavg" else 1
-                ratio = step_ratio(reference, batch, epochs)
+                ratio = step_ratio(reference, batch, local_epochs(args, algorithm))
                 rows.append({"repeat": repeat, "batch": batch, "algorithm": algorithm, "step": ratio})
                 print(rows[-1], flush=True)
     preamble = (

@@ -4,7 +4,7 @@
 noised FedSGD gradients of LeNetZhu (Fashion-MNIST, ``GaussianNoise`` at each ``--scales``, the
 attacker knowing it), each client attacked twice, the two taking turns:
 
-- ``one by one``: every restart after the other (the stacked objective withheld);
+- ``one by one``: every restart after the other (as before the side-by-side path);
 - ``side by side``: the first restart alone, the others in one vmapped objective
   (:mod:`lightning_gp.attacks.lockstep`).
 
@@ -62,10 +62,9 @@ def image_psnr(found: torch.Tensor, original: torch.Tensor, view: ServerView) ->
 def attack(view: ServerView, scale: float, seed: int, side_by_side: bool) -> tuple[float, torch.Tensor, dict]:
     """CPU seconds, images and meta of the defense-aware iDLG on ``view``."""
     attacker = DefenseAwareIDLG(defense_knowledge(GaussianNoise(scale=scale)), iterations=300, restarts=4, seed=seed)
-    if not side_by_side:
-        attacker._stacked_objective = lambda view, labels, count: None  # type: ignore[method-assign]
     start = time.process_time()
-    result = attacker.reconstruct(view)
+    with restarts_one_by_one(not side_by_side):
+        result = attacker.reconstruct(view)
     return time.process_time() - start, result.images, result.meta
 
 

@@ -226,3 +226,7 @@ def test_an_attack_whose_objective_is_its_own_runs_its_restarts_one_by_one(float
     assert "restarts_side_by_side" not in heavier.reconstruct(view).meta
     plain = NoiseAwareMAP(knowledge, iterations=3, restarts=3, seed=2, max_iter=3, prior_weight=0)
     assert plain.reconstruct(view).meta["restarts_side_by_side"] == 2
+    # the class-level guard on its own (the value check at the first start would catch these two too)
+    assert not Hinge()._objective_is_the_stacked_ones() and not heavier._objective_is_the_stacked_ones()
+    assert IDLG()._objective_is_the_stacked_ones() and plain._objective_is_the_stacked_ones()
+    assert DefenseAwareIDLG(knowledge)._objective_is_the_stacked_ones()

@@ -60,7 +60,7 @@ from lightning_gp.attacks.gradient_matching import (
     squared_l2_distance,
     total_variation,
 )
-from lightning_gp.attacks.optimization import IDLG, InvertingGradients, inherits
+from lightning_gp.attacks.optimization import IDLG, InvertingGradients
 from lightning_gp.attacks.registry import register_defense_knowledge
 from lightning_gp.attacks.sgi import recover_mask
 from lightning_gp.attacks.threat_models import requirements
@@ -603,10 +603,7 @@ class DefenseAwareIDLG(_KnowsTheDefense, IDLG):
         self, view: ServerView, labels: Tensor, count: int
     ) -> Callable[[Tensor, Tensor], Tensor] | None:
         """The restarts' match through the knowledge (:func:`stacked_match`); ``None`` where the transform
-        is straight-through (this attack leaves that stage out, the stacked match would not) or a
-        subclass changes the objective."""
-        if not inherits(self, DefenseAwareIDLG, ("dummy_gradient", "gradient_distance", "image_prior")):
-            return None
+        is straight-through (this attack leaves that stage out, the stacked match would not)."""
         if getattr(self.knowledge.transform, "straight_through", False):
             return None
         return stacked_match(self.knowledge, [view], [labels], squared_l2_distance, repeats=count)

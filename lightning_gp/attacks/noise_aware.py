@@ -77,7 +77,6 @@ from lightning_gp.attacks.gradient_matching import (
     parameter_gradients,
     total_variation,
 )
-from lightning_gp.attacks.optimization import inherits
 from lightning_gp.attacks.registry import register_defense_knowledge
 from lightning_gp.attacks.view import ServerView
 from lightning_gp.defenses.noise import GaussianNoise, LaplaceNoise, LocalGaussianMechanism
@@ -180,9 +179,7 @@ class NoiseAwareMAP(DefenseAwareIDLG):
     ) -> Callable[[Tensor, Tensor], Tensor] | None:
         """The maximum-likelihood stage's restarts at once: the likelihood through the knowledge's clips
         and this attack's plan (:func:`~lightning_gp.attacks.adaptive.stacked_match`); ``None`` in the
-        MAP stage (one run), where the transform is straight-through, or for a subclass's objective."""
-        if not inherits(self, NoiseAwareMAP, ("dummy_gradient", "gradient_distance", "image_prior")):
-            return None
+        MAP stage (one run), or where the transform is straight-through."""
         if (
             self._beta is not None
             or self._scales is None

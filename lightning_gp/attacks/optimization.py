@@ -218,7 +218,7 @@ class DLG(GradientAttack):
         restart, an observer (it sees one run at a time), an objective that does not stack
         (:meth:`_stacked_objective`), or one whose value at the first start differs from
         :meth:`_objective`'s (a subclass's objective the stacked one does not model)."""
-        if len(starts) < 2 or self.observer is not None:
+        if len(starts) < 2 or self.observer is not None or not self._objective_is_the_stacked_ones():
             return None
         stacked = self._stacked_objective(view, labels, len(starts))
         if stacked is None:
@@ -234,6 +234,14 @@ class DLG(GradientAttack):
     def _stacked_objective(self, view: ServerView, labels: Tensor, count: int) -> RowObjective | None:
         """:meth:`_objective` of ``count`` restarts at once, vmapped (``None`` here: DLG optimises its labels too)."""
         return None
+
+    def _objective_is_the_stacked_ones(self) -> bool:
+        """Whether the pieces of :meth:`_objective` are those of the class that defines
+        :meth:`_stacked_objective` (a subclass that overrides one has an objective the stacked one does
+        not model)."""
+        owner = next(c for c in type(self).__mro__ if "_stacked_objective" in vars(c))
+        pieces = ("dummy_gradient", "gradient_distance", "image_prior")
+        return all(getattr(type(self), name) is getattr(owner, name) for name in pieces)
 
     def _one_run(
         self,
@@ -302,16 +310,8 @@ class IDLG(DLG):
         return known_or_recovered_labels(view)
 
     def _stacked_objective(self, view: ServerView, labels: Tensor, count: int) -> RowObjective | None:
-        if not inherits(self, IDLG, ("dummy_gradient", "gradient_distance", "image_prior")):
-            return None
         match = gradient_match_rows([view], [labels], squared_l2_distance, repeats=count)
         return match if mappable(match, view) else None
-
-
-def inherits(attack: object, owner: type, methods: Sequence[str]) -> bool:
-    """Whether ``attack``'s class takes ``methods`` from ``owner`` (a subclass that overrides one
-    changes the objective that ``owner``'s stacked objective models)."""
-    return all(getattr(type(attack), name) is getattr(owner, name) for name in methods)
 
 
 def _kept_restart(finals: Sequence[float], stop_below: float) -> int:
