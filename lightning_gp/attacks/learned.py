@@ -62,6 +62,7 @@ from lightning_gp.attacks.threat_models import requirements
 from lightning_gp.attacks.trained_cache import DigestedKey, TrainedCache, tensor_state
 from lightning_gp.attacks.view import ServerView
 from lightning_gp.normalization import normalize
+from lightning_gp.optim import fused_adam
 from lightning_gp.seeding import seeded_generator
 from lightning_gp.validation import check_positive, check_positive_int
 
@@ -445,7 +446,7 @@ class LearnedInversion(GradientAttack):
         network = InverterNetwork(sketch.dim, cfg.hidden, batch_size, tuple(view.input_shape)).to(view.device)
         network.feature_mean.copy_(train_x.mean(0))
         network.feature_std.copy_(train_x.std(0).clamp_min(1e-6))
-        optimizer = torch.optim.Adam(network.parameters(), lr=cfg.lr)
+        optimizer = fused_adam(network.parameters(), lr=cfg.lr)
         best, best_state, since, epochs, stopped = math.inf, copy.deepcopy(network.state_dict()), 0, 0, "max_epochs"
         for epoch in range(cfg.max_epochs):
             network.train()

@@ -43,6 +43,7 @@ from lightning_gp.attacks.trained_cache import (
     training_payload,
     training_record,
 )
+from lightning_gp.optim import fused_adam
 from lightning_gp.seeding import seeded_generator
 from lightning_gp.validation import check_number, check_positive, check_positive_int
 
@@ -172,8 +173,8 @@ def train_generator(
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=stream)))
     shape = tuple(pixels.shape[1:])
     net_g, net_d = Generator(shape, config.latent_dim, config.width), Discriminator(shape, config.width)
-    opt_g = torch.optim.Adam(net_g.parameters(), lr=config.lr, betas=(0.5, 0.999))
-    opt_d = torch.optim.Adam(net_d.parameters(), lr=config.lr, betas=(0.5, 0.999))
+    opt_g = fused_adam(net_g.parameters(), lr=config.lr, betas=(0.5, 0.999))
+    opt_d = fused_adam(net_d.parameters(), lr=config.lr, betas=(0.5, 0.999))
     validation = pixels[held_out]
     bandwidth = median_bandwidth(validation)
     eval_z = torch.randn(config.eval_samples, config.latent_dim, generator=stream)

@@ -55,6 +55,7 @@ from lightning_gp.attacks.trained_cache import (
     training_payload,
     training_record,
 )
+from lightning_gp.optim import fused_adam
 from lightning_gp.seeding import seeded_generator
 from lightning_gp.validation import check_int, check_number, check_positive, check_positive_int
 
@@ -229,7 +230,7 @@ def train_restoration(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=stream)))
         network = RestorationNetwork(tuple(pixels.shape[1:]), num_classes, config.width)
-    optimizer = torch.optim.Adam(network.parameters(), lr=config.lr)
+    optimizer = fused_adam(network.parameters(), lr=config.lr)
     val_pixels, val_labels = pixels[held_out], labels[held_out]
     val_inputs = degrade(
         val_pixels, scale_factor, config.noise_max * torch.rand(len(held_out), generator=stream), stream
