@@ -209,3 +209,69 @@ def test_frozen_layers_keep_each_clients_own_weights() -> None:
         del view.gradients["body.0.weight"]
     attack = InvertingGradients(iterations=6)
     assert_same(attack.reconstruct_many(views), attack.reconstruct_many(views, batched=False))
+
+
+# ------------------------------------------------------------------ one attack object per client
+def test_clients_attacked_side_by_side_each_follow_their_own_attacks_reconstruct() -> None:
+    # the audit builds one attack per client (its own seed): each client's starts are its attack's draws
+    model = lenet()
+    views = [make_view(copy.deepcopy(model), seed, batch=2, mean=0.1 * seed) for seed in range(3)]
+    attacks = [InvertingGradients(iterations=12, restarts=2, seed=10 + c) for c in range(3)]
+    together = attacks[0].reconstruct_side_by_side(attacks, views)
+    assert together is not None
+    assert_same(together, [attack.reconstruct(view) for attack, view in zip(attacks, views)])
+    # not one seed for all: the second client's result is not what the first attack would give it
+    assert not torch.allclose(together[1].images, attacks[0].reconstruct(views[1]).images)
+
+
+def test_defense_aware_inversion_side_by_side_is_its_reconstruct_marks_included() -> None:
+    from lightning_gp.attacks import DefenseAwareInversion, defense_knowledge
+    from lightning_gp.defenses import TopKPruning
+
+    pruning = TopKPruning(0.6, error_feedback=False)
+    views = []
+    for seed in range(3):
+        view = make_view(lenet(), seed)
+        views.append(ServerView(**{**view.__dict__, "gradients": pruning(dict(view.gradients), 0)}))
+    attacks = [DefenseAwareInversion(defense_knowledge(pruning), iterations=10, seed=c) for c in range(3)]
+    together = attacks[0].reconstruct_side_by_side(attacks, views)
+    assert together is not None
+    alone = [attack.reconstruct(view) for attack, view in zip(attacks, views)]
+    assert_same(together, alone)
+    marks = ("fallback", "defense", "support_fraction", "matched_layers")
+    for a, b in zip(together, alone):
+        assert set(a.meta) - {"batched"} == set(b.meta)
+        assert {k: a.meta[k] for k in marks} == {k: b.meta[k] for k in marks}
+        assert a.meta["fallback"] is False and 0 < a.meta["support_fraction"] < 1
+
+
+def test_attacks_that_cannot_share_an_optimisation_are_left_to_run_one_by_one() -> None:
+    model = lenet()
+    views = [make_view(copy.deepcopy(model), seed) for seed in range(2)]
+    ig = InvertingGradients(iterations=4)
+    assert ig.reconstruct_side_by_side([ig, InvertingGradients(iterations=5)], views) is None  # other settings
+    assert ig.reconstruct_side_by_side([ig, GradInversion(iterations=4, bn_weight=0)], views) is None  # other class
+    assert ig.reconstruct_side_by_side([ig], views) is None  # not one attack per view
+    gi = GradInversion(iterations=4, bn_weight=0)
+    assert gi.reconstruct_side_by_side([gi, gi], views) is None  # its own objective
+    observed = InvertingGradients(iterations=4, observer=lambda i, x: None)
+    assert observed.reconstruct_side_by_side([observed, observed], views) is None
+    other_batch = [views[0], make_view(copy.deepcopy(model), 1, batch=2)]
+    assert ig.reconstruct_side_by_side([ig, ig], other_batch) is None
+    assert DLG(iterations=2).reconstruct_side_by_side([DLG(iterations=2)] * 2, views) is None
+
+
+def test_defense_aware_clients_whose_knowledge_clips_otherwise_run_one_by_one() -> None:
+    from lightning_gp.attacks import DefenseAwareInversion, DefenseKnowledge, coordinate_clip
+
+    views = [make_view(lenet(), seed) for seed in range(2)]
+
+    def clipping(clip: float) -> DefenseAwareInversion:
+        return DefenseAwareInversion(DefenseKnowledge(support=False, transform=coordinate_clip(clip)), iterations=3)
+
+    # both describe "transform": only the value at the starts tells the second client's clip from the first's
+    # (a per-entry clip turns the gradient; a clip of its norm would not change the cosine at all)
+    other = [clipping(1.0), clipping(0.01)]
+    assert other[0].reconstruct_side_by_side(other, views) is None
+    same = [clipping(0.01), clipping(0.01)]
+    assert same[0].reconstruct_side_by_side(same, views) is not None

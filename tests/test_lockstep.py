@@ -17,10 +17,12 @@ from torch import Tensor, nn
 from lightning_gp.attacks import (
     IDLG,
     DefenseAwareIDLG,
+    DefenseKnowledge,
     NoiseAwareMAP,
     ServerView,
     defense_knowledge,
     parameter_gradients,
+    update_clip,
 )
 from lightning_gp.attacks.lockstep import Cancelled, lockstep
 from lightning_gp.defenses import GaussianNoise
@@ -167,7 +169,7 @@ def _view(batch: int = 2, noise: float = 0.05) -> ServerView:
 
 def _one_by_one(attack):
     """The same attack with its restarts run one after another (the stacked objective withheld)."""
-    attack._stacked_objective = lambda view, labels, count: None
+    attack._stacked_objective = lambda views, labels, count, peers=None: None
     return attack
 
 
@@ -230,3 +232,92 @@ def test_an_attack_whose_objective_is_its_own_runs_its_restarts_one_by_one(float
     assert not Hinge()._objective_is_the_stacked_ones() and not heavier._objective_is_the_stacked_ones()
     assert IDLG()._objective_is_the_stacked_ones() and plain._objective_is_the_stacked_ones()
     assert DefenseAwareIDLG(knowledge)._objective_is_the_stacked_ones()
+
+
+# ------------------------------------------------------------------------------ the clients of a cell
+def _clients(noises: list[float], batch: int = 2) -> list[ServerView]:
+    """One round's model, a client per noise level, each with its own images."""
+    torch.manual_seed(0)
+    model = LeNetZhu(num_classes=CLASSES, image_size=12)
+    views = []
+    for client, noise in enumerate(noises):
+        generator = torch.Generator().manual_seed(100 + client)
+        x = torch.rand(batch, *SHAPE, generator=generator) * 2 - 1
+        y = (torch.arange(batch) + client) % CLASSES
+        grads = parameter_gradients(model, nn.CrossEntropyLoss(), x, y, create_graph=False)
+        noisy = {n: g + noise * torch.randn(g.shape, generator=generator) for n, g in grads.items()}
+        views.append(
+            ServerView(model=model, gradients=noisy, batch_size=batch, input_shape=SHAPE, num_classes=CLASSES, labels=y)
+        )
+    return views
+
+
+def _assert_each_is_its_own(together, alone) -> None:
+    for a, b in zip(together, alone, strict=True):
+        torch.testing.assert_close(a.images, b.images, rtol=0, atol=1e-9)
+        assert a.meta["objective"] == pytest.approx(b.meta["objective"], rel=1e-9)
+        assert a.loss_trace == pytest.approx(b.loss_trace, rel=1e-9)
+        assert torch.equal(a.labels, b.labels)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda seed: IDLG(iterations=6, restarts=3, seed=seed, max_iter=5),
+        lambda seed: DefenseAwareIDLG(
+            defense_knowledge(GaussianNoise(scale=0.05)), iterations=6, restarts=3, seed=seed, max_iter=5
+        ),
+    ],
+    ids=["iDLG", "DefenseAwareIDLG"],
+)
+def test_clients_side_by_side_each_get_the_reconstruction_of_their_own_attack(float64, build) -> None:
+    """Three clients, each attacked by its own object (its own seed): first every first restart, then
+    every later one, side by side; each client's result is its own attack's reconstruction."""
+    views = _clients([0.05, 0.05, 0.05])
+    attacks = [build(seed) for seed in (2, 3, 4)]
+    together = attacks[0].reconstruct_side_by_side(attacks, views)
+    assert together is not None
+    _assert_each_is_its_own(together, [attack.reconstruct(view) for attack, view in zip(attacks, views)])
+    assert [r.meta["clients_side_by_side"] for r in together] == [3, 3, 3]
+    assert [r.meta["restarts_side_by_side"] for r in together] == [2, 2, 2]
+    if isinstance(attacks[0], DefenseAwareIDLG):
+        alone = attacks[1].reconstruct(views[1])
+        for mark in ("fallback", "defense", "support_fraction", "matched_layers"):
+            assert together[1].meta[mark] == alone.meta[mark]
+
+
+def test_a_client_whose_first_restart_matches_runs_no_other(float64) -> None:
+    """A noiseless one-image client matches on its first restart and keeps it; the noisy clients beside
+    it run their later restarts, each cancelling only its own."""
+    views = _clients([0.0, 0.05, 0.05], batch=1)
+    # a loose tolerance, so that it matches in 5 steps: over long runs the rounding of the vmapped match
+    # parts L-BFGS trajectories even in float64 (8 steps here, as the restart tests run 6)
+    attacks = [IDLG(iterations=8, restarts=3, seed=seed, tolerance=1e-3, max_iter=5) for seed in (2, 3, 4)]
+    together = attacks[0].reconstruct_side_by_side(attacks, views)
+    assert together is not None
+    _assert_each_is_its_own(together, [attack.reconstruct(view) for attack, view in zip(attacks, views)])
+    assert "restarts_side_by_side" not in together[0].meta
+    assert together[1].meta["restarts_side_by_side"] == together[2].meta["restarts_side_by_side"] == 2
+
+
+def test_clients_side_by_side_is_left_to_the_attacks_that_model_it(float64) -> None:
+    from lightning_gp.attacks import DLG
+
+    views = _clients([0.05, 0.05])
+    knowledge = defense_knowledge(GaussianNoise(scale=0.05))
+    map_attacks = [NoiseAwareMAP(knowledge, iterations=2, restarts=2, seed=s) for s in (0, 1)]
+    assert map_attacks[0].reconstruct_side_by_side(map_attacks, views) is None  # its own two stages
+    soft = [DLG(iterations=2, seed=s) for s in (0, 1)]
+    assert soft[0].reconstruct_side_by_side(soft, views) is None  # DLG optimises its labels
+    observed = IDLG(iterations=2, observer=lambda i, x: None)
+    assert observed.reconstruct_side_by_side([observed, observed], views) is None
+    mixed = [IDLG(iterations=2), IDLG(iterations=3)]
+    assert mixed[0].reconstruct_side_by_side(mixed, views) is None
+    # knowledge that describes alike but clips otherwise: the stacked objective (the first attack's clip)
+    # is not the second client's own at its start
+    clipped = [
+        DefenseAwareIDLG(DefenseKnowledge(support=False, transform=update_clip(c)), iterations=2) for c in (1.0, 0.01)
+    ]
+    assert clipped[0].reconstruct_side_by_side(clipped, views) is None
+    same_clip = [DefenseAwareIDLG(DefenseKnowledge(support=False, transform=update_clip(0.01)), iterations=2)] * 2
+    assert same_clip[0].reconstruct_side_by_side(same_clip, views) is not None

@@ -60,7 +60,7 @@ from lightning_gp.attacks.gradient_matching import (
     squared_l2_distance,
     total_variation,
 )
-from lightning_gp.attacks.optimization import IDLG, InvertingGradients
+from lightning_gp.attacks.optimization import DLG, IDLG, InvertingGradients, known_or_recovered_labels, random_images
 from lightning_gp.attacks.registry import register_defense_knowledge
 from lightning_gp.attacks.sgi import recover_mask
 from lightning_gp.attacks.threat_models import requirements
@@ -548,12 +548,12 @@ class DefenseAwareInversion(_KnowsTheDefense, InvertingGradients):
         return loss
 
     def stacked_objective(
-        self, views: Sequence[ServerView], labels: Sequence[Tensor]
+        self, views: Sequence[ServerView], labels: Sequence[Tensor], *, plans: Sequence[MatchPlan] | None = None
     ) -> Callable[[Tensor], Tensor] | None:
         """:meth:`objective` of every view at once (``[P, B, C, H, W] -> [P]``), vmapped through the
-        knowledge's clips and each view's match plan (:func:`stacked_match`); ``None`` where that
-        does not stack."""
-        match = stacked_match(self.knowledge, views, labels, cosine_distance)
+        knowledge's clips and each view's match plan (``plans``, else the knowledge's; :func:`stacked_match`);
+        ``None`` where that does not stack."""
+        match = stacked_match(self.knowledge, views, labels, cosine_distance, plans=plans)
         if match is None:
             return None
         rows = torch.arange(len(views), device=views[0].device)
@@ -572,6 +572,74 @@ class DefenseAwareInversion(_KnowsTheDefense, InvertingGradients):
             )  # fmt: skip
 
         return self._reconstruct_knowing(view, published, super().reconstruct)
+
+    def reconstruct_side_by_side(
+        self, attacks: Sequence[GradientAttack], views: Sequence[ServerView]
+    ) -> list[Reconstruction] | None:
+        """As :meth:`InvertingGradients.reconstruct_side_by_side`, through the knowledge: each view's
+        problem (one restart each) matched by :meth:`stacked_objective` with its own match plan, each
+        result marked as :meth:`reconstruct` marks it. ``None`` also where the attacks' knowledge differs
+        (by what it describes, or by value: each view's stacked objective must equal its own attack's at its
+        start), where it does not cover some view (that view's fallback runs alone), where the match does
+        not stack, or for a subclass with an objective of its own."""
+        own = ("objective", "reconstruct", "stacked_objective", "reconstruct_side_by_side")
+        if any(getattr(type(self), m) is not getattr(DefenseAwareInversion, m) for m in own):
+            return None
+        if self.restarts != 1 or not self._alike(attacks, views):
+            return None
+        knowing = cast(Sequence[DefenseAwareInversion], attacks)
+        described = self.knowledge.describe()
+        if any(a.knowledge.describe() != described for a in knowing):
+            return None
+        if any(a.knowledge.fallback(view, type(self).__name__) is not None for a, view in zip(knowing, views)):
+            return None
+        prepared = [attack._prepare(view) for attack, view in zip(knowing, views)]
+        views = [view for view, _ in prepared]
+        plans = [attack._match_plan(view) for attack, view in zip(knowing, views)]
+        labels = [known_or_recovered_labels(view) for view in views]
+        chunk = self._side_by_side_chunk(views)
+        objectives = [
+            self.stacked_objective(views[i : i + chunk], labels[i : i + chunk], plans=plans[i : i + chunk])
+            for i in range(0, len(views), chunk)
+        ]
+        if any(objective is None for objective in objectives):
+            return None
+        starts = torch.stack([random_images(view, generator) for view, generator in prepared])
+        for i, objective in enumerate(objectives):
+            rows = slice(i * chunk, (i + 1) * chunk)
+            alone = [
+                _own_objective(a, v, y, plan)
+                for a, v, y, plan in zip(knowing[rows], views[rows], labels[rows], plans[rows])
+            ]
+            if not _rows_are(cast(Callable[[Tensor], Tensor], objective), alone, starts[rows]):
+                return None
+        low, high = (torch.stack(bound) for bound in zip(*(view.data_bounds() for view in views)))
+        finals, images, traces = self._optimize_chunks(
+            starts, chunk, lambda rows: cast(Callable[[Tensor], Tensor], objectives[rows.start // chunk]),
+            lambda rows: (low[rows], high[rows]),
+        )  # fmt: skip
+        results = self._kept_restarts(labels, finals, images, traces)
+        return [_mark(r, a.knowledge, view, plan, None) for r, a, view, plan in zip(results, knowing, views, plans)]
+
+
+def _own_objective(
+    attack: DefenseAwareInversion, view: ServerView, labels: Tensor, plan: MatchPlan
+) -> Callable[[Tensor], Tensor]:
+    """``attack``'s own objective on ``view`` with ``plan`` as its running match plan."""
+    attack._plan = plan
+    try:
+        return attack.objective(view, labels)
+    finally:
+        attack._plan = None
+
+
+def _rows_are(stacked: Callable[[Tensor], Tensor], own: Sequence[Callable[[Tensor], Tensor]], starts: Tensor) -> bool:
+    """Whether row ``p`` of ``stacked`` at ``starts`` equals ``own[p]`` at ``starts[p]`` (relative 1e-4): a
+    guard against a stacked objective that does not model some problem's own (e.g. another clip)."""
+    with torch.enable_grad():
+        together = stacked(starts).detach().tolist()
+        alone = [float(objective(start).detach()) for objective, start in zip(own, starts)]
+    return all(math.isclose(a, t, rel_tol=1e-4, abs_tol=1e-12) for a, t in zip(alone, together))
 
 
 class DefenseAwareIDLG(_KnowsTheDefense, IDLG):
@@ -600,13 +668,16 @@ class DefenseAwareIDLG(_KnowsTheDefense, IDLG):
         return squared_l2_distance(plan.restrict(guess), plan.target, plan.names)
 
     def _stacked_objective(
-        self, view: ServerView, labels: Tensor, count: int
+        self, views: Sequence[ServerView], labels: Sequence[Tensor], count: int, peers: Sequence[DLG] | None = None
     ) -> Callable[[Tensor, Tensor], Tensor] | None:
-        """The restarts' match through the knowledge (:func:`stacked_match`); ``None`` where the transform
-        is straight-through (this attack leaves that stage out, the stacked match would not)."""
+        """The restarts' match through the knowledge (:func:`stacked_match`), each view's rows through
+        its attack's match plan (the running one, else the knowledge's); ``None`` where the transform is
+        straight-through (this attack leaves that stage out, the stacked match would not)."""
         if getattr(self.knowledge.transform, "straight_through", False):
             return None
-        return stacked_match(self.knowledge, [view], [labels], squared_l2_distance, repeats=count)
+        plans = [cast(DefenseAwareIDLG, peer)._plan for peer in (peers or [self] * len(views))]
+        known = None if any(plan is None for plan in plans) else cast(list[MatchPlan], plans)
+        return stacked_match(self.knowledge, views, labels, squared_l2_distance, repeats=count, plans=known)
 
     def _published(self) -> GradientAttack:
         """The published iDLG of this attack's budget: what runs when the knowledge does not cover the client."""
@@ -619,6 +690,38 @@ class DefenseAwareIDLG(_KnowsTheDefense, IDLG):
 
     def reconstruct(self, view: ServerView) -> Reconstruction:
         return self._reconstruct_knowing(view, self._published, super().reconstruct)
+
+    def reconstruct_side_by_side(
+        self, attacks: Sequence[GradientAttack], views: Sequence[ServerView]
+    ) -> list[Reconstruction] | None:
+        """As :meth:`DLG.reconstruct_side_by_side <lightning_gp.attacks.DLG.reconstruct_side_by_side>`,
+        through the knowledge: each client's runs matched with its own match plan, each result marked as
+        :meth:`reconstruct` marks it. ``None`` also where the attacks' knowledge differs (by what it
+        describes, or by value at the clients' first starts) or does not cover some client (that client's
+        fallback runs alone), or for a subclass with a reconstruction of its own (the noise-aware MAP
+        attack's two stages)."""
+        if type(self).reconstruct is not DefenseAwareIDLG.reconstruct or not self._alike(attacks, views):
+            return None
+        knowing = cast(Sequence[DefenseAwareIDLG], attacks)
+        described = self.knowledge.describe()
+        if any(a.knowledge.describe() != described for a in knowing):
+            return None
+        if any(a.knowledge.fallback(view, type(self).__name__) is not None for a, view in zip(knowing, views)):
+            return None
+        prepared = [attack._prepare(view) for attack, view in zip(knowing, views)]
+        plans = [attack._match_plan(view) for attack, (view, _) in zip(knowing, prepared)]
+        for attack, plan in zip(knowing, plans):
+            attack._plan = plan
+        try:
+            runs = self._clients_side_by_side(knowing, prepared)
+        finally:
+            for attack in knowing:
+                attack._plan = None
+        if runs is None:
+            return None
+        return [
+            _mark(r, a.knowledge, view, plan, None) for r, a, (view, _), plan in zip(runs, knowing, prepared, plans)
+        ]
 
 
 # ------------------------------------------------------------------------------ compositions

@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from lightning_gp.attacks.batched import check_batchable
 from lightning_gp.attacks.monitor import tick
 from lightning_gp.attacks.threat_models import requirements
 from lightning_gp.attacks.view import ServerView
@@ -82,6 +83,34 @@ class GradientAttack(ABC):
         if isinstance(views, ServerView) or not isinstance(views, Sequence):
             raise TypeError(f"views must be a sequence of ServerView, got {type(views).__name__}")
         return [self.reconstruct(view) for view in views]
+
+    def reconstruct_side_by_side(
+        self, attacks: Sequence[GradientAttack], views: Sequence[ServerView]
+    ) -> list[Reconstruction] | None:
+        """``attacks[i].reconstruct(views[i])`` for every ``i`` (one attack object per client, this one
+        among them, each with its own seed) in one shared optimisation, or ``None`` where they cannot
+        share one: then the caller runs them one by one. ``None`` here; attacks whose problems stack
+        override it (:meth:`InvertingGradients.reconstruct_side_by_side`)."""
+        return None
+
+    def _settings(self) -> tuple[object, ...] | None:
+        """What attacks must share, the seed aside, for their problems to share one optimisation
+        (``None``: they never do)."""
+        return None
+
+    def _alike(self, attacks: Sequence[GradientAttack], views: Sequence[ServerView]) -> bool:
+        """One attack per view, every one of this class with this one's :meth:`_settings`, and views
+        that share one vmapped optimisation (:func:`~lightning_gp.attacks.batched.check_batchable`)."""
+        settings = self._settings()
+        if settings is None or len(attacks) != len(views) or not views:
+            return False
+        if any(type(a) is not type(self) or a._settings() != settings for a in attacks):
+            return False
+        try:
+            check_batchable(views)
+        except (TypeError, ValueError):
+            return False
+        return True
 
     def _prepare(self, view: ServerView) -> tuple[ServerView, torch.Generator]:
         """The view on the attack's device and a seeded generator there. The model keeps the mode

@@ -24,7 +24,7 @@ inside batched kernels (:mod:`lightning_gp.attacks.batched`).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import torch
@@ -66,9 +66,10 @@ class Cancelled(Exception):
 class _Evaluator:
     """Gathers the problems' requests and answers them together once every running problem has asked."""
 
-    def __init__(self, count: int, value_of: RowObjective, rows_per_call: int) -> None:
+    def __init__(self, count: int, value_of: RowObjective, rows_per_call: int, groups: Sequence[int]) -> None:
         self._value_of = value_of
         self._rows_per_call = rows_per_call
+        self._groups = groups
         self._changed = threading.Condition()
         self._running = set(range(count))
         self._asked: dict[int, Tensor] = {}
@@ -88,13 +89,14 @@ class _Evaluator:
         return answer
 
     def finish(self, problem: int, cancel_later: bool = False) -> None:
-        """``problem`` has ended; with ``cancel_later`` every problem after it is cancelled too (no
-        evaluation has run since ``problem``'s last answer: it had not asked again, so the rows of every
-        later evaluation are the same whenever its thread gets here)."""
+        """``problem`` has ended; with ``cancel_later`` every problem of its group after it is cancelled
+        too (no evaluation has run since ``problem``'s last answer: it had not asked again, so the rows of
+        every later evaluation are the same whenever its thread gets here)."""
         with self._changed:
             self._running.discard(problem)
             if cancel_later:
-                for later in [p for p in self._running if p > problem]:
+                group = self._groups[problem]
+                for later in [p for p in self._running if p > problem and self._groups[p] == group]:
                     self._cancel(later)
                 self._changed.notify_all()
             self._answer_if_every_problem_asked()
@@ -138,6 +140,7 @@ def lockstep(
     *,
     rows_per_call: int,
     cancels_later: Callable[[Result], bool] | None = None,
+    groups: Sequence[int] | None = None,
 ) -> list[Result | None]:
     """``[run(p, evaluate_p) for p in range(count)]``, the runs side by side (module docstring):
     ``evaluate_p(iterate)`` is problem ``p``'s objective ``value_of(iterate[None], [p])`` and its
@@ -147,11 +150,16 @@ def lockstep(
 
     ``cancels_later(result)``: whether problem ``p``'s result makes the problems after ``p`` moot (as
     a sequential loop that stops at it would never run them); they are cancelled at their next
-    evaluation (:class:`Cancelled`) and their entry is ``None``. Which problems run together in each
-    evaluation still depends on the runs alone, not on the threads' timing."""
+    evaluation (:class:`Cancelled`) and their entry is ``None``. ``groups``: problem ``p``'s group
+    ``groups[p]`` (e.g. the client whose restarts they are; default: one group), and a result cancels
+    only the later problems of its own group. Which problems run together in each evaluation still
+    depends on the runs alone, not on the threads' timing."""
     count = check_positive_int(count, "count")
     rows_per_call = check_positive_int(rows_per_call, "rows_per_call")
-    evaluator = _Evaluator(count, value_of, rows_per_call)
+    groups = [0] * count if groups is None else [int(g) for g in groups]
+    if len(groups) != count:
+        raise ValueError(f"groups needs one group per problem: {len(groups)} for {count} problems")
+    evaluator = _Evaluator(count, value_of, rows_per_call, groups)
     results: list[Result | None] = [None] * count
     errors: dict[int, BaseException] = {}
 

@@ -77,6 +77,7 @@ from lightning_gp.attacks.gradient_matching import (
     parameter_gradients,
     total_variation,
 )
+from lightning_gp.attacks.optimization import DLG
 from lightning_gp.attacks.registry import register_defense_knowledge
 from lightning_gp.attacks.view import ServerView
 from lightning_gp.defenses.noise import GaussianNoise, LaplaceNoise, LocalGaussianMechanism
@@ -175,13 +176,15 @@ class NoiseAwareMAP(DefenseAwareIDLG):
         return gaussian_nll(restricted, plan.target, self._scales, plan.names)
 
     def _stacked_objective(
-        self, view: ServerView, labels: Tensor, count: int
+        self, views: Sequence[ServerView], labels: Sequence[Tensor], count: int, peers: Sequence[DLG] | None = None
     ) -> Callable[[Tensor, Tensor], Tensor] | None:
-        """The maximum-likelihood stage's restarts at once: the likelihood through the knowledge's clips
-        and this attack's plan (:func:`~lightning_gp.attacks.adaptive.stacked_match`); ``None`` in the
-        MAP stage (one run), or where the transform is straight-through."""
+        """The maximum-likelihood stage's restarts of its one view at once: the likelihood through the
+        knowledge's clips and this attack's plan (:func:`~lightning_gp.attacks.adaptive.stacked_match`);
+        ``None`` for several views (each client's noise scales are its own), in the MAP stage (one run),
+        or where the transform is straight-through."""
         if (
-            self._beta is not None
+            len(views) != 1
+            or self._beta is not None
             or self._scales is None
             or getattr(self.knowledge.transform, "straight_through", False)
         ):
@@ -194,7 +197,7 @@ class NoiseAwareMAP(DefenseAwareIDLG):
                 return laplace_nll(guess, target, scales, names, smoothing=smoothing)
             return gaussian_nll(guess, target, scales, names)
 
-        return stacked_match(self.knowledge, [view], [labels], likelihood, repeats=count, plans=[self._require_plan()])
+        return stacked_match(self.knowledge, views, labels, likelihood, repeats=count, plans=[self._require_plan()])
 
     def image_prior(self, images: Tensor) -> Tensor | None:
         """``TV(pixels) / beta`` in the MAP stage (times ``prior_weight``), nothing in the ML stage."""

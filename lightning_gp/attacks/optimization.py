@@ -220,7 +220,7 @@ class DLG(GradientAttack):
         :meth:`_objective`'s (a subclass's objective the stacked one does not model)."""
         if len(starts) < 2 or self.observer is not None or not self._objective_is_the_stacked_ones():
             return None
-        stacked = self._stacked_objective(view, labels, len(starts))
+        stacked = self._stacked_objective([view], [labels], len(starts))
         if stacked is None:
             return None
         first = starts[0][0]
@@ -231,9 +231,87 @@ class DLG(GradientAttack):
             return None
         return stacked
 
-    def _stacked_objective(self, view: ServerView, labels: Tensor, count: int) -> RowObjective | None:
-        """:meth:`_objective` of ``count`` restarts at once, vmapped (``None`` here: DLG optimises its labels too)."""
+    def _stacked_objective(
+        self, views: Sequence[ServerView], labels: Sequence[Tensor], count: int, peers: Sequence[DLG] | None = None
+    ) -> RowObjective | None:
+        """:meth:`_objective` of ``count`` restarts per view at once, vmapped, row ``v * count + r``
+        restart ``r`` of ``views[v]`` (``None`` here: DLG optimises its labels too). ``peers``: the attack
+        object of each view (default: this one), whose state (a known defense's match plan) its rows use."""
         return None
+
+    def _settings(self) -> tuple[object, ...] | None:
+        if self.observer is not None:  # it sees one run at a time
+            return None
+        return (
+            self.iterations, self.restarts, self.lr, self.max_iter, self.line_search, self.tolerance,
+            self.plateau_steps, self.plateau_rtol, self.device,
+        )  # fmt: skip
+
+    def reconstruct_side_by_side(
+        self, attacks: Sequence[GradientAttack], views: Sequence[ServerView]
+    ) -> list[Reconstruction] | None:
+        """``attacks[i].reconstruct(views[i])`` for every ``i``, every client's L-BFGS runs side by side
+        (:func:`~lightning_gp.attacks.lockstep.lockstep`): first every client's first restart, then the
+        later restarts of the clients whose first did not match to tolerance, each client keeping the
+        restart its own :meth:`reconstruct` keeps. ``None`` where they cannot share one (as
+        :meth:`InvertingGradients.reconstruct_side_by_side`; also DLG's optimised labels and a subclass
+        with an objective or a reconstruction of its own)."""
+        if type(self).reconstruct is not DLG.reconstruct or not self._alike(attacks, views):
+            return None
+        prepared = [attack._prepare(view) for attack, view in zip(attacks, views)]
+        return self._clients_side_by_side(cast(Sequence[DLG], attacks), prepared)
+
+    def _clients_side_by_side(
+        self, attacks: Sequence[DLG], prepared: Sequence[tuple[ServerView, torch.Generator]]
+    ) -> list[Reconstruction] | None:
+        """Each client's reconstruction, the clients' runs side by side (:meth:`reconstruct_side_by_side`);
+        ``None`` where the stacked objective does not model theirs (checked at every client's first start)."""
+        views = [view for view, _ in prepared]
+        labels = [attack._labels(view) for attack, view in zip(attacks, views)]
+        if any(fixed is None for fixed in labels) or not self._objective_is_the_stacked_ones():
+            return None
+        fixed = cast(list[Tensor], labels)
+        restarts = self.restarts
+        stacked = self._stacked_objective(views, fixed, restarts, peers=attacks)
+        if stacked is None:
+            return None
+        starts = [[a._random_start(v, g) for _ in range(restarts)] for a, (v, g) in zip(attacks, prepared)]
+        if not _stacked_is_their_objective(stacked, attacks, views, fixed, [s[0][0] for s in starts], restarts):
+            return None
+        stops = [a.tolerance * float(sum(g.pow(2).sum() for g in v.gradients.values())) for a, v in zip(attacks, views)]
+        per_call = max(1, BATCHED_IMAGES // views[0].batch_size)
+
+        def side_by_side(problems: list[tuple[int, int]], cancel: bool) -> list[tuple[bool, _Run] | None]:
+            rows = torch.tensor([v * restarts + r for v, r in problems], device=views[0].device)
+
+            def run(p: int, evaluate: Evaluate) -> tuple[bool, _Run]:
+                v, r = problems[p]
+                found = attacks[v]._one_run(views[v], starts[v][r], fixed[v], stops[v], evaluate=evaluate)
+                return found[0] <= stops[v], found
+
+            return lockstep(
+                len(problems), lambda iterates, which: stacked(iterates, rows[which]), run, rows_per_call=per_call,
+                cancels_later=(lambda out: out[0]) if cancel else None, groups=[v for v, _ in problems],
+            )  # fmt: skip
+
+        firsts = side_by_side([(v, 0) for v in range(len(views))], cancel=False)
+        later = [
+            (v, r) for v, first in enumerate(firsts) if first is not None and not first[0] for r in range(1, restarts)
+        ]
+        outcomes = dict(zip(later, side_by_side(later, cancel=True))) if later else {}
+        kept = []
+        for v, first in enumerate(firsts):
+            assert first is not None  # the first restarts cancel nothing
+            runs = [first[1]] + [None if (o := outcomes.get((v, r))) is None else o[1] for r in range(1, restarts)]
+            runs = runs if not first[0] else runs[:1]
+            run = runs[_kept_restart([math.nan if run is None else run[0] for run in runs], stops[v])]
+            assert run is not None  # only restarts after a kept one are cancelled
+            final, images, kept_labels, trace = run
+            meta: dict[str, object] = {"objective": final, "clients_side_by_side": len(views)}
+            if len(runs) > 1:
+                meta["restarts_side_by_side"] = len(runs) - 1
+            kept.append(Reconstruction(images, kept_labels, trace, type(self).__name__, meta))
+        return kept
 
     def _objective_is_the_stacked_ones(self) -> bool:
         """Whether the pieces of :meth:`_objective` are those of the class that defines
@@ -309,9 +387,35 @@ class IDLG(DLG):
     def _labels(self, view: ServerView) -> Tensor:
         return known_or_recovered_labels(view)
 
-    def _stacked_objective(self, view: ServerView, labels: Tensor, count: int) -> RowObjective | None:
-        match = gradient_match_rows([view], [labels], squared_l2_distance, repeats=count)
-        return match if mappable(match, view) else None
+    def _stacked_objective(
+        self, views: Sequence[ServerView], labels: Sequence[Tensor], count: int, peers: Sequence[DLG] | None = None
+    ) -> RowObjective | None:
+        match = gradient_match_rows(views, labels, squared_l2_distance, repeats=count)
+        return match if mappable(match, views[0]) else None
+
+
+#: One L-BFGS run: its final objective, images, labels and loss trace.
+_Run = tuple[float, Tensor, Tensor, list[float]]
+
+
+def _stacked_is_their_objective(
+    stacked: RowObjective,
+    attacks: Sequence[DLG],
+    views: Sequence[ServerView],
+    labels: Sequence[Tensor],
+    firsts: Sequence[Tensor],
+    restarts: int,
+) -> bool:
+    """Whether the stacked objective's row of each view's first restart equals that view's attack's own
+    :meth:`DLG._objective` at its first start (relative 1e-4): a guard against an objective it does not model."""
+    rows = torch.arange(len(views), device=views[0].device) * restarts
+    with torch.enable_grad():
+        together = stacked(torch.stack(list(firsts)), rows).detach().tolist()
+        alone = [
+            float(a._objective(v, first.clone().requires_grad_(True), fixed).detach())
+            for a, v, fixed, first in zip(attacks, views, labels, firsts)
+        ]
+    return all(math.isclose(a, t, rel_tol=1e-4, abs_tol=1e-12) for a, t in zip(alone, together))
 
 
 def _kept_restart(finals: Sequence[float], stop_below: float) -> int:
@@ -594,35 +698,55 @@ class InvertingGradients(GradientAttack):
                     result.meta.update(batched=False, not_batched_because=reason)
             return results
         check_batchable(views)
-        prepared = [self._prepare(view) for view in views]
+        return self._stacked_reconstructions([self._prepare(view) for view in views], chunk_size)
+
+    def reconstruct_side_by_side(
+        self, attacks: Sequence[GradientAttack], views: Sequence[ServerView]
+    ) -> list[Reconstruction] | None:
+        """``attacks[i].reconstruct(views[i])`` for every ``i`` in one vmapped optimisation
+        (:meth:`reconstruct_many`, each view's starts drawn by its own attack's seed, as its
+        :meth:`reconstruct` draws them), :data:`~lightning_gp.attacks.lockstep.BATCHED_IMAGES` images
+        per chunk; ``None`` where they cannot share one: an attack of another class or with other
+        settings than this one, an observer, a subclass that changes the objective, views that do not
+        stack (:func:`check_batchable`). The audit attacks a cell's clients this way."""
+        if not self._alike(attacks, views) or self._not_batchable_because() is not None:
+            return None
+        prepared = [attack._prepare(view) for attack, view in zip(attacks, views)]
+        return self._stacked_reconstructions(prepared, self._side_by_side_chunk(views))
+
+    def _settings(self) -> tuple[object, ...] | None:
+        if self.observer is not None:  # it sees one problem at a time on the one-by-one path
+            return None
+        return (
+            self.iterations, self.lr, self.tv_weight, self.restarts, self.signed, self.boxed, self.lr_decay,
+            self.support_only, self.device,
+        )  # fmt: skip
+
+    def _side_by_side_chunk(self, views: Sequence[ServerView]) -> int:
+        return max(1, BATCHED_IMAGES // (views[0].batch_size * self.restarts)) * self.restarts
+
+    def _stacked_reconstructions(
+        self, prepared: Sequence[tuple[ServerView, torch.Generator]], chunk_size: int | None
+    ) -> list[Reconstruction]:
+        """Every prepared view's restarts as problems of one vmapped optimisation, ``chunk_size``
+        problems at a time; per view the restart of the lowest final objective."""
         views = [view for view, _ in prepared]
         labels = [known_or_recovered_labels(view) for view in views]
         # the same draws, in the same order, as the sequential path's restarts of each view
         starts = torch.cat([torch.stack([random_images(v, g) for _ in range(self.restarts)]) for v, g in prepared])
         problems = stack_problems(views, labels, repeats=self.restarts, support_only=self.support_only)
         chunk = problems.size if chunk_size is None else chunk_size
-        finals: list[float] = []
-        images: list[Tensor] = []
-        traces: list[list[float]] = []
-        for first in range(0, problems.size, chunk):
-            rows = slice(first, first + chunk)
-            part = problems.rows(rows)
-            objective = inverting_gradients_objective(part, self.tv_weight)
-            found, found_traces = optimize_image_batch(
-                objective,
-                starts[rows],
-                iterations=self.iterations,
-                lr=self.lr,
-                signed=self.signed,
-                bounds=(part.low, part.high) if self.boxed else None,
-                lr_decay=self.lr_decay,
-                report=self._report,
-                observer=self.observer,
-            )
-            with torch.no_grad():
-                finals += [_finite_or_inf(v) for v in objective(found).tolist()]
-            images += [row.clone() for row in found]  # each reconstruction owns its tensor
-            traces += found_traces
+        finals, images, traces = self._optimize_chunks(
+            starts, chunk, lambda rows: inverting_gradients_objective(problems.rows(rows), self.tv_weight),
+            lambda rows: (problems.low[rows], problems.high[rows]),
+        )  # fmt: skip
+        return self._kept_restarts(labels, finals, images, traces)
+
+    def _kept_restarts(
+        self, labels: Sequence[Tensor], finals: list[float], images: list[Tensor], traces: list[list[float]]
+    ) -> list[Reconstruction]:
+        """Per view (its problems the ``restarts`` rows from ``i * restarts``) the restart of the lowest
+        final objective, as :func:`best_of_restarts` keeps it."""
         results = []
         for i, view_labels in enumerate(labels):
             own = range(i * self.restarts, (i + 1) * self.restarts)
@@ -642,6 +766,39 @@ class InvertingGradients(GradientAttack):
                 )
             )
         return results
+
+    def _optimize_chunks(
+        self,
+        starts: Tensor,
+        chunk: int,
+        objective_of: Callable[[slice], Callable[[Tensor], Tensor]],
+        bounds_of: Callable[[slice], tuple[Tensor, Tensor]],
+    ) -> tuple[list[float], list[Tensor], list[list[float]]]:
+        """Adam from ``starts`` ``[P, B, C, H, W]``, ``chunk`` problems at a time, each chunk's rows
+        minimising ``objective_of(rows)`` in the box ``bounds_of(rows)``: per problem its final
+        objective, images and trace."""
+        finals: list[float] = []
+        images: list[Tensor] = []
+        traces: list[list[float]] = []
+        for first in range(0, starts.shape[0], chunk):
+            rows = slice(first, first + chunk)
+            objective = objective_of(rows)
+            found, found_traces = optimize_image_batch(
+                objective,
+                starts[rows],
+                iterations=self.iterations,
+                lr=self.lr,
+                signed=self.signed,
+                bounds=bounds_of(rows) if self.boxed else None,
+                lr_decay=self.lr_decay,
+                report=self._report,
+                observer=self.observer,
+            )
+            with torch.no_grad():
+                finals += [_finite_or_inf(v) for v in objective(found).tolist()]
+            images += [row.clone() for row in found]  # each reconstruction owns its tensor
+            traces += found_traces
+        return finals, images, traces
 
     def stacked_objective(
         self, views: Sequence[ServerView], labels: Sequence[Tensor]

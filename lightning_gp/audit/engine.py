@@ -75,7 +75,63 @@ def attack_record(
     :attr:`ServerView.label_softmax <lightning_gp.attacks.view.ServerView>`). ``tests``: the recognisable-image tests the
     report is scored with (:func:`~lightning_gp.audit.recognition.recognition_tests`).
     """
-    view = ServerView.from_tap(
+    view = record_view(
+        record, model, num_classes=num_classes, mean=mean, std=std, server_secrets=server_secrets,
+        labels_known=labels_known, loss_fn=loss_fn, public_data=public_data, label_softmax=label_softmax,
+    )  # fmt: skip
+    start = time.perf_counter()
+    reconstruction = attack.reconstruct(view)
+    seconds = time.perf_counter() - start
+    scores = Scoring(lpips=lpips, noise_ratio=noise_ratio, lpips_fn=lpips_fn, tests=tests)
+    return scores.result(record, view, reconstruction, seconds)
+
+
+def attack_records_side_by_side(
+    records: Sequence[TappedGradient],
+    model: nn.Module,
+    attacks: Sequence[GradientAttack],
+    *,
+    scoring: Scoring,
+    **view_options: Any,
+) -> list[AttackResult] | None:
+    """:func:`attack_record` of ``attacks[i]`` on ``records[i]`` for every ``i``, the attacks' problems
+    in one shared optimisation (:meth:`~lightning_gp.attacks.GradientAttack.reconstruct_side_by_side`;
+    each result's ``seconds`` is its share of the whole); ``None`` where they cannot share one, or where
+    trying fails in any way (an attack that does not apply to some client, an error): the caller then
+    attacks each record on its own, which gives every client its own result or error. ``view_options``:
+    :func:`record_view`'s keywords."""
+    if not records or len(records) != len(attacks):
+        return None
+    try:
+        views = [record_view(record, model, **view_options) for record in records]
+        start = time.perf_counter()
+        reconstructions = attacks[0].reconstruct_side_by_side(attacks, views)
+        seconds = (time.perf_counter() - start) / len(records)
+    except Exception:  # the one-by-one path names the client and the error
+        return None
+    if reconstructions is None:
+        return None
+    return [scoring.result(r, v, rec, seconds) for r, v, rec in zip(records, views, reconstructions, strict=True)]
+
+
+def record_view(
+    record: TappedGradient,
+    model: nn.Module,
+    *,
+    num_classes: int,
+    mean: Sequence[float],
+    std: Sequence[float],
+    server_secrets: dict[str, Any] | None = None,
+    labels_known: bool = False,
+    loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
+    public_data: tuple[Tensor, Tensor] | None = None,
+    label_softmax: str = "auto",
+) -> ServerView:
+    """The server's view of ``record`` (:func:`attack_record`'s), on a deep copy of ``model``; refuses
+    a record that holds no client batch to score against."""
+    if record.inputs is None:
+        raise ValueError("the record holds no client batch to score against (tapped with record_data=False)")
+    return ServerView.from_tap(
         record,
         copy.deepcopy(model),
         num_classes=num_classes,
@@ -87,22 +143,33 @@ def attack_record(
         public_data=public_data,
         label_softmax=label_softmax,
     )
-    if record.inputs is None:
-        raise ValueError("the record holds no client batch to score against (tapped with record_data=False)")
-    start = time.perf_counter()
-    reconstruction = attack.reconstruct(view)
-    seconds = time.perf_counter() - start
-    report = reconstruction_report(
-        reconstruction,
-        record.inputs,
-        view,
-        true_labels=record.targets,
-        lpips=lpips,
-        lpips_fn=lpips_fn,
-        noise_ratio=noise_ratio,
-        tests=tests,
-    )
-    return AttackResult(record, view, reconstruction, report, seconds)
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """How a reconstruction is scored (:func:`~lightning_gp.metrics.reconstruction_report`'s options)."""
+
+    lpips: bool = True
+    noise_ratio: bool = True
+    lpips_fn: nn.Module | None = None
+    tests: RecognitionTests | None = None
+
+    def result(
+        self, record: TappedGradient, view: ServerView, reconstruction: Reconstruction, seconds: float
+    ) -> AttackResult:
+        """``reconstruction`` of ``record``'s batch, scored against it."""
+        assert record.inputs is not None  # record_view refuses a record without its batch
+        report = reconstruction_report(
+            reconstruction,
+            record.inputs,
+            view,
+            true_labels=record.targets,
+            lpips=self.lpips,
+            lpips_fn=self.lpips_fn,
+            noise_ratio=self.noise_ratio,
+            tests=self.tests,
+        )
+        return AttackResult(record, view, reconstruction, report, seconds)
 
 
 def attacker_loss(

@@ -65,7 +65,7 @@ from lightning_gp.attacks.threat_models import SoKThreatModel, attack_requiremen
 from lightning_gp.attacks.threat_models import threat_model as sok_threat_model
 from lightning_gp.audit.bounds import KAPPA_IMAGES, FormalBound, lpips_for_rule, prior_only_kappa, setting_bound
 from lightning_gp.audit.catalog import DefenseSetting
-from lightning_gp.audit.engine import AttackResult, attack_record, attacker_loss
+from lightning_gp.audit.engine import AttackResult, Scoring, attack_record, attack_records_side_by_side, attacker_loss
 from lightning_gp.audit.learned import (
     REFINE_ITERATIONS,
     learned_inversion_attacks,
@@ -459,10 +459,26 @@ def _attack_clients(
     label_softmax: str = "auto",
 ) -> tuple[list[AttackResult | TappedGradient], list[str], list[str]]:
     """Each client's attack result (its record where the attack failed, did not apply or was skipped),
-    the errors and the n/a notes."""
+    the errors and the n/a notes. The clients' problems share one optimisation where the attack allows it
+    (:func:`~lightning_gp.audit.engine.attack_records_side_by_side`), else each is attacked on its own."""
     outcomes: list[AttackResult | TappedGradient] = []
     errors: list[str] = []
     not_applicable: list[str] = []
+    scoring = Scoring(lpips=lpips_fn is not None, lpips_fn=lpips_fn, tests=tests)
+    view_options: dict[str, Any] = dict(
+        num_classes=datamodule.num_classes, mean=datamodule.mean, std=datamodule.std, server_secrets=secrets,
+        public_data=public_data, label_softmax=label_softmax,
+        # label counts from a multi-step FedAvg update are not modelled well enough to trust:
+        # the attacker is granted the labels (a stronger attacker, never a weaker one)
+        labels_known=labels_known or setting.local_training,
+    )  # fmt: skip
+    attacked = [p for p in range(len(records)) if p not in skip]
+    together = attack_records_side_by_side(
+        [records[p] for p in attacked], model, [attacks[p] for p in attacked], scoring=scoring, **view_options
+    )
+    if together is not None:
+        found = dict(zip(attacked, together, strict=True))
+        return [found.get(p, record) for p, record in enumerate(records)], errors, not_applicable
     for position, (attack, record) in enumerate(zip(attacks, records)):
         if position in skip:
             outcomes.append(record)
@@ -470,21 +486,7 @@ def _attack_clients(
         try:
             outcomes.append(
                 attack_record(
-                    record,
-                    model,
-                    attack,
-                    num_classes=datamodule.num_classes,
-                    mean=datamodule.mean,
-                    std=datamodule.std,
-                    server_secrets=secrets,
-                    lpips_fn=lpips_fn,
-                    lpips=lpips_fn is not None,
-                    public_data=public_data,
-                    tests=tests,
-                    # label counts from a multi-step FedAvg update are not modelled well enough to trust:
-                    # the attacker is granted the labels (a stronger attacker, never a weaker one)
-                    labels_known=labels_known or setting.local_training,
-                    label_softmax=label_softmax,
+                    record, model, attack, lpips_fn=lpips_fn, lpips=lpips_fn is not None, tests=tests, **view_options
                 )
             )
         except AttackNotApplicable as err:  # the attack's own check that it cannot apply (model, loss, batch)
