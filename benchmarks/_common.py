@@ -29,6 +29,15 @@ def fashion_mnist_datasets(full: bool) -> dict[str, Any]:
     return datasets
 
 
+def torch_default_adam(
+    parameters: Any, *, lr: float, betas: tuple[float, float] = (0.9, 0.999)
+) -> Any:  # the stand-in for lightning_gp.optim.fused_adam when a benchmark measures the code before it
+    """torch's default (looped) Adam, with ``fused_adam``'s signature."""
+    import torch
+
+    return torch.optim.Adam(parameters, lr=lr, betas=betas)
+
+
 def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
     for _ in range(warmup):
         fn()

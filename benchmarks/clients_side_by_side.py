@@ -17,24 +17,44 @@ image by image: mean PSNR, images leaked, and the largest per-image PSNR differe
         'TopKPruning(rate=0.9)' 'GaussianNoise(scale=0.01)' --batch-sizes 1 8 --images 16
 
 Writes benchmarks/results/clients_side_by_side.{csv,md} (``--name`` to change).
+
+``--frontier POINT ...`` checks the verdicts instead: the published frontier's own jobs
+(``configs/frontier.yaml``: its budget, attacks, learned inverter, 8 images, round 0) on those points
+(``'Family(knob=value, other=value)'``, the first keyword the swept knob), run twice in this process
+(``lightning_gp.frontier.frontier``, one worker): with the code before issue 48's cuts (every client
+attacked on its own, the learned inverter trained with torch's default Adam) and with them, in turns.
+A row per point and threat model: the verdicts and leak fractions both ways, and the audit's CPU
+seconds both ways; then a row per attack cell whose leak fraction differs. Writes
+``<name>_frontier.{csv,md}``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import shutil
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from pathlib import Path
+from unittest import mock
 
 import lightning as L
 import torch
-from _common import fashion_mnist_datasets, setting_builder, write_results
+from _common import fashion_mnist_datasets, parse_call, setting_builder, torch_default_adam, write_results
+from frontier import CONFIGS, load_config
 from matrix import choose_images
 
+import lightning_gp.attacks.learned as learned_module
 from lightning_gp.attacks import IDLG, DefenseAwareIDLG, DefenseAwareInversion, GradientAttack, InvertingGradients
-from lightning_gp.audit import AttackBudget, LeakRule, tap_defended_round
+from lightning_gp.audit import AttackBudget, LeakRule, setting_audit, tap_defended_round
 from lightning_gp.audit.engine import AttackResult, Scoring, attack_record, attack_records_side_by_side
 from lightning_gp.audit.setting_audit import reference_pixels
 from lightning_gp.audit.verdict import trivial_baselines
+from lightning_gp.frontier import frontier
+from lightning_gp.frontier.grid import Grid
 from lightning_gp.metrics import concatenate_reports
 from lightning_gp.models import LeNetZhu
 
@@ -74,6 +94,100 @@ def _run(way: str, records, model, attacks, datamodule) -> tuple[list[AttackResu
     return results, time.process_time() - start
 
 
+@contextlib.contextmanager
+def code_before(active: bool) -> Iterator[None]:
+    """Within it (``active``): the code before issue 48's cuts: the audit attacks every client on its own,
+    and the learned inverter trains with torch's default Adam."""
+    if not active:
+        yield
+        return
+    with (
+        mock.patch.object(setting_audit, "attack_records_side_by_side", return_value=None),
+        mock.patch.object(learned_module, "fused_adam", torch_default_adam),
+    ):
+        yield
+
+
+def _point_grid(spec: str) -> Grid:
+    family, keywords = parse_call(spec, "--frontier", "Family(knob=value, other=value)")
+    if not keywords:
+        raise SystemExit(f"--frontier {spec!r}: name the swept knob and its value, e.g. TopKPruning(rate=0.9)")
+    knob, *others = keywords
+    return Grid(family=family, knob=knob, values=[keywords[knob]], params={k: keywords[k] for k in others})
+
+
+def frontier_rows(args: argparse.Namespace) -> None:
+    """The verdict check of ``--frontier`` (module docstring)."""
+    config = load_config(CONFIGS / "frontier.yaml")
+    config = dataclasses.replace(
+        config, grids=[_point_grid(s) for s in args.frontier], batch_sizes=args.batch_sizes, stages=[0]
+    )
+    records: dict[str, dict[str, dict]] = {"before": {}, "after": {}}
+    seconds: dict[str, dict[str, float]] = {"before": {}, "after": {}}
+    rows: list[dict] = []
+    preamble = (
+        "The published frontier's jobs (configs/frontier.yaml: its budget, attacks and learned inverter, "
+        f"{config.images} images, round 0) on each point, run in this process with the code before issue 48's "
+        "cuts (every client attacked on its own, the learned inverter trained with torch's default Adam) and "
+        "with them, in turns (before first on even points); audit CPU seconds, one torch thread. A row per "
+        "point and threat model; then a row per attack cell whose leak fraction differs.\n\nRun: "
+        f"`python benchmarks/clients_side_by_side.py --frontier {' '.join(repr(s) for s in args.frontier)} "
+        f"--batch-sizes {' '.join(map(str, args.batch_sizes))}`"
+    )
+    with tempfile.TemporaryDirectory() as scratch:
+        for index, grid in enumerate(config.grids):
+            one = dataclasses.replace(config, grids=[grid])
+            for way in ["before", "after"][:: 1 if index % 2 == 0 else -1]:
+                learned_module.DEFAULT_CACHE.clear()  # each way trains its own inverter
+                out = Path(scratch) / f"{way}{index}"
+                shutil.rmtree(out, ignore_errors=True)
+                clock = [time.process_time()]
+
+                def keep(job, record, way=way, clock=clock) -> None:
+                    now = time.process_time()
+                    records[way][job.key], seconds[way][job.key] = record, now - clock[0]
+                    clock[0] = now
+
+                with code_before(way == "before"):
+                    frontier(one, out, workers=1, log=lambda line: None, on_job=keep)
+            for key, after in records["after"].items():
+                before = records["before"].get(key)
+                if after.get("kind") != "audit" or before is None:
+                    continue
+                for threat, judged in after["threats"].items():
+                    old = before["threats"][threat]
+                    rows.append(
+                        {
+                            "point": key, "threat": threat, "verdict before": old["verdict"],
+                            "verdict after": judged["verdict"], "leak fraction before": old["leak_fraction"],
+                            "leak fraction after": judged["leak_fraction"],
+                            "CPU s before": round(seconds["before"][key], 1),
+                            "CPU s after": round(seconds["after"][key], 1),
+                            "speedup": round(seconds["before"][key] / seconds["after"][key], 2),
+                        }
+                    )  # fmt: skip
+                    print(rows[-1], flush=True)
+            write_results(f"{args.name}_frontier", rows, preamble)
+    for key, after in records["after"].items():
+        before = records["before"].get(key)
+        if after.get("kind") != "audit" or before is None:
+            continue
+        cells = {c["attack"]: c for c in before["cells"]}
+        for cell in after["cells"]:
+            old = cells.get(cell["attack"])
+            if old is None or old["leak_fraction"] != cell["leak_fraction"]:
+                rows.append(
+                    {
+                        "point": key, "threat": f"cell {cell['attack']}",
+                        "verdict before": "-" if old is None else old["status"], "verdict after": cell["status"],
+                        "leak fraction before": None if old is None else old["leak_fraction"],
+                        "leak fraction after": cell["leak_fraction"], "CPU s before": "", "CPU s after": "",
+                        "speedup": "",
+                    }
+                )  # fmt: skip
+    write_results(f"{args.name}_frontier", rows, preamble)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--settings", nargs="+", default=["LocalGaussianMechanism(noise_multiplier=0.5)"])
@@ -85,7 +199,11 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default="clients_side_by_side")
+    parser.add_argument("--frontier", nargs="+", metavar="POINT", help="check these frontier points' verdicts")
     args = parser.parse_args()
+    if args.frontier:
+        frontier_rows(args)
+        return
     torch.set_num_threads(1)
     budget = AttackBudget()
     datamodule = fashion_mnist_datasets(full=True).get("fashion-mnist")

@@ -24,16 +24,12 @@ import sys
 from unittest import mock
 
 import torch
-from _common import fashion_mnist_datasets, setting_builder, write_results
+from _common import fashion_mnist_datasets, setting_builder, torch_default_adam, write_results
 
 import lightning_gp.attacks.learned as learned_module
 from lightning_gp.attacks import InverterCache, ServerView
 from lightning_gp.audit import learned_inversion_attacks, tap_defended_round
 from lightning_gp.models import LeNetZhu
-
-
-def _default_adam(parameters, *, lr: float, betas: tuple[float, float] = (0.9, 0.999)) -> torch.optim.Adam:
-    return torch.optim.Adam(parameters, lr=lr, betas=betas)
 
 
 def _view(setting, datamodule, batch_size: int, seed: int) -> ServerView:
@@ -50,7 +46,7 @@ def _view(setting, datamodule, batch_size: int, seed: int) -> ServerView:
 def _train(setting, datamodule, view: ServerView, optimiser: str, seed: int) -> dict:
     inverter = learned_inversion_attacks(setting, datamodule, cache=InverterCache(), seed=seed)[0]
     if optimiser == "default":
-        with mock.patch.object(learned_module, "fused_adam", _default_adam):
+        with mock.patch.object(learned_module, "fused_adam", torch_default_adam):
             cost = inverter.train(view).cost
     else:
         cost = inverter.train(view).cost

@@ -273,7 +273,7 @@ def _assert_each_is_its_own(together, alone) -> None:
 def test_clients_side_by_side_each_get_the_reconstruction_of_their_own_attack(float64, build) -> None:
     """Three clients, each attacked by its own object (its own seed): first every first restart, then
     every later one, side by side; each client's result is its own attack's reconstruction."""
-    views = _clients([0.05, 0.05, 0.05])
+    views = _clients([0.05, 0.05, 0.05], batch=1)
     attacks = [build(seed) for seed in (2, 3, 4)]
     together = attacks[0].reconstruct_side_by_side(attacks, views)
     assert together is not None
@@ -303,7 +303,7 @@ def test_a_client_whose_first_restart_matches_runs_no_other(float64) -> None:
 def test_clients_side_by_side_is_left_to_the_attacks_that_model_it(float64) -> None:
     from lightning_gp.attacks import DLG
 
-    views = _clients([0.05, 0.05])
+    views = _clients([0.05, 0.05], batch=1)
     knowledge = defense_knowledge(GaussianNoise(scale=0.05))
     map_attacks = [NoiseAwareMAP(knowledge, iterations=2, restarts=2, seed=s) for s in (0, 1)]
     assert map_attacks[0].reconstruct_side_by_side(map_attacks, views) is None  # its own two stages
@@ -313,6 +313,9 @@ def test_clients_side_by_side_is_left_to_the_attacks_that_model_it(float64) -> N
     assert observed.reconstruct_side_by_side([observed, observed], views) is None
     mixed = [IDLG(iterations=2), IDLG(iterations=3)]
     assert mixed[0].reconstruct_side_by_side(mixed, views) is None
+    alike = [IDLG(iterations=2, seed=s) for s in (0, 1)]
+    assert alike[0].reconstruct_side_by_side(alike, views) is not None
+    assert alike[0].reconstruct_side_by_side(alike, _clients([0.05, 0.05], batch=2)) is None  # 2 images a client
     # knowledge that describes alike but clips otherwise: the stacked objective (the first attack's clip)
     # is not the second client's own at its start
     clipped = [

@@ -255,7 +255,8 @@ class DLG(GradientAttack):
         later restarts of the clients whose first did not match to tolerance, each client keeping the
         restart its own :meth:`reconstruct` keeps. ``None`` where they cannot share one (as
         :meth:`InvertingGradients.reconstruct_side_by_side`; also DLG's optimised labels and a subclass
-        with an objective or a reconstruction of its own)."""
+        with an objective or a reconstruction of its own), and for clients of more than one image
+        (:data:`LOCKSTEP_CLIENTS_MAX_BATCH`)."""
         if type(self).reconstruct is not DLG.reconstruct or not self._alike(attacks, views):
             return None
         prepared = [attack._prepare(view) for attack, view in zip(attacks, views)]
@@ -267,6 +268,8 @@ class DLG(GradientAttack):
         """Each client's reconstruction, the clients' runs side by side (:meth:`reconstruct_side_by_side`);
         ``None`` where the stacked objective does not model theirs (checked at every client's first start)."""
         views = [view for view, _ in prepared]
+        if views[0].batch_size > LOCKSTEP_CLIENTS_MAX_BATCH:
+            return None
         labels = [attack._labels(view) for attack, view in zip(attacks, views)]
         if any(fixed is None for fixed in labels) or not self._objective_is_the_stacked_ones():
             return None
@@ -393,6 +396,15 @@ class IDLG(DLG):
         match = gradient_match_rows(views, labels, squared_l2_distance, repeats=count)
         return match if mappable(match, views[0]) else None
 
+
+#: The largest client batch whose L-BFGS runs go side by side across clients. The clients' runs in
+#: lockstep pay threads and each run's own L-BFGS bookkeeping; a vmapped evaluation has to save more than
+#: that. On LeNetZhu (one CPU thread) it does at one image a client, where most of an evaluation is
+#: per-call overhead (iDLG 1.3-1.4x, the defense-aware iDLG 1.45x faster over 16 clients), and not at 8,
+#: where the clients' images cost what they cost one by one (0.88-0.89x over 2 clients;
+#: ``benchmarks/results/clients_side_by_side_lbfgs.md``). A constant, not a timing, so that which path
+#: runs never depends on the machine's load.
+LOCKSTEP_CLIENTS_MAX_BATCH = 1
 
 #: One L-BFGS run: its final objective, images, labels and loss trace.
 _Run = tuple[float, Tensor, Tensor, list[float]]
