@@ -125,6 +125,7 @@ def frontier_rows(args: argparse.Namespace) -> None:
     records: dict[str, dict[str, dict]] = {"before": {}, "after": {}}
     seconds: dict[str, dict[str, float]] = {"before": {}, "after": {}}
     rows: list[dict] = []
+    reported: set[str] = set()  # the undefended reference runs with every point: its first run is reported
     preamble = (
         "The published frontier's jobs (configs/frontier.yaml: its budget, attacks and learned inverter, "
         f"{config.images} images, round 0) on each point, run in this process with the code before issue 48's "
@@ -152,8 +153,9 @@ def frontier_rows(args: argparse.Namespace) -> None:
                     frontier(one, out, workers=1, log=lambda line: None, on_job=keep)
             for key, after in records["after"].items():
                 before = records["before"].get(key)
-                if after.get("kind") != "audit" or before is None:
+                if after.get("kind") != "audit" or before is None or key in reported:
                     continue
+                reported.add(key)
                 for threat, judged in after["threats"].items():
                     old = before["threats"][threat]
                     rows.append(

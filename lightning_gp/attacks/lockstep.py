@@ -1,4 +1,6 @@
-"""Sequential optimisers side by side: one vmapped objective for the L-BFGS restarts of an attack.
+"""Sequential optimisers side by side: one vmapped objective for the L-BFGS restarts of an attack, and
+for the runs of a cell's clients (:meth:`DLG.reconstruct_side_by_side
+<lightning_gp.attacks.DLG.reconstruct_side_by_side>`, ``groups``: each client's restarts a group).
 
 At a client batch of one image on LeNetZhu most of an objective evaluation is per-call overhead, so
 independent problems evaluated together cost little more than one (the objective of four restarts

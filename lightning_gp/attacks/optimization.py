@@ -400,8 +400,8 @@ class IDLG(DLG):
 #: The largest client batch whose L-BFGS runs go side by side across clients. The clients' runs in
 #: lockstep pay threads and each run's own L-BFGS bookkeeping; a vmapped evaluation has to save more than
 #: that. On LeNetZhu (one CPU thread) it does at one image a client, where most of an evaluation is
-#: per-call overhead (iDLG 1.3-1.4x, the defense-aware iDLG 1.45x faster over 16 clients), and not at 8,
-#: where the clients' images cost what they cost one by one (0.88-0.89x over 2 clients;
+#: per-call overhead (iDLG and the defense-aware iDLG 1.32-1.45x faster over 16 clients), and not at 8,
+#: where the clients' images cost what they cost one by one (0.78-0.89x over 2 clients;
 #: ``benchmarks/results/clients_side_by_side_lbfgs.md``). A constant, not a timing, so that which path
 #: runs never depends on the machine's load.
 LOCKSTEP_CLIENTS_MAX_BATCH = 1
