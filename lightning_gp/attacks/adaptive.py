@@ -448,6 +448,15 @@ class _KnowsTheDefense:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.knowledge.describe()})"
 
+    def _knowledge_alike(self, attacks: Sequence[_KnowsTheDefense], views: Sequence[ServerView]) -> bool:
+        """Whether every attack's knowledge describes as this one's and covers its view (none falls back):
+        the first condition for their clients to run side by side."""
+        described = self.knowledge.describe()
+        return all(
+            a.knowledge.describe() == described and a.knowledge.fallback(view, type(self).__name__) is None
+            for a, view in zip(attacks, views)
+        )
+
     def _match_plan(self, view: ServerView) -> MatchPlan:
         """The match plan of ``view`` (the knowledge's; an attack with its own weighting overrides it)."""
         return self.knowledge.plan(view)
@@ -588,10 +597,7 @@ class DefenseAwareInversion(_KnowsTheDefense, InvertingGradients):
         if self.restarts != 1 or not self._alike(attacks, views):
             return None
         knowing = cast(Sequence[DefenseAwareInversion], attacks)
-        described = self.knowledge.describe()
-        if any(a.knowledge.describe() != described for a in knowing):
-            return None
-        if any(a.knowledge.fallback(view, type(self).__name__) is not None for a, view in zip(knowing, views)):
+        if not self._knowledge_alike(knowing, views):
             return None
         prepared = [attack._prepare(view) for attack, view in zip(knowing, views)]
         views = [view for view, _ in prepared]
@@ -703,10 +709,7 @@ class DefenseAwareIDLG(_KnowsTheDefense, IDLG):
         if type(self).reconstruct is not DefenseAwareIDLG.reconstruct or not self._alike(attacks, views):
             return None
         knowing = cast(Sequence[DefenseAwareIDLG], attacks)
-        described = self.knowledge.describe()
-        if any(a.knowledge.describe() != described for a in knowing):
-            return None
-        if any(a.knowledge.fallback(view, type(self).__name__) is not None for a, view in zip(knowing, views)):
+        if not self._knowledge_alike(knowing, views):
             return None
         prepared = [attack._prepare(view) for attack, view in zip(knowing, views)]
         plans = [attack._match_plan(view) for attack, (view, _) in zip(knowing, prepared)]

@@ -106,12 +106,12 @@ def attack_records_side_by_side(
         views = [record_view(record, model, **view_options) for record in records]
         start = time.perf_counter()
         reconstructions = attacks[0].reconstruct_side_by_side(attacks, views)
+        if reconstructions is None:
+            return None
         seconds = (time.perf_counter() - start) / len(records)
+        return [scoring.result(r, v, rec, seconds) for r, v, rec in zip(records, views, reconstructions, strict=True)]
     except Exception:  # the one-by-one path names the client and the error
         return None
-    if reconstructions is None:
-        return None
-    return [scoring.result(r, v, rec, seconds) for r, v, rec in zip(records, views, reconstructions, strict=True)]
 
 
 def record_view(
