@@ -116,6 +116,10 @@ def test_side_by_side_results_are_each_clients_attack_record(datamodule, records
 def test_a_client_that_cannot_join_leaves_every_client_to_the_one_by_one_path(datamodule):
     records, model = _records(datamodule)
     attacks = [InvertingGradients(iterations=3, seed=c) for c in range(3)]
+    one = attack_records_side_by_side(
+        records[:1], model, attacks[:1], scoring=Scoring(lpips=False), **_options(datamodule)
+    )
+    assert one is None  # one client has nothing to share: it runs as it always did
     unscorable = [records[0], dataclasses.replace(records[1], batch=None), records[2]]
     assert (
         attack_records_side_by_side(unscorable, model, attacks, scoring=Scoring(lpips=False), **_options(datamodule))

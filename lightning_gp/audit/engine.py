@@ -96,11 +96,12 @@ def attack_records_side_by_side(
 ) -> list[AttackResult] | None:
     """:func:`attack_record` of ``attacks[i]`` on ``records[i]`` for every ``i``, the attacks' problems
     in one shared optimisation (:meth:`~lightning_gp.attacks.GradientAttack.reconstruct_side_by_side`;
-    each result's ``seconds`` is its share of the whole); ``None`` where they cannot share one, or where
-    trying fails in any way (an attack that does not apply to some client, an error): the caller then
-    attacks each record on its own, which gives every client its own result or error. ``view_options``:
-    :func:`record_view`'s keywords."""
-    if not records or len(records) != len(attacks):
+    each result's ``seconds`` is its share of the whole); ``None`` for fewer than two records (one has
+    nothing to share: it runs as it always did), where they cannot share one, or where trying fails in any
+    way (an attack that does not apply to some client, an error): the caller then attacks each record on
+    its own, which gives every client its own result or error. ``view_options``: :func:`record_view`'s
+    keywords."""
+    if len(records) < 2 or len(records) != len(attacks):
         return None
     try:
         views = [record_view(record, model, **view_options) for record in records]
