@@ -60,7 +60,14 @@ from lightning_gp.attacks.gradient_matching import (
     squared_l2_distance,
     total_variation,
 )
-from lightning_gp.attacks.optimization import DLG, IDLG, InvertingGradients, known_or_recovered_labels, random_images
+from lightning_gp.attacks.optimization import (
+    DLG,
+    IDLG,
+    InvertingGradients,
+    known_or_recovered_labels,
+    random_images,
+    stacked_rows_agree,
+)
 from lightning_gp.attacks.registry import register_defense_knowledge
 from lightning_gp.attacks.sgi import recover_mask
 from lightning_gp.attacks.threat_models import requirements
@@ -592,7 +599,7 @@ class DefenseAwareInversion(_KnowsTheDefense, InvertingGradients):
         start), where it does not cover some view (that view's fallback runs alone), where the match does
         not stack, or for a subclass with an objective of its own."""
         own = ("objective", "reconstruct", "stacked_objective", "reconstruct_side_by_side")
-        if any(getattr(type(self), m) is not getattr(DefenseAwareInversion, m) for m in own):
+        if self._first_override(DefenseAwareInversion, own) is not None:
             return None
         if self.restarts != 1 or not self._alike(attacks, views):
             return None
@@ -617,7 +624,7 @@ class DefenseAwareInversion(_KnowsTheDefense, InvertingGradients):
                 _own_objective(a, v, y, plan)
                 for a, v, y, plan in zip(knowing[rows], views[rows], labels[rows], plans[rows])
             ]
-            if not _rows_are(cast(Callable[[Tensor], Tensor], objective), alone, starts[rows]):
+            if not stacked_rows_agree(cast(Callable[[Tensor], Tensor], objective), alone, starts[rows]):
                 return None
         low, high = (torch.stack(bound) for bound in zip(*(view.data_bounds() for view in views)))
         finals, images, traces = self._optimize_chunks(
@@ -637,15 +644,6 @@ def _own_objective(
         return attack.objective(view, labels)
     finally:
         attack._plan = None
-
-
-def _rows_are(stacked: Callable[[Tensor], Tensor], own: Sequence[Callable[[Tensor], Tensor]], starts: Tensor) -> bool:
-    """Whether row ``p`` of ``stacked`` at ``starts`` equals ``own[p]`` at ``starts[p]`` (relative 1e-4): a
-    guard against a stacked objective that does not model some problem's own (e.g. another clip)."""
-    with torch.enable_grad():
-        together = stacked(starts).detach().tolist()
-        alone = [float(objective(start).detach()) for objective, start in zip(own, starts)]
-    return all(math.isclose(a, t, rel_tol=1e-4, abs_tol=1e-12) for a, t in zip(alone, together))
 
 
 class DefenseAwareIDLG(_KnowsTheDefense, IDLG):

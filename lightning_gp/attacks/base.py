@@ -93,6 +93,11 @@ class GradientAttack(ABC):
         override it (:meth:`InvertingGradients.reconstruct_side_by_side`)."""
         return None
 
+    def _first_override(self, owner: type, names: Sequence[str]) -> str | None:
+        """The first of ``names`` this attack's class implements otherwise than ``owner`` does (``None``:
+        it inherits them all): a subclass with its own objective is not the objective a shared path models."""
+        return next((name for name in names if getattr(type(self), name) is not getattr(owner, name)), None)
+
     def _settings(self) -> tuple[object, ...] | None:
         """What attacks must share, the seed aside, for their problems to share one optimisation
         (``None``: they never do)."""

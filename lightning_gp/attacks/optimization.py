@@ -223,11 +223,7 @@ class DLG(GradientAttack):
         stacked = self._stacked_objective([view], [labels], len(starts))
         if stacked is None:
             return None
-        first = starts[0][0]
-        with torch.enable_grad():
-            alone = float(self._objective(view, first.clone().requires_grad_(True), labels).detach())
-        together = float(stacked(first[None], torch.zeros(1, dtype=torch.long, device=first.device))[0].detach())
-        if not math.isclose(alone, together, rel_tol=1e-4, abs_tol=1e-12):
+        if not _stacked_is_their_objective(stacked, [self], [view], [labels], [starts[0][0]], len(starts)):
             return None
         return stacked
 
@@ -321,8 +317,7 @@ class DLG(GradientAttack):
         :meth:`_stacked_objective` (a subclass that overrides one has an objective the stacked one does
         not model)."""
         owner = next(c for c in type(self).__mro__ if "_stacked_objective" in vars(c))
-        pieces = ("dummy_gradient", "gradient_distance", "image_prior")
-        return all(getattr(type(self), name) is getattr(owner, name) for name in pieces)
+        return self._first_override(owner, ("dummy_gradient", "gradient_distance", "image_prior")) is None
 
     def _one_run(
         self,
@@ -419,14 +414,24 @@ def _stacked_is_their_objective(
     restarts: int,
 ) -> bool:
     """Whether the stacked objective's row of each view's first restart equals that view's attack's own
-    :meth:`DLG._objective` at its first start (relative 1e-4): a guard against an objective it does not model."""
+    :meth:`DLG._objective` at its first start (:func:`stacked_rows_agree`)."""
     rows = torch.arange(len(views), device=views[0].device) * restarts
+    own = [
+        lambda images, a=a, v=v, fixed=fixed: a._objective(v, images, fixed)
+        for a, v, fixed in zip(attacks, views, labels)
+    ]
+    return stacked_rows_agree(lambda images: stacked(images, rows), own, torch.stack(list(firsts)))
+
+
+def stacked_rows_agree(
+    stacked: Callable[[Tensor], Tensor], own: Sequence[Callable[[Tensor], Tensor]], starts: Tensor
+) -> bool:
+    """Whether row ``p`` of ``stacked`` at ``starts`` equals ``own[p]`` at ``starts[p]`` (relative 1e-4): the
+    guard of every shared path against a stacked objective that does not model some problem's own (a
+    subclass's objective, another client's clip)."""
     with torch.enable_grad():
-        together = stacked(torch.stack(list(firsts)), rows).detach().tolist()
-        alone = [
-            float(a._objective(v, first.clone().requires_grad_(True), fixed).detach())
-            for a, v, fixed, first in zip(attacks, views, labels, firsts)
-        ]
+        together = stacked(starts).detach().tolist()
+        alone = [float(objective(start.clone().requires_grad_(True)).detach()) for objective, start in zip(own, starts)]
     return all(math.isclose(a, t, rel_tol=1e-4, abs_tol=1e-12) for a, t in zip(alone, together))
 
 
@@ -828,10 +833,10 @@ class InvertingGradients(GradientAttack):
     def _not_batchable_because(self) -> str | None:
         """Why the batched path cannot run this attack (``None`` when it can): it maps Inverting
         Gradients' own objective, so an attack that changes it must run its own code per view."""
-        for method in ("objective", "reconstruct"):
-            if getattr(type(self), method) is not getattr(InvertingGradients, method):
-                return f"{type(self).__name__} overrides {method}(); the batched path computes InvertingGradients' objective"
-        return None
+        method = self._first_override(InvertingGradients, ("objective", "reconstruct"))
+        if method is None:
+            return None
+        return f"{type(self).__name__} overrides {method}(); the batched path computes InvertingGradients' objective"
 
 
 def _has_batch_norm(model: nn.Module) -> bool:
