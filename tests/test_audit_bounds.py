@@ -157,6 +157,19 @@ def test_every_fixed_guess_leaks_exactly_what_the_verdict_says_and_kappa_counts_
     assert kappa == clopper_pearson(successes, 8)[1]
 
 
+@pytest.mark.parametrize("line", [{"nmi": 0.3}, {"mse": 0.05}], ids=["NMI line alone", "MSE line alone"])
+def test_a_rule_that_reads_one_similarity_judges_the_fixed_guesses_by_it(sample_images, line):
+    # the guesses are scored only by the similarities the rule reads: the one it reads must still be scored
+    originals, labels, reference = sample_images
+    rule = LeakRule(thresholds=line, noise_ratio_line=None)
+    leaks = prior_only_leaks(originals, reference, labels=labels, rule=rule)
+    guesses = prior_only_guesses(originals, reference)
+    assert [leaks[:, j].tolist() for j in range(len(guesses))] == [
+        verdict_leaks(g, originals, labels, reference, rule) for g in guesses
+    ]
+    assert 0 < int(leaks.sum()) < leaks.numel()  # a mix: the line fires on some pairs and not on others
+
+
 def test_a_guess_that_leaks_only_through_the_noise_ratio_pairing_counts(sample_images):
     # a line no public image reaches: only "noise ratio < 0.4 and closer than every trivial guess" can fire
     originals, labels, reference = sample_images

@@ -106,10 +106,16 @@ def test_the_attacker_knows_the_upload_s_share_and_the_lift_divides_it_over_the_
     assert knowledge.over_clients(4).noise_level(view) == pytest.approx(z * C / math.sqrt(K) / 2)  # type: ignore[arg-type]
 
 
-def test_the_audit_s_aggregate_view_carries_the_honest_cohort_s_noise_and_its_bound() -> None:
+def test_the_audit_s_aggregate_view_carries_the_honest_cohort_s_noise_and_its_bound(monkeypatch) -> None:
     """Two audited clients of a cohort of 4: the aggregate view is their mean plus the other two clients'
     noise shares (honest: kept secret), so its noise is the central z C over the 2 summed, and its bound
-    is the sum of the whole cohort's (noise z C); the per-client view's, one upload's z C / 2."""
+    is the sum of the whole cohort's (noise z C); the per-client view's, one upload's z C / 2. Both bounds
+    are read at one kappa, measured once: the aggregate holds the clients' images."""
+    import lightning_gp.audit.setting_audit as setting_audit
+
+    measured = []
+    kappa = setting_audit.prior_only_kappa
+    monkeypatch.setattr(setting_audit, "prior_only_kappa", lambda *a, **k: measured.append(1) or kappa(*a, **k))
     data = FashionMNISTSampleDataModule(batch_size=500)
     budget = AttackBudget(ig_iterations=3, lbfgs_iterations=2)
     setting = DefenseSetting(
@@ -125,6 +131,7 @@ def test_the_audit_s_aggregate_view_carries_the_honest_cohort_s_noise_and_its_bo
     assert audit.aggregate_bound is not None and audit.aggregate_bound.mechanism is not None
     assert audit.aggregate_bound.mechanism.noise_std == pytest.approx(2.0)
     assert audit.aggregate_bound.eta < audit.bound.eta  # type: ignore[operator]
+    assert audit.aggregate_bound.kappa == audit.bound.kappa and len(measured) == 1
 
 
 def test_the_absent_shares_make_the_mean_s_noise_the_central_one_and_the_knowledge_knows_it() -> None:

@@ -533,3 +533,17 @@ def test_comparison_grid_rejects_runs_on_other_batches(sample, tmp_path):
     x = sample["pixels"]
     with pytest.raises(ValueError, match="other originals"):
         save_comparison_grid([("a", x[:4], x[:4], None), ("b", x[4:], x[4:], None)], tmp_path / "bad.png")
+
+
+def test_pair_scores_computes_just_the_similarities_asked_for_and_names_an_unknown_one():
+    from lightning_gp.metrics.report import SIMILARITIES, pair_scores
+
+    generator = torch.Generator().manual_seed(0)
+    guesses, originals = torch.rand(3, 1, 16, 16, generator=generator), torch.rand(2, 1, 16, 16, generator=generator)
+    failed = torch.zeros(3, dtype=torch.bool)
+    full, _ = pair_scores(guesses, originals, failed, None, False, None, False, None)
+    some, _ = pair_scores(guesses, originals, failed, None, False, None, False, None, similarities=("psnr", "nmi"))
+    assert set(SIMILARITIES) <= set(full) and set(some) & set(SIMILARITIES) == {"psnr", "nmi"}
+    assert all(torch.equal(some[m], full[m]) for m in ("psnr", "nmi"))
+    with pytest.raises(ValueError, match="similarities"):
+        pair_scores(guesses, originals, failed, None, False, None, False, None, similarities=("psnr", "lpips"))

@@ -50,7 +50,7 @@ from lightning_gp.callbacks import DPSGD, GradientDefense
 from lightning_gp.defenses import GaussianNoise, LocalGaussianMechanism
 from lightning_gp.metrics.image_quality import check_pixel_range
 from lightning_gp.metrics.recognition import RecognitionTests
-from lightning_gp.metrics.report import METRICS, pair_scores
+from lightning_gp.metrics.report import METRICS, SIMILARITIES, pair_scores
 from lightning_gp.privacy import GaussianMechanism, clopper_pearson
 from lightning_gp.validation import check_int, check_number, check_positive_int
 
@@ -352,12 +352,16 @@ def prior_only_leaks(
     floors = guess_floors(originals, baselines)
     assert floors is not None
     scores = _guess_scores(guesses, originals, rule, classes, lpips_fn, identification)
-    leaks = torch.zeros(originals.shape[0], guesses.shape[0], dtype=torch.bool)
-    for i in range(originals.shape[0]):
-        for j in range(guesses.shape[0]):
-            values = {m: None if m not in scores else float(scores[m][i, j]) for m in METRICS}
-            leaks[i, j] = bool(rule.criteria(values, floors[i], None))
-    return leaks
+    # the rule's own criteria pair by pair, on Python floats (indexing a tensor per pair cost more than the rule)
+    table = {m: scores[m].double().tolist() for m in METRICS if m in scores}
+    leaks = [
+        [
+            bool(rule.criteria({m: table[m][i][j] if m in table else None for m in METRICS}, floors[i], None))
+            for j in range(guesses.shape[0])
+        ]
+        for i in range(originals.shape[0])
+    ]
+    return torch.tensor(leaks, dtype=torch.bool).view(originals.shape[0], guesses.shape[0])
 
 
 def _class_labels(labels: Sequence[int] | Tensor, count: int) -> Tensor:
@@ -401,8 +405,16 @@ def _guess_scores(
             "semantic" in rule.thresholds,
             classes,
             _guess_tests(rule, identification),
+            rule_similarities(rule),
         )
     return scores
+
+
+def rule_similarities(rule: LeakRule) -> tuple[str, ...]:
+    """The similarities of :data:`~lightning_gp.metrics.report.SIMILARITIES` that ``rule`` reads: its own lines,
+    and PSNR and SSIM where its paired noise-ratio test compares them with the trivial guesses'."""
+    read = set(rule.thresholds) | ({"psnr", "ssim"} if rule.noise_ratio_line is not None else set())
+    return tuple(m for m in SIMILARITIES if m in read)
 
 
 def _guess_tests(rule: LeakRule, identification: bool) -> RecognitionTests | None:

@@ -36,6 +36,7 @@ below ``AttackBudget.learned_min_batch``): it is "inconclusive", with the reason
 from __future__ import annotations
 
 import copy
+import hashlib
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -754,17 +755,7 @@ def _judged_audit(
         threat: _judge(threat, cells, results, rule, campaign.threat_gaps(threat), reference)
         for threat in THREAT_MODELS
     }
-    bound = _formal_bound(
-        setting,
-        campaign.model,
-        results,
-        reference,
-        rule,
-        campaign.datamodule,
-        round=campaign.round,
-        seed=campaign.seed,
-        lpips_fn=campaign.lpips_fn,
-    )
+    bound = _formal_bound(campaign, results)
     restricted = campaign.sok_class
     audit = SettingAudit(
         setting.name,
@@ -814,6 +805,24 @@ class _Campaign:
     sok_class: SoKThreatModel | None = None
     forbidden: list[str] = field(default_factory=list)
     _labels_disagree: bool | None = None
+    _kappas: dict[bytes, float] = field(default_factory=dict)
+
+    def kappa(self, pixels: Tensor, labels: Tensor) -> float:
+        """:func:`~lightning_gp.audit.bounds.prior_only_kappa` of the campaign's rule on ``pixels`` with their
+        ``labels``, against its reference; measured once per sample (the formal bound and the aggregate
+        view's bound are often read on the same images)."""
+        digest = hashlib.sha256()
+        for t in (pixels, labels):
+            t = t.detach().cpu().contiguous()
+            digest.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            digest.update(t.numpy().tobytes())
+        key = digest.digest()
+        if key not in self._kappas:
+            lpips_fn = lpips_for_rule(self.rule, self.lpips_fn)
+            self._kappas[key] = prior_only_kappa(
+                pixels, self.reference, labels=labels, rule=self.rule, lpips_fn=lpips_fn
+            )
+        return self._kappas[key]
 
     def forbids(self, name: str, attack: GradientAttack | type) -> bool:
         """Whether the audit's threat model forbids ``attack`` (then noted in ``forbidden`` and logged)."""
@@ -1327,28 +1336,13 @@ def _aggregate_bound_at_kappa(
     if bound.mechanism is None or originals is None or combined.targets is None:
         return bound
     pixels, labels = _kappa_sample(campaign.datamodule, originals, combined.targets, campaign.seed)
-    rule = campaign.rule
-    kappa = prior_only_kappa(
-        pixels, campaign.reference, labels=labels, rule=rule, lpips_fn=lpips_for_rule(rule, campaign.lpips_fn)
-    )
-    return bound.at(kappa)
+    return bound.at(campaign.kappa(pixels, labels))
 
 
-def _formal_bound(
-    setting: DefenseSetting,
-    model: nn.Module,
-    results: dict[str, list[AttackResult]],
-    reference: Tensor,
-    rule: LeakRule,
-    datamodule: Any,
-    *,
-    round: int = 0,
-    seed: int = 0,
-    lpips_fn: nn.Module | None = None,
-) -> FormalBound:
-    """The setting's ReRo bound over rounds ``0 .. round`` at the kappa of ``rule`` on the audited
-    images and more training images (:func:`_kappa_sample`; none without a mechanism)."""
-    bound = setting_bound(setting, model, round=round)
+def _formal_bound(campaign: _Campaign, results: dict[str, list[AttackResult]]) -> FormalBound:
+    """The setting's ReRo bound over rounds ``0 .. campaign.round`` at the kappa of the campaign's rule on
+    the audited images and more training images (:func:`_kappa_sample`; none without a mechanism)."""
+    bound = setting_bound(campaign.setting, campaign.model, round=campaign.round)
     scored = next(iter(results.values()), None)
     if bound.mechanism is None or not scored:
         return bound
@@ -1357,10 +1351,8 @@ def _formal_bound(
         return bound
     # the labels of the images scored (an attack spared on clients whose images had leaked scored fewer)
     labels = torch.cat([r.record.targets.reshape(-1) for r in scored if r.record.targets is not None])
-    pixels, labels = _kappa_sample(datamodule, originals, labels, seed)
-    return bound.at(
-        prior_only_kappa(pixels, reference, labels=labels, rule=rule, lpips_fn=lpips_for_rule(rule, lpips_fn))
-    )
+    pixels, labels = _kappa_sample(campaign.datamodule, originals, labels, campaign.seed)
+    return bound.at(campaign.kappa(pixels, labels))
 
 
 def _kappa_sample(datamodule: Any, originals: Tensor, labels: Tensor, seed: int) -> tuple[Tensor, Tensor]:

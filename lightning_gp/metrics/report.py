@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import math
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -41,6 +41,8 @@ HIGHER_IS_PRIVATE: dict[str, bool] = {
     "identification": True,  # a p-value: small means the output picks out its original
 }
 METRICS = ("mse", "psnr", "ssim", "lpips", "nmi", "noise_ratio", "semantic", "identification")
+#: The image similarities every pair is scored by (LPIPS, which needs its network, is asked for apart).
+SIMILARITIES = ("mse", "psnr", "ssim", "nmi")
 #: Why the identification score is missing when no calibrated tests were given.
 NO_IDENTIFICATION_TEST = (
     "no identification test was given (tests=None); an audit calibrates one on the data's public split "
@@ -482,6 +484,7 @@ def pair_scores(
     semantic: bool,
     true_labels: Tensor | None,
     tests: RecognitionTests | None = None,
+    similarities: Collection[str] = SIMILARITIES,
 ) -> tuple[dict[str, Tensor], dict[str, str]]:
     """Every reconstruction scored against every original: the scoring of :func:`reconstruction_report`
     (and of anything that must judge as the audit judges, e.g. the fixed guesses of ReRo's kappa).
@@ -492,9 +495,17 @@ def pair_scores(
     ``lpips_fn``, the noise ratio (the reconstruction's own score, the same in every row) with
     ``noise_ratio``, the semantic test for each original's label in ``true_labels`` with
     ``semantic`` (``tests``' semantic test, else the shipped one), the identification p-value with
-    ``tests``; and why an asked-for score is not available."""
-    pairs: dict[str, Tensor] = {m: pairwise_scores(rec_px, orig_px, m) for m in ("mse", "psnr", "ssim")}
-    pairs["nmi"] = nmi_pairwise(rec_px, orig_px)
+    ``tests``; and why an asked-for score is not available. ``similarities`` names which of
+    :data:`SIMILARITIES` to compute (a caller that judges by a rule reading fewer of them skips the rest:
+    on hundreds of originals against hundreds of guesses they are most of the cost)."""
+    unknown = set(similarities) - set(SIMILARITIES)
+    if unknown:
+        raise ValueError(f"similarities must be among {SIMILARITIES}, got {sorted(unknown)}")
+    pairs: dict[str, Tensor] = {
+        m: pairwise_scores(rec_px, orig_px, m) for m in ("mse", "psnr", "ssim") if m in similarities
+    }
+    if "nmi" in similarities:
+        pairs["nmi"] = nmi_pairwise(rec_px, orig_px)
     if lpips_fn is not None:
         pairs["lpips"] = pairwise_scores(rec_px, orig_px, "lpips", lpips_fn)
     unavailable: dict[str, str] = {}
