@@ -75,6 +75,11 @@ def mse(x: Tensor, y: Tensor) -> Tensor:
     Computed by ``torchmetrics.functional.mean_squared_error`` with one output per image.
     """
     _check_pixels(x, y)
+    return unchecked_mse(x, y)
+
+
+def unchecked_mse(x: Tensor, y: Tensor) -> Tensor:
+    """:func:`mse` without its checks, for a caller that checked the whole batch once (pairs by the chunk)."""
     batch = x.shape[0]
     # num_outputs=B: each column of the [C*H*W, B] views is one image (B == 1 gives a 0-dim value).
     values = mean_squared_error(x.flatten(1).T, y.flatten(1).T, num_outputs=batch)
@@ -90,6 +95,11 @@ def psnr(x: Tensor, y: Tensor, data_range: float = 1.0) -> Tensor:
     """
     data_range = check_positive(data_range, "data_range")
     _check_pixels(x, y, data_range, takes_data_range=True)
+    return unchecked_psnr(x, y, data_range)
+
+
+def unchecked_psnr(x: Tensor, y: Tensor, data_range: float = 1.0) -> Tensor:
+    """:func:`psnr` without its checks, for a caller that checked the whole batch once (pairs by the chunk)."""
     # data_range as a float, not a (min, max) tuple: with a tuple torchmetrics clamps the inputs,
     # and PSNR would disagree with ``mse`` on values inside the rounding slack. torchmetrics
     # holds log(data_range) and 10/ln(10) as float32 scalars, so float64 inputs agree with the

@@ -19,10 +19,10 @@ from lightning_gp.metrics.image_quality import (
     check_image_pair,
     check_pair_batches,
     check_pixel_range,
-    mse,
     pair_indices,
-    psnr,
     ssim_pairwise,
+    unchecked_mse,
+    unchecked_psnr,
 )
 
 MATCH_METRICS = ("mse", "psnr", "ssim", "lpips")
@@ -64,7 +64,7 @@ def pairwise_scores(
         with torch.no_grad():
             return ssim_pairwise(reconstructed, original).detach().float().cpu()
     else:
-        fn = {"mse": mse, "psnr": psnr}[metric]
+        fn = {"mse": unchecked_mse, "psnr": unchecked_psnr}[metric]  # the batches were checked above
     n_orig, n_rec = original.shape[0], reconstructed.shape[0]
     rows, cols = pair_indices(n_orig, n_rec, original.device)
     values = []
