@@ -704,7 +704,7 @@ class DefenseAwareIDLG(_KnowsTheDefense, IDLG):
         describes, or by value at the clients' first starts) or does not cover some client (that client's
         fallback runs alone), or for a subclass with a reconstruction of its own (the noise-aware MAP
         attack's two stages)."""
-        if type(self).reconstruct is not DefenseAwareIDLG.reconstruct or not self._alike(attacks, views):
+        if self._first_override(DefenseAwareIDLG, ("reconstruct",)) is not None or not self._alike(attacks, views):
             return None
         knowing = cast(Sequence[DefenseAwareIDLG], attacks)
         if not self._knowledge_alike(knowing, views):

@@ -253,7 +253,7 @@ class DLG(GradientAttack):
         :meth:`InvertingGradients.reconstruct_side_by_side`; also DLG's optimised labels and a subclass
         with an objective or a reconstruction of its own), and for clients of more than one image
         (:data:`LOCKSTEP_CLIENTS_MAX_BATCH`)."""
-        if type(self).reconstruct is not DLG.reconstruct or not self._alike(attacks, views):
+        if self._first_override(DLG, ("reconstruct",)) is not None or not self._alike(attacks, views):
             return None
         prepared = [attack._prepare(view) for attack, view in zip(attacks, views)]
         return self._clients_side_by_side(cast(Sequence[DLG], attacks), prepared)
