@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # one thread (tests/conftest.py). `make test TEST_WORKERS=0` runs in one process.
 TEST_WORKERS ?= 2
 
-.PHONY: install test test-simulations lint format demo docs bench flower-example clean
+.PHONY: install test test-slow test-simulations lint format demo docs bench flower-example clean
 
 install: $(STAMP)
 
@@ -31,6 +31,11 @@ $(STAMP): setup.cfg pyproject.toml Makefile
 
 test: $(STAMP)
 	$(PY) -m pytest -m "not slow and not simulation" $(if $(filter 0,$(TEST_WORKERS)),,-n auto --maxprocesses $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
+
+# The long checks `make test` leaves out (marked slow: claims that take about 9 s or more, benchmarks'
+# smoke runs), on the same workers; .ci/run runs them after `make test`.
+test-slow: $(STAMP)
+	$(PY) -m pytest -m "slow and not simulation" $(if $(filter 0,$(TEST_WORKERS)),,-n auto --maxprocesses $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 
 # ruff (lint + format check) and mypy, configured in pyproject.toml.
 lint: $(STAMP)

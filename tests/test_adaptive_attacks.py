@@ -86,6 +86,8 @@ def test_support_matching_recovers_a_top_k_pruned_image_the_published_idlg_misse
     assert score(adaptive[0], view, x) > score(IDLG(iterations=20, seed=0), view, x) + MARGIN_DB
 
 
+# 9 s: a long check, left out of make test; make test-slow and CI run it
+@pytest.mark.slow
 def test_support_matching_beats_published_inverting_gradients_on_random_pruning(datamodule):
     model, x, _, g = client(datamodule, seed=1, index=7)
     defense = D.RandomPruning(0.8, seed=0)
@@ -94,6 +96,8 @@ def test_support_matching_beats_published_inverting_gradients_on_random_pruning(
     assert score(adaptive[0], view, x) > score(InvertingGradients(iterations=800, seed=1), view, x) + MARGIN_DB
 
 
+# 10 s per optimiser: a long check, left out of make test; make test-slow and CI run it
+@pytest.mark.slow
 @pytest.mark.parametrize("optimiser", ["adam", "lbfgs"])
 def test_known_clipping_beats_the_published_attack(datamodule, optimiser):
     model, x, _, g = client(datamodule, seed=0, index=0)

@@ -92,6 +92,8 @@ def test_over_clients_refuses_what_the_mean_hides_and_scales_the_noise():
         DefenseKnowledge(defense="X", support=False, view_transform=lambda view: lambda g: g).over_clients(2)
 
 
+# 10 s: a long check, left out of make test; make test-slow and CI run it
+@pytest.mark.slow
 def test_the_aggregate_view_runs_the_lifted_adaptive_attacks_and_names_the_gap_where_none_carries_over(datamodule):
     """Top-k's aggregate is attacked by its adaptive attacks knowing each client's mask (their cells in
     the view, no "no adaptive attack" gap); random pruning's is not modelled, a gap that keeps the

@@ -183,6 +183,8 @@ def test_an_unknown_published_attack_is_an_error_listing_the_choices():
     assert str(err.value) == f"unknown attack(s) ['Nope', 'dlg']; published attacks: {PUBLISHED}"
 
 
+# 13 s: a long check, left out of make test; make test-slow and CI run it
+@pytest.mark.slow
 def test_the_registries_are_complete_once_the_defining_modules_are_imported_whatever_came_first():
     # a fresh interpreter per first import; the pure defenses' attacks are declared by the attacks
     # package itself, a class defined above it (DPSGD, RefinerModule, ...) declares its own in its module

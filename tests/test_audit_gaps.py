@@ -112,6 +112,8 @@ def test_a_setting_the_server_cannot_replay_leaves_a_named_gap() -> None:
 FEDAVG: dict[str, Any] = {"algorithm": "fedavg", "local_epochs": 2, "local_batch_size": 1}
 
 
+# 11 s: a long check, left out of make test; make test-slow and CI run it
+@pytest.mark.slow
 def test_fedavg_clients_are_replayed_and_the_learned_inverter_attacks_their_updates() -> None:
     """FedAvg with local training (2 epochs of batches of 1): the server replays the clients' local
     updates, so the inverter and its refined variant run on the shared update and leave no gap."""

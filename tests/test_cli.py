@@ -147,6 +147,8 @@ def test_attack_command_reports_a_bad_config_by_name(tmp_path, cli):
     assert "iterations must be a positive int" in result.stderr
 
 
+# 20 s: a long check, left out of make test; make test-slow and CI run it
+@pytest.mark.slow
 def test_demo_reports_cost_and_worst_case_verdicts_with_the_adaptive_attacks(tmp_path, cli):
     # two of the default defenses and two images: the whole pipeline at a fraction of the default run's
     # cost (the adaptive L-BFGS attack's 4 starts per client are most of it)

@@ -269,6 +269,8 @@ def test_a_setting_that_changes_the_model_is_sent_trained_and_attacked_as_change
     assert isinstance(imprinted.loss_fn, PRECODELoss) and imprinted.loss_fn is imprinted.model.loss_fn
 
 
+# 9 s: a long check, left out of make test; make test-slow and CI run it
+@pytest.mark.slow
 def test_baselines_quick_writes_the_summary_every_attack_and_soteria_cost(tmp_path):
     result = run_benchmark(
         "baselines.py",

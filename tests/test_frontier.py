@@ -130,6 +130,8 @@ def test_a_frontier_with_the_clients_model_checks_names_them_and_keeps_its_pmm_r
     assert all(p.pmm is not None for p in result.points)
 
 
+# 12 s: a long check, left out of make test; make test-slow and CI run it
+@pytest.mark.slow
 def test_an_interrupted_run_resumes_to_the_same_results(tmp_path: Path) -> None:
     """Killed after 2 of its 6 jobs, a rerun runs only the 4 left and ends with the results of an
     uninterrupted run (wall-clock fields aside); a line cut short by the kill is run again."""
@@ -325,6 +327,8 @@ def test_a_training_times_itself_against_its_own_undefended_reference_and_older_
     assert comparable(again.points) == comparable(first.points)
 
 
+# 11 s: a long check, left out of make test; make test-slow and CI run it
+@pytest.mark.slow
 def test_lowering_learned_min_batch_reruns_just_the_audits_the_learned_inverter_could_change(tmp_path: Path) -> None:
     """Audits stored under ``learned_min_batch=2`` ran at batch 1 without the learned inverter. With
     1 the same results file is reused (the fingerprint leaves it out): an audit whose images had not
@@ -675,6 +679,8 @@ def test_the_undefended_reference_is_called_the_reference_not_a_ratio_to_itself(
     assert candidate.cost == "PMM 0.90, time x1.00, upload 13%"
 
 
+# 19 s: a long check, left out of make test; make test-slow and CI run it
+@pytest.mark.slow
 def test_the_fedavg_axis_is_a_frontier_of_its_own_measured_against_its_own_undefended_reference(tmp_path: Path) -> None:
     """client_training adds, beside FedSGD, every setting trained E local epochs in local batches: its
     audit attacks the FedAvg update (FedAvgInversion among the attacks), its training runs FedAvg's

@@ -130,6 +130,8 @@ def test_the_cache_reuses_a_trained_generator_in_memory_and_on_disk(public, data
 
 
 # ------------------------------------------------------------------------------- the latent search
+# 10 s: a long check, left out of make test; make test-slow and CI run it
+@pytest.mark.slow
 def test_the_latent_search_through_a_known_defense_beats_every_prior_only_guess(public, data, cache) -> None:
     """Batch 1, LeNetZhu, small Gaussian noise the attack knows (std 1e-3 per coordinate, a gradient
     RMS of about 0.2): the gradient carries the image. The reconstruction's pixel MSE to the original

@@ -105,6 +105,8 @@ def test_a_smooth_guess_that_crosses_a_fixed_line_without_identifying_its_origin
     assert not [c for c in by if not c.startswith("semantic")], by
 
 
+# 13 s: a long check, left out of make test; make test-slow and CI run it
+@pytest.mark.slow
 def test_fashion_mnist_keeps_the_shipped_semantic_test_and_other_data_get_their_own(data) -> None:
     shipped = datamodule_recognition_tests(data, log=lambda _: None)
     assert shipped.semantic is not None and shipped.semantic.line == SEMANTIC_LINE

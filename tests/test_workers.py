@@ -40,6 +40,8 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+# 10 s: a long check, left out of make test; make test-slow and CI run it
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_worker_exits_when_its_parent_is_killed(tmp_path: Path) -> None:
     script = tmp_path / "parent.py"
