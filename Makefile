@@ -12,6 +12,7 @@ PYTEST_ARGS ?=
 # pytest-xdist workers for `make test`: one per core (-n auto), at most TEST_WORKERS; each runs torch on
 # one thread (tests/conftest.py). `make test TEST_WORKERS=0` runs in one process.
 TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n auto --maxprocesses $(TEST_WORKERS) --dist loadfile)
 
 .PHONY: install test test-slow test-simulations lint format demo docs bench flower-example clean
 
@@ -30,12 +31,12 @@ $(STAMP): setup.cfg pyproject.toml Makefile
 	@touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -m "not slow and not simulation" $(if $(filter 0,$(TEST_WORKERS)),,-n auto --maxprocesses $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow and not simulation" $(XDIST) $(PYTEST_ARGS)
 
 # The long checks `make test` leaves out (marked slow: claims that take about 9 s or more, benchmarks'
 # smoke runs), on the same workers; .ci/run runs them after `make test`.
 test-slow: $(STAMP)
-	$(PY) -m pytest -m "slow and not simulation" $(if $(filter 0,$(TEST_WORKERS)),,-n auto --maxprocesses $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
+	$(PY) -m pytest -m "slow and not simulation" $(XDIST) $(PYTEST_ARGS)
 
 # ruff (lint + format check) and mypy, configured in pyproject.toml.
 lint: $(STAMP)
