@@ -24,6 +24,20 @@ from prior_bar import VIEWS
 
 #: The grid of issue 49 (the trained round is round 50 in every published run).
 GRID = [(batch, algorithm, round_) for batch in (1, 8) for algorithm in ("fedsgd", "fedavg") for round_ in (0, 50)]
+#: The columns of a defense_that_holds.py table this script reads.
+COLUMNS = (
+    "batch",
+    "algorithm",
+    "round",
+    "threat model",
+    "identified",
+    "advantage [95% CI]",
+    "eta",
+    "kappa",
+    "PMM",
+    "step",
+    "bar",
+)
 #: What the misses column reads for a row that meets every limit.
 MEETS = "none: meets the bar"
 #: The threat models in the order of the table's "a / b / c / d" columns.
@@ -37,7 +51,7 @@ def read_table(path: Path) -> dict[tuple[int, str, int], dict[str, dict[str, str
     cells: dict[tuple[int, str, int], dict[str, dict[str, str]]] = {}
     with open(path, newline="") as handle:
         for row in csv.DictReader(handle):
-            missing = {"batch", "algorithm", "round", "threat model", "identified", "advantage", "bar"} - set(row)
+            missing = set(COLUMNS) - set(row)
             if missing:
                 raise SystemExit(f"{path} is not a defense_that_holds.py table: no column {sorted(missing)}")
             cells.setdefault((int(row["batch"]), row["algorithm"], int(row["round"])), {})[row["threat model"]] = row
