@@ -60,7 +60,7 @@ def read_table(path: Path) -> dict[tuple[int, str, int], dict[str, dict[str, str
 
 def _limits(views: dict[str, dict[str, str]]) -> str:
     """Every limit of the bar the cell misses, each once: the advantage with the threat models where it
-    fails (or is inconclusive), the others as the first threat model states them; a threat model the run
+    fails (or is inconclusive), the others (the same in every threat model) once; a threat model the run
     did not audit is a miss too."""
     advantage, others = [], []
     for threat in THREATS:
@@ -73,7 +73,7 @@ def _limits(views: dict[str, dict[str, str]]) -> str:
                 advantage.append(
                     f"{part.removeprefix('advantage ')} {row['advantage [95% CI]'].split(' ')[0]} ({threat})"
                 )
-            elif part != "met" and part.split(" ")[0] not in {o.split(" ")[0] for o in others}:
+            elif part != "met" and part not in others:  # eta, PMM and the step are the cell's, not the view's
                 others.append(part)
     missed = ([f"advantage {', '.join(advantage)}"] if advantage else []) + others
     return "; ".join(missed) or MEETS
