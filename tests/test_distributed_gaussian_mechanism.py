@@ -16,10 +16,15 @@ from lightning_gp import defenses as D
 from lightning_gp.attacks import DefenseKnowledge
 from lightning_gp.attacks.resolution import composed_knowledge
 from lightning_gp.audit import AttackBudget, DefenseSetting, audit_setting, defense_mechanism, published_attacks
+from lightning_gp.audit.quiet import internal_trainer, quiet_lightning
+from lightning_gp.audit.rounds import tap_fedsgd_round
 from lightning_gp.audit.setting_audit import honest_cohort, with_absent_shares
+from lightning_gp.audit.training import simulated_cohort
 from lightning_gp.data import FashionMNISTSampleDataModule
 from lightning_gp.defenses.base import DefenseCall
+from lightning_gp.federated import FederatedSimulation, train_many_clients
 from lightning_gp.models import LeNetZhu
+from lightning_gp.pipeline.stages import ClientSetup
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -151,3 +156,49 @@ def test_the_absent_shares_make_the_mean_s_noise_the_central_one_and_the_knowled
         DefenseKnowledge(noise_std=0.1, support=False).over_clients(4, noise_shares=3)
     assert honest_cohort(DefenseSetting("d", [callbacks.DistributedGaussianMechanism(cohort_size=10)])) is not None
     assert honest_cohort(DefenseSetting("l", [callbacks.LocalGaussianMechanism()])) is None
+
+
+def _simulation(clients_per_round: int, **kwargs) -> FederatedSimulation:
+    return FederatedSimulation(
+        LeNetZhu(), datamodule=FashionMNISTSampleDataModule(batch_size=64), num_clients=8,
+        clients_per_round=clients_per_round, local_batch_size=1, **kwargs,
+    )  # fmt: skip
+
+
+def _fit(simulation: FederatedSimulation, cohort_size: int) -> None:
+    defense = callbacks.DistributedGaussianMechanism(noise_multiplier=1.0, cohort_size=cohort_size, seed=0)
+    with quiet_lightning():
+        internal_trainer(max_steps=1, callbacks=[defense]).fit(simulation)
+
+
+def test_rounds_that_sum_fewer_uploads_than_the_cohort_are_refused_before_they_train() -> None:
+    """Four uploads of a cohort of 8 sum to noise z C / sqrt(2): half the variance the guarantee states."""
+    with pytest.raises(ValueError, match=r"cohort_size=8.*aggregate 4 uploads.*0\.7071"):
+        _fit(_simulation(4), cohort_size=8)
+    with pytest.raises(ValueError, match=r"cohort_size=8.*aggregate 4 uploads"):
+        train_many_clients(
+            LeNetZhu(), FashionMNISTSampleDataModule(batch_size=64), rounds=1, clients_per_round=4,
+            defense=D.DistributedGaussianMechanism(noise_multiplier=1.0, cohort_size=8, seed=0),
+        )  # fmt: skip
+    setup = ClientSetup(8, LeNetZhu(), {"w": torch.Size([3])}, cohort_size=4)  # DDP: four ranks
+    with pytest.raises(ValueError, match="cohort_size=8"):
+        callbacks.DistributedGaussianMechanism(noise_multiplier=1.0, cohort_size=8).bind(setup)
+
+
+def test_a_full_cohort_or_a_simulation_that_stands_for_one_trains() -> None:
+    _fit(_simulation(8), cohort_size=8)
+    _fit(_simulation(4, cohort_size=8), cohort_size=8)  # four clients of a round of eight, as the audit taps
+    _fit(_simulation(8), cohort_size=4)  # more uploads only add noise
+    callbacks.DistributedGaussianMechanism(cohort_size=1000).bind(ClientSetup(1, LeNetZhu(), {}))  # no aggregate
+    # the audit taps two clients of a cohort of 1,000: each upload carries its share, z C / sqrt(1000)
+    defense = callbacks.DistributedGaussianMechanism(noise_multiplier=1.0, max_update_norm=1e-6, cohort_size=1000)
+    records, _, _ = tap_fedsgd_round(LeNetZhu(), FashionMNISTSampleDataModule(), defenses=[defense], num_clients=2)
+    noise = torch.cat([g.flatten() for g in records[0].gradients.values()])
+    assert float(noise.std()) == pytest.approx(1e-6 / math.sqrt(1000), rel=0.05)  # 53,704 draws: 0.3% error
+    assert (
+        simulated_cohort([callbacks.DistributedGaussianMechanism(cohort_size=1000), callbacks.GaussianNoise()], 16)
+        == 1000
+    )
+    assert simulated_cohort([callbacks.GaussianNoise()], 16) == 16
+    with pytest.raises(ValueError, match="cohort_size"):
+        _simulation(8, cohort_size=4)

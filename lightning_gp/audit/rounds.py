@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Subset
 from lightning_gp.attacks import AttackNotApplicable, GradientAttack
 from lightning_gp.audit.catalog import DefenseSetting
 from lightning_gp.audit.quiet import internal_trainer, quiet_lightning
-from lightning_gp.audit.training import trainer_runner
+from lightning_gp.audit.training import simulated_cohort, trainer_runner
 from lightning_gp.callbacks import GradientDefense, GradientTap
 from lightning_gp.defenses.base import Gradients
 from lightning_gp.federated import FederatedSimulation, ModelProvenance, ModelRejected, weighted_mean
@@ -209,6 +209,7 @@ def tap_fedsgd_round(
         datamodule=datamodule,
         num_clients=num_clients,
         clients_per_round=num_clients,
+        cohort_size=simulated_cohort(defenses, num_clients),
         local_batch_size=local_batch_size,
         server_optimizer=server_optimizer,
         server_lr=server_lr,

@@ -14,6 +14,7 @@ from torch import nn
 
 from lightning_gp.audit.catalog import DefenseSetting
 from lightning_gp.audit.quiet import internal_trainer, quiet_lightning
+from lightning_gp.defenses import DistributedGaussianMechanism as Distributed
 from lightning_gp.federated import ClientLevelDP
 from lightning_gp.validation import check_positive_int
 
@@ -32,6 +33,15 @@ class TrainingResult:
     @property
     def upload_ratio(self) -> float:
         return self.upload_bytes_per_client_round / self.dense_bytes_per_client_round
+
+
+def simulated_cohort(defenses: Sequence[Callback], clients: int) -> int:
+    """The secure aggregate a simulation of ``clients`` clients of a round stands for: the largest
+    ``cohort_size`` among ``defenses`` (a distributed mechanism's clients add their shares of one
+    central noise), at least ``clients``; each simulated upload is then the deployment's own
+    (:class:`~lightning_gp.federated.FederatedSimulation`'s ``cohort_size``)."""
+    inner = [getattr(cb, "defense", None) for cb in defenses]
+    return max([clients, *(d.cohort_size for d in inner if isinstance(d, Distributed))])
 
 
 def trainer_runner(
@@ -100,6 +110,7 @@ def train_setting(
             datamodule=datamodule,
             num_clients=num_clients,
             clients_per_round=num_clients,
+            cohort_size=simulated_cohort(defenses, num_clients),
             local_batch_size=step_batch,
             local_steps=setting.local_epochs * (local_batch_size // step_batch) if setting.local_training else 1,
             algorithm=setting.algorithm,

@@ -176,6 +176,8 @@ class GradientDefense(SharedGradientCallback, DefenseStage):
     def bind(self, setup: ClientSetup) -> None:
         self.defense.set_num_clients(setup.num_clients)
         self.defense.check_layer_shapes(setup.shapes)
+        if setup.cohort_size is not None:
+            self.defense.check_cohort(setup.cohort_size)
 
     def begin_round(
         self, round: int, clients: Sequence[int], local_gradients: Mapping[int, Gradients], share: Share

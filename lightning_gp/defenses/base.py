@@ -253,6 +253,12 @@ class Defense(ABC):
         # a transform that did not write into out is copied there
         return shared if out is None else write_into(out, shared)
 
+    def check_cohort(self, cohort_size: int) -> None:
+        """Refuse a run whose rounds aggregate ``cohort_size`` uploads where this defense's guarantee
+        needs more (:class:`~lightning_gp.defenses.DistributedGaussianMechanism`); any number is fine
+        for a defense of the upload alone."""
+        check_positive_int(cohort_size, "cohort_size")
+
     def set_num_clients(self, num_clients: int | None) -> None:
         """Declare how many clients the run has; later calls reject ids outside ``0..n-1``."""
         if num_clients is not None:

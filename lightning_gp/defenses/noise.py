@@ -193,6 +193,19 @@ class DistributedGaussianMechanism(LocalGaussianMechanism):
         """The per-coordinate noise std of one client's upload, ``z C / sqrt(K)``."""
         return self.noise_multiplier * self.max_update_norm / math.sqrt(self.cohort_size)
 
+    def check_cohort(self, cohort_size: int) -> None:
+        """Refuse rounds that aggregate fewer than ``self.cohort_size`` uploads: their sum would carry
+        less noise than the central ``z C`` the guarantee states (more uploads only add noise)."""
+        super().check_cohort(cohort_size)
+        if cohort_size < self.cohort_size:
+            carried = self.noise_std * math.sqrt(cohort_size)
+            raise ValueError(
+                f"DistributedGaussianMechanism(cohort_size={self.cohort_size}) in rounds that aggregate {cohort_size} "
+                f"uploads (clients_per_round): their sum carries noise std {carried:.4g}, not the central "
+                f"z C = {self.noise_multiplier * self.max_update_norm:.4g} its guarantee states. Set cohort_size to "
+                "the clients whose uploads each secure aggregate sums (at most clients_per_round)"
+            )
+
     def absent_noise_std(self, present: int) -> float:
         """The per-coordinate std of the summed noise shares of the cohort's other ``K - present``
         clients: what the secure sum carries beyond ``present`` clients' uploads when those others are

@@ -248,6 +248,8 @@ def _check_arguments(
     num_clients = clients_per_round if num_clients is None else check_positive_int(num_clients, "num_clients")
     if clients_per_round > num_clients:
         raise ValueError(f"clients_per_round ({clients_per_round}) cannot exceed num_clients ({num_clients})")
+    if defense is not None:
+        defense.check_cohort(clients_per_round)
     check_model_fits_data(model, datamodule)
     return num_clients
 

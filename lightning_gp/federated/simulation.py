@@ -116,6 +116,11 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
             ``"fedavg"`` (clients run ``local_steps`` SGD steps at ``local_lr`` and share
             ``w_global - w_local``; the server's SGD at lr 1.0 is McMahan et al.'s FedAvg).
         num_clients: total clients; ``clients_per_round``: clients sampled each round.
+        cohort_size: the uploads one round's secure aggregate sums in the deployment the simulation
+            stands for (default ``clients_per_round``; at least it): a simulation of a few clients of a
+            larger round, as the audit's taps are, sets it. A defense sized for a cohort
+            (:class:`~lightning_gp.callbacks.DistributedGaussianMechanism`) is refused where it is
+            larger, since the sum would carry less noise than its guarantee states.
         local_batch_size: samples in one local batch; ``local_steps``: local batches per round
             (FedAvg only; FedSGD uses one).
         partition: ``"iid"``, ``"dirichlet"`` (label skew with ``dirichlet_alpha``) or
@@ -177,6 +182,7 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
         num_workers: int = 0,
         seed: int = 0,
         client_dp: ClientLevelDP | None = None,
+        cohort_size: int | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -207,6 +213,9 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
         self.batchnorm = check_choice(batchnorm, "batchnorm", ("train", "eval"))
         self.num_workers = check_int(num_workers, "num_workers", low=0)
         _check_client_dp(client_dp, weighting, module)
+        self.cohort_size = clients_per_round if cohort_size is None else check_positive_int(cohort_size, "cohort_size")
+        if self.cohort_size < clients_per_round:
+            raise ValueError(f"cohort_size ({cohort_size}) cannot be below clients_per_round ({clients_per_round})")
         self.client_dp = client_dp
         self.seed = seed
         self.module = module
@@ -254,7 +263,7 @@ class FederatedSimulation(pl.LightningModule, ClientStepRunner):
     # ------------------------------------------------------------------ the client step
     def client_setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> ClientSetup:
         shapes = {n: p.shape for n, p in trainable_parameters(self.module).items()}
-        return ClientSetup(self.num_clients, self.module, shapes)
+        return ClientSetup(self.num_clients, self.module, shapes, cohort_size=self.cohort_size)
 
     @property
     def client_module(self) -> nn.Module:

@@ -76,7 +76,7 @@ class DDPClientStep(ClientStepRunner):
         single_optimizer(trainer)
         # DDP reduces every parameter that requires a gradient, whatever the optimizer steps.
         shapes = {n: p.shape for n, p in pl_module.named_parameters() if p.requires_grad}
-        return ClientSetup(trainer.world_size, pl_module, shapes)
+        return ClientSetup(trainer.world_size, pl_module, shapes, cohort_size=trainer.world_size)
 
     def attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.comm_hook = register_defended_allreduce(trainer, pl_module, self.fit_pipeline())

@@ -77,12 +77,16 @@ class ClientSetup:
         shapes: the name and shape of every layer a client shares, in order.
         passes_client_batches: the runner hands each client's batch to the stages (see
             :attr:`~lightning_gp.pipeline.ClientStepRunner.passes_client_batches`); the pipeline fills it in.
+        cohort_size: the clients whose uploads one round's aggregate sums (the simulation's
+            ``cohort_size``, DDP's world size); ``None`` where the runner does not aggregate (one
+            process training alone, e.g. a Flower client), so no stage can check it.
     """
 
     num_clients: int
     model: nn.Module
     shapes: dict[str, torch.Size]
     passes_client_batches: bool = False
+    cohort_size: int | None = None
 
 
 class DefenseStage(ABC):
