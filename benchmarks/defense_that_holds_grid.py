@@ -4,12 +4,16 @@ Each run of ``defense_that_holds.py`` audits some cells of the grid (client batc
 FedAvg, round 0 and a trained round, four threat models) and writes a table with a row per threat
 model. This script gathers the runs of one dataset into one table, a row per (batch, algorithm, round,
 run): the images identified and the advantage in each threat model, eta, PMM, the step, and every limit
-of the bar that the row misses; and it names the cells of the grid that no run covers::
+of the bar that the row misses; and it names the cells of the grid that no run covers. Beside it,
+``<name>_by_threat`` holds the same runs a row per (batch, algorithm, round, threat model), each with its
+advantage and interval, eta and kappa, PMM, the step and its bar (a threat model a run did not audit: a
+row that says so and misses)::
 
     python benchmarks/defense_that_holds_grid.py --dataset fashion-mnist \\
         benchmarks/results/defense_that_holds_ddp_z2.csv benchmarks/results/defense_that_holds_ddp_z2_round50.csv ...
 
-writes benchmarks/results/<name>.{csv,md} (default name ``defense_that_holds_grid_<dataset>``).
+writes benchmarks/results/<name>.{csv,md} and <name>_by_threat.{csv,md} (default name
+``defense_that_holds_grid_<dataset>``).
 """
 
 from __future__ import annotations
@@ -107,6 +111,44 @@ def grid_rows(paths: Sequence[Path]) -> list[dict[str, str | int]]:
     return sorted(rows, key=lambda r: (r["batch"], r["algorithm"] == "fedavg", r["round"], str(r["run"])))
 
 
+def threat_rows(paths: Sequence[Path]) -> list[dict[str, str | int]]:
+    """One row per (batch, algorithm, round, threat model) of each table, in the grid's order; a threat
+    model the run did not audit is a row that says so and misses the bar."""
+    rows: list[dict[str, str | int]] = []
+    for path in paths:
+        for (batch, algorithm, round_), views in read_table(path).items():
+            first = next(iter(views.values()))
+            for threat in THREATS:
+                row = views.get(threat)
+                rows.append(
+                    {
+                        "batch": batch,
+                        "algorithm": algorithm,
+                        "round": round_,
+                        "threat model": threat,
+                        "identified": "not audited" if row is None else row["identified"],
+                        "advantage [95% CI]": "-" if row is None else row["advantage [95% CI]"],
+                        "eta": first["eta"],
+                        "kappa": first["kappa"],
+                        "PMM": first["PMM"],
+                        "step": first["step"],
+                        "bar": f"{threat} not audited" if row is None else row["bar"],
+                        "run": path.stem,
+                    }
+                )
+    order = {t: k for k, t in enumerate(THREATS)}
+    return sorted(
+        rows,
+        key=lambda r: (
+            r["batch"],
+            r["algorithm"] == "fedavg",
+            r["round"],
+            str(r["run"]),
+            order[str(r["threat model"])],
+        ),
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("tables", type=Path, nargs="+", help="defense_that_holds.py's CSVs of one dataset")
@@ -128,8 +170,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"Run: `python benchmarks/defense_that_holds_grid.py --dataset {args.dataset} "
         f"{' '.join(str(p) for p in args.tables)}`"
     )
+    name = args.name or f"defense_that_holds_grid_{args.dataset.replace('-', '_')}"
+    write_results(name, rows, preamble, args.output_dir)
     write_results(
-        args.name or f"defense_that_holds_grid_{args.dataset.replace('-', '_')}", rows, preamble, args.output_dir
+        f"{name}_by_threat",
+        threat_rows(args.tables),
+        f"The runs of `{name}.md`, a row per (batch, algorithm, round, threat model): `bar` is every limit "
+        f"that row misses (`met`: none). {preamble}",
+        args.output_dir,
     )
 
 

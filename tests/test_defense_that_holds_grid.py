@@ -75,6 +75,13 @@ def test_the_grid_names_every_missed_limit_once_the_failing_views_and_the_cells_
         "batch 1 fedsgd round 0", "batch 1 fedavg round 0", "batch 1 fedavg round 50",
         "batch 8 fedsgd round 0", "batch 8 fedsgd round 50", "batch 8 fedavg round 50",
     ]  # fmt: skip
+    with open(tmp_path / "defense_that_holds_grid_fashion_mnist_by_threat.csv") as handle:
+        by_threat = list(csv.DictReader(handle))
+    assert [(r["batch"], r["round"], r["threat model"]) for r in by_threat] == [
+        *(("1", "50", v) for v in VIEWS), *(("8", "0", v) for v in VIEWS)
+    ]  # fmt: skip
+    assert by_threat[2]["advantage [95% CI]"] == "+0.082 [-0.014, +0.318]"
+    assert by_threat[2]["bar"] == "advantage fails; PMM 0.854 < 0.97" and by_threat[4]["bar"] == "met"
 
 
 def test_a_threat_model_a_run_did_not_audit_is_a_miss_never_a_met_bar(tmp_path: Path) -> None:
@@ -86,6 +93,10 @@ def test_a_threat_model_a_run_did_not_audit_is_a_miss_never_a_met_bar(tmp_path: 
     with open(tmp_path / "g.csv") as handle:
         (row,) = csv.DictReader(handle)
     assert row["misses"] == "secure aggregation not audited; secure aggregation, malicious server not audited"
+    with open(tmp_path / "g_by_threat.csv") as handle:
+        by_threat = list(csv.DictReader(handle))
+    assert [r["bar"] for r in by_threat] == ["met", "met", f"{VIEWS[2]} not audited", f"{VIEWS[3]} not audited"]
+    assert by_threat[3]["identified"] == "not audited"
 
 
 def test_a_missing_file_or_another_table_is_refused_by_name(tmp_path: Path) -> None:
