@@ -26,6 +26,7 @@ from lightning_gp.defenses import Defense, NonFiniteGradientError, share_in_proc
 from lightning_gp.federated import FederatedSimulation, client_gradients
 from lightning_gp.pipeline import RoundNotPrepared, SharedGradientPipeline, StageCall
 from lightning_gp.pipeline.ddp import DefendedAllReduce
+from lightning_gp.pipeline.stages import ClientSetup
 
 SCALE = 5.0  # far above the gradients' own magnitudes: the noised ranking is not the raw one
 
@@ -176,7 +177,7 @@ def test_ddp_held_path_prepares_the_second_stage_from_the_rank_s_noised_gradient
         adgp = AlignedDualGradientPruning(k=0.25, k1=0.1, error_feedback=False, seed=1)
         stages = [GaussianNoise(scale=SCALE, seed=3), GradientDefense(recorder) if second == "recorder" else adgp]
         for stage in stages:
-            stage.bind(SimpleNamespace(num_clients=1, shapes={n: p.shape for n, p in module.named_parameters()}))
+            stage.bind(ClientSetup(1, module, {n: p.shape for n, p in module.named_parameters()}, cohort_size=1))
         pipeline = SharedGradientPipeline(stages, [])
         hook = DefendedAllReduce(SimpleNamespace(global_rank=0, global_step=0, world_size=1), module, pipeline, None)
         assert not hook.bucketwise  # a stage that prepares rounds needs the whole gradient

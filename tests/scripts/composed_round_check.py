@@ -20,6 +20,7 @@ from torch import nn
 from lightning_gp.callbacks import AlignedDualGradientPruning, GaussianNoise
 from lightning_gp.pipeline import SharedGradientPipeline
 from lightning_gp.pipeline.ddp import DefendedAllReduce
+from lightning_gp.pipeline.stages import ClientSetup
 
 SCALE = 5.0
 
@@ -51,7 +52,7 @@ def held_round(rank: int, module: nn.Module, buffer: torch.Tensor) -> tuple[torc
     adgp = AlignedDualGradientPruning(k=0.25, k1=0.1, error_feedback=False, seed=1)
     stages = [GaussianNoise(scale=SCALE, seed=3), adgp]
     for stage in stages:
-        stage.bind(SimpleNamespace(num_clients=2, shapes={n: p.shape for n, p in module.named_parameters()}))
+        stage.bind(ClientSetup(2, module, {n: p.shape for n, p in module.named_parameters()}, cohort_size=2))
     pipeline = SharedGradientPipeline(stages, [])
     trainer = SimpleNamespace(global_rank=rank, global_step=0, world_size=2)
     hook = DefendedAllReduce(trainer, module, pipeline, None)
