@@ -194,7 +194,8 @@ def test_a_full_cohort_or_a_simulation_that_stands_for_one_trains() -> None:
     defense = callbacks.DistributedGaussianMechanism(noise_multiplier=1.0, max_update_norm=1e-6, cohort_size=1000)
     records, _, _ = tap_fedsgd_round(LeNetZhu(), FashionMNISTSampleDataModule(), defenses=[defense], num_clients=2)
     noise = torch.cat([g.flatten() for g in records[0].gradients.values()])
-    assert float(noise.std()) == pytest.approx(1e-6 / math.sqrt(1000), rel=0.05)  # 53,704 draws: 0.3% error
+    # 53,704 draws: 0.3% sampling error; the clipped gradient (norm 1e-6 over 53,704 entries) adds under 1%
+    assert float(noise.std()) == pytest.approx(1e-6 / math.sqrt(1000), rel=0.05)
     assert (
         simulated_cohort([callbacks.DistributedGaussianMechanism(cohort_size=1000), callbacks.GaussianNoise()], 16)
         == 1000
