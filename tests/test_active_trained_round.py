@@ -35,13 +35,19 @@ def audit_at_round_two(setting: DefenseSetting):
     )
 
 
+def initial_weights() -> dict[str, torch.Tensor]:
+    """The weights :func:`audit_at_round_two` starts from (the same seed, the same draw)."""
+    L.seed_everything(0, verbose=False)
+    return LeNetZhu().state_dict()
+
+
 def test_robbing_the_fed_runs_at_a_trained_round_on_the_model_built_on_that_round_s_weights():
     audit = audit_at_round_two(DefenseSetting("noise", [GaussianNoise(scale=1e-6, seed=0)]))
     cells = {c.attack: c for c in audit.cells}
     assert cells["RtF"].status == "ok" and cells["RtF"].threat == "active"
     passive = audit.results["iDLG"][0].record.model_state
     active = audit.results["RtF"][0].record.model_state
-    initial = LeNetZhu().state_dict()
+    initial = initial_weights()
     for name, weight in passive.items():  # the imprinted model wraps the round-2 weights, not the initial ones
         assert torch.equal(active[f"model.{name}"], weight)
     assert any(not torch.equal(passive[n], initial[n]) for n in initial)  # the premise: two rounds moved them
@@ -60,7 +66,7 @@ def test_dp_sgd_is_audited_at_a_trained_round_on_the_weights_its_own_training_re
     assert cells["iDLG"].status == "ok" and cells["RtF"].status == "ok"
     passive = audit.results["iDLG"][0].record.model_state
     active = audit.results["RtF"][0].record.model_state
-    initial = LeNetZhu().state_dict()
+    initial = initial_weights()
     assert any(not torch.equal(passive[n], initial[n]) for n in initial)
     for name, weight in passive.items():
         assert torch.equal(active[f"model.{name}"], weight)
