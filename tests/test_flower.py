@@ -243,6 +243,37 @@ def test_round_coordinating_defense_is_refused_as_an_update_mod():
         UpdateDefenseMod(defenses.AlignedDualGradientPruning())
 
 
+def secaggplus_set_up(node: Context, sampled: int) -> None:
+    """Flower's own ``secaggplus_mod`` runs its setup stage on ``node``: a SecAgg+ round of ``sampled``
+    clients, as the workflow's first message of a round announces it."""
+    from flwr.client.mod import secaggplus_mod
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+
+    setup = {Key.STAGE: Stage.SETUP, Key.SAMPLE_NUMBER: sampled, Key.SHARE_NUMBER: 3, Key.THRESHOLD: 2}
+    setup |= {Key.CLIPPING_RANGE: 8.0, Key.TARGET_RANGE: 2**22, Key.MOD_RANGE: 2**32, Key.MAX_WEIGHT: 100.0}
+    message = Message(
+        RecordDict({RECORD_KEY_CONFIGS: ConfigRecord(setup)}), dst_node_id=11, message_type=MessageType.TRAIN
+    )
+    secaggplus_mod(message, node, lambda msg, ctx: pytest.fail("the setup stage trains nothing"))
+
+
+def test_a_distributed_mechanism_is_refused_behind_a_secaggplus_round_smaller_than_its_cohort():
+    """Inside ``secaggplus_mod`` the update mod reads the round's sampled clients off the node's SecAgg+
+    state: a cohort of 3 noise shares in a sum of 2 uploads would carry less than the central noise, and is
+    refused before the client trains; a round of 3 or more defends as usual."""
+    weights = server_model().state_dict()
+    mod = UpdateDefenseMod(defenses.DistributedGaussianMechanism(2.0, 1.0, cohort_size=3, seed=0))
+    app = lightning_client_app(client_module, federated_data(), mods=[mod])
+    small = context(0)
+    secaggplus_set_up(small, sampled=2)
+    with pytest.raises(ValueError, match=r"cohort_size=3\) in rounds that aggregate 2 uploads"):
+        app(train_message(weights, 1), small)
+    enough = context(0)
+    secaggplus_set_up(enough, sampled=3)
+    reply = app(train_message(weights, 1), enough)
+    assert not reply.has_error() and weights_of(reply).keys() == weights.keys()
+
+
 def test_node_whose_client_id_changes_between_rounds_is_refused_by_the_client():
     app = lightning_client_app(client_module, federated_data(), mods=[UpdateDefenseMod(defenses.TopKPruning(rate=0.9))])
     node = context(0)

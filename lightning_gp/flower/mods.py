@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, Context, Message, MessageType
 from flwr.clientapp.typing import ClientAppCallable
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_STATE, Key
 from torch import Tensor
 
 from lightning_gp.callbacks.base import GradientDefense
@@ -75,7 +76,11 @@ class UpdateDefenseMod:
     from the stream ``(seed, c)``, as in :class:`~lightning_gp.federated.FederatedSimulation`, so
     give the defenses an explicit ``seed``. Only trainable parameters are defended (the names the
     client app lists in its reply; without that list, every floating-point array); buffers pass
-    through. Train messages only; evaluate and query messages pass through untouched.
+    through. Train messages only; evaluate and query messages pass through untouched. Inside Flower's
+    ``secaggplus_mod``, each defense is checked against the clients the round's secure sum takes
+    (:meth:`~lightning_gp.defenses.Defense.check_cohort` with :func:`secure_aggregation_size`): a
+    :class:`~lightning_gp.defenses.DistributedGaussianMechanism` whose ``cohort_size`` exceeds them is
+    refused before the client trains.
 
     Args:
         defenses: :class:`~lightning_gp.defenses.Defense` objects or their callbacks (pruning,
@@ -99,6 +104,10 @@ class UpdateDefenseMod:
     def __call__(self, msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
         if msg.metadata.message_type.split(".")[0] != MessageType.TRAIN:
             return call_next(msg, context)
+        cohort = secure_aggregation_size(context)
+        if cohort is not None:  # e.g. a distributed mechanism's noise shares need this many uploads in the sum
+            for defense in self.defenses:
+                defense.check_cohort(cohort)
         client = self.client_id(context)
         record = client_record(context, STATE_RECORD, client)  # refuses a node that changed client id
         sent = _single_array_record(msg, "the train message")[1]
@@ -123,6 +132,16 @@ class UpdateDefenseMod:
         info[protocol.CLIENT_ID] = client
         info[protocol.DEFENSES] = json.dumps(protocol.described_defenses(info) + self.describe())
         return reply
+
+
+def secure_aggregation_size(context: Context) -> int | None:
+    """The clients whose uploads this round's SecAgg+ sum takes (its setup stage's ``sample_num``), read
+    from the state Flower's ``secaggplus_mod`` keeps in the node's ``Context``; ``None`` where no SecAgg+
+    mod runs around this one. Clients that drop out after the setup leave fewer uploads in the sum: the
+    sampled number is the most it can hold."""
+    state = context.state.config_records.get(RECORD_KEY_STATE)
+    sampled = None if state is None else state.get(Key.SAMPLE_NUMBER)
+    return int(sampled) if isinstance(sampled, int) and sampled > 0 else None
 
 
 def _defend(defense: Defense, update: dict[str, Tensor], client: int, record: Any, key: str) -> dict[str, Tensor]:
