@@ -49,6 +49,11 @@ def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> floa
     return statistics.median(times)
 
 
+def rounded(value: float | None, digits: int = 2) -> float | None:
+    """``round(value, digits)``, ``None`` kept (a cell with no value)."""
+    return None if value is None else round(value, digits)
+
+
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     columns = list(rows[0])
     fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731

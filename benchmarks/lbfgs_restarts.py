@@ -34,7 +34,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from _common import setting_builder, write_results
+from _common import rounded, setting_builder, write_results
 from attack_throughput import tapped_setting
 
 from lightning_gp.attacks import DLG, DefenseAwareIDLG, ServerView, defense_knowledge
@@ -105,8 +105,8 @@ def audit_rows(args: argparse.Namespace, datamodule: Any, preamble: str) -> list
                         "setting": spec, "batch": batch, "images": args.images, "attack": name,
                         "leak fraction, side by side": together.leak_fraction,
                         "leak fraction, one by one": alone.leak_fraction,
-                        "mean PSNR, side by side": _rounded(together.means.get("psnr")),
-                        "mean PSNR, one by one": _rounded(alone.means.get("psnr")),
+                        "mean PSNR, side by side": rounded(together.means.get("psnr")),
+                        "mean PSNR, one by one": rounded(alone.means.get("psnr")),
                         "s, side by side": round(together.seconds, 1), "s, one by one": round(alone.seconds, 1),
                         "passive verdict, side by side": audits[False].verdict("passive"),
                         "passive verdict, one by one": audits[True].verdict("passive"),
@@ -115,10 +115,6 @@ def audit_rows(args: argparse.Namespace, datamodule: Any, preamble: str) -> list
                 print(rows[-1], flush=True)
             write_results(f"{args.name}_audit", rows, preamble)
     return rows
-
-
-def _rounded(value: float | None) -> float | None:
-    return None if value is None else round(value, 2)
 
 
 def main() -> None:

@@ -29,9 +29,11 @@ from lightning_gp.attacks import (
     UnmodelledDefenseWarning,
     adaptive_attacks,
     coordinate_clip,
+    gradient_matching,
     has_adaptive_attack,
     layer_noise_weights,
     parameter_gradients,
+    per_example_gradients,
     register_adaptive_attack,
     straight_through_quantization,
 )
@@ -154,6 +156,53 @@ def test_per_example_clipping_reproduces_dp_sgd_without_noise(datamodule):
     guess = DefenseKnowledge(support=False, per_example_clip=clip).dummy_gradient(view, xs, ys)
     for name, value in expected.items():
         torch.testing.assert_close(guess[name], value, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("batch_norm", [False, True])
+def test_per_example_gradients_in_one_vmapped_pass_equal_the_loop_and_its_input_gradient(
+    datamodule, batch_norm, monkeypatch
+):
+    """The vmapped per-example gradients (what DP-SGD's dummy batch clips) equal one example at a time to
+    float precision, and so does the attack's gradient w.r.t. the dummy images through them; a model that
+    does not map (BatchNorm in training mode updates its statistics in place) takes the loop, its running
+    statistics untouched either way."""
+    torch.manual_seed(0)
+    model = LeNetZhu()
+    if batch_norm:
+        model = nn.Sequential(
+            nn.Conv2d(1, 4, 5, stride=2), nn.BatchNorm2d(4), nn.Sigmoid(), nn.Flatten(), nn.LazyLinear(10)
+        )
+        model(torch.zeros(2, 1, 28, 28))
+        model.train()
+    stats = {n: b.clone() for n, b in model.named_buffers()}
+    xs = torch.stack([torch.as_tensor(datamodule.train_dataset[i][0]) for i in range(4)])
+    ys = torch.tensor([int(datamodule.train_dataset[i][1]) for i in range(4)])
+    probe = {n: 0.01 * torch.randn(4, *p.shape) for n, p in model.named_parameters()}
+    loop_calls = []
+    one_at_a_time = gradient_matching.parameter_gradients
+    monkeypatch.setattr(
+        gradient_matching, "parameter_gradients", lambda *a, **k: loop_calls.append(1) or one_at_a_time(*a, **k)
+    )
+    results = []
+    for vectorize in (True, False):
+        images = xs.clone().requires_grad_(True)
+        per_example = per_example_gradients(model, nn.CrossEntropyLoss(), images, ys, vectorize=vectorize)
+        if vectorize:  # LeNetZhu maps (no example at a time); the BatchNorm model takes the loop
+            assert len(loop_calls) == (4 if batch_norm else 0)
+        assert {n: tuple(g.shape) for n, g in per_example.items()} == {
+            n: (4, *p.shape) for n, p in model.named_parameters()
+        }
+        objective = sum(((g - probe[n]) ** 2).sum() for n, g in per_example.items())
+        results.append((per_example, torch.autograd.grad(objective, images)[0]))
+    (fast, fast_input), (loop, loop_input) = results
+    # float32 sums taken in another order (a batched convolution against single ones): within 1e-5 of
+    # each tensor's largest entry, about 100 float32 epsilons
+    for name in loop:
+        torch.testing.assert_close(fast[name], loop[name], rtol=0, atol=1e-5 * float(loop[name].abs().max()))
+    torch.testing.assert_close(fast_input, loop_input, rtol=0, atol=1e-5 * float(loop_input.abs().max()))
+    assert loop_input.abs().max() > 0
+    for name, before in stats.items():
+        assert torch.equal(dict(model.named_buffers())[name], before)
 
 
 def test_wiener_weights_drop_a_layer_of_pure_noise_and_keep_a_clean_one():

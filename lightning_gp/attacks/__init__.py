@@ -33,6 +33,7 @@ from lightning_gp.attacks.gradient_matching import (
     gaussian_nll,
     laplace_nll,
     parameter_gradients,
+    per_example_gradients,
     squared_l2_distance,
     total_variation,
 )
@@ -160,6 +161,7 @@ __all__ = [
     "optimize_images",
     "outpost_knowledge",
     "parameter_gradients",
+    "per_example_gradients",
     "published_attack_names",
     "received_weights",
     "recover_features",

@@ -57,6 +57,7 @@ from lightning_gp.attacks.batched import gradient_match_rows, mappable
 from lightning_gp.attacks.gradient_matching import (
     cosine_distance,
     parameter_gradients,
+    per_example_gradients,
     squared_l2_distance,
     total_variation,
 )
@@ -400,11 +401,9 @@ class DefenseKnowledge:
         if self.per_example_clip is None:
             guess = parameter_gradients(view.model, view.loss_fn, images, targets)
         else:  # DP-SGD's per-example clip and mean, as the client computed it (its noise aside)
-            examples = [
-                parameter_gradients(view.model, view.loss_fn, x[None], y[None]) for x, y in zip(images, targets)
-            ]
-            per_example = {n: torch.stack([g[n] for g in examples]) for n in examples[0]}
-            guess = {n: t / len(examples) for n, t in clipped_example_sum(per_example, self.per_example_clip).items()}
+            per_example = per_example_gradients(view.model, view.loss_fn, images, targets)
+            clipped = clipped_example_sum(per_example, self.per_example_clip)
+            guess = {n: t / images.shape[0] for n, t in clipped.items()}
         if self.transform is None:
             return guess
         if not straight_through and getattr(self.transform, "straight_through", False):

@@ -22,9 +22,14 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, grad, vmap
+from torch.func import vmap
 
-from lightning_gp.attacks.gradient_matching import cosine_distance, total_variation
+from lightning_gp.attacks.gradient_matching import (
+    cosine_distance,
+    functional_parameter_gradients,
+    total_variation,
+    vmapped_example_gradients,
+)
 from lightning_gp.attacks.view import ServerView
 from lightning_gp.defenses.clipping import clipped_example_sum
 from lightning_gp.validation import check_positive_int
@@ -205,7 +210,7 @@ def inverting_gradients_objective(problems: ProblemBatch, tv_weight: float) -> C
         support: Mapping[str, Tensor] | None,
         labels: Tensor,
     ) -> Tensor:
-        guess = _guess_gradient(model, loss_fn, images, params, buffers, labels)
+        guess = functional_parameter_gradients(model, loss_fn, images, params, buffers, labels)
         if support is not None:
             guess = {n: g * support[n] for n, g in guess.items()}
         return cosine_distance(guess, shared) + tv_weight * total_variation(images)
@@ -217,24 +222,6 @@ def inverting_gradients_objective(problems: ProblemBatch, tv_weight: float) -> C
         return mapped(images, problems.params, problems.buffers, problems.shared, problems.support, problems.labels)
 
     return objective
-
-
-def _guess_gradient(
-    model: nn.Module,
-    loss_fn: Callable[[Tensor, Tensor], Tensor],
-    images: Tensor,
-    params: Mapping[str, Tensor],
-    buffers: Mapping[str, Tensor],
-    labels: Tensor,
-) -> dict[str, Tensor]:
-    """One problem's parameter gradient at ``images`` (inside the map), differentiable for autograd
-    outside it, as :func:`~lightning_gp.attacks.parameter_gradients` computes it alone."""
-
-    def training_loss(weights: Mapping[str, Tensor], own_buffers: Mapping[str, Tensor]) -> Tensor:
-        return loss_fn(functional_call(model, {**weights, **own_buffers}, (images,)), labels)
-
-    # fresh buffer copies, passed in (grad refuses in-place updates of captured tensors)
-    return grad(training_loss)(dict(params), {n: b.clone() for n, b in buffers.items()})
 
 
 def gradient_match_rows(
@@ -337,11 +324,9 @@ def _shared_guess(
 
     def client_gradient(chunk: Tensor, chunk_labels: Tensor) -> dict[str, Tensor]:
         if per_example_clip is None:
-            guess = _guess_gradient(model, loss_fn, chunk, params, buffers, chunk_labels)
+            guess = functional_parameter_gradients(model, loss_fn, chunk, params, buffers, chunk_labels)
         else:
-            examples = vmap(lambda x, y: _guess_gradient(model, loss_fn, x[None], params, buffers, y[None]))(
-                chunk, chunk_labels
-            )
+            examples = vmapped_example_gradients(model, loss_fn, chunk, params, buffers, chunk_labels)
             guess = {n: t / len(chunk) for n, t in clipped_example_sum(examples, per_example_clip).items()}
         return guess if transform is None else transform(guess)
 

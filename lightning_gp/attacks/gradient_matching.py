@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call
+from torch.func import functional_call, grad, vmap
 
 
 def parameter_gradients(
@@ -32,6 +32,65 @@ def parameter_gradients(
     loss = loss_fn(outputs, targets)
     grads = torch.autograd.grad(loss, list(params.values()), create_graph=create_graph)
     return dict(zip(params, grads))
+
+
+def functional_parameter_gradients(
+    model: nn.Module,
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    inputs: Tensor,
+    params: Mapping[str, Tensor],
+    buffers: Mapping[str, Tensor],
+    targets: Tensor,
+) -> dict[str, Tensor]:
+    """:func:`parameter_gradients` at the weights ``params`` and ``buffers``, through
+    :func:`torch.func.grad`, so that it maps (:func:`torch.func.vmap`) over problems or examples;
+    differentiable for autograd outside the map."""
+
+    def training_loss(weights: Mapping[str, Tensor], own_buffers: Mapping[str, Tensor]) -> Tensor:
+        return loss_fn(functional_call(model, {**weights, **own_buffers}, (inputs,)), targets)
+
+    # fresh buffer copies, passed in (grad refuses in-place updates of captured tensors)
+    return grad(training_loss)(dict(params), {n: b.clone() for n, b in buffers.items()})
+
+
+def vmapped_example_gradients(
+    model: nn.Module,
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    inputs: Tensor,
+    params: Mapping[str, Tensor],
+    buffers: Mapping[str, Tensor],
+    targets: Tensor,
+) -> dict[str, Tensor]:
+    """``{name: [B, *param.shape]}``: each example of ``inputs`` alone through
+    :func:`functional_parameter_gradients`, in one vmapped pass."""
+    return vmap(lambda x, y: functional_parameter_gradients(model, loss_fn, x[None], params, buffers, y[None]))(
+        inputs, targets
+    )
+
+
+def per_example_gradients(
+    model: nn.Module,
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    inputs: Tensor,
+    targets: Tensor,
+    *,
+    vectorize: bool = True,
+) -> dict[str, Tensor]:
+    """``{name: [B, *param.shape]}``: each example's own :func:`parameter_gradients` (differentiable
+    w.r.t. ``inputs``), as DP-SGD clips them. One vmapped pass over the examples
+    (:func:`vmapped_example_gradients`); one example at a time without ``vectorize``, or where the model
+    does not map (a forward pass that reads a value out of a tensor, or BatchNorm updating its running
+    statistics in place). A batch of one is its own gradient (the map's overhead would cost more than
+    it saves).
+    """
+    if vectorize and inputs.shape[0] > 1:
+        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        try:
+            return vmapped_example_gradients(model, loss_fn, inputs, params, dict(model.named_buffers()), targets)
+        except RuntimeError:  # not mappable: the loop below gives the same values (or the real error)
+            pass
+    examples = [parameter_gradients(model, loss_fn, x[None], y[None]) for x, y in zip(inputs, targets)]
+    return {n: torch.stack([g[n] for g in examples]) for n in examples[0]}
 
 
 def squared_l2_distance(
