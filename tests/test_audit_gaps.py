@@ -210,6 +210,8 @@ def test_audit_setting_trains_the_learned_inverter_on_the_audited_round(monkeypa
     assert any(r.startswith(NOT_RUN) for r in result.passive.verdict_reasons)
 
 
+# 11 s: a long check, left out of make test; make test-slow and CI run it
+@pytest.mark.slow
 @pytest.mark.parametrize("blurred", [False, True], ids=["exact copy", "blurred copy"])
 def test_a_leak_planted_in_the_inverter_s_output_on_a_fedavg_update_reads_leaks(monkeypatch, blurred) -> None:
     """The FedAvg path judges the inverter's output: an inverter that returns a copy (exact, or blurred)

@@ -90,6 +90,8 @@ def test_the_learned_inverter_is_not_run_below_its_minimum_batch() -> None:
         AttackBudget(learned_min_batch=0)
 
 
+# 11 s: a long check, left out of make test; make test-slow and CI run it
+@pytest.mark.slow
 def test_a_client_whose_images_leaked_is_attacked_no_further() -> None:
     """iDLG recovers client 0 exactly and is made to fail on client 1 (NaN images); the next attack
     then runs on client 1 only, its cell says so, and the verdicts and leak fractions are the full
@@ -147,6 +149,8 @@ def test_a_client_whose_images_leaked_is_attacked_no_further() -> None:
         assert [r.leaks for r in a.rows] == [r.leaks for r in b.rows]
 
 
+# 10 s: a long check, left out of make test; make test-slow and CI run it
+@pytest.mark.slow
 def test_the_attacker_who_knows_the_defense_goes_first_and_spares_the_published_attacks() -> None:
     """Top-k 20%: the support-matching L-BFGS recovers a one-image client (it matches only the
     entries the client sent, so the client's image is at objective zero). With ``stop_when_all_leak``

@@ -117,6 +117,8 @@ def test_a_row_lists_every_limit_it_misses_and_meets_the_bar_only_when_none(bar,
     )
 
 
+# 11 s: a long check, left out of make test; make test-slow and CI run it
+@pytest.mark.slow
 def test_beside_matrix_holds_every_stored_row_to_the_bar(tmp_path: Path) -> None:
     """``--beside-matrix``: a matrix row store (one audit pickled per row, as matrix.py keeps them) gives a
     row per threat model with the advantage over the prior; nothing is attacked again."""

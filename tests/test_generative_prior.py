@@ -163,6 +163,8 @@ def test_the_latent_search_through_a_known_defense_beats_every_prior_only_guess(
 DP_SGD_CLIP = DefenseKnowledge(defense="DPSGD", models=(), support=False, per_example_clip=0.05)
 
 
+# 13 s: a long check, left out of make test; make test-slow and CI run it
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "defense",
     [

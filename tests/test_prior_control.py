@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import pytest
 import torch
 from torch import nn
 
@@ -154,6 +155,8 @@ def test_prior_only_guesses_come_from_held_out_public_batches_only(data, one_thr
     assert attack.prior_only_guesses(view, 20) is guesses
 
 
+# 10 s: a long check, left out of make test; make test-slow and CI run it
+@pytest.mark.slow
 def test_an_inverter_fed_no_information_is_not_credited_with_leaks(data, one_thread):
     """Local Gaussian noise of std 10^4 on an update clipped to norm 1 leaves the upload without
     information. Then the attack's outputs and the 255 guess batches are exchangeable, and the

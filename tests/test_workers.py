@@ -86,6 +86,8 @@ FRONTIER_PARENT = textwrap.dedent(
 )
 
 
+# 11 s: a long check, left out of make test; make test-slow and CI run it
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_sigint_to_the_frontier_parent_alone_ends_it_and_its_workers(tmp_path: Path) -> None:
     script = tmp_path / "frontier_parent.py"
