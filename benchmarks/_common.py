@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import csv
 import statistics
 import time
@@ -102,6 +103,51 @@ def setting_builder(spec: str, option: str = "--setting", channels: int = 1) -> 
     if name not in families:
         raise SystemExit(f"{option} {spec!r}: {name!r} is no frontier family; they are {sorted(families)}")
     return lambda seed: families[name].build(keywords, seed, channels)
+
+
+def audits_both_ways(
+    spec: str,
+    datamodule: Any,
+    indices: Sequence[Sequence[int]],
+    budget: Any,
+    ways: Sequence[tuple[str, Callable[[], contextlib.AbstractContextManager[Any]]]],
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """The frontier point ``spec``'s adaptive attacks (``audit_setting(published=[])``, LeNetZhu at seed
+    0) once inside each way's context, in the order given: the audits and their CPU seconds by label."""
+    import lightning as L
+
+    from lightning_gp.audit import audit_setting
+    from lightning_gp.audit.quiet import library_noise_silenced
+    from lightning_gp.models import LeNetZhu
+
+    audits, seconds = {}, {}
+    for label, way in ways:
+        L.seed_everything(0, verbose=False)
+        start = time.process_time()
+        with way(), library_noise_silenced():
+            audits[label] = audit_setting(
+                setting_builder(spec)(0), LeNetZhu(), datamodule, indices=indices, published=[], budget=budget,
+                log=lambda line: None,
+            )  # fmt: skip
+        seconds[label] = time.process_time() - start
+    return audits, seconds
+
+
+def compared_cells(
+    spec: str, batch: int, images: int, audits: dict[str, Any], labels: Sequence[str]
+) -> list[dict[str, Any]]:
+    """A row per attack cell of ``audits[labels[0]]``: each way's leak fraction, mean PSNR, seconds and
+    passive verdict, in the order of ``labels``."""
+    cells = {label: {c.attack: c for c in audits[label].cells} for label in labels}
+    rows = []
+    for name in cells[labels[0]]:
+        row: dict[str, Any] = {"setting": spec, "batch": batch, "images": images, "attack": name}
+        row |= {f"leak fraction, {label}": cells[label][name].leak_fraction for label in labels}
+        row |= {f"mean PSNR, {label}": rounded(cells[label][name].means.get("psnr")) for label in labels}
+        row |= {f"s, {label}": round(cells[label][name].seconds, 1) for label in labels}
+        row |= {f"passive verdict, {label}": audits[label].verdict("passive") for label in labels}
+        rows.append(row)
+    return rows
 
 
 def attack_outcome(audit: Any, name: str, rule: Any, reference: Any) -> tuple[Any, list[Any], Any, int]:

@@ -28,20 +28,18 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import lightning as L
 import torch
-from _common import rounded, setting_builder, write_results
+from _common import audits_both_ways, compared_cells, write_results
 from torch import nn
 
 from lightning_gp.attacks import DefenseKnowledge, ServerView, adaptive, parameter_gradients
 from lightning_gp.attacks.gradient_matching import per_example_gradients
-from lightning_gp.audit import AttackBudget, audit_setting
-from lightning_gp.audit.quiet import library_noise_silenced
+from lightning_gp.audit import AttackBudget
 from lightning_gp.data import FashionMNISTDataModule, FashionMNISTSampleDataModule
 from lightning_gp.frontier.run import attacked_images
 from lightning_gp.models import LeNetZhu
 
-MODES = ("vmapped", "one example at a time")
+MODES = ("vmapped", "one example at a time")  # the two ways of the objective timing
 
 
 @contextlib.contextmanager
@@ -98,36 +96,18 @@ def audit_rows(args: argparse.Namespace, datamodule: Any, preamble: str) -> list
     """Each ``--audit`` setting's adaptive attacks both ways (module docstring); rewritten after each setting."""
     rows: list[dict[str, Any]] = []
     budget = AttackBudget(ig_iterations=1000, lbfgs_iterations=300, stop_when_all_leak=False)
+    labels = ("vmapped", "one at a time")
+    ways = [(labels[0], lambda: examples_one_at_a_time(False)), (labels[1], lambda: examples_one_at_a_time(True))]
     for k, spec in enumerate(args.audit):
         indices = attacked_images(datamodule, args.images, 8, seed=0)
-        audits, seconds = {}, {}
-        for mode in MODES if k % 2 == 0 else tuple(reversed(MODES)):
-            L.seed_everything(0, verbose=False)
-            start = time.process_time()
-            with examples_one_at_a_time(mode != MODES[0]), library_noise_silenced():
-                audits[mode] = audit_setting(
-                    setting_builder(spec)(0), LeNetZhu(), datamodule, indices=indices, published=[], budget=budget,
-                    log=lambda line: None,
-                )  # fmt: skip
-            seconds[mode] = time.process_time() - start
-            print(f"{spec}, {mode}: {seconds[mode]:.0f} CPU s", flush=True)
-        cells = {mode: {c.attack: c for c in audit.cells} for mode, audit in audits.items()}
-        for name, fast in cells[MODES[0]].items():
-            slow = cells[MODES[1]][name]
-            rows.append(
-                {
-                    "setting": spec, "batch": 8, "images": args.images, "attack": name,
-                    "leak fraction, vmapped": fast.leak_fraction, "leak fraction, one at a time": slow.leak_fraction,
-                    "mean PSNR, vmapped": rounded(fast.means.get("psnr")),
-                    "mean PSNR, one at a time": rounded(slow.means.get("psnr")),
-                    "cell s, vmapped": round(fast.seconds, 1), "cell s, one at a time": round(slow.seconds, 1),
-                    "audit CPU s, vmapped": round(seconds[MODES[0]]), "audit CPU s, one at a time": round(seconds[MODES[1]]),
-                    "audit speedup": round(seconds[MODES[1]] / seconds[MODES[0]], 2),
-                    "passive verdict, vmapped": audits[MODES[0]].verdict("passive"),
-                    "passive verdict, one at a time": audits[MODES[1]].verdict("passive"),
-                }
-            )  # fmt: skip
-            print(rows[-1], flush=True)
+        audits, seconds = audits_both_ways(spec, datamodule, indices, budget, ways if k % 2 == 0 else ways[::-1])
+        for label in labels:
+            print(f"{spec}, {label}: {seconds[label]:.0f} CPU s", flush=True)
+        for row in compared_cells(spec, 8, args.images, audits, labels):
+            row |= {f"audit CPU s, {label}": round(seconds[label]) for label in labels}
+            row["audit speedup"] = round(seconds[labels[1]] / seconds[labels[0]], 2)
+            rows.append(row)
+            print(row, flush=True)
         write_results(f"{args.name}_audit", rows, preamble)
     return rows
 

@@ -32,19 +32,16 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import lightning as L
 import torch
-from _common import rounded, setting_builder, write_results
+from _common import audits_both_ways, compared_cells, write_results
 from attack_throughput import tapped_setting
 
 from lightning_gp.attacks import DLG, DefenseAwareIDLG, ServerView, defense_knowledge
-from lightning_gp.audit import AttackBudget, audit_setting
-from lightning_gp.audit.quiet import library_noise_silenced
+from lightning_gp.audit import AttackBudget
 from lightning_gp.data import FashionMNISTDataModule, FashionMNISTSampleDataModule
 from lightning_gp.defenses import GaussianNoise
 from lightning_gp.frontier.run import attacked_images
 from lightning_gp.metrics import match_reconstructions, psnr
-from lightning_gp.models import LeNetZhu
 
 
 def noised(view: ServerView, scale: float, seed: int) -> ServerView:
@@ -86,33 +83,14 @@ def audit_rows(args: argparse.Namespace, datamodule: Any, preamble: str) -> list
     """Issue 48's verdict check: each ``--audit`` setting's adaptive attacks both ways (module docstring);
     the results are rewritten after every (setting, batch size), so a stopped run keeps what it did."""
     rows: list[dict[str, Any]] = []
+    ways = [("side by side", lambda: restarts_one_by_one(False)), ("one by one", lambda: restarts_one_by_one(True))]
     for spec in args.audit:
         for batch in args.batch_sizes:
             indices = attacked_images(datamodule, args.images, batch, seed=0)
-            audits = {}
-            for one_by_one in (False, True):
-                L.seed_everything(0, verbose=False)
-                with restarts_one_by_one(one_by_one), library_noise_silenced():
-                    audits[one_by_one] = audit_setting(
-                        setting_builder(spec)(0), LeNetZhu(), datamodule, indices=indices, published=[],
-                        budget=AttackBudget(), log=lambda line: None,
-                    )  # fmt: skip
-            cells = {flag: {c.attack: c for c in audit.cells} for flag, audit in audits.items()}
-            for name, together in cells[False].items():
-                alone = cells[True][name]
-                rows.append(
-                    {
-                        "setting": spec, "batch": batch, "images": args.images, "attack": name,
-                        "leak fraction, side by side": together.leak_fraction,
-                        "leak fraction, one by one": alone.leak_fraction,
-                        "mean PSNR, side by side": rounded(together.means.get("psnr")),
-                        "mean PSNR, one by one": rounded(alone.means.get("psnr")),
-                        "s, side by side": round(together.seconds, 1), "s, one by one": round(alone.seconds, 1),
-                        "passive verdict, side by side": audits[False].verdict("passive"),
-                        "passive verdict, one by one": audits[True].verdict("passive"),
-                    }
-                )  # fmt: skip
-                print(rows[-1], flush=True)
+            audits, _ = audits_both_ways(spec, datamodule, indices, AttackBudget(), ways)
+            for row in compared_cells(spec, batch, args.images, audits, [label for label, _ in ways]):
+                rows.append(row)
+                print(row, flush=True)
             write_results(f"{args.name}_audit", rows, preamble)
     return rows
 
