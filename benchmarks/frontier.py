@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from _common import RESULTS_DIR, fashion_mnist_datasets, write_results
@@ -70,7 +71,7 @@ def timing(config: FrontierConfig, output_dir: Path, name: str, workers: int, fa
         row: dict = {"grid": grid, "points": len({j.point.key for j in mine}), "jobs done": f"{finished}/{len(mine)}"}
         row.update(dict.fromkeys(labels, 0.0))
         for job in mine:
-            row[column(job)] += float(done[job.key]["seconds"]) if job.key in done else 0.0
+            row[column(job)] += spent_seconds(done[job.key]) if job.key in done else 0.0
         row.update({label: round(row[label]) for label in labels})
         row["total s"] = sum(v for k, v in row.items() if k.endswith(" s"))
         rows.append(row)
@@ -85,7 +86,7 @@ def timing(config: FrontierConfig, output_dir: Path, name: str, workers: int, fa
     )
     preamble = (
         f"Seconds of the finished jobs of `{name}_points.jsonl` ({len(jobs) - missing} of {len(jobs)}, current or "
-        f"stale; each job timed in its worker, one torch thread). All grids: {round(total)} job-seconds, about "
+        f"stale; each job timed in its worker, one torch thread; {clocks(done.values())}). All grids: {round(total)} job-seconds, about "
         f"{hours_minutes_seconds(total / workers)} on {workers} workers. The {families} cheapest finished grids of at "
         f"least 5 points ({', '.join(r['grid'] for r in cheapest[:families])}) with the undefended reference: "
         f"{round(subset)} job-seconds, about {hours_minutes_seconds(subset / workers)} on {workers} workers "
@@ -99,6 +100,43 @@ def timing(config: FrontierConfig, output_dir: Path, name: str, workers: int, fa
 #: What an audit cell's name says of the attack's kind (the rest are the published gradient matchers).
 LABEL_VARIANT = " (dummy-input labels)"
 
+#: A cell whose wall time is this many times its twin's (the same attack on the other label estimate,
+#: in the same job) and over ``STALLED_MIN_SECONDS`` is counted as stalled: its worker waited (a
+#: paused machine, no free core). The twins attack the same images with the same budget.
+STALLED_FACTOR = 20
+STALLED_MIN_SECONDS = 300.0
+
+
+def spent_seconds(part: dict) -> float:
+    """A job's or a cell's CPU seconds where its record has them (the frontier records them since
+    they were added), else its wall seconds."""
+    cpu = part.get("cpu_seconds")
+    return float(cpu if cpu is not None else part.get("seconds") or 0.0)
+
+
+def clocks(records: Iterable[dict]) -> str:
+    """Which clock the seconds of ``records`` are on."""
+    records = list(records)
+    cpu = sum("cpu_seconds" in r for r in records)
+    if cpu == len(records):
+        return "CPU seconds"
+    if cpu == 0:
+        return "wall seconds"
+    return f"CPU seconds for the {cpu} jobs that recorded them, wall seconds for the other {len(records) - cpu}"
+
+
+def stalled_cells(done: dict[str, dict]) -> list[tuple[str, str, float, float]]:
+    """The cells of ``done`` (records by job key) that stalled (``STALLED_FACTOR``), as (job key,
+    attack, wall seconds, its twin's wall seconds), longest first."""
+    stalled = []
+    for key, record in done.items():
+        walls = {c["attack"]: float(c.get("seconds") or 0.0) for c in record.get("cells", [])}
+        for attack, wall in walls.items():
+            twin = attack.removesuffix(LABEL_VARIANT) if attack.endswith(LABEL_VARIANT) else attack + LABEL_VARIANT
+            if twin in walls and wall > max(STALLED_FACTOR * walls[twin], STALLED_MIN_SECONDS):
+                stalled.append((key, attack, wall, walls[twin]))
+    return sorted(stalled, key=lambda item: -item[2])
+
 
 def attack_breakdown(done: dict[str, dict], output_dir: Path, name: str) -> None:
     """Where the finished jobs' seconds go: per attack (its runs on the second label estimate counted
@@ -109,11 +147,11 @@ def attack_breakdown(done: dict[str, dict], output_dir: Path, name: str) -> None
     audits = trainings = in_cells = 0.0
     for record in done.values():
         if record.get("kind") == "train":
-            trainings += float(record["seconds"])
+            trainings += spent_seconds(record)
             continue
-        audits += float(record.get("seconds", 0.0))
+        audits += spent_seconds(record)
         for cell in record.get("cells", []):
-            spent = float(cell.get("seconds") or 0.0)
+            spent = spent_seconds(cell)
             seconds[cell["attack"]] = seconds.get(cell["attack"], 0.0) + spent
             cells[cell["attack"]] = cells.get(cell["attack"], 0) + 1
             in_cells += spent
@@ -135,10 +173,20 @@ def attack_breakdown(done: dict[str, dict], output_dir: Path, name: str) -> None
     ):
         rows.append({"part": part, "hours": round(spent / 3600, 2), "share": f"{spent / total:.1%}", "cells": count})
         rows[-1]["s per cell"] = round(spent / count, 1) if count else ""
+    stalled = stalled_cells(done)
+    excess = sum(wall - median for *_, wall, median in stalled)
     preamble = (
-        f"Where the {len(done)} finished jobs' {total / 3600:.1f} job-hours go (one torch thread each; an audit's cells "
-        f"are its attacks, each over all attacked images). Runs on the second label estimate "
+        f"Where the {len(done)} finished jobs' {total / 3600:.1f} job-hours go (one torch thread each; {clocks(done.values())}; "
+        f"an audit's cells are its attacks, each over all attacked images). Runs on the second label estimate "
         f"(`{LABEL_VARIANT.strip()}`, where the two estimates disagree) take {variants / total:.1%}."
+        + (
+            f" {len(stalled)} cells took over {STALLED_FACTOR} times the wall time of the same attack on the other label "
+            f"estimate in the same job ({', '.join(f'{attack} of {key} {wall:.0f} s' for key, attack, wall, _ in stalled[:3])}"
+            f"{', ...' if len(stalled) > 3 else ''}): {excess / 3600:.2f} job-hours above their twins, most "
+            "likely a worker that waited (a paused machine, no free core), counted in the wall seconds."
+            if stalled
+            else ""
+        )
     )
     write_results(f"{name}_attack_time", rows, preamble, output_dir)
 

@@ -500,6 +500,13 @@ def test_the_cli_runs_a_frontier_from_yaml_and_resumes(tmp_path: Path, capsys) -
         "train|GaussianNoise(clip=1, scale=0.5)|B=1",
         "audit|GaussianNoise(clip=1, scale=0.5)|B=1|round=0",
     ]
+    # each job's CPU time beside its wall time (a worker that waits for a core adds none); an audit's
+    # covers its cells' and the taps and scoring around them
+    records = [json.loads(line)["record"] for line in lines]
+    assert all(r["cpu_seconds"] > 0 for r in records)
+    cells = records[1]["cells"]
+    assert cells and all(c["cpu_seconds"] >= 0 for c in cells) and sum(c["cpu_seconds"] for c in cells) > 0
+    assert records[1]["cpu_seconds"] >= sum(c["cpu_seconds"] for c in cells)
     assert {p.name for p in out.iterdir()} >= {"frontier.csv", "frontier.md", "frontier.png"}
     capsys.readouterr()
     main(["frontier", "--config", str(yaml), "--output_dir", str(out)])

@@ -223,6 +223,8 @@ class Cell:
             on, for a defense that transforms them (ATS-T; ``means`` is against the raw image, ATS-R).
         sok_class: the weakest threat model of the SoK (Carletti et al., USENIX Security 2025) under which
             the attack runs, ``"A"`` .. ``"H"`` (:func:`~lightning_gp.attacks.threat_models.threat_class_of`).
+        seconds, cpu_seconds: the cell's wall time and its process's CPU time (every thread's); the CPU
+            time does not count a worker that waits for a core or a paused machine.
     """
 
     defense: str
@@ -237,6 +239,7 @@ class Cell:
     trained_leak_fraction: float | None = None
     threat: ThreatModel = "passive"
     sok_class: str = ""
+    cpu_seconds: float = 0.0
 
     def summary(self) -> str:
         """One line for progress output: the scores, or the status and why (whole)."""
@@ -394,14 +397,15 @@ def _run_attack(
     ``labels_known``: the attack is granted the labels (always under FedAvg's local training);
     ``label_softmax``: where it recovers a batch's labels from (:attr:`ServerView.label_softmax
     <lightning_gp.attacks.view.ServerView>`)."""
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     outcomes, errors, not_applicable = _attack_clients(
         name, attacks, records, model, setting, datamodule, secrets, lpips_fn, log, skip, public_data, rule.tests,
         labels_known=labels_known, label_softmax=label_softmax,
     )  # fmt: skip
     if len(not_applicable) == len(outcomes) - len(skip):  # n/a for every client: it does not apply here
         note = not_applicable[0].split(": n/a: ", 1)[1]
-        return Cell(setting.name, name, kind, "n/a", note, seconds=time.perf_counter() - start), []
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+        return Cell(setting.name, name, kind, "n/a", note, seconds=seconds, cpu_seconds=cpu_seconds), []
     # n/a for some clients only: the others' reconstructions stand, the cell is incomplete
     errors += not_applicable
     # the failed clients' placeholders carry the attack's own name, so its reports concatenate
@@ -432,6 +436,7 @@ def _run_attack(
         merged.means,
         rule.leak_fraction(merged, guesses),
         time.perf_counter() - start,
+        cpu_seconds=time.process_time() - cpu_start,
     )
     if setting.trained_inputs is not None:
         trained = concatenate_reports(

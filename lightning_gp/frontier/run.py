@@ -440,6 +440,7 @@ def audit_record(audit: SettingAudit) -> dict[str, Any]:
                 "leak_fraction": c.leak_fraction,
                 "note": c.note,
                 "seconds": c.seconds,
+                "cpu_seconds": c.cpu_seconds,
             }
             for c in audit.cells
         ],
@@ -490,9 +491,12 @@ def _run_job(job: Job, config: FrontierConfig) -> dict[str, Any]:
     key = json.dumps(config.datamodule, sort_keys=True, default=repr)
     datamodule = _cached(f"data:{key}", lambda: build_spec(config.datamodule, "datamodule"))
     setting = job.defense_setting(config, int(datamodule.image_shape[0]))
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     if job.kind == "train":
-        return _train_record(job, config, setting, datamodule, start)
+        return {
+            **_train_record(job, config, setting, datamodule, start),
+            "cpu_seconds": time.process_time() - cpu_start,
+        }
     lpips_fn = None
     if config.lpips:
         from lightning_gp.metrics.lpips import LPIPS
@@ -501,7 +505,9 @@ def _run_job(job: Job, config: FrontierConfig) -> dict[str, Any]:
     audit = audit_point(
         setting, config, datamodule, batch_size=job.batch_size, stage=job.stage, lpips_fn=lpips_fn, log=_silent
     )
-    return {**audit_record(audit), "learned_min_batch": config.budget.learned_min_batch}
+    # the whole job's CPU time: its cells' and the taps, scoring and controls around them
+    cpu_seconds = time.process_time() - cpu_start
+    return {**audit_record(audit), "learned_min_batch": config.budget.learned_min_batch, "cpu_seconds": cpu_seconds}
 
 
 def _train_record(
