@@ -11,7 +11,9 @@ Writes ``benchmarks/results/frontier[_quick].{csv,md,png}`` and ``frontier[_quic
 (each job as it finishes: rerun the same command to resume an interrupted run). ``--workers`` runs
 jobs in parallel processes (``--backend ray`` on a Ray cluster). ``--timing`` runs nothing: it writes
 ``frontier[_quick]_timing.{csv,md}``, the finished jobs' seconds per grid, and what the cheapest grids
-would take on ``--workers`` workers.
+would take on ``--workers`` workers. ``--compare EARLIER_POINTS`` runs nothing either: it writes
+``frontier[_quick]_compared.{csv,md}``, each audit finished in both runs with its verdicts both ways
+(a rerun with newer code: ``--output-dir`` elsewhere, then ``--compare`` the published points file).
 """
 
 from __future__ import annotations
@@ -191,6 +193,57 @@ def attack_breakdown(done: dict[str, dict], output_dir: Path, name: str) -> None
     write_results(f"{name}_attack_time", rows, preamble, output_dir)
 
 
+def compared_with(config: FrontierConfig, output_dir: Path, name: str, earlier: Path) -> None:
+    """``<name>_compared.{csv,md}``: every audit finished in both this run (``output_dir``) and an
+    earlier run of the same config (its points file ``earlier``), its verdicts and leak fractions per
+    threat model both ways (the ones that differ first, with the leak rule revision and the attacks that
+    leaked), and both runs' job-hours over the jobs they share."""
+    store = fingerprint(config)
+    now = ResultStore(output_dir / f"{name}_points.jsonl", store).load()
+    before = ResultStore(earlier, store).load()
+    shared = [key for key in now if key in before]
+    if not shared:
+        raise SystemExit(f"--compare: no job of {earlier} is finished in {output_dir} under this config")
+    rows = [compared_row(key, before[key], now[key]) for key in shared if now[key].get("kind") == "audit"]
+    rows.sort(key=lambda row: row["same verdicts"] == "yes")
+    differ = sum(row["same verdicts"] != "yes" for row in rows)
+    shared_before = {k: before[k] for k in shared}
+    stalled = sum(wall - twin for key, _, wall, twin in stalled_cells(shared_before))
+    wall_before = sum(float(before[k].get("seconds") or 0.0) for k in shared)
+    preamble = (
+        f"This run's finished jobs ({len(now)}, in `{output_dir / f'{name}_points.jsonl'}`) against an earlier run "
+        f"of the same config (`{earlier}`): {len(shared)} jobs in both, {len(rows)} of them audits; {differ} give "
+        f"a different verdict to some server (listed first). Job-hours of the shared jobs: earlier "
+        f"{wall_before / 3600:.2f} wall ({(wall_before - stalled) / 3600:.2f} without its stalled cells); this run "
+        f"{sum(spent_seconds(now[k]) for k in shared) / 3600:.2f} ({clocks(now[k] for k in shared)}), "
+        f"{sum(float(now[k].get('seconds') or 0.0) for k in shared) / 3600:.2f} wall. An audit's wall seconds "
+        "are its cells' (the attacks); its CPU seconds the whole job's."
+    )
+    write_results(f"{name}_compared", rows, preamble, output_dir)
+
+
+def compared_row(key: str, before: dict, now: dict) -> dict:
+    """One audit both ways: per threat model the verdict and leak fraction, earlier -> now."""
+    _, setting, batch, stage = key.split("|")
+    row = {"setting": setting, "batch": batch.removeprefix("B="), "round": stage.removeprefix("round=")}
+    same = True
+    for threat in ("passive", "active"):
+        old, new = before["threats"].get(threat, {}), now["threats"].get(threat, {})
+        row[f"{threat} verdict"] = f"{old.get('verdict')} -> {new.get('verdict')}"
+        row[f"{threat} leak fraction"] = f"{fraction(old.get('leak_fraction'))} -> {fraction(new.get('leak_fraction'))}"
+        same = same and old.get("verdict") == new.get("verdict")
+    row["same verdicts"] = "yes" if same else "no"
+    row["leak rule"] = f"{before.get('leak_rule_revision', 'unstamped')} -> {now.get('leak_rule_revision')}"
+    row["leaked by, now"] = ", ".join(sorted({a for t in now["threats"].values() for a in t.get("strongest") or []}))
+    row["s, earlier (wall)"] = round(float(before.get("seconds") or 0.0))
+    row["s, now"] = round(spent_seconds(now))
+    return row
+
+
+def fraction(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="configs/frontier_quick.yaml: the sample, tiny budgets")
@@ -206,6 +259,12 @@ def main() -> None:
         "--timing", action="store_true", help="write <name>_timing.{csv,md} from the finished jobs (runs nothing)"
     )
     parser.add_argument("--families", type=int, default=10, help="with --timing: the cheapest grids to time together")
+    parser.add_argument(
+        "--compare",
+        type=Path,
+        default=None,
+        help="the points file of an earlier run of this config: write <name>_compared.{csv,md} (runs nothing)",
+    )
     args = parser.parse_args()
     name = "frontier_quick" if args.quick else "frontier"
     config = load_config(args.config or CONFIGS / f"{name}.yaml")
@@ -217,6 +276,9 @@ def main() -> None:
         config = dataclasses.replace(config, datamodule=datamodule)
     if args.timing:
         timing(config, args.output_dir, name, args.workers, args.families)
+        return
+    if args.compare is not None:
+        compared_with(config, args.output_dir, name, args.compare)
         return
     budget = config.budget
     context = (

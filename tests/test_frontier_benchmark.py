@@ -1,0 +1,97 @@
+"""``benchmarks/frontier.py --compare`` and ``--timing``: a rerun of the published frontier set against
+the stored one, verdict by verdict and in job-hours (no attack runs)."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+from pathlib import Path
+
+from helpers import run_benchmark
+
+from lightning_gp.cli.frontier import build_parser, config_from
+from lightning_gp.frontier.run import fingerprint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _quick_fingerprint() -> str:
+    """The store fingerprint of ``benchmarks/frontier.py --quick`` (the quick config on the sample)."""
+    parser = build_parser()
+    config = config_from(parser.instantiate(parser.parse_args(["--config", str(ROOT / "configs/frontier_quick.yaml")])))
+    sample = {"class_path": "lightning_gp.data.FashionMNISTSampleDataModule", "init_args": {"batch_size": 500}}
+    return fingerprint(dataclasses.replace(config, datamodule=sample))
+
+
+def _audit(passive: str, fraction: float, cells: list[tuple[str, float]], cpu: float | None = None) -> dict:
+    threats = {
+        "passive": {"verdict": passive, "leak_fraction": fraction, "strongest": ["IG"] if fraction else []},
+        "active": {"verdict": "leaks", "leak_fraction": 1.0, "strongest": ["RtF"]},
+    }
+    record = {
+        "kind": "audit",
+        "threats": threats,
+        "cells": [{"attack": a, "seconds": s} for a, s in cells],
+        "seconds": sum(s for _, s in cells),
+        "leak_rule_revision": 5 if cpu is not None else 4,
+    }
+    return record if cpu is None else {**record, "cpu_seconds": cpu}
+
+
+def _store(path: Path, records: dict[str, dict]) -> Path:
+    stamp = _quick_fingerprint()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        "".join(json.dumps({"fingerprint": stamp, "key": k, "record": r}) + "\n" for k, r in records.items())
+    )
+    return path
+
+
+def test_compare_lists_the_verdicts_that_moved_first_and_discounts_the_earlier_run_s_stalled_cells(
+    tmp_path: Path,
+) -> None:
+    moved, kept = "audit|TopKPruning(rate=0.9)|B=8|round=0", "audit|undefended|B=1|round=0"
+    earlier = _store(
+        tmp_path / "earlier.jsonl",
+        {
+            # the IG cell on the dummy-input labels waited 99,000 s longer than its twin: a stall
+            moved: _audit("private", 0.0, [("IG", 1000.0), ("IG (dummy-input labels)", 100000.0)]),
+            kept: _audit("leaks", 1.0, [("iDLG", 2000.0)]),
+            "train|undefended|B=1": {"kind": "train", "seconds": 3000.0},
+            "audit|only|B=1|round=0": _audit("leaks", 1.0, [("iDLG", 5.0)]),  # not rerun: not compared
+        },
+    )
+    now = tmp_path / "now"
+    _store(
+        now / "frontier_quick_points.jsonl",
+        {
+            kept: _audit("leaks", 1.0, [("iDLG", 3600.0)], cpu=3000.0),
+            moved: _audit("leaks", 0.125, [("IG", 1800.0), ("IG (dummy-input labels)", 1800.0)], cpu=5400.0),
+            "train|undefended|B=1": {"kind": "train", "seconds": 2700.0, "cpu_seconds": 1800.0},
+        },
+    )
+    result = run_benchmark("frontier.py", "--quick", "--output-dir", str(now), "--compare", str(earlier))
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(now / "frontier_quick_compared.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(r["setting"], r["same verdicts"]) for r in rows] == [
+        ("TopKPruning(rate=0.9)", "no"),
+        ("undefended", "yes"),
+    ]
+    assert rows[0]["passive verdict"] == "private -> leaks" and rows[0]["passive leak fraction"] == "0.000 -> 0.125"
+    assert rows[0]["leaked by, now"] == "IG, RtF" and rows[0]["leak rule"] == "4 -> 5"
+    preamble = (now / "frontier_quick_compared.md").read_text()
+    assert "3 jobs in both, 2 of them audits; 1 give a different verdict" in preamble
+    # earlier: 101,000 + 2,000 + 3,000 s wall, 99,000 s of it the stall; now 10,200 CPU s, 9,900 wall
+    assert "earlier 29.44 wall (1.94 without its stalled cells)" in preamble
+    assert "this run 2.83 (CPU seconds), 2.75 wall" in preamble
+
+
+def test_compare_refuses_a_points_file_with_nothing_in_common(tmp_path: Path) -> None:
+    earlier = _store(tmp_path / "earlier.jsonl", {"audit|undefended|B=1|round=0": _audit("leaks", 1.0, [])})
+    _store(
+        tmp_path / "now" / "frontier_quick_points.jsonl", {"train|undefended|B=1": {"kind": "train", "seconds": 1.0}}
+    )
+    result = run_benchmark("frontier.py", "--quick", "--output-dir", str(tmp_path / "now"), "--compare", str(earlier))
+    assert result.returncode != 0 and "no job of" in result.stderr
