@@ -31,6 +31,7 @@ from lightning_gp.cli.frontier import build_parser, config_from
 from lightning_gp.frontier import FrontierConfig, frontier
 from lightning_gp.frontier.grid import check_frontier_config
 from lightning_gp.frontier.run import (
+    UNSTAMPED_LEAK_RULE,
     Job,
     ResultStore,
     fingerprint,
@@ -213,7 +214,8 @@ def compared_with(config: FrontierConfig, output_dir: Path, name: str, earlier: 
     preamble = (
         f"This run's finished jobs ({len(now)}, in `{output_dir / f'{name}_points.jsonl'}`) against an earlier run "
         f"of the same config (`{earlier}`): {len(shared)} jobs in both, {len(rows)} of them audits; {differ} give "
-        f"a different verdict to some server (listed first). Job-hours of the shared jobs: earlier "
+        "a different verdict to some server (listed first; where the attacks' mean PSNRs barely moved, the leak "
+        "rule, not the attacks, moved the verdict). Job-hours of the shared jobs: earlier "
         f"{wall_before / 3600:.2f} wall ({(wall_before - stalled) / 3600:.2f} without its stalled cells); this run "
         f"{sum(spent_seconds(now[k]) for k in shared) / 3600:.2f} ({clocks(now[k] for k in shared)}), "
         f"{sum(float(now[k].get('seconds') or 0.0) for k in shared) / 3600:.2f} wall. An audit's wall seconds "
@@ -233,8 +235,20 @@ def compared_row(key: str, before: dict, now: dict) -> dict:
         row[f"{threat} leak fraction"] = f"{fraction(old.get('leak_fraction'))} -> {fraction(new.get('leak_fraction'))}"
         same = same and old.get("verdict") == new.get("verdict")
     row["same verdicts"] = "yes" if same else "no"
-    row["leak rule"] = f"{before.get('leak_rule_revision', 'unstamped')} -> {now.get('leak_rule_revision')}"
-    row["leaked by, now"] = ", ".join(sorted({a for t in now["threats"].values() for a in t.get("strongest") or []}))
+    revisions = [record.get("leak_rule_revision", UNSTAMPED_LEAK_RULE) for record in (before, now)]
+    row["leak rule"] = " -> ".join(map(str, revisions))
+    for when, record in (("earlier", before), ("now", now)):
+        row[f"leaked by, {when}"] = ", ".join(
+            sorted({a for t in record["threats"].values() for a in t.get("strongest") or []})
+        )
+    # the attacks' own outputs moved (not only the rule that judges them): their mean PSNRs, cell by cell
+    psnrs = {c["attack"]: c.get("psnr") for c in before.get("cells", []) if c.get("psnr") is not None}
+    moved = [
+        abs(c["psnr"] - psnrs[c["attack"]])
+        for c in now.get("cells", [])
+        if c.get("psnr") is not None and c["attack"] in psnrs
+    ]
+    row["largest cell PSNR change (dB)"] = f"{max(moved):.2f}" if moved else "-"
     row["s, earlier (wall)"] = round(float(before.get("seconds") or 0.0))
     row["s, now"] = round(spent_seconds(now))
     return row

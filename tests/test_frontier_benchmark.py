@@ -24,7 +24,9 @@ def _quick_fingerprint() -> str:
     return fingerprint(dataclasses.replace(config, datamodule=sample))
 
 
-def _audit(passive: str, fraction: float, cells: list[tuple[str, float]], cpu: float | None = None) -> dict:
+def _audit(
+    passive: str, fraction: float, cells: list[tuple[str, float]], cpu: float | None = None, psnr: float = 10.0
+) -> dict:
     threats = {
         "passive": {"verdict": passive, "leak_fraction": fraction, "strongest": ["IG"] if fraction else []},
         "active": {"verdict": "leaks", "leak_fraction": 1.0, "strongest": ["RtF"]},
@@ -32,7 +34,7 @@ def _audit(passive: str, fraction: float, cells: list[tuple[str, float]], cpu: f
     record = {
         "kind": "audit",
         "threats": threats,
-        "cells": [{"attack": a, "seconds": s} for a, s in cells],
+        "cells": [{"attack": a, "seconds": s, "psnr": psnr} for a, s in cells],
         "seconds": sum(s for _, s in cells),
         "leak_rule_revision": 5 if cpu is not None else 4,
     }
@@ -57,7 +59,8 @@ def test_compare_lists_the_verdicts_that_moved_first_and_discounts_the_earlier_r
         {
             # the IG cell on the dummy-input labels waited 99,000 s longer than its twin: a stall
             moved: _audit("private", 0.0, [("IG", 1000.0), ("IG (dummy-input labels)", 100000.0)]),
-            kept: _audit("leaks", 1.0, [("iDLG", 2000.0)]),
+            # stored before audits were stamped with their leak rule: revision 3
+            kept: {k: v for k, v in _audit("leaks", 1.0, [("iDLG", 2000.0)]).items() if k != "leak_rule_revision"},
             "train|undefended|B=1": {"kind": "train", "seconds": 3000.0},
             "audit|only|B=1|round=0": _audit("leaks", 1.0, [("iDLG", 5.0)]),  # not rerun: not compared
         },
@@ -67,7 +70,9 @@ def test_compare_lists_the_verdicts_that_moved_first_and_discounts_the_earlier_r
         now / "frontier_quick_points.jsonl",
         {
             kept: _audit("leaks", 1.0, [("iDLG", 3600.0)], cpu=3000.0),
-            moved: _audit("leaks", 0.125, [("IG", 1800.0), ("IG (dummy-input labels)", 1800.0)], cpu=5400.0),
+            moved: _audit(
+                "leaks", 0.125, [("IG", 1800.0), ("IG (dummy-input labels)", 1800.0)], cpu=5400.0, psnr=10.25
+            ),
             "train|undefended|B=1": {"kind": "train", "seconds": 2700.0, "cpu_seconds": 1800.0},
         },
     )
@@ -80,7 +85,9 @@ def test_compare_lists_the_verdicts_that_moved_first_and_discounts_the_earlier_r
         ("undefended", "yes"),
     ]
     assert rows[0]["passive verdict"] == "private -> leaks" and rows[0]["passive leak fraction"] == "0.000 -> 0.125"
-    assert rows[0]["leaked by, now"] == "IG, RtF" and rows[0]["leak rule"] == "4 -> 5"
+    assert rows[0]["leaked by, now"] == "IG, RtF" and rows[0]["leaked by, earlier"] == "RtF"
+    assert rows[0]["leak rule"] == "4 -> 5" and rows[0]["largest cell PSNR change (dB)"] == "0.25"
+    assert rows[1]["largest cell PSNR change (dB)"] == "0.00" and rows[1]["leak rule"] == "3 -> 5"
     preamble = (now / "frontier_quick_compared.md").read_text()
     assert "3 jobs in both, 2 of them audits; 1 give a different verdict" in preamble
     # earlier: 101,000 + 2,000 + 3,000 s wall, 99,000 s of it the stall; now 10,200 CPU s, 9,900 wall
