@@ -213,8 +213,8 @@ def compared_with(config: FrontierConfig, output_dir: Path, name: str, earlier: 
     wall_before = sum(float(before[k].get("seconds") or 0.0) for k in shared)
     preamble = (
         f"This run's finished jobs ({len(now)}, in `{output_dir / f'{name}_points.jsonl'}`) against an earlier run "
-        f"of the same config (`{earlier}`): {len(shared)} jobs in both, {len(rows)} of them audits; {differ} give "
-        "a different verdict to some server (listed first; where the attacks' mean PSNRs barely moved, the leak "
+        f"of the same config (`{earlier}`): {len(shared)} jobs in both, {len(rows)} of them audits, of which "
+        f"{differ} changed their verdict for some server (listed first; where the attacks' mean PSNRs barely moved, the leak "
         "rule, not the attacks, moved the verdict). Job-hours of the shared jobs: earlier "
         f"{wall_before / 3600:.2f} wall ({(wall_before - stalled) / 3600:.2f} without its stalled cells); this run "
         f"{sum(spent_seconds(now[k]) for k in shared) / 3600:.2f} ({clocks(now[k] for k in shared)}), "

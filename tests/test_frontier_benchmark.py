@@ -89,7 +89,7 @@ def test_compare_lists_the_verdicts_that_moved_first_and_discounts_the_earlier_r
     assert rows[0]["leak rule"] == "4 -> 5" and rows[0]["largest cell PSNR change (dB)"] == "0.25"
     assert rows[1]["largest cell PSNR change (dB)"] == "0.00" and rows[1]["leak rule"] == "3 -> 5"
     preamble = (now / "frontier_quick_compared.md").read_text()
-    assert "3 jobs in both, 2 of them audits; 1 give a different verdict" in preamble
+    assert "3 jobs in both, 2 of them audits, of which 1 changed their verdict" in preamble
     # earlier: 101,000 + 2,000 + 3,000 s wall, 99,000 s of it the stall; now 10,200 CPU s, 9,900 wall
     assert "earlier 29.44 wall (1.94 without its stalled cells)" in preamble
     assert "this run 2.83 (CPU seconds), 2.75 wall" in preamble
