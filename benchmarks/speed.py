@@ -35,6 +35,12 @@ same run on the same thread count, so a shared, noisy machine moves both alike.
    glibc's malloc as it comes, then with freed memory kept (``mallopt``, as jemalloc and tcmalloc do):
    glibc's per-step heap trimming charges page faults to the step with the larger transient peak.
 
+6. ``refiner`` (issue 48): a Refiner client step (``lightning_gp.refiner.robust_data.refine`` at the
+   paper's defaults) over an undefended LeNetZhu step, cold (I = 10 from the noise blend) and warm (I = 5
+   from a cached x*), batch 8 and 128, one thread, medians of the process's CPU time (the measurement of
+   ``benchmarks/refiner.py``'s cost part), with the floor the algorithm sets: I utility-measure gradients
+   (a double backward each) and evaluation-network passes. Target: cold <= 25x.
+
 ``--device cuda`` runs parts 1 and 2 on a GPU (absolute times are then meaningful too; the
 script synchronises before reading the clock). Writes benchmarks/results/speed.{csv,md}
 (``speed_<parts>`` when ``--parts`` names only some).
@@ -523,6 +529,48 @@ def _dp_sgd_allocator_rows(allocator: str, repeats: int, quick: bool) -> list[di
     return rows
 
 
+#: Issue 48's target for a cold Refiner step (I = 10 iterations from the noise blend), in plain steps.
+REFINER_COLD_TARGET = 25.0
+
+
+def refiner_rows(repeats: int) -> list[dict]:
+    """Issue 48's cost: a Refiner client step (``refine`` at the paper's defaults) over an undefended
+    LeNetZhu step, cold (I = 10 from the noise blend) and warm (I = 5 from a cached x*), batch 8 and 128,
+    one thread, CPU time (``benchmarks/refiner.py``'s cost part); ``floor``: what I iterations of the
+    utility measure's gradient (a double backward) and the evaluation network's forward and backward cost
+    alone, with the raw and final gradients and the projection."""
+    from refiner import cost  # the Refiner benchmark's own measurement (one implementation)
+
+    from lightning_gp.refiner.evaluator import load_evaluator
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        datamodule = FashionMNISTSampleDataModule(batch_size=500)
+        measured = cost(datamodule, load_evaluator(1), max(repeats, 3), seed=0, clock=time.process_time)
+    finally:
+        torch.set_num_threads(threads)
+    rows = []
+    for row in measured:
+        for start, ratio in (("cold (I = 10)", row["cold_ratio"]), ("warm (I = 5)", row["warm_ratio"])):
+            cold = start.startswith("cold")
+            rows.append(
+                {
+                    "part": "refiner",
+                    "setting": f"Refiner {start}, LeNetZhu b{row['batch']}",
+                    "step_ms": row["step_ms"],
+                    "cost_ms": row["cold_ms" if cold else "warm_ms"],
+                    "ratio_to_step": ratio,
+                    "floor": row["floor_cold_ratio"] if cold else float("nan"),
+                    "um_grad_ratio": row["um_grad_ratio"],
+                    "evaluator_ratio": row["evaluator_ratio"],
+                    "target": f"<= {REFINER_COLD_TARGET:g}x" if cold else "",
+                    "met": ("yes" if ratio <= REFINER_COLD_TARGET else "no") if cold else "",
+                }
+            )
+    return rows
+
+
 def attack_rows(iterations: int, clients: int, threads: int, quick: bool) -> list[dict]:
     from attack_throughput import measure
 
@@ -549,13 +597,16 @@ def attack_rows(iterations: int, clients: int, threads: int, quick: bool) -> lis
     return rows
 
 
+PARTS = ("optimal", "pruning", "client", "attacks", "refiner", "dp_sgd")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--parts",
         nargs="+",
-        choices=("optimal", "pruning", "client", "attacks", "dp_sgd"),
-        default=("optimal", "pruning", "client", "attacks", "dp_sgd"),
+        choices=PARTS,
+        default=PARTS,
     )
     parser.add_argument("--threads", type=int, default=2, help="CPU threads (the issue's targets: 2)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (parts optimal and pruning)")
@@ -592,6 +643,10 @@ def main() -> None:
         rows += client_rows(device, repeats)
     if "attacks" in args.parts:
         rows += attack_rows(args.attack_iterations, args.attack_clients, 1, args.quick)
+    if "refiner" in args.parts:  # before dp_sgd, which changes the process's malloc settings
+        if device.type != "cpu":
+            raise SystemExit("--parts refiner measures a CPU step: run it without --device cuda")
+        rows += refiner_rows(repeats)
     if "dp_sgd" in args.parts:
         if device.type != "cpu":
             raise SystemExit("--parts dp_sgd measures a CPU step: run it without --device cuda")
@@ -600,7 +655,9 @@ def main() -> None:
     rows = [{c: row.get(c, float("nan")) for c in columns} for row in rows]
     where = f"{device.type}, {args.threads} threads" if device.type == "cpu" else str(torch.cuda.get_device_name())
     write_results(
-        "speed" + ("" if len(args.parts) == 5 else "_" + "_".join(args.parts)) + ("_quick" if args.quick else ""),
+        "speed"
+        + ("" if len(args.parts) == len(PARTS) else "_" + "_".join(args.parts))
+        + ("_quick" if args.quick else ""),
         rows,
         f"Ratios to the undefended step measured in one process ({where}). Optimal defenses: ConvNet, "
         "batch 16, mean over 8 consecutive steps (refresh amortised), median of repeats; estimator_error: "
@@ -610,7 +667,10 @@ def main() -> None:
         ".grad. Client: a LeNetZhu FedSGD client step with and without LocalGaussianMechanism, blocks of 64 "
         "steps taken in turn (undefended, defended, ...), step_ms and cost_ms the medians of the blocks' means, "
         "ratio_to_step the median of the blocks' ratios; as the process's CPU time and as wall time. Attacks: Inverting Gradients on LeNetZhu, 1 thread, ms per "
-        "iteration (cost_ms), speed-up over attacking the clients one at a time. DP-SGD: a step (forward, "
+        "iteration (cost_ms), speed-up over attacking the clients one at a time. Refiner: a client step at the "
+        "paper's defaults over an undefended LeNetZhu step, one thread, medians of the process's CPU time; floor: "
+        "I x (the utility measure's gradient + the evaluation network's pass) + 2 steps + the projection; target "
+        "<= 25x for the cold step. DP-SGD: a step (forward, "
         "backward, per-example clipping at C = 1, noise sigma = 1, SGD step) over the plain step, one thread, "
         "LeNetZhu b64 in interleaved blocks of 16 steps, ResNet18(norm='group') b32 of 1 step, step_ms and "
         "cost_ms the medians of the blocks' means, ratio_to_step the median of the blocks' ratios; target "

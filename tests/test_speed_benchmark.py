@@ -47,6 +47,25 @@ def test_speed_quick_measures_every_optimal_mode_with_its_estimator_error_every_
     assert "QUICK RUN" in (tmp_path / "speed_optimal_pruning_client_quick.md").read_text()
 
 
+# 9 s: a benchmark's smoke run, left to the benchmarks (pytest -m slow)
+@pytest.mark.slow
+def test_speed_refiner_times_a_cold_and_a_warm_step_against_its_floor_and_the_target(tmp_path):
+    result = run_benchmark("speed.py", "--quick", "--parts", "refiner", "--threads", "1", "--output-dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(tmp_path / "speed_refiner_quick.csv") as handle:
+        rows = {r["setting"]: r for r in csv.DictReader(handle)}
+    assert list(rows) == [f"Refiner {s}, LeNetZhu b{b}" for b in (8, 128) for s in ("cold (I = 10)", "warm (I = 5)")]
+    for setting, row in rows.items():
+        # every iteration runs the model forward and backward at least once: I iterations cost over I steps
+        iterations = 10 if "cold" in setting else 5
+        assert float(row["ratio_to_step"]) > iterations
+        if iterations == 10:
+            assert row["target"] == "<= 25x" and row["met"] == ("yes" if float(row["ratio_to_step"]) <= 25 else "no")
+            assert float(row["floor"]) > iterations  # I utility-measure gradients, a double backward each
+        else:
+            assert row["target"] == "" and math.isnan(float(row["floor"]))
+
+
 @pytest.mark.parametrize("local_steps", [1, 3])
 def test_the_client_step_ratio_defends_each_round_once_and_leaves_the_model_where_it_was(local_steps, monkeypatch):
     """A FedSGD round defends its gradient, a FedAvg round its update after ``local_steps`` local steps:
