@@ -14,6 +14,10 @@ jobs in parallel processes (``--backend ray`` on a Ray cluster). ``--timing`` ru
 would take on ``--workers`` workers. ``--compare EARLIER_POINTS`` runs nothing either: it writes
 ``frontier[_quick]_compared.{csv,md}``, each audit finished in both runs with its verdicts both ways
 (a rerun with newer code: ``--output-dir`` elsewhere, then ``--compare`` the published points file).
+``--points NAME ...`` runs only those points of the grids (their settings' names as the report prints
+them, e.g. ``'DPSGD(noise_multiplier=0.3)'``) and the undefended reference, at every batch size and
+stage, into the same points file: their records are the whole run's (the store's fingerprint does not
+hold the grids), so a rerun can settle the recommended points first and the whole command resumes after.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from _common import RESULTS_DIR, fashion_mnist_datasets, write_results
 from lightning_gp.audit import LeakRule
 from lightning_gp.cli.frontier import build_parser, config_from
 from lightning_gp.frontier import FrontierConfig, frontier
-from lightning_gp.frontier.grid import check_frontier_config
+from lightning_gp.frontier.grid import check_frontier_config, compose_setting
 from lightning_gp.frontier.run import (
     UNSTAMPED_LEAK_RULE,
     Job,
@@ -46,6 +50,24 @@ def load_config(path: Path) -> FrontierConfig:
     """A :class:`FrontierConfig` from a YAML, read as ``lightning-gp frontier --config`` reads it."""
     parser = build_parser()
     return config_from(parser.instantiate(parser.parse_args(["--config", str(path)])))
+
+
+def only_points(config: FrontierConfig, names: list[str]) -> FrontierConfig:
+    """``config`` with each grid cut to the values whose setting is named in ``names`` (grids left with
+    none dropped; the undefended reference kept). A name no grid has is an error that lists the names."""
+    datamodule, _ = check_frontier_config(config)
+    channels = int(datamodule.image_shape[0])
+    wanted, found, grids = set(names), set(), []
+    for grid in config.grids:
+        named = {compose_setting(grid, v, config.seed, channels).name: v for v in grid.values}
+        values = [v for name, v in named.items() if name in wanted]
+        found |= wanted & named.keys()
+        if values:
+            grids.append(dataclasses.replace(grid, values=values))
+    if wanted - found:
+        every = [compose_setting(g, v, config.seed, channels).name for g in config.grids for v in g.values]
+        raise SystemExit(f"--points: no grid has {sorted(wanted - found)}; the points are: {', '.join(every)}")
+    return dataclasses.replace(config, grids=grids)
 
 
 def timing(config: FrontierConfig, output_dir: Path, name: str, workers: int, families: int) -> None:
@@ -279,6 +301,13 @@ def main() -> None:
         default=None,
         help="the points file of an earlier run of this config: write <name>_compared.{csv,md} (runs nothing)",
     )
+    parser.add_argument(
+        "--points",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="run only these points (setting names, e.g. 'DPSGD(noise_multiplier=0.3)') and the reference",
+    )
     args = parser.parse_args()
     name = "frontier_quick" if args.quick else "frontier"
     config = load_config(args.config or CONFIGS / f"{name}.yaml")
@@ -294,6 +323,8 @@ def main() -> None:
     if args.compare is not None:
         compared_with(config, args.output_dir, name, args.compare)
         return
+    if args.points:
+        config = only_points(config, args.points)
     budget = config.budget
     context = (
         f"{config.model['class_path'].rsplit('.', 1)[1]} on {data}; {len(config.grids)} grids; batch sizes "

@@ -11,7 +11,7 @@ from pathlib import Path
 from helpers import run_benchmark
 
 from lightning_gp.cli.frontier import build_parser, config_from
-from lightning_gp.frontier.run import fingerprint
+from lightning_gp.frontier.run import TRAINING_REVISION, fingerprint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,3 +102,30 @@ def test_compare_refuses_a_points_file_with_nothing_in_common(tmp_path: Path) ->
     )
     result = run_benchmark("frontier.py", "--quick", "--output-dir", str(tmp_path / "now"), "--compare", str(earlier))
     assert result.returncode != 0 and "no job of" in result.stderr
+
+
+def test_points_runs_only_the_named_settings_and_the_reference_into_the_same_store(tmp_path: Path) -> None:
+    # one stored job of the named point: it counts as done, so the restricted run shares the whole run's store
+    _store(
+        tmp_path / "frontier_quick_points.jsonl",
+        {"train|DPSGD(noise_multiplier=1)|B=1": {"kind": "train", "revision": TRAINING_REVISION}},
+    )
+    result = run_benchmark(
+        "frontier.py", "--quick", "--points", "DPSGD(noise_multiplier=1)", "--report-only",
+        "--output-dir", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    # 2 settings x 2 batch sizes x (a training and 2 audited stages), one of them stored
+    assert "report only; 11 jobs not run" in result.stdout
+    assert "; 1 grids; " in (tmp_path / "frontier_quick.md").read_text()  # the report's config: DP-SGD's grid alone
+
+
+def test_points_refuses_a_name_no_grid_has_and_lists_the_names(tmp_path: Path) -> None:
+    result = run_benchmark(
+        "frontier.py", "--quick", "--points", "DPSGD(noise_multiplier=1.0)", "--report-only",
+        "--output-dir", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert (
+        "no grid has ['DPSGD(noise_multiplier=1.0)']" in result.stderr and "DPSGD(noise_multiplier=1)," in result.stderr
+    )
