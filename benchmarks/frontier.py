@@ -16,8 +16,9 @@ would take on ``--workers`` workers. ``--compare EARLIER_POINTS`` runs nothing e
 (a rerun with newer code: ``--output-dir`` elsewhere, then ``--compare`` the published points file).
 ``--points NAME ...`` runs only those points of the grids (their settings' names as the report prints
 them, e.g. ``'DPSGD(noise_multiplier=0.3)'``) and the undefended reference, at every batch size and
-stage, into the same points file: their records are the whole run's (the store's fingerprint does not
-hold the grids), so a rerun can settle the recommended points first and the whole command resumes after.
+stage (with ``--timing``: times only their jobs), into the same points file: their records are the whole
+run's (the store's fingerprint does not hold the grids), so a rerun can settle the recommended points
+first and the whole command resumes after.
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ def timing(config: FrontierConfig, output_dir: Path, name: str, workers: int, fa
     # every stored record of this config, current or not: a record a newer leak rule or attacker reruns
     # still took the seconds it says (timing measures the code that ran, not the verdict)
     done = {j.key: stored[j.key] for j in jobs if j.key in stored}
+    if not done:
+        raise SystemExit(f"--timing: no job of this config is finished in {output_dir / f'{name}_points.jsonl'}")
 
     def column(job: Job) -> str:
         return f"train B={job.batch_size} s" if job.kind == "train" else f"audit B={job.batch_size} round {job.stage} s"
@@ -317,14 +320,14 @@ def main() -> None:
     else:
         datamodule = {"class_path": "lightning_gp.data.FashionMNISTSampleDataModule", "init_args": {"batch_size": 500}}
         config = dataclasses.replace(config, datamodule=datamodule)
+    if args.points:  # before --timing, which then times only these points' jobs
+        config = only_points(config, args.points)
     if args.timing:
         timing(config, args.output_dir, name, args.workers, args.families)
         return
     if args.compare is not None:
         compared_with(config, args.output_dir, name, args.compare)
         return
-    if args.points:
-        config = only_points(config, args.points)
     budget = config.budget
     context = (
         f"{config.model['class_path'].rsplit('.', 1)[1]} on {data}; {len(config.grids)} grids; batch sizes "

@@ -129,3 +129,24 @@ def test_points_refuses_a_name_no_grid_has_and_lists_the_names(tmp_path: Path) -
     assert (
         "no grid has ['DPSGD(noise_multiplier=1.0)']" in result.stderr and "DPSGD(noise_multiplier=1)," in result.stderr
     )
+
+
+def test_points_times_only_the_named_settings_and_timing_refuses_a_store_with_none_of_them(tmp_path: Path) -> None:
+    _store(
+        tmp_path / "frontier_quick_points.jsonl",
+        {
+            "train|DPSGD(noise_multiplier=1)|B=1": {"kind": "train", "seconds": 5.0},
+            "train|TopKPruning(rate=0.5)|B=1": {"kind": "train", "seconds": 7.0},
+        },
+    )
+    timed = run_benchmark(
+        "frontier.py", "--quick", "--points", "DPSGD(noise_multiplier=1)", "--timing", "--output-dir", str(tmp_path)
+    )
+    assert timed.returncode == 0, timed.stderr
+    with open(tmp_path / "frontier_quick_timing.csv", newline="") as handle:
+        totals = {row["grid"]: float(row["total s"]) for row in csv.DictReader(handle)}
+    assert totals == {"undefended": 0.0, "DPSGD": 5.0, "all": 5.0}
+    refused = run_benchmark(
+        "frontier.py", "--quick", "--points", "GaussianNoise(scale=1)", "--timing", "--output-dir", str(tmp_path)
+    )
+    assert refused.returncode != 0 and "--timing: no job of this config is finished" in refused.stderr
