@@ -18,7 +18,8 @@ would take on ``--workers`` workers. ``--compare EARLIER_POINTS`` runs nothing e
 them, e.g. ``'DPSGD(noise_multiplier=0.3)'``) and the undefended reference, at every batch size and
 stage (with ``--timing``: times only their jobs), into the same points file: their records are the whole
 run's (the store's fingerprint does not hold the grids), so a rerun can settle the recommended points
-first and the whole command resumes after.
+first and the whole command resumes after. The reports it writes still describe everything the store
+holds of the whole run.
 """
 
 from __future__ import annotations
@@ -283,6 +284,24 @@ def fraction(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
+def run_context(config: FrontierConfig, data: str, quick: bool) -> str:
+    """The report's account of the run: model, data, axes, budgets, costs and the leak rule."""
+    budget = config.budget
+    return (
+        f"{config.model['class_path'].rsplit('.', 1)[1]} on {data}; {len(config.grids)} grids; batch sizes "
+        f"{config.batch_sizes}; stages (audited rounds) {config.stages}; {config.images} attacked images per point "
+        f"(ceil(images / B) clients of B images, drawn with seed {config.seed}); published attacks "
+        f"{config.attacks or 'all'} plus each setting's adaptive attacks; IG/adaptive Adam {budget.ig_iterations} "
+        f"iterations, L-BFGS {budget.lbfgs_iterations}, Robbing the Fed {budget.rtf_bins} bins; LPIPS "
+        f"{'on' if config.lpips else 'off'}. PMM: test accuracy after "
+        f"{config.train_rounds} FedSGD rounds ({config.num_clients} clients of B images) over the undefended run's at "
+        f"the same B; time: that training's wall time over the undefended reference's (same runner), trained for the "
+        f"same rounds just before and after it in the same worker; upload: bytes per client-round over "
+        f"the dense gradient. Leak rule: {LeakRule().describe()}."
+        + (" QUICK RUN: budgets far too small for conclusions." if quick else "")
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="configs/frontier_quick.yaml: the sample, tiny budgets")
@@ -320,6 +339,7 @@ def main() -> None:
     else:
         datamodule = {"class_path": "lightning_gp.data.FashionMNISTSampleDataModule", "init_args": {"batch_size": 500}}
         config = dataclasses.replace(config, datamodule=datamodule)
+    full_config = config
     if args.points:  # before --timing, which then times only these points' jobs
         config = only_points(config, args.points)
     if args.timing:
@@ -328,20 +348,7 @@ def main() -> None:
     if args.compare is not None:
         compared_with(config, args.output_dir, name, args.compare)
         return
-    budget = config.budget
-    context = (
-        f"{config.model['class_path'].rsplit('.', 1)[1]} on {data}; {len(config.grids)} grids; batch sizes "
-        f"{config.batch_sizes}; stages (audited rounds) {config.stages}; {config.images} attacked images per point "
-        f"(ceil(images / B) clients of B images, drawn with seed {config.seed}); published attacks "
-        f"{config.attacks or 'all'} plus each setting's adaptive attacks; IG/adaptive Adam {budget.ig_iterations} "
-        f"iterations, L-BFGS {budget.lbfgs_iterations}, Robbing the Fed {budget.rtf_bins} bins; LPIPS "
-        f"{'on' if config.lpips else 'off'}. PMM: test accuracy after "
-        f"{config.train_rounds} FedSGD rounds ({config.num_clients} clients of B images) over the undefended run's at "
-        f"the same B; time: that training's wall time over the undefended reference's (same runner), trained for the "
-        f"same rounds just before and after it in the same worker; upload: bytes per client-round over "
-        f"the dense gradient. Leak rule: {LeakRule().describe()}."
-        + (" QUICK RUN: budgets far too small for conclusions." if args.quick else ""),
-    )
+    title = f"Privacy-utility frontier ({'quick, ' if args.quick else ''}{data})"
     start = time.perf_counter()
     result = frontier(
         config,
@@ -349,10 +356,16 @@ def main() -> None:
         workers=args.workers,
         backend=args.backend,
         name=name,
-        title=f"Privacy-utility frontier ({'quick, ' if args.quick else ''}{data})",
-        context=context,
+        title=title,
+        context=(run_context(config, data, args.quick),),
         report_only=args.report_only,
     )
+    if args.points:  # the reports describe everything the store holds of the whole run, never these points alone
+        whole = frontier(
+            full_config, args.output_dir, name=name, title=title, context=(run_context(full_config, data, args.quick),),
+            report_only=True, log=lambda line: None,
+        )  # fmt: skip
+        result.files = whole.files
     seconds = time.perf_counter() - start
     print(f"{len(result.ran)} jobs ran in {seconds:.0f} s with {args.workers} workers")
     print("\n".join(str(p) for p in result.files))
