@@ -35,7 +35,7 @@ from _common import RESULTS_DIR, fashion_mnist_datasets, write_results
 from lightning_gp.audit import LeakRule
 from lightning_gp.cli.frontier import build_parser, config_from
 from lightning_gp.frontier import FrontierConfig, frontier
-from lightning_gp.frontier.grid import check_frontier_config, compose_setting
+from lightning_gp.frontier.grid import check_frontier_config, point_settings
 from lightning_gp.frontier.run import (
     UNSTAMPED_LEAK_RULE,
     Job,
@@ -55,20 +55,24 @@ def load_config(path: Path) -> FrontierConfig:
 
 
 def only_points(config: FrontierConfig, names: list[str]) -> FrontierConfig:
-    """``config`` with each grid cut to the values whose setting is named in ``names`` (grids left with
-    none dropped; the undefended reference kept). A name no grid has is an error that lists the names."""
+    """``config`` with each grid cut to the values whose setting is named in ``names``, by the names its
+    jobs and report carry (:func:`~lightning_gp.frontier.grid.point_settings`: with the clients' model
+    checks or a FedAvg training in them); grids left with none are dropped, the undefended reference
+    kept. A name no point has is an error that lists the names."""
     datamodule, _ = check_frontier_config(config)
-    channels = int(datamodule.image_shape[0])
-    wanted, found, grids = set(names), set(), []
+    printed = {
+        setting.name: (point.grid, point.index)
+        for point, _, setting in point_settings(config, int(datamodule.image_shape[0]))
+    }
+    unknown = sorted(set(names) - printed.keys())
+    if unknown:
+        raise SystemExit(f"--points: no grid has {unknown}; the points are: {', '.join(printed)}")
+    keep = {printed[name] for name in names}
+    grids = []
     for grid in config.grids:
-        named = {compose_setting(grid, v, config.seed, channels).name: v for v in grid.values}
-        values = [v for name, v in named.items() if name in wanted]
-        found |= wanted & named.keys()
+        values = [v for i, v in enumerate(grid.values) if (grid.name, i) in keep]
         if values:
             grids.append(dataclasses.replace(grid, values=values))
-    if wanted - found:
-        every = [compose_setting(g, v, config.seed, channels).name for g in config.grids for v in g.values]
-        raise SystemExit(f"--points: no grid has {sorted(wanted - found)}; the points are: {', '.join(every)}")
     return dataclasses.replace(config, grids=grids)
 
 

@@ -121,6 +121,17 @@ def test_points_runs_only_the_named_settings_into_the_same_store_and_reports_the
     assert "; 5 grids; " in (tmp_path / "frontier_quick.md").read_text()
 
 
+def test_points_takes_the_names_the_report_prints_with_the_clients_model_checks(tmp_path: Path) -> None:
+    config = tmp_path / "checked.yaml"
+    config.write_text((ROOT / "configs/frontier_quick.yaml").read_text() + "model_checks: true\n")
+    result = run_benchmark(
+        "frontier.py", "--quick", "--config", str(config), "--points", "DPSGD(noise_multiplier=1) +model checks",
+        "--report-only", "--output-dir", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "report only; 12 jobs not run" in result.stdout  # the named setting and the reference, nothing else
+
+
 def test_points_refuses_a_name_no_grid_has_and_lists_the_names(tmp_path: Path) -> None:
     result = run_benchmark(
         "frontier.py", "--quick", "--points", "DPSGD(noise_multiplier=1.0)", "--report-only",
