@@ -1,0 +1,277 @@
+"""The frontier's jobs with the code before issue 48's speed work and after it, side by side (issue 48).
+
+The published frontier's seconds and a rerun's are two runs on a shared machine: their ratio mixes
+the code with whatever else the machine ran. This script measures the code alone. It exports two
+revisions of this repository (``git archive``: ``--before``, by default the last commit before issue
+48's attack-speed work, and ``--after``, by default ``HEAD``), cuts each revision's own
+``configs/frontier.yaml`` to the named points (and the undefended reference), batch sizes and stages,
+and runs both frontiers at once, one process and one torch thread each: on an otherwise idle 2-core
+machine each holds a core for the whole run, so their times are a ratio measured in one run.
+
+Writes ``benchmarks/results/<name>.{csv,md}``: every audit both ways (verdicts and leak fractions per
+threat model, the attacks that leaked, the largest change of an attack's mean PSNR, the job's seconds
+both ways and their ratio), and ``<name>_attacks.{csv,md}``: each attack's cells' seconds both ways.
+Each process's CPU time (its own and its workers') is in the preamble. The stores and logs stay in
+``--scratch`` (default: a temporary directory), so an interrupted run is resumed by the same command
+with the same ``--scratch``.
+
+Run it with nothing else on the machine (pause a background run with ``kill -STOP``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from _common import RESULTS_DIR, write_results
+from frontier import CONFIGS, compared_row, load_config, only_points
+
+REPOSITORY = Path(__file__).resolve().parent.parent
+#: The last commit before issue 48's attack-speed work (77d2ba0, the L-BFGS restarts side by side, is its first).
+BEFORE = "8eff6b0"
+#: What a revision needs to run its frontier: the package (with its shipped checkpoints), the scripts, the configs.
+EXPORTED = ("lightning_gp", "benchmarks", "configs")
+WAYS = ("before", "after")
+
+
+def export(revision: str, into: Path) -> Path:
+    """The package, benchmarks and configs of the commit ``revision`` written under ``into`` (``git archive``)."""
+    archive = subprocess.run(
+        ["git", "-C", str(REPOSITORY), "archive", "--format=tar", revision, *EXPORTED],
+        capture_output=True,
+        check=False,
+    )
+    if archive.returncode != 0:
+        raise SystemExit(f"--before/--after {revision!r}: git archive failed: {archive.stderr.decode().strip()}")
+    into.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(into, filter="data")
+    return into
+
+
+def resolved(revision: str) -> str:
+    """``revision``'s commit (12 hex digits), so a resumed run compares the same code."""
+    found = subprocess.run(
+        ["git", "-C", str(REPOSITORY), "rev-parse", "--short=12", f"{revision}^{{commit}}"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if found.returncode != 0:
+        raise SystemExit(f"--before/--after {revision!r}: not a commit of this repository ({found.stderr.strip()})")
+    return found.stdout.strip()
+
+
+def run_state(scratch: Path, revisions: dict[str, str]) -> dict:
+    """The run's revisions and CPU seconds so far (``scratch/run.json``); a scratch directory of a run of
+    other revisions is refused (its stores would mix two comparisons)."""
+    path = scratch / "run.json"
+    if not path.exists():
+        return {"revisions": revisions, "cpu_seconds": dict.fromkeys(WAYS, 0.0)}
+    state = json.loads(path.read_text())
+    if state["revisions"] != revisions:
+        raise SystemExit(f"--scratch {scratch} holds a run of {state['revisions']}, not {revisions}: use another")
+    return state
+
+
+def restricted_yaml(text: str, grids: list[dict], batch_sizes: list[int], stages: list[int]) -> str:
+    """A frontier YAML's text with its ``grids`` block, ``batch_sizes`` and ``stages`` replaced (each
+    grid written as a JSON flow mapping, which YAML reads); everything else, the budget included, as
+    the revision wrote it. Refuses a text without the three keys."""
+    replacements = [
+        (r"^grids:\n(?:[ \t].*\n|\n)*", "grids:\n" + "".join(f"  - {json.dumps(g)}\n" for g in grids)),
+        (r"^batch_sizes:.*$", f"batch_sizes: {json.dumps(batch_sizes)}"),
+        (r"^stages:.*$", f"stages: {json.dumps(stages)}"),
+    ]
+    for pattern, replacement in replacements:
+        text, count = re.subn(pattern, lambda _: replacement, text, count=1, flags=re.MULTILINE)
+        if count != 1:
+            raise SystemExit(f"the revision's configs/frontier.yaml has no {pattern.split(':')[0].lstrip('^')!r} key")
+    return text
+
+
+def grid_entries(points: list[str]) -> list[dict]:
+    """The published grids cut to ``points`` (by the names the report prints), as YAML-ready dicts."""
+    config = only_points(load_config(CONFIGS / "frontier.yaml"), points)
+    entries = []
+    for grid in config.grids:
+        entry = {"family": grid.family, "knob": grid.knob, "values": list(grid.values), "params": dict(grid.params)}
+        if grid.before:
+            entry["before"] = [{"family": f.family, "params": dict(f.params)} for f in grid.before]
+        if grid.label:
+            entry["label"] = grid.label
+        entries.append(entry)
+    return entries
+
+
+def run_side_by_side(trees: dict[str, Path], scratch: Path) -> dict[str, float]:
+    """Both revisions' frontiers at once (one worker, one torch thread each); their CPU seconds (user +
+    system, their workers included). Progress lines are printed as they come; a failure stops both."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    running: dict[int, tuple[str, subprocess.Popen, Path]] = {}
+    try:
+        for way, tree in trees.items():
+            log = scratch / f"{way}.log"
+            command = [sys.executable, "benchmarks/frontier.py", "--config", str(scratch / f"{way}.yaml")]
+            command += ["--workers", "1", "--output-dir", str(scratch / way)]
+            with open(log, "a") as handle:
+                process = subprocess.Popen(
+                    command, cwd=tree, env={**env, "PYTHONPATH": str(tree)}, stdout=handle, stderr=subprocess.STDOUT
+                )
+            running[process.pid] = (way, process, log)
+        return _wait_all(running)
+    finally:
+        for _, process, _ in running.values():
+            if process.poll() is None:
+                process.terminate()
+
+
+def _wait_all(running: dict[int, tuple[str, subprocess.Popen, Path]]) -> dict[str, float]:
+    cpu: dict[str, float] = {}
+    printed: dict[str, int] = defaultdict(int)
+    while running:
+        for pid, (way, _, log) in list(running.items()):
+            lines = log.read_text().splitlines()
+            for line in lines[printed[way] :]:
+                if line.startswith("["):
+                    print(f"{way}: {line}", flush=True)
+            printed[way] = len(lines)
+            done, status, usage = os.wait4(pid, os.WNOHANG)
+            if done == 0:
+                continue
+            del running[pid]
+            if os.waitstatus_to_exitcode(status) != 0:
+                raise SystemExit(f"the {way} revision's frontier failed; its log: {log}\n" + "\n".join(lines[-15:]))
+            cpu[way] = usage.ru_utime + usage.ru_stime
+        time.sleep(2)
+    return cpu
+
+
+def stored(scratch: Path, way: str) -> dict[str, dict]:
+    """Every record of the ``way`` run's store, whatever its fingerprint (the two revisions' may differ)."""
+    path = scratch / way / "frontier_points.jsonl"
+    records = {}
+    for line in path.read_text().splitlines():
+        entry = json.loads(line)
+        records[entry["key"]] = entry["record"]
+    return records
+
+
+def audit_rows(before: dict[str, dict], after: dict[str, dict]) -> list[dict]:
+    """Every audit in both stores (:func:`frontier.compared_row`), with its seconds' ratio, then a total
+    row of every job the two runs share, trainings included."""
+    rows = []
+    for key in before:
+        if key in after and after[key].get("kind") == "audit":
+            row = compared_row(key, before[key], after[key])
+            row["s, earlier (wall)"] = round(float(before[key].get("seconds") or 0.0))
+            row["s, now"] = round(float(after[key].get("seconds") or 0.0))
+            rows.append(_renamed(row))
+    shared = [k for k in before if k in after]
+    total = {
+        name: sum(float(records[k].get("seconds") or 0.0) for k in shared)
+        for name, records in (("b", before), ("a", after))
+    }
+    rows.append({**dict.fromkeys(rows[0], ""), "setting": f"all {len(shared)} jobs", "s before": round(total["b"]),
+                 "s after": round(total["a"]), "before / after": _ratio(total["b"], total["a"])})  # fmt: skip
+    return rows
+
+
+def _renamed(row: dict) -> dict:
+    seconds_before, seconds_after = row.pop("s, earlier (wall)"), row.pop("s, now")
+    renamed = {k.replace("earlier", "before").replace(", now", ", after"): v for k, v in row.items()}
+    return {
+        **renamed,
+        "s before": seconds_before,
+        "s after": seconds_after,
+        "before / after": _ratio(seconds_before, seconds_after),
+    }
+
+
+def _ratio(before: float, after: float) -> str:
+    return f"{before / after:.2f}x" if after > 0 else "-"
+
+
+def attack_rows(before: dict[str, dict], after: dict[str, dict]) -> list[dict]:
+    """Each attack's cells' seconds summed over the audits both runs finished (a cell only one run has,
+    such as a rerun on the second label estimate one revision makes and the other does not, counts on its
+    side alone)."""
+    sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0, 0])
+    for key in before:
+        if key not in after or after[key].get("kind") != "audit":
+            continue
+        for side, record in enumerate((before[key], after[key])):
+            for cell in record.get("cells", []):
+                entry = sums[cell["attack"]]
+                entry[side] += float(cell.get("seconds") or 0.0)
+                entry[2 + side] += 1
+    rows = [
+        {"attack": attack, "cells before": int(c0), "cells after": int(c1), "s before": round(s0, 1),
+         "s after": round(s1, 1), "before / after": _ratio(s0, s1) if c0 and c1 else "-"}
+        for attack, (s0, s1, c0, c1) in sorted(sums.items(), key=lambda item: -item[1][0])
+    ]  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--points", nargs="+", required=True, help="frontier points by name, e.g. 'TopKPruning(rate=0.9)'"
+    )
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8])
+    parser.add_argument("--stages", nargs="+", type=int, default=[0])
+    parser.add_argument("--before", default=BEFORE, help=f"the earlier revision (default {BEFORE})")
+    parser.add_argument(
+        "--after", default="HEAD", help="the later revision (default HEAD; uncommitted changes are not in it)"
+    )
+    parser.add_argument(
+        "--scratch", type=Path, default=None, help="where the revisions, stores and logs go (resumable)"
+    )
+    parser.add_argument("--name", default="frontier_before_after")
+    parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args()
+    grids = grid_entries(args.points)
+    scratch = args.scratch or Path(tempfile.mkdtemp(prefix="frontier_before_after_"))
+    scratch.mkdir(parents=True, exist_ok=True)
+    state = run_state(scratch, {"before": resolved(args.before), "after": resolved(args.after)})
+    trees = {way: export(state["revisions"][way], scratch / f"{way}_tree") for way in WAYS}
+    for way, tree in trees.items():
+        text = (tree / "configs" / "frontier.yaml").read_text()
+        (scratch / f"{way}.yaml").write_text(restricted_yaml(text, grids, args.batch_sizes, args.stages))
+    revisions = state["revisions"]
+    print(
+        f"frontier before/after: {revisions['before']} and {revisions['after']} side by side in {scratch}", flush=True
+    )
+    for way, seconds in run_side_by_side(trees, scratch).items():
+        state["cpu_seconds"][way] += seconds
+    (scratch / "run.json").write_text(json.dumps(state))
+    cpu = state["cpu_seconds"]
+    before, after = stored(scratch, "before"), stored(scratch, "after")
+    run = (
+        f"`python benchmarks/frontier_before_after.py --points {' '.join(repr(p) for p in args.points)} "
+        f"--batch-sizes {' '.join(map(str, args.batch_sizes))} --stages {' '.join(map(str, args.stages))}`"
+    )
+    preamble = (
+        f"The published frontier's jobs (`configs/frontier.yaml` of each revision: its budget, attacks, learned "
+        f"inverter and images) on the named points and the undefended reference, run by revision "
+        f"{revisions['before']} (before) and {revisions['after']} (after) at once, one process and one torch thread "
+        f"each, on two cores. Seconds are each job's as its revision records them (an audit's: its attack cells'). "
+        f"CPU seconds of the whole processes (their workers and every resumption included): before {cpu['before']:.0f}, after {cpu['after']:.0f} "
+        f"({_ratio(cpu['before'], cpu['after'])}). Run: {run}"
+    )
+    write_results(args.name, audit_rows(before, after), preamble, args.output_dir)
+    write_results(f"{args.name}_attacks", attack_rows(before, after), preamble, args.output_dir)
+
+
+if __name__ == "__main__":
+    main()
