@@ -13,7 +13,9 @@ threat model, the attacks that leaked, the largest change of an attack's mean PS
 both ways and their ratio), and ``<name>_attacks.{csv,md}``: each attack's cells' seconds both ways.
 Each process's CPU time (its own and its workers') is in the preamble. The stores and logs stay in
 ``--scratch`` (default: a temporary directory), so an interrupted run is resumed by the same command
-with the same ``--scratch``.
+with the same ``--scratch``; ``--report-only`` rewrites the tables from it and runs nothing.
+``--estimate POINTS_FILE`` scales a stored run's jobs (the published frontier's, say) by the ratios of
+their strata (kind, batch size, round, DP-SGD apart) and says what that run would take now.
 
 Run it with nothing else on the machine (pause a background run with ``kill -STOP``).
 """
@@ -157,9 +159,9 @@ def _wait_all(running: dict[int, tuple[str, subprocess.Popen, Path]]) -> dict[st
     return cpu
 
 
-def stored(scratch: Path, way: str) -> dict[str, dict]:
-    """Every record of the ``way`` run's store, whatever its fingerprint (the two revisions' may differ)."""
-    path = scratch / way / "frontier_points.jsonl"
+def stored(path: Path) -> dict[str, dict]:
+    """Every record of a frontier points file by job key (the last one of a key), whatever its
+    fingerprint (the two revisions' may differ)."""
     records = {}
     for line in path.read_text().splitlines():
         entry = json.loads(line)
@@ -202,6 +204,33 @@ def _ratio(before: float, after: float) -> str:
     return f"{before / after:.2f}x" if after > 0 else "-"
 
 
+def _stratum(key: str) -> tuple[str, ...]:
+    kind, setting, *axes = key.split("|")
+    return (kind, *axes, "DP-SGD" if setting.startswith("DPSGD(") else "other")
+
+
+def grid_estimate(before: dict[str, dict], after: dict[str, dict], run: dict[str, dict]) -> tuple[float, float, int]:
+    """``(seconds, estimate, unmatched)``: a stored run's job seconds, and those seconds each scaled by the
+    after / before ratio of its stratum among the jobs both sides share (kind, batch size, round; DP-SGD's
+    jobs apart, its attacks take a path of their own); a job of a stratum the sample lacks keeps its
+    seconds (``unmatched`` counts them)."""
+    sums: dict[tuple[str, ...], list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for key in before:
+        if key in after:
+            pair = sums[_stratum(key)]
+            pair[0] += float(before[key].get("seconds") or 0.0)
+            pair[1] += float(after[key].get("seconds") or 0.0)
+    seconds = estimate = 0.0
+    unmatched = 0
+    for key, record in run.items():
+        spent = float(record.get("seconds") or 0.0)
+        was, now = sums.get(_stratum(key), (0.0, 0.0))
+        seconds += spent
+        estimate += spent * now / was if was > 0 and now > 0 else spent
+        unmatched += not (was > 0 and now > 0)
+    return seconds, estimate, unmatched
+
+
 def attack_rows(before: dict[str, dict], after: dict[str, dict]) -> list[dict]:
     """Each attack's cells' seconds summed over the audits both runs finished (a cell only one run has,
     such as a rerun on the second label estimate one revision makes and the other does not, counts on its
@@ -224,6 +253,37 @@ def attack_rows(before: dict[str, dict], after: dict[str, dict]) -> list[dict]:
 
 
 def main() -> None:
+    args = _parser().parse_args()
+    grids = grid_entries(args.points)
+    if args.report_only and (args.scratch is None or not (args.scratch / "run.json").exists()):
+        raise SystemExit("--report-only: name the --scratch directory of a finished run")
+    scratch = args.scratch or Path(tempfile.mkdtemp(prefix="frontier_before_after_"))
+    scratch.mkdir(parents=True, exist_ok=True)
+    state = run_state(scratch, {"before": resolved(args.before), "after": resolved(args.after)})
+    revisions = state["revisions"]
+    if not args.report_only:
+        trees = {way: export(revisions[way], scratch / f"{way}_tree") for way in WAYS}
+        for way, tree in trees.items():
+            text = (tree / "configs" / "frontier.yaml").read_text()
+            (scratch / f"{way}.yaml").write_text(restricted_yaml(text, grids, args.batch_sizes, args.stages))
+        print(f"frontier before/after: {revisions['before']} and {revisions['after']} in {scratch}", flush=True)
+        for way, seconds in run_side_by_side(trees, scratch).items():
+            state["cpu_seconds"][way] += seconds
+        (scratch / "run.json").write_text(json.dumps(state))
+    before, after = (stored(scratch / way / "frontier_points.jsonl") for way in WAYS)
+    preamble = _preamble(args, revisions, state["cpu_seconds"])
+    if args.estimate is not None:
+        seconds, estimate, unmatched = grid_estimate(before, after, stored(args.estimate))
+        preamble += (
+            f" Weighted by these ratios (each job of `{args.estimate}` scaled by its stratum's: kind, batch size, "
+            f"round, DP-SGD apart), its {seconds / 3600:.1f} job-hours would be {estimate / 3600:.1f}"
+            + (f" ({unmatched} jobs of strata the sample lacks kept their seconds)." if unmatched else ".")
+        )
+    write_results(args.name, audit_rows(before, after), preamble, args.output_dir)
+    write_results(f"{args.name}_attacks", attack_rows(before, after), preamble, args.output_dir)
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--points", nargs="+", required=True, help="frontier points by name, e.g. 'TopKPruning(rate=0.9)'"
@@ -237,40 +297,28 @@ def main() -> None:
     parser.add_argument(
         "--scratch", type=Path, default=None, help="where the revisions, stores and logs go (resumable)"
     )
+    parser.add_argument("--report-only", action="store_true", help="rewrite the tables from --scratch; run nothing")
+    parser.add_argument("--estimate", type=Path, default=None, help="a stored run's points file to scale by the ratios")
     parser.add_argument("--name", default="frontier_before_after")
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
-    args = parser.parse_args()
-    grids = grid_entries(args.points)
-    scratch = args.scratch or Path(tempfile.mkdtemp(prefix="frontier_before_after_"))
-    scratch.mkdir(parents=True, exist_ok=True)
-    state = run_state(scratch, {"before": resolved(args.before), "after": resolved(args.after)})
-    trees = {way: export(state["revisions"][way], scratch / f"{way}_tree") for way in WAYS}
-    for way, tree in trees.items():
-        text = (tree / "configs" / "frontier.yaml").read_text()
-        (scratch / f"{way}.yaml").write_text(restricted_yaml(text, grids, args.batch_sizes, args.stages))
-    revisions = state["revisions"]
-    print(
-        f"frontier before/after: {revisions['before']} and {revisions['after']} side by side in {scratch}", flush=True
-    )
-    for way, seconds in run_side_by_side(trees, scratch).items():
-        state["cpu_seconds"][way] += seconds
-    (scratch / "run.json").write_text(json.dumps(state))
-    cpu = state["cpu_seconds"]
-    before, after = stored(scratch, "before"), stored(scratch, "after")
+    return parser
+
+
+def _preamble(args: argparse.Namespace, revisions: dict[str, str], cpu: dict[str, float]) -> str:
     run = (
         f"`python benchmarks/frontier_before_after.py --points {' '.join(repr(p) for p in args.points)} "
-        f"--batch-sizes {' '.join(map(str, args.batch_sizes))} --stages {' '.join(map(str, args.stages))}`"
+        f"--batch-sizes {' '.join(map(str, args.batch_sizes))} --stages {' '.join(map(str, args.stages))} "
+        f"--before {revisions['before']} --after {revisions['after']}"
+        + (f" --estimate {args.estimate}`" if args.estimate is not None else "`")
     )
-    preamble = (
+    return (
         f"The published frontier's jobs (`configs/frontier.yaml` of each revision: its budget, attacks, learned "
         f"inverter and images) on the named points and the undefended reference, run by revision "
         f"{revisions['before']} (before) and {revisions['after']} (after) at once, one process and one torch thread "
         f"each, on two cores. Seconds are each job's as its revision records them (an audit's: its attack cells'). "
-        f"CPU seconds of the whole processes (their workers and every resumption included): before {cpu['before']:.0f}, after {cpu['after']:.0f} "
-        f"({_ratio(cpu['before'], cpu['after'])}). Run: {run}"
+        f"CPU seconds of the whole processes (their workers and every resumption included): before "
+        f"{cpu['before']:.0f}, after {cpu['after']:.0f} ({_ratio(cpu['before'], cpu['after'])}). Run: {run}."
     )
-    write_results(args.name, audit_rows(before, after), preamble, args.output_dir)
-    write_results(f"{args.name}_attacks", attack_rows(before, after), preamble, args.output_dir)
 
 
 if __name__ == "__main__":

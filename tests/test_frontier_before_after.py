@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 import pytest
@@ -124,3 +125,34 @@ def test_a_resumed_run_keeps_its_cpu_seconds_and_refuses_other_revisions(before_
         before_after.run_state(tmp_path, {**revisions, "after": "0" * 12})
     with pytest.raises(SystemExit, match="not a commit"):
         before_after.resolved("no-such-revision")
+
+
+def test_grid_estimate_scales_each_stored_job_by_its_strata_ratio(before_after):
+    before = {
+        "audit|TopKPruning(rate=0.9)|B=1|round=0": {"seconds": 200.0},
+        "audit|DPSGD(noise_multiplier=1)|B=1|round=0": {"seconds": 300.0},
+        "train|TopKPruning(rate=0.9)|B=1": {"seconds": 10.0},
+    }
+    after = {
+        "audit|TopKPruning(rate=0.9)|B=1|round=0": {"seconds": 100.0},
+        "audit|DPSGD(noise_multiplier=1)|B=1|round=0": {"seconds": 100.0},
+        "train|TopKPruning(rate=0.9)|B=1": {"seconds": 10.0},
+    }
+    run = {
+        "audit|Soteria(rate=0.5)|B=1|round=0": {"seconds": 40.0},  # another setting: the non-DP-SGD ratio
+        "audit|DPSGD(noise_multiplier=4)|B=1|round=0": {"seconds": 90.0},  # DP-SGD's own ratio
+        "train|Soteria(rate=0.5)|B=1": {"seconds": 5.0},
+        "audit|Soteria(rate=0.5)|B=8|round=50": {"seconds": 70.0},  # no such stratum in the sample
+    }
+    seconds, estimate, unmatched = before_after.grid_estimate(before, after, run)
+    assert (seconds, unmatched) == (205.0, 1)
+    assert estimate == pytest.approx(40 / 2 + 90 / 3 + 5 + 70)
+
+
+def test_report_only_refuses_a_run_without_its_scratch_directory(before_after, monkeypatch, tmp_path):
+    monkeypatch.setattr("sys.argv", ["frontier_before_after.py", "--points", "TopKPruning(rate=0.9)", "--report-only"])
+    with pytest.raises(SystemExit, match="--report-only: name the --scratch"):
+        before_after.main()
+    monkeypatch.setattr("sys.argv", [*sys.argv, "--scratch", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--report-only: name the --scratch"):
+        before_after.main()
