@@ -90,15 +90,15 @@ def restricted_yaml(text: str, grids: list[dict], batch_sizes: list[int], stages
     """A frontier YAML's text with its ``grids`` block, ``batch_sizes`` and ``stages`` replaced (each
     grid written as a JSON flow mapping, which YAML reads); everything else, the budget included, as
     the revision wrote it. Refuses a text without the three keys."""
-    replacements = [
-        (r"^grids:\n(?:[ \t].*\n|\n)*", "grids:\n" + "".join(f"  - {json.dumps(g)}\n" for g in grids)),
-        (r"^batch_sizes:.*$", f"batch_sizes: {json.dumps(batch_sizes)}"),
-        (r"^stages:.*$", f"stages: {json.dumps(stages)}"),
-    ]
-    for pattern, replacement in replacements:
+    replacements = {
+        "grids": (r"^grids:\n(?:[ \t].*\n|\n)*", "grids:\n" + "".join(f"  - {json.dumps(g)}\n" for g in grids)),
+        "batch_sizes": (r"^batch_sizes:.*$", f"batch_sizes: {json.dumps(batch_sizes)}"),
+        "stages": (r"^stages:.*$", f"stages: {json.dumps(stages)}"),
+    }
+    for key, (pattern, replacement) in replacements.items():
         text, count = re.subn(pattern, lambda _: replacement, text, count=1, flags=re.MULTILINE)
         if count != 1:
-            raise SystemExit(f"the revision's configs/frontier.yaml has no {pattern.split(':')[0].lstrip('^')!r} key")
+            raise SystemExit(f"the revision's configs/frontier.yaml has no {key!r} key")
     return text
 
 
@@ -143,12 +143,12 @@ def _wait_all(running: dict[int, tuple[str, subprocess.Popen, Path]]) -> dict[st
     printed: dict[str, int] = defaultdict(int)
     while running:
         for pid, (way, _, log) in list(running.items()):
-            lines = log.read_text().splitlines()
+            done, status, usage = os.wait4(pid, os.WNOHANG)
+            lines = log.read_text().splitlines()  # read after the wait: an ended run's log is whole
             for line in lines[printed[way] :]:
                 if line.startswith("["):
                     print(f"{way}: {line}", flush=True)
             printed[way] = len(lines)
-            done, status, usage = os.wait4(pid, os.WNOHANG)
             if done == 0:
                 continue
             del running[pid]
@@ -175,29 +175,24 @@ def audit_rows(before: dict[str, dict], after: dict[str, dict]) -> list[dict]:
     rows = []
     for key in before:
         if key in after and after[key].get("kind") == "audit":
-            row = compared_row(key, before[key], after[key])
-            row["s, earlier (wall)"] = round(float(before[key].get("seconds") or 0.0))
-            row["s, now"] = round(float(after[key].get("seconds") or 0.0))
-            rows.append(_renamed(row))
+            spent = [float(records[key].get("seconds") or 0.0) for records in (before, after)]
+            row = _renamed(compared_row(key, before[key], after[key]))
+            rows.append(
+                {**row, "s before": round(spent[0]), "s after": round(spent[1]), "before / after": _ratio(*spent)}
+            )
+    if not rows:
+        raise SystemExit("no audit finished in both runs: nothing to compare")
     shared = [k for k in before if k in after]
-    total = {
-        name: sum(float(records[k].get("seconds") or 0.0) for k in shared)
-        for name, records in (("b", before), ("a", after))
-    }
-    rows.append({**dict.fromkeys(rows[0], ""), "setting": f"all {len(shared)} jobs", "s before": round(total["b"]),
-                 "s after": round(total["a"]), "before / after": _ratio(total["b"], total["a"])})  # fmt: skip
+    total = [sum(float(records[k].get("seconds") or 0.0) for k in shared) for records in (before, after)]
+    rows.append({**dict.fromkeys(rows[0], ""), "setting": f"all {len(shared)} jobs", "s before": round(total[0]),
+                 "s after": round(total[1]), "before / after": _ratio(*total)})  # fmt: skip
     return rows
 
 
 def _renamed(row: dict) -> dict:
-    seconds_before, seconds_after = row.pop("s, earlier (wall)"), row.pop("s, now")
-    renamed = {k.replace("earlier", "before").replace(", now", ", after"): v for k, v in row.items()}
-    return {
-        **renamed,
-        "s before": seconds_before,
-        "s after": seconds_after,
-        "before / after": _ratio(seconds_before, seconds_after),
-    }
+    """:func:`frontier.compared_row`'s columns named before/after, without its seconds (one clock each)."""
+    kept = {k: v for k, v in row.items() if k not in ("s, earlier (wall)", "s, now")}
+    return {k.replace("earlier", "before").replace(", now", ", after"): v for k, v in kept.items()}
 
 
 def _ratio(before: float, after: float) -> str:
