@@ -27,6 +27,7 @@ import io
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tarfile
@@ -116,9 +117,10 @@ def grid_entries(points: list[str]) -> list[dict]:
     return entries
 
 
-def run_side_by_side(trees: dict[str, Path], scratch: Path) -> dict[str, float]:
-    """Both revisions' frontiers at once (one worker, one torch thread each); their CPU seconds (user +
-    system, their workers included). Progress lines are printed as they come; a failure stops both."""
+def run_side_by_side(trees: dict[str, Path], scratch: Path, cpu: dict[str, float]) -> None:
+    """Both revisions' frontiers at once (one worker, one torch thread each), each one's CPU seconds (user
+    + system, its workers included) added to ``cpu`` as it ends, or is stopped: a failure or an interrupt
+    stops both, and what they spent still counts. Progress lines are printed as they come."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     running: dict[int, tuple[str, subprocess.Popen, Path]] = {}
     try:
@@ -131,15 +133,15 @@ def run_side_by_side(trees: dict[str, Path], scratch: Path) -> dict[str, float]:
                     command, cwd=tree, env={**env, "PYTHONPATH": str(tree)}, stdout=handle, stderr=subprocess.STDOUT
                 )
             running[process.pid] = (way, process, log)
-        return _wait_all(running)
+        _wait_all(running, cpu)
     finally:
-        for _, process, _ in running.values():
-            if process.poll() is None:
-                process.terminate()
+        for pid, (way, _, _) in running.items():  # not reaped yet: stop it, then read its usage
+            os.kill(pid, signal.SIGTERM)
+            _, _, usage = os.wait4(pid, 0)
+            cpu[way] += usage.ru_utime + usage.ru_stime
 
 
-def _wait_all(running: dict[int, tuple[str, subprocess.Popen, Path]]) -> dict[str, float]:
-    cpu: dict[str, float] = {}
+def _wait_all(running: dict[int, tuple[str, subprocess.Popen, Path]], cpu: dict[str, float]) -> None:
     printed: dict[str, int] = defaultdict(int)
     while running:
         for pid, (way, _, log) in list(running.items()):
@@ -152,11 +154,10 @@ def _wait_all(running: dict[int, tuple[str, subprocess.Popen, Path]]) -> dict[st
             if done == 0:
                 continue
             del running[pid]
+            cpu[way] += usage.ru_utime + usage.ru_stime
             if os.waitstatus_to_exitcode(status) != 0:
                 raise SystemExit(f"the {way} revision's frontier failed; its log: {log}\n" + "\n".join(lines[-15:]))
-            cpu[way] = usage.ru_utime + usage.ru_stime
         time.sleep(2)
-    return cpu
 
 
 def stored(path: Path) -> dict[str, dict]:
@@ -262,9 +263,10 @@ def main() -> None:
             text = (tree / "configs" / "frontier.yaml").read_text()
             (scratch / f"{way}.yaml").write_text(restricted_yaml(text, grids, args.batch_sizes, args.stages))
         print(f"frontier before/after: {revisions['before']} and {revisions['after']} in {scratch}", flush=True)
-        for way, seconds in run_side_by_side(trees, scratch).items():
-            state["cpu_seconds"][way] += seconds
-        (scratch / "run.json").write_text(json.dumps(state))
+        try:
+            run_side_by_side(trees, scratch, state["cpu_seconds"])
+        finally:  # an interrupted run's seconds count when it resumes
+            (scratch / "run.json").write_text(json.dumps(state))
     before, after = (stored(scratch / way / "frontier_points.jsonl") for way in WAYS)
     preamble = _preamble(args, revisions, state["cpu_seconds"])
     if args.estimate is not None:

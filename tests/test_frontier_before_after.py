@@ -104,13 +104,16 @@ def test_a_failed_revision_stops_the_other_and_names_its_log(before_after, tmp_p
         (tmp_path / way / "benchmarks" / "frontier.py").write_text(body)
         trees[way] = tmp_path / way
     start = time.monotonic()
+    cpu = {"before": 1.0, "after": 2.0}  # a resumed run's seconds so far
     with pytest.raises(SystemExit, match="before revision's frontier failed; its log"):
-        before_after.run_side_by_side(trees, tmp_path)
+        before_after.run_side_by_side(trees, tmp_path, cpu)
     assert time.monotonic() - start < 60  # it did not wait for the other run to finish
     deadline = time.monotonic() + 30
     while not stopped.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert stopped.exists(), "the other revision's run was left running"
+    # both runs' CPU time is added, the stopped one's too (each started an interpreter: well over 1 ms)
+    assert cpu["before"] > 1.001 and cpu["after"] > 2.001
 
 
 def test_a_resumed_run_keeps_its_cpu_seconds_and_refuses_other_revisions(before_after, tmp_path):
