@@ -6,26 +6,50 @@ which can take an hour, on cores the user believes free. Each worker of :func:`w
 its parent and exits as soon as it is gone. A parent interrupted by an exception (SIGINT's
 ``KeyboardInterrupt`` above all, sent to the parent alone as a scheduler or a wrapper does) would
 instead wait for its running jobs, in ``shutdown`` and again at interpreter exit: a
-:class:`WorkerPool` left by an exception terminates its workers instead.
+:class:`WorkerPool` left by an exception terminates its workers instead. While a ``with`` block holds
+the pool, SIGTERM and SIGHUP (a scheduler's stop, a closed terminal) raise ``SystemExit(128 +
+signal)`` in the parent, where they would otherwise kill it outright: the block is left by that
+exception, so the workers end at once and the interpreter exits as usual, its multiprocessing
+semaphores released (a parent killed outright left them for the resource tracker, which warned of
+"leaked semaphore objects").
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
+import sys
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
-from types import TracebackType
+from types import FrameType, TracebackType
+from typing import Any
 
 #: Seconds between a worker's checks that its parent is alive.
 PARENT_POLL_SECONDS = 1.0
+
+#: Signals that end a parent holding a pool by ``SystemExit`` (where their handler is the default).
+EXIT_SIGNALS: tuple[signal.Signals, ...] = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)
+)
 
 
 class WorkerPool(ProcessPoolExecutor):
     """A process pool whose workers end with their parent (:func:`exit_with_parent`) and which a
     ``with`` block left by an exception (``KeyboardInterrupt`` included) terminates at once, running
-    jobs and all, instead of waiting for them."""
+    jobs and all, instead of waiting for them. Inside the block, SIGTERM and SIGHUP with their default
+    handlers raise ``SystemExit(128 + signal)`` (module docstring); the handlers are restored after it."""
+
+    _replaced: dict[int, Any]
+
+    def __enter__(self) -> WorkerPool:
+        self._replaced = {}
+        if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
+            for sig in EXIT_SIGNALS:
+                if signal.getsignal(sig) is signal.SIG_DFL:
+                    self._replaced[sig] = signal.signal(sig, _exit_on_signal)
+        return self
 
     def terminate_workers(self) -> None:
         """Cancel the queued jobs and terminate every worker (SIGTERM), as Python 3.14's method of
@@ -44,10 +68,19 @@ class WorkerPool(ProcessPoolExecutor):
         exc_val: BaseException | None,
         exc_tb: TracebackType | None,
     ) -> bool | None:
-        if exc_type is not None:
-            self.terminate_workers()
-            return False
-        return super().__exit__(exc_type, exc_val, exc_tb)
+        try:
+            if exc_type is not None:
+                self.terminate_workers()
+                return False
+            return super().__exit__(exc_type, exc_val, exc_tb)
+        finally:
+            for sig, handler in getattr(self, "_replaced", {}).items():
+                signal.signal(sig, handler)
+
+
+def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
+    print(f"worker_pool: {signal.Signals(signum).name}: stopping the workers", file=sys.stderr, flush=True)
+    raise SystemExit(128 + signum)
 
 
 def worker_pool(workers: int) -> WorkerPool:
