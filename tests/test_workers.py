@@ -155,3 +155,19 @@ def test_a_held_pool_turns_default_exit_signals_into_system_exit_and_restores_th
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+# 4-7 s (a spawned worker starts and imports the package)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_terminating_the_pool_kills_a_worker_that_ignores_sigterm() -> None:
+    # a worker inside Trainer.fit has Lightning's SIGTERM handler, which only notes the signal
+    pool = worker_pool(1)
+    pool.submit(signal.signal, signal.SIGTERM, signal.SIG_IGN).result()
+    worker = pool.submit(os.getpid).result()
+    try:
+        pool.submit(time.sleep, 600)
+        pool.terminate_workers()
+        assert not _alive(worker), "a worker that ignores SIGTERM outlived terminate_workers"
+    finally:
+        if _alive(worker):
+            os.kill(worker, signal.SIGKILL)

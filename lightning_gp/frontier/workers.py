@@ -53,14 +53,21 @@ class WorkerPool(ProcessPoolExecutor):
 
     def terminate_workers(self) -> None:
         """Cancel the queued jobs and terminate every worker (SIGTERM), as Python 3.14's method of
-        the same name does. The pool is shut down afterwards; pending futures fail."""
+        the same name does, then kill (SIGKILL) those still running a second later: a worker inside
+        ``Trainer.fit`` has Lightning's SIGTERM handler, which only notes the signal. The pool is shut
+        down afterwards; pending futures fail."""
         processes = list((self._processes or {}).values())  # shutdown() forgets them
         self.shutdown(wait=False, cancel_futures=True)
         for process in processes:
             if process.is_alive():
                 process.terminate()
+        deadline = time.monotonic() + PARENT_POLL_SECONDS
         for process in processes:
-            process.join(timeout=PARENT_POLL_SECONDS)
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=PARENT_POLL_SECONDS)
 
     def __exit__(
         self,
