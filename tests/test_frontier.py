@@ -623,6 +623,35 @@ def test_the_eta_counts_each_job_as_long_as_the_finished_jobs_say_it_takes() -> 
     assert lines[-1].endswith("ETA 0:00:04")  # 2 s per job, 2 jobs left: what a resumed run printed before
 
 
+def test_the_eta_is_not_inflated_by_the_jobs_still_running_when_the_first_finishes() -> None:
+    """Two workers, six jobs expected at 100 s but the second's 300 s: when the first ends at 100 s the
+    other still runs. Paced by the finished job's own seconds, the 700 s of work left over 2 workers
+    is 350 s (a schedule ends it at 400 s: 300 s left); paced by the wall time so far over the work
+    finished, as before, it read 700 s."""
+    audits = [job for job in frontier_jobs(config(stages=[0, 5]), 1) if job.kind == "audit"][:6]
+    keys = [job.key for job in audits]
+    estimates = dict(zip(keys, [100.0, 300.0, 100.0, 100.0, 100.0, 100.0]))
+    jobs = dict(zip(keys, audits))
+    record = {"kind": "audit", "threats": {t: {"verdict": "private"} for t in ("passive", "active")}}
+    now = [0.0]
+    for labelled in (True, False):
+        lines: list[str] = []
+        progress = Progress(6, 0, 2, lines.append, estimates=estimates if labelled else None, clock=lambda: now[0])
+        now[0] = 100.0
+        progress.update(jobs[keys[0]], {**record, "seconds": 100.0})
+        # without estimates: 100 s a job, 5 left over 2 workers
+        assert lines[-1].endswith("ETA 0:05:50" if labelled else "ETA 0:04:10")
+        now[0] = 300.0
+        progress.update(jobs[keys[1]], {**record, "seconds": 300.0})
+        now[0] = 400.0
+        for key in keys[2:5]:
+            progress.update(jobs[key], {**record, "seconds": 100.0})
+        assert lines[-1].endswith("ETA 0:01:40" if labelled else "ETA 0:02:20")  # one job left, one worker
+        progress.update(jobs[keys[5]], {**record, "failed": "killed"})  # no seconds: the pace stands
+        assert lines[-1].endswith("ETA 0:00:00")
+        now[0] = 0.0
+
+
 def test_an_audit_of_an_older_leak_rule_reruns_unless_it_leaked_everywhere_and_then_shows_no_bound(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

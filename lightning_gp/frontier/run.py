@@ -267,11 +267,14 @@ class ResultStore:
 class Progress:
     """A progress bar over jobs with an ETA.
 
-    With ``estimates`` (the expected seconds of each job left, by key: :func:`job_estimates`) the ETA
-    is the estimated work left, scaled by this run's pace: the wall time so far over the estimates
-    of the jobs it finished (before the first, the estimates over the ``workers``). Jobs of very
-    different sizes (a training of seconds, an audit of minutes) then count as long as they take.
-    Without, it is the wall time per finished job times the jobs left. ``clock``: seconds (tests)."""
+    The ETA is the work left over the workers that share it (``workers``, fewer once fewer jobs are
+    left). With ``estimates`` (the expected seconds of each job left, by key: :func:`job_estimates`)
+    the work left is their sum scaled by this run's pace, the finished jobs' own seconds over their
+    estimates: jobs of very different sizes (a training of seconds, an audit of minutes) then count
+    as long as they take. Without, it is the finished jobs' mean seconds times the jobs left. Paced
+    by each job's own seconds (its record's ``seconds``), not the wall time so far, so the jobs still
+    running when the first ones finish do not inflate it (with ``W`` workers the first finished job
+    holds about ``1 / W`` of the work done by then). ``clock``: seconds (tests)."""
 
     def __init__(
         self,
@@ -285,26 +288,37 @@ class Progress:
     ) -> None:
         self.total, self.done, self.workers, self.log, self.width = total, done, workers, log, width
         self.estimates = dict(estimates or {})
+        self.estimated = bool(self.estimates)
         self.left_estimate = sum(self.estimates.values())
-        self.done_estimate = 0.0
+        self.done_estimate = 0.0  # the estimates of the finished jobs that report their seconds
+        self.busy = 0.0  # and those jobs' own seconds
+        self.timed = 0
         self.clock = clock
         self.start = clock()
         self.ran = 0
 
     def eta(self, elapsed: float) -> float:
-        """Seconds left, ``elapsed`` seconds into this run."""
-        if self.estimates:
-            if self.done_estimate > 0:
-                return self.left_estimate * elapsed / self.done_estimate
-            return self.left_estimate / self.workers
-        return elapsed / max(1, self.ran) * (self.total - self.done)  # elapsed / ran is already per worker
+        """Seconds left, ``elapsed`` seconds into this run (used only while no finished job has
+        reported its seconds: a failed one reports none)."""
+        left = self.total - self.done
+        sharing = max(1, min(self.workers, left))
+        if self.estimated:
+            pace = self.busy / self.done_estimate if self.done_estimate > 0 and self.busy > 0 else 1.0
+            return self.left_estimate * pace / sharing
+        if self.timed:
+            return self.busy / self.timed * left / sharing
+        return elapsed / max(1, self.ran) * left  # elapsed / ran is about per worker
 
     def update(self, job: Job, record: dict[str, Any]) -> str:
         self.done += 1
         self.ran += 1
         estimate = self.estimates.pop(job.key, 0.0)
         self.left_estimate -= estimate
-        self.done_estimate += estimate
+        seconds = record.get("seconds")
+        if isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds >= 0:
+            self.done_estimate += estimate
+            self.busy += float(seconds)
+            self.timed += 1
         elapsed = self.clock() - self.start
         filled = round(self.width * self.done / max(1, self.total))
         line = (
