@@ -652,6 +652,22 @@ def test_the_eta_is_not_inflated_by_the_jobs_still_running_when_the_first_finish
         now[0] = 0.0
 
 
+def test_a_fresh_run_estimates_the_audits_left_by_the_audits_it_finished_not_by_the_trainings() -> None:
+    """No stored times: once an audit has finished, the audits left count at its 200 s and the
+    training left at the finished training's 10 s, (10 + 3 x 200) / 2 workers = 305 s; a mean over
+    every finished job said (10 + 200) / 2 x 4 jobs / 2 workers = 210 s."""
+    every = frontier_jobs(config(stages=[0, 5]), 1)
+    trainings = [job for job in every if job.kind == "train"][:2]
+    audits = [job for job in every if job.kind == "audit" and job.batch_size == 1][:4]
+    audit = {"kind": "audit", "seconds": 200.0, "threats": {t: {"verdict": "private"} for t in ("passive", "active")}}
+    lines: list[str] = []
+    for todo, eta in (([*trainings, *audits], "0:05:05"), (None, "0:03:30")):
+        progress = Progress(6, 0, 2, lines.append, clock=lambda: 0.0, jobs=todo)
+        progress.update(trainings[0], {"kind": "train", "test_acc": 0.5, "seconds": 10.0})
+        progress.update(audits[0], audit)
+        assert lines[-1].endswith(f"ETA {eta}")
+
+
 def test_an_audit_of_an_older_leak_rule_reruns_unless_it_leaked_everywhere_and_then_shows_no_bound(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -271,10 +271,12 @@ class Progress:
     left). With ``estimates`` (the expected seconds of each job left, by key: :func:`job_estimates`)
     the work left is their sum scaled by this run's pace, the finished jobs' own seconds over their
     estimates: jobs of very different sizes (a training of seconds, an audit of minutes) then count
-    as long as they take. Without, it is the finished jobs' mean seconds times the jobs left. Paced
-    by each job's own seconds (its record's ``seconds``), not the wall time so far, so the jobs still
-    running when the first ones finish do not inflate it (with ``W`` workers the first finished job
-    holds about ``1 / W`` of the work done by then). ``clock``: seconds (tests)."""
+    as long as they take. Without, the ``jobs`` left are estimated as :func:`job_estimates` does from
+    the jobs this run finished (an audit by the audits' times once one has finished), and without
+    ``jobs`` the work left is the finished jobs' mean seconds times the jobs left. Paced by each job's
+    own seconds (its record's ``seconds``), not the wall time so far, so the jobs still running when
+    the first ones finish do not inflate it (with ``W`` workers the first finished job holds about
+    ``1 / W`` of the work done by then). ``clock``: seconds (tests)."""
 
     def __init__(
         self,
@@ -285,8 +287,11 @@ class Progress:
         width: int = 24,
         estimates: dict[str, float] | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        jobs: Sequence[Job] | None = None,
     ) -> None:
         self.total, self.done, self.workers, self.log, self.width = total, done, workers, log, width
+        self.left_jobs = None if jobs is None else {job.key: job for job in jobs}
+        self.finished: dict[str, dict[str, Any]] = {}  # this run's timed jobs, as job_estimates reads records
         self.estimates = dict(estimates or {})
         self.estimated = bool(self.estimates)
         self.left_estimate = sum(self.estimates.values())
@@ -305,6 +310,8 @@ class Progress:
         if self.estimated:
             pace = self.busy / self.done_estimate if self.done_estimate > 0 and self.busy > 0 else 1.0
             return self.left_estimate * pace / sharing
+        if self.timed and self.left_jobs:
+            return sum((job_estimates(list(self.left_jobs.values()), self.finished) or {}).values()) / sharing
         if self.timed:
             return self.busy / self.timed * left / sharing
         return elapsed / max(1, self.ran) * left  # elapsed / ran is about per worker
@@ -314,11 +321,14 @@ class Progress:
         self.ran += 1
         estimate = self.estimates.pop(job.key, 0.0)
         self.left_estimate -= estimate
+        if self.left_jobs is not None:
+            self.left_jobs.pop(job.key, None)
         seconds = record.get("seconds")
         if isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds >= 0:
             self.done_estimate += estimate
             self.busy += float(seconds)
             self.timed += 1
+            self.finished[job.key] = {"seconds": float(seconds)}
         elapsed = self.clock() - self.start
         filled = round(self.width * self.done / max(1, self.total))
         line = (

@@ -93,7 +93,7 @@ def _progress(
         )
     )
     estimates = job_estimates(todo, stored) if estimate else None
-    progress = Progress(len(jobs), len(jobs) - len(todo), workers, log, estimates=estimates)
+    progress = Progress(len(jobs), len(jobs) - len(todo), workers, log, estimates=estimates, jobs=todo)
     if estimates:
         left = hours_minutes_seconds(progress.eta(0.0))
         log(f"frontier: about {left} left on {workers} workers at the finished jobs' pace")
