@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import assert_rows_are_their_own_problems
 from torch import nn
 
 from lightning_gp.attacks import (
@@ -387,20 +388,7 @@ def test_the_refined_inverter_s_decoys_refined_side_by_side_each_follow_their_ow
     one_by_one = attack._prior_only_guesses(view, 255)
     assert side_by_side.shape == one_by_one.shape == (5, 1, 1, 28, 28)
     for at in (starts, one_by_one):
-        x = at.detach().clone().requires_grad_(True)
-        with torch.enable_grad():
-            rows = stacked(x)
-            (rows_grad,) = torch.autograd.grad(rows.sum(), [x])
-            singles, single_grads = [], []
-            for objective, xk in zip(alone, at.detach().clone()):
-                xk.requires_grad_(True)
-                value = objective(xk)
-                singles.append(value.detach())
-                single_grads.append(torch.autograd.grad(value, [xk])[0])
-        # float32 sums of ~1e5 terms in another order: relative errors ~1e-6, far inside these bounds
-        torch.testing.assert_close(rows.detach(), torch.stack(singles), rtol=1e-4, atol=0.0)
-        expected = torch.stack(single_grads)
-        torch.testing.assert_close(rows_grad, expected, rtol=1e-3, atol=1e-4 * float(expected.abs().max()))
+        assert_rows_are_their_own_problems(stacked, alone, at)
     unrefined = LearnedInversion._prior_only_guesses(attack, view, 5)
     assert (side_by_side - unrefined).abs().amax(dim=(1, 2, 3, 4)).gt(1e-2).any()  # some refinement was kept
 
