@@ -176,7 +176,7 @@ def audit_rows(before: dict[str, dict], after: dict[str, dict]) -> list[dict]:
     rows = []
     for key in before:
         if key in after and after[key].get("kind") == "audit":
-            spent = [float(records[key].get("seconds") or 0.0) for records in (before, after)]
+            spent = [_seconds(records[key]) for records in (before, after)]
             row = _renamed(compared_row(key, before[key], after[key]))
             rows.append(
                 {**row, "s before": round(spent[0]), "s after": round(spent[1]), "before / after": _ratio(*spent)}
@@ -184,7 +184,7 @@ def audit_rows(before: dict[str, dict], after: dict[str, dict]) -> list[dict]:
     if not rows:
         raise SystemExit("no audit finished in both runs: nothing to compare")
     shared = [k for k in before if k in after]
-    total = [sum(float(records[k].get("seconds") or 0.0) for k in shared) for records in (before, after)]
+    total = [sum(_seconds(records[k]) for k in shared) for records in (before, after)]
     rows.append({**dict.fromkeys(rows[0], ""), "setting": f"all {len(shared)} jobs", "s before": round(total[0]),
                  "s after": round(total[1]), "before / after": _ratio(*total)})  # fmt: skip
     return rows
@@ -194,6 +194,11 @@ def _renamed(row: dict) -> dict:
     """:func:`frontier.compared_row`'s columns named before/after, without its seconds (one clock each)."""
     kept = {k: v for k, v in row.items() if k not in ("s, earlier (wall)", "s, now")}
     return {k.replace("earlier", "before").replace(", now", ", after"): v for k, v in kept.items()}
+
+
+def _seconds(record: dict) -> float:
+    """A job's or a cell's seconds as its revision recorded them (0 where it recorded none)."""
+    return float(record.get("seconds") or 0.0)
 
 
 def _ratio(before: float, after: float) -> str:
@@ -214,12 +219,12 @@ def grid_estimate(before: dict[str, dict], after: dict[str, dict], run: dict[str
     for key in before:
         if key in after:
             pair = sums[_stratum(key)]
-            pair[0] += float(before[key].get("seconds") or 0.0)
-            pair[1] += float(after[key].get("seconds") or 0.0)
+            pair[0] += _seconds(before[key])
+            pair[1] += _seconds(after[key])
     seconds = estimate = 0.0
     unmatched = 0
     for key, record in run.items():
-        spent = float(record.get("seconds") or 0.0)
+        spent = _seconds(record)
         was, now = sums.get(_stratum(key), (0.0, 0.0))
         seconds += spent
         estimate += spent * now / was if was > 0 and now > 0 else spent
@@ -238,7 +243,7 @@ def attack_rows(before: dict[str, dict], after: dict[str, dict]) -> list[dict]:
         for side, record in enumerate((before[key], after[key])):
             for cell in record.get("cells", []):
                 entry = sums[cell["attack"]]
-                entry[side] += float(cell.get("seconds") or 0.0)
+                entry[side] += _seconds(cell)
                 entry[2 + side] += 1
     rows = [
         {"attack": attack, "cells before": int(c0), "cells after": int(c1), "s before": round(s0, 1),

@@ -231,13 +231,10 @@ def test_the_decoys_searched_side_by_side_are_the_decoys_searched_one_by_one(pub
         low = torch.rand(len(rows) * batch, channels, height // scale, width // scale)
         dummies = attack._dummy(views[0], low).reshape(len(rows), batch, channels, height, width)
 
-        def own_match(dummy, view=views[0], y=labels[0]):
+        def own_match(view, y, dummy):
             return squared_l2_distance(parameter_gradients(view.model, view.loss_fn, dummy, y), view.gradients)
 
-        own = [
-            functools.partial(own_match, view=views[r // attack.restarts], y=labels[r // attack.restarts])
-            for r in rows.tolist()
-        ]
+        own = [functools.partial(own_match, views[r // attack.restarts], labels[r // attack.restarts]) for r in rows]
         assert_rows_are_their_own_problems(lambda x, rows=rows, match=match: match(x, rows), own, dummies)
 
 

@@ -291,13 +291,11 @@ class Progress:
     ) -> None:
         self.total, self.done, self.workers, self.log, self.width = total, done, workers, log, width
         self.left_jobs = None if jobs is None else {job.key: job for job in jobs}
-        self.finished: dict[str, dict[str, Any]] = {}  # this run's timed jobs, as job_estimates reads records
+        self.finished: dict[str, dict[str, Any]] = {}  # this run's jobs that gave their seconds, as records
         self.estimates = dict(estimates or {})
         self.estimated = bool(self.estimates)
         self.left_estimate = sum(self.estimates.values())
-        self.done_estimate = 0.0  # the estimates of the finished jobs that report their seconds
-        self.busy = 0.0  # and those jobs' own seconds
-        self.timed = 0
+        self.done_estimate = 0.0  # the estimates of the jobs in ``finished``
         self.clock = clock
         self.start = clock()
         self.ran = 0
@@ -307,13 +305,14 @@ class Progress:
         reported its seconds: a failed one reports none)."""
         left = self.total - self.done
         sharing = max(1, min(self.workers, left))
+        busy = sum(record["seconds"] for record in self.finished.values())
         if self.estimated:
-            pace = self.busy / self.done_estimate if self.done_estimate > 0 and self.busy > 0 else 1.0
+            pace = busy / self.done_estimate if self.done_estimate > 0 and busy > 0 else 1.0
             return self.left_estimate * pace / sharing
-        if self.timed and self.left_jobs:
+        if self.finished and self.left_jobs:
             return sum((job_estimates(list(self.left_jobs.values()), self.finished) or {}).values()) / sharing
-        if self.timed:
-            return self.busy / self.timed * left / sharing
+        if self.finished:
+            return busy / len(self.finished) * left / sharing
         return elapsed / max(1, self.ran) * left  # elapsed / ran is about per worker
 
     def update(self, job: Job, record: dict[str, Any]) -> str:
@@ -326,8 +325,6 @@ class Progress:
         seconds = record.get("seconds")
         if isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds >= 0:
             self.done_estimate += estimate
-            self.busy += float(seconds)
-            self.timed += 1
             self.finished[job.key] = {"seconds": float(seconds)}
         elapsed = self.clock() - self.start
         filled = round(self.width * self.done / max(1, self.total))
