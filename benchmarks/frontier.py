@@ -44,6 +44,7 @@ from lightning_gp.frontier.run import (
     frontier_jobs,
     hours_minutes_seconds,
 )
+from lightning_gp.frontier.workers import keep_freed_memory
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -353,6 +354,7 @@ def main() -> None:
         compared_with(config, args.output_dir, name, args.compare)
         return
     title = f"Privacy-utility frontier ({'quick, ' if args.quick else ''}{data})"
+    keep_freed_memory()  # this command's process runs the jobs itself with one worker
     start = time.perf_counter()
     result = frontier(
         config,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_gp.frontier.workers import EXIT_SIGNALS, PARENT_POLL_SECONDS, worker_pool
+from lightning_gp.frontier.workers import EXIT_SIGNALS, PARENT_POLL_SECONDS, keep_freed_memory, worker_pool
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -171,3 +171,67 @@ def test_terminating_the_pool_kills_a_worker_that_ignores_sigterm() -> None:
     finally:
         if _alive(worker):
             os.kill(worker, signal.SIGKILL)
+
+
+BLOCK_BYTES = 64 * 2**20  # above glibc's largest dynamic mmap threshold (32 MiB): mapped afresh by default
+PAGE_BYTES = 4096
+STEPS, SETTLED = 20, 5
+
+# measured in a fresh process (a plain one, or a pool's worker) from this source
+REUSED_BLOCK = textwrap.dedent(
+    f"""
+    import resource, torch
+
+    def faults_of_a_reused_block():
+        # a step writes a fresh block of BLOCK_BYTES and frees it; the minor page faults of the last
+        # SETTLED of STEPS steps (a heap that keeps freed memory needs a few steps before blocks fit)
+        faults = []
+        for _ in range({STEPS}):
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            torch.empty({BLOCK_BYTES} // 4).fill_(1.0)
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        return sum(faults[-{SETTLED}:])
+    """
+)
+
+
+def _call_from_source(source: str, name: str) -> object:
+    scope: dict = {}
+    exec(source, scope)
+    return scope[name]()
+
+
+_GLIBC_SET = any(name.startswith("MALLOC_") or name == "GLIBC_TUNABLES" for name in os.environ)
+
+
+# 5-8 s (a spawned worker starts and imports the package, beside a plain process)
+@pytest.mark.skipif(not sys.platform.startswith("linux") or _GLIBC_SET, reason="glibc's malloc as it comes")
+def test_a_worker_reuses_the_memory_it_frees_where_a_plain_process_faults_it_in_again() -> None:
+    pages = SETTLED * BLOCK_BYTES // PAGE_BYTES
+    script = REUSED_BLOCK + "print(faults_of_a_reused_block())"
+    plain = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with worker_pool(1) as pool:
+        faults = pool.submit(_call_from_source, REUSED_BLOCK, "faults_of_a_reused_block").result()
+    out, err = plain.communicate()
+    assert plain.returncode == 0, err
+    assert int(out) > 0.9 * pages  # the control: glibc maps every block afresh, a fault per page
+    assert faults < 0.01 * pages, f"a worker faulted in {faults} of its last {SETTLED} blocks' {pages} pages"
+
+
+@pytest.mark.parametrize(
+    "variable", ["MALLOC_TRIM_THRESHOLD_=67108864", "GLIBC_TUNABLES=glibc.malloc.mmap_threshold=33554432"]
+)
+def test_keep_freed_memory_leaves_glibc_settings_from_the_environment_alone(
+    variable: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    name, value = variable.split("=", 1)
+    monkeypatch.setenv(name, value)
+    assert keep_freed_memory() is False
+
+
+@pytest.mark.parametrize("bad", [-1, 2**31, 1.5, True, "64"])
+def test_keep_freed_memory_names_a_threshold_that_is_not_a_byte_count(bad: object) -> None:
+    with pytest.raises(ValueError, match="mmap_threshold must be a number of bytes"):
+        keep_freed_memory(mmap_threshold=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="trim_threshold must be a number of bytes"):
+        keep_freed_memory(trim_threshold=bad)  # type: ignore[arg-type]

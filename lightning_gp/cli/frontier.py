@@ -28,6 +28,7 @@ from lightning_gp.frontier.grid import (
 )
 from lightning_gp.frontier.run import frontier_jobs
 from lightning_gp.frontier.sweep import frontier
+from lightning_gp.frontier.workers import keep_freed_memory
 
 USAGE = "lightning-gp frontier --config configs/frontier_quick.yaml [--output_dir DIR] [--workers N]"
 EXAMPLES = (
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
         for job in jobs:
             print(f"  {job.kind:5s} {job.describe()}")
         return
+    keep_freed_memory()  # this command's process runs the jobs itself with one worker
     result = frontier(
         config,
         Path(namespace.output_dir),

@@ -12,12 +12,20 @@ signal)`` in the parent, where they would otherwise kill it outright: the block 
 exception, so the workers end at once and the interpreter exits as usual, its multiprocessing
 semaphores released (a parent killed outright left them for the resource tracker, which warned of
 "leaked semaphore objects").
+
+A worker also keeps the memory it frees for its next allocations (:func:`keep_freed_memory`, on
+glibc): by default glibc's malloc maps every block above a threshold of at most 32 MiB afresh and
+returns the top of its heap to the system after each large free, so a job whose steps allocate and
+free large transient tensors (Soteria's forward-mode Jacobian of a batch: about 60 MiB a layer;
+book-keeping's per-example gradients) pays a page fault for every 4 KiB of them at every step.
 """
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
+import platform
 import signal
 import sys
 import threading
@@ -28,6 +36,12 @@ from typing import Any
 
 #: Seconds between a worker's checks that its parent is alive.
 PARENT_POLL_SECONDS = 1.0
+
+#: glibc malloc in a worker (bytes): blocks up to ``WORKER_MMAP_THRESHOLD`` come from the heap, which
+#: keeps up to ``WORKER_TRIM_THRESHOLD`` of freed memory at its top instead of returning it to the system.
+WORKER_MMAP_THRESHOLD = 256 * 2**20
+WORKER_TRIM_THRESHOLD = 512 * 2**20
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (glibc's malloc.h)
 
 #: Signals that end a parent holding a pool by ``SystemExit`` (where their handler is the default).
 EXIT_SIGNALS: tuple[signal.Signals, ...] = tuple(
@@ -93,13 +107,42 @@ def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
 def worker_pool(workers: int) -> WorkerPool:
     """``workers`` spawned processes (a fresh interpreter each: no forked torch threads or CUDA
     state) that exit within :data:`PARENT_POLL_SECONDS` of the process that made them dying, and
-    at once when the ``with`` block holding the pool is left by an exception."""
+    at once when the ``with`` block holding the pool is left by an exception; each keeps the memory it
+    frees (:func:`start_worker`)."""
     return WorkerPool(
         max_workers=workers,
         mp_context=multiprocessing.get_context("spawn"),
-        initializer=exit_with_parent,
+        initializer=start_worker,
         initargs=(os.getpid(),),
     )
+
+
+def start_worker(parent: int) -> None:
+    """A pool worker's set-up: it ends with ``parent`` (:func:`exit_with_parent`) and keeps the memory it
+    frees (:func:`keep_freed_memory`)."""
+    exit_with_parent(parent)
+    keep_freed_memory()
+
+
+def keep_freed_memory(mmap_threshold: int = WORKER_MMAP_THRESHOLD, trim_threshold: int = WORKER_TRIM_THRESHOLD) -> bool:
+    """Make glibc's malloc in this process serve blocks up to ``mmap_threshold`` bytes from its heap and
+    keep up to ``trim_threshold`` bytes of freed memory at the heap's top (``mallopt``): a process that
+    allocates and frees the same large transient tensors step after step then reuses their pages
+    instead of faulting fresh ones in (the module docstring). The process may hold that much more
+    memory than it uses. Returns whether the settings were made: not off glibc, and not where the
+    environment already sets glibc's thresholds (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``
+    or ``GLIBC_TUNABLES``), which are left as the user set them."""
+    for value, name in ((mmap_threshold, "mmap_threshold"), (trim_threshold, "trim_threshold")):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**31:
+            raise ValueError(f"{name} must be a number of bytes in [0, 2**31), got {value!r}")
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if platform.libc_ver()[0] != "glibc" or any(
+        os.environ.get(f"MALLOC_{name.upper()}_") is not None or f"glibc.malloc.{name}" in tunables
+        for name in ("mmap_threshold", "trim_threshold")
+    ):
+        return False
+    libc = ctypes.CDLL(None)
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold) and libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold))
 
 
 def exit_with_parent(parent: int) -> None:
