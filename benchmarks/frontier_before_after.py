@@ -45,6 +45,7 @@ BEFORE = "8eff6b0"
 #: What a revision needs to run its frontier: the package (with its shipped checkpoints), the scripts, the configs.
 EXPORTED = ("lightning_gp", "benchmarks", "configs")
 WAYS = ("before", "after")
+NAME = "frontier_before_after"  # the results files' default name
 
 
 def export(revision: str, into: Path) -> Path:
@@ -301,7 +302,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--report-only", action="store_true", help="rewrite the tables from --scratch; run nothing")
     parser.add_argument("--estimate", type=Path, default=None, help="a stored run's points file to scale by the ratios")
-    parser.add_argument("--name", default="frontier_before_after")
+    parser.add_argument("--name", default=NAME)
     parser.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
     return parser
 
@@ -311,7 +312,8 @@ def _preamble(args: argparse.Namespace, revisions: dict[str, str], cpu: dict[str
         f"`python benchmarks/frontier_before_after.py --points {' '.join(repr(p) for p in args.points)} "
         f"--batch-sizes {' '.join(map(str, args.batch_sizes))} --stages {' '.join(map(str, args.stages))} "
         f"--before {revisions['before']} --after {revisions['after']}"
-        + (f" --estimate {args.estimate}`" if args.estimate is not None else "`")
+        + (f" --estimate {args.estimate}" if args.estimate is not None else "")
+        + (f" --name {args.name}`" if args.name != NAME else "`")
     )
     return (
         f"The published frontier's jobs (`configs/frontier.yaml` of each revision: its budget, attacks, learned "
