@@ -71,6 +71,7 @@ from lightning_gp.data import FashionMNISTSampleDataModule
 from lightning_gp.defenses import gradient_sensitivity
 from lightning_gp.defenses.base import share_in_process
 from lightning_gp.dp_sgd import BookKeeping
+from lightning_gp.frontier.workers import keep_freed_memory
 from lightning_gp.models import ConvNet, LeNetZhu, ResNet18
 from lightning_gp.pipeline import ClientSetup, StageCall
 
@@ -469,30 +470,17 @@ def _dp_sgd_steps(model: nn.Module, batches: list, clip: float, sigma: float) ->
     return steps
 
 
-def keep_freed_memory() -> bool:
-    """Make glibc's malloc keep freed memory (``mallopt``: mmap above 32 MiB only, trim the heap above 64
-    MiB only), as jemalloc and tcmalloc do; ``False`` where the C library is not glibc."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
-        return bool(libc.mallopt(m_mmap_threshold, 32 << 20) and libc.mallopt(m_trim_threshold, 64 << 20))
-    except (OSError, AttributeError):
-        return False
-
-
 def dp_sgd_rows(repeats: int, quick: bool) -> list[dict]:
     """Issue 48's cost: each DP-SGD mode's step over the plain step, one thread, interleaved blocks; first
-    with glibc's malloc as it comes, then with freed memory kept (:func:`keep_freed_memory`)."""
+    with glibc's malloc as it comes, then with freed memory kept (``keep_freed_memory``: mmap above 32 MiB
+    only, trim the heap above 64 MiB only, as jemalloc and tcmalloc do)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     rows = []
     try:
         for allocator in ("glibc default", "freed memory kept"):
-            if allocator != "glibc default" and not keep_freed_memory():
-                print("dp_sgd: not glibc, no second allocator setting", flush=True)
+            if allocator != "glibc default" and not keep_freed_memory(32 << 20, 64 << 20):
+                print("dp_sgd: no second allocator setting (not glibc, or glibc's set in the environment)", flush=True)
                 break
             rows += _dp_sgd_allocator_rows(allocator, repeats, quick)
     finally:
