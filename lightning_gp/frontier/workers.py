@@ -16,8 +16,8 @@ semaphores released (a parent killed outright left them for the resource tracker
 A worker also keeps the memory it frees for its next allocations (:func:`keep_freed_memory`, on
 glibc): by default glibc's malloc maps every block above a threshold of at most 32 MiB afresh and
 returns the top of its heap to the system after each large free, so a job whose steps allocate and
-free large transient tensors (Soteria's forward-mode Jacobian of a batch: about 60 MiB a layer;
-book-keeping's per-example gradients) pays a page fault for every 4 KiB of them at every step.
+free large transient tensors (Soteria's forward-mode Jacobian of a batch: about 60 MiB a layer) pays
+a page fault for every 4 KiB of them at every step.
 """
 
 from __future__ import annotations
@@ -129,7 +129,8 @@ def keep_freed_memory(mmap_threshold: int = WORKER_MMAP_THRESHOLD, trim_threshol
     keep up to ``trim_threshold`` bytes of freed memory at the heap's top (``mallopt``): a process that
     allocates and frees the same large transient tensors step after step then reuses their pages
     instead of faulting fresh ones in (the module docstring). The process may hold that much more
-    memory than it uses. Returns whether the settings were made: not off glibc, and not where the
+    memory than it uses, and a few freed blocks besides (an aligned block leaves a hole slightly smaller
+    than the next request of its size, so the heap grows by some before freed blocks fit). Returns whether the settings were made: not off glibc, and not where the
     environment already sets glibc's thresholds (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``
     or ``GLIBC_TUNABLES``), which are left as the user set them."""
     for value, name in ((mmap_threshold, "mmap_threshold"), (trim_threshold, "trim_threshold")):
