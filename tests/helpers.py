@@ -265,6 +265,6 @@ def assert_rows_are_their_own_problems(
             value = objective(point)
             singles.append(value.detach())
             single_grads.append(torch.autograd.grad(value, [point])[0])
-    torch.testing.assert_close(values.detach(), torch.stack(singles), rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(values.detach(), torch.stack(singles), rtol=1e-4, atol=0.0)
     expected = torch.stack(single_grads)
     torch.testing.assert_close(grads, expected, rtol=1e-3, atol=1e-4 * float(expected.abs().max()))
